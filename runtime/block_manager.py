@@ -1,0 +1,291 @@
+"""Paged KV-cache bookkeeping: which block holds which tokens, with prefix reuse.
+
+Pure Python, no tensors. A sequence owns a block table (block ids, one per
+``block_size`` tokens). Full blocks are keyed by a chained content hash so a new
+sequence with the same token prefix reuses their KV instead of recomputing it.
+Blocks nobody references but whose hash is known stay cached (LRU) until a new
+block is needed and the free list is empty.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+
+class OutOfBlocks(RuntimeError):
+    """No free or evictable KV block is left for a request."""
+
+
+@dataclass
+class BlockStats:
+    """Block counts; ``reuse_hits`` is the cumulative number of blocks served from the prefix cache."""
+
+    num_blocks: int
+    free: int
+    cached: int
+    in_use: int
+    reuse_hits: int
+
+
+@dataclass
+class _Block:
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+@dataclass
+class _Sequence:
+    token_ids: list[int]
+    block_table: list[int]
+    hashes: list[bytes]  # chained hash of each full block, registered or not
+
+
+def _chain_hash(prev: bytes, token_ids: list[int]) -> bytes:
+    """blake2b of the previous block's hash followed by this block's token ids."""
+    h = hashlib.blake2b(prev, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences, with prefix caching and copy-on-write."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must both be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed blocks, oldest first
+        self._hash_to_block: dict[bytes, int] = {}
+        self._seqs: dict[int, _Sequence] = {}
+        self._reuse_hits = 0
+
+    # -- sequences ---------------------------------------------------------
+
+    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
+        """Create a sequence holding ``token_ids``; return how many leading tokens already have cached KV."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        if not token_ids:
+            raise ValueError(f"sequence {seq_id}: token_ids is empty")
+        token_ids = list(token_ids)
+        bs = self.block_size
+        hashes = self._full_block_hashes(b"", token_ids, 0)
+        hits: list[int] = []
+        for h in hashes[: (len(token_ids) - 1) // bs]:  # always leave >= 1 token to compute
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        num_new = _cdiv(len(token_ids), bs) - len(hits)
+        available = self.num_free_blocks() - sum(self._blocks[b].ref_count == 0 for b in hits)
+        self._check_available(num_new, available)
+        for block_id in hits:
+            self._acquire(block_id)
+        table = hits + [self._take_block() for _ in range(num_new)]
+        for i in range(len(hits), len(hashes)):
+            self._register(table[i], hashes[i])
+        self._reuse_hits += len(hits)
+        self._seqs[seq_id] = _Sequence(token_ids, table, hashes)
+        return len(hits) * bs
+
+    def append(self, seq_id: int, token_ids: list[int]) -> list[tuple[int, int]]:
+        """Extend a sequence; return the (src, dst) block copies to perform before writing the new tokens."""
+        seq = self._seq(seq_id)
+        if not token_ids:
+            return []
+        self._check_available(self.blocks_needed(seq_id, len(token_ids)), self.num_free_blocks())
+        bs = self.block_size
+        copies: list[tuple[int, int]] = []
+        if len(seq.token_ids) % bs:  # the last block is partial and will be written
+            last = seq.block_table[-1]
+            if self._blocks[last].ref_count > 1:
+                dst = self._take_block()
+                self._release(last)
+                seq.block_table[-1] = dst
+                copies.append((last, dst))
+            elif self._blocks[last].hash is not None:
+                self._unregister(last)
+        seq.token_ids.extend(token_ids)
+        while len(seq.block_table) < _cdiv(len(seq.token_ids), bs):
+            seq.block_table.append(self._take_block())
+        prev = seq.hashes[-1] if seq.hashes else b""
+        new_hashes = self._full_block_hashes(prev, seq.token_ids, len(seq.hashes))
+        for i, h in enumerate(new_hashes, start=len(seq.hashes)):
+            self._register(seq.block_table[i], h)
+        seq.hashes.extend(new_hashes)
+        return copies
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Create ``child_id`` sharing all of the parent's blocks and tokens."""
+        parent = self._seq(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id} already exists")
+        for block_id in parent.block_table:
+            self._acquire(block_id)
+        self._seqs[child_id] = _Sequence(list(parent.token_ids), list(parent.block_table), list(parent.hashes))
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` tokens of a sequence, releasing whole blocks past the end."""
+        seq = self._seq(seq_id)
+        if not 0 < num_tokens <= len(seq.token_ids):
+            raise ValueError(f"sequence {seq_id}: cannot truncate {len(seq.token_ids)} tokens to {num_tokens}")
+        keep = _cdiv(num_tokens, self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+        del seq.token_ids[num_tokens:]
+        del seq.hashes[num_tokens // self.block_size :]
+        last = self._blocks[seq.block_table[-1]]
+        if num_tokens % self.block_size and last.ref_count == 1 and last.hash is not None:
+            self._unregister(seq.block_table[-1])
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence; its hashed blocks stay cached until evicted."""
+        seq = self._seq(seq_id)
+        for block_id in reversed(seq.block_table):  # tail first, so prefixes are evicted last
+            self._release(block_id)
+        del self._seqs[seq_id]
+
+    # -- queries -----------------------------------------------------------
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's block ids, one per ``block_size`` tokens."""
+        return list(self._seq(seq_id).block_table)
+
+    def num_tokens(self, seq_id: int) -> int:
+        """How many tokens the sequence holds."""
+        return len(self._seq(seq_id).token_ids)
+
+    def token_ids(self, seq_id: int) -> list[int]:
+        """The sequence's tokens."""
+        return list(self._seq(seq_id).token_ids)
+
+    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Flat KV slot (``block * block_size + offset``) of each token position in ``[start, end)``."""
+        seq = self._seq(seq_id)
+        if not 0 <= start <= end <= len(seq.token_ids):
+            raise ValueError(f"sequence {seq_id}: positions [{start}, {end}) outside [0, {len(seq.token_ids)})")
+        bs = self.block_size
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def num_free_blocks(self) -> int:
+        """Blocks available for new tokens: free plus evictable cached ones."""
+        return len(self._free) + len(self._lru)
+
+    def blocks_needed(self, seq_id: int | None, num_new_tokens: int) -> int:
+        """Worst-case new blocks for an allocate (``seq_id`` None) or an append, ignoring prefix reuse."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if seq_id is None:
+            return _cdiv(num_new_tokens, self.block_size)
+        seq = self._seq(seq_id)
+        n = len(seq.token_ids)
+        if num_new_tokens == 0:
+            return 0
+        cow = n % self.block_size != 0 and self._blocks[seq.block_table[-1]].ref_count > 1
+        return int(cow) + _cdiv(n + num_new_tokens, self.block_size) - _cdiv(n, self.block_size)
+
+    def stats(self) -> BlockStats:
+        """Current block counts."""
+        in_use = sum(b.ref_count > 0 for b in self._blocks)
+        return BlockStats(self.num_blocks, len(self._free), len(self._lru), in_use, self._reuse_hits)
+
+    def has_sequence(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` is allocated."""
+        return seq_id in self._seqs
+
+    def check_invariants(self) -> None:
+        """Assert the internal bookkeeping is consistent (for tests and debugging)."""
+        refs = [0] * self.num_blocks
+        for seq in self._seqs.values():
+            assert len(seq.block_table) == _cdiv(len(seq.token_ids), self.block_size)
+            assert len(seq.hashes) == len(seq.token_ids) // self.block_size
+            assert len(set(seq.block_table)) == len(seq.block_table)
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        free, cached = set(self._free), set(self._lru)
+        assert len(free) == len(self._free) and not free & cached
+        for block_id, block in enumerate(self._blocks):
+            assert block.ref_count == refs[block_id], f"block {block_id}: ref {block.ref_count} != {refs[block_id]}"
+            if block_id in free:
+                assert block.ref_count == 0 and block.hash is None, f"free block {block_id} is referenced or hashed"
+            elif block_id in cached:
+                assert block.ref_count == 0 and block.hash is not None, f"cached block {block_id} is in use or unhashed"
+            else:
+                assert block.ref_count > 0, f"block {block_id} is leaked"
+            if block.hash is not None:
+                assert self._hash_to_block.get(block.hash) == block_id
+        for h, block_id in self._hash_to_block.items():
+            assert self._blocks[block_id].hash == h
+
+    # -- internals ---------------------------------------------------------
+
+    def _seq(self, seq_id: int) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq_id}") from None
+
+    def _full_block_hashes(self, prev: bytes, token_ids: list[int], first: int) -> list[bytes]:
+        """Chained hashes of full blocks ``first``, ``first + 1``, ...; ``prev`` is the hash of block ``first - 1``."""
+        bs, hashes = self.block_size, []
+        for i in range(first, len(token_ids) // bs):
+            prev = _chain_hash(prev, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(prev)
+        return hashes
+
+    def _check_available(self, needed: int, available: int) -> None:
+        if needed > available:
+            raise OutOfBlocks(
+                f"need {needed} KV blocks but only {available} of {self.num_blocks} are free or evictable; "
+                f"raise the KV cache budget (more blocks) or use shorter or fewer sequences"
+            )
+
+    def _take_block(self) -> int:
+        """A fresh unreferenced, unhashed block with refcount 1: free list first, else evict the LRU cached one."""
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._lru.popitem(last=False)
+            self._unregister(block_id)
+        block = self._blocks[block_id]
+        assert block.ref_count == 0 and block.hash is None
+        block.ref_count = 1
+        return block_id
+
+    def _acquire(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._lru[block_id]
+        block.ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} released twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self._lru[block_id] = None
+            else:
+                self._free.append(block_id)
+
+    def _register(self, block_id: int, h: bytes) -> None:
+        """Key a just-filled block by its hash, unless another block already holds that content."""
+        assert self._blocks[block_id].hash is None
+        if h not in self._hash_to_block:
+            self._hash_to_block[h] = block_id
+            self._blocks[block_id].hash = h
+
+    def _unregister(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        del self._hash_to_block[block.hash]
+        block.hash = None

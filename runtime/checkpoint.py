@@ -1,0 +1,144 @@
+"""The TensorRT-LLM checkpoint format: config keys, weight names, load and save.
+
+A checkpoint is a folder with ``config.json`` and ``rank0.safetensors``; the
+names and keys match what ``trtllm-build`` reads (see DESIGN.md).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "rank0.safetensors"
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or a model being imported) is unusable; the message says why and what to do."""
+
+
+@dataclass
+class ModelConfig:
+    """The TensorRT-LLM ``config.json`` of a decoder-only Llama-family model."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_size: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rotary_base: float = 10000.0
+    rotary_scaling: dict | None = None
+    norm_epsilon: float = 1e-5
+    hidden_act: str = "silu"
+    dtype: str = "float16"
+    position_embedding_type: str = "rope_gpt_neox"
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    mapping: dict = field(default_factory=lambda: {"world_size": 1, "tp_size": 1, "pp_size": 1})
+    quantization: dict = field(default_factory=lambda: {"quant_algo": None, "kv_cache_quant_algo": None})
+
+    @property
+    def kv_channels(self) -> int:
+        """Channels of K (or V) per token per layer: kv heads x head size."""
+        return self.num_key_value_heads * self.head_size
+
+    def to_dict(self) -> dict:
+        """The JSON form, as written to ``config.json``."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> "ModelConfig":
+        """Parse a ``config.json`` dict; unknown keys are ignored, missing ones are an error."""
+        arch = data.get("architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(
+                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [k for k in required if k not in kwargs]
+        if missing:
+            raise CheckpointError(f"{source}: missing config keys {missing}; re-run cabin-build to regenerate it")
+        return cls(**kwargs)
+
+
+def layer_prefix(layer: int) -> str:
+    """Name prefix of one decoder layer's tensors."""
+    return f"transformer.layers.{layer}"
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the checkpoint must hold, with its shape (linear weights are (out, in))."""
+    h, inter = config.hidden_size, config.intermediate_size
+    q_out = config.num_attention_heads * config.head_size
+    qkv_out = q_out + 2 * config.kv_channels
+    shapes: dict[str, tuple[int, ...]] = {
+        "transformer.vocab_embedding.weight": (config.vocab_size, h),
+        "transformer.ln_f.weight": (h,),
+        "lm_head.weight": (config.vocab_size, h),
+    }
+    for layer in range(config.num_hidden_layers):
+        p = layer_prefix(layer)
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.attention.qkv.weight"] = (qkv_out, h)
+        shapes[f"{p}.attention.dense.weight"] = (h, q_out)
+        shapes[f"{p}.post_layernorm.weight"] = (h,)
+        shapes[f"{p}.mlp.fc.weight"] = (inter, h)
+        shapes[f"{p}.mlp.gate.weight"] = (inter, h)
+        shapes[f"{p}.mlp.proj.weight"] = (h, inter)
+        if config.qkv_bias:
+            shapes[f"{p}.attention.qkv.bias"] = (qkv_out,)
+        if config.quantization.get("kv_cache_quant_algo"):
+            shapes[f"{p}.attention.kv_cache_scaling_factor"] = (1,)
+    return shapes
+
+
+def validate_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Raise CheckpointError naming the first missing or misshapen tensor."""
+    for name, shape in expected_shapes(config).items():
+        if name not in weights:
+            raise CheckpointError(f"{source}: tensor {name} is missing; the checkpoint is incomplete, rebuild it")
+        actual = tuple(weights[name].shape)
+        if actual != shape:
+            raise CheckpointError(f"{source}: tensor {name} has shape {list(actual)}, expected {list(shape)}")
+
+
+def load_checkpoint(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read and validate a TensorRT-LLM checkpoint folder."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise CheckpointError(f"{path}: not found; point to a folder made by cabin-build")
+    try:
+        config = ModelConfig.from_dict(json.loads(config_path.read_text(encoding="utf-8")), str(config_path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config_path}: not valid JSON ({err}); rebuild the checkpoint") from err
+    try:
+        weights = load_file(str(weights_path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{weights_path}: unreadable safetensors file ({err}); it may be truncated, rebuild it") from err
+    validate_weights(config, weights, str(weights_path))
+    return config, weights
+
+
+def save_checkpoint(folder: str | Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Write ``config.json`` and ``rank0.safetensors`` into an existing (temporary) folder."""
+    from safetensors.torch import save_file
+
+    validate_weights(config, weights, str(folder))
+    folder = Path(folder)
+    (folder / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2), encoding="utf-8")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / WEIGHTS_FILE))
+    (folder / WEIGHTS_FILE).chmod(0o644)  # readable by the runtime's user on the board

@@ -1,0 +1,124 @@
+"""``cabin-chat``: talk to an engine, interactively or from a scripted dialogue."""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+from runtime.chat_script import ScriptError, read_script
+from runtime.checkpoint import CheckpointError
+from runtime.engine import DEFAULT_TOKENS_PER_BLOCK, Engine
+from runtime.kv_cache import KV_MODES
+from runtime.kv_scales import ScalesError
+from runtime.sampling import SamplingParams
+from runtime.session import DialogueSession, TurnStats
+
+HELP_COMMANDS = "commands: /reset (new conversation), /stats (KV memory), /quit; Ctrl-C stops a reply"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options of cabin-chat."""
+    parser = argparse.ArgumentParser(prog="cabin-chat", description="Chat with a CabinLLM engine on a paged KV cache.")
+    parser.add_argument("--engine", required=True, type=Path, help="engine folder written by cabin-build")
+    parser.add_argument("--script", type=Path, help="JSONL dialogue: optional first system line, then user lines")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per turn")
+    parser.add_argument("--system", help="system prompt (a script's system line wins)")
+    parser.add_argument("--kv-cache", choices=KV_MODES, help="KV storage (default: what the engine was built for); "
+                        "static int8 modes use the engine's kv_scales.json")
+    parser.add_argument("--kv-budget-mb", type=float, default=64.0, help="KV cache budget in MiB (default 64)")
+    parser.add_argument("--tokens-per-block", type=int, default=DEFAULT_TOKENS_PER_BLOCK, help="tokens per KV block")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="longest reply in tokens (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    return parser.parse_args(argv)
+
+
+def open_session(args: argparse.Namespace, system: str | None) -> DialogueSession:
+    """Load the engine and start a session with the requested cache and sampling."""
+    engine = Engine.load(args.engine)
+    cache = engine.new_cache(args.kv_cache, int(args.kv_budget_mb * (1 << 20)), args.tokens_per_block)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop_token_ids=engine.stop_token_ids())
+    return DialogueSession(engine, cache, params, system)
+
+
+def format_stats(stats: TurnStats) -> str:
+    """One human line of a turn's cost."""
+    return (f"[{stats.finish_reason}] prefill {stats.prefill_tokens} tok, reused {stats.reused_tokens} tok, "
+            f"TTFT {stats.ttft_s * 1000:.0f} ms, {stats.decode_tok_s:.1f} tok/s, "
+            f"KV {stats.kv_mode} {stats.kv_bytes_used / 2**20:.2f}/{stats.kv_bytes_budget / 2**20:.2f} MiB "
+            f"({stats.kv_bytes_per_token} B/token)")
+
+
+def run_script(session: DialogueSession, turns: list[str], as_json: bool) -> None:
+    """Play user turns from a script and print each reply."""
+    for text in turns:
+        stats = session.chat(text)
+        if as_json:
+            print(json.dumps(stats.to_dict(), ensure_ascii=False), flush=True)
+        else:
+            print(f"user> {text}\nassistant> {stats.reply}\n  {format_stats(stats)}", flush=True)
+            if stats.error:
+                print(f"  error: {stats.error}", flush=True)
+
+
+def run_interactive(session: DialogueSession) -> None:
+    """A terminal chat with streaming replies."""
+    print(f"cabin-chat on {session.engine.folder} ({session.cache.mode} KV). {HELP_COMMANDS}")
+    interrupted = {"flag": False}
+
+    def on_sigint(signum, frame):
+        interrupted["flag"] = True
+
+    while True:
+        try:
+            text = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if text in ("/quit", "/exit"):
+            return
+        if text == "/reset":
+            session.reset()
+            print("(conversation reset)")
+            continue
+        if text == "/stats":
+            print(session.cache.stats())
+            continue
+        if not text:
+            continue
+        interrupted["flag"] = False
+        previous = signal.signal(signal.SIGINT, on_sigint)
+        print("assistant> ", end="", flush=True)
+        try:
+            stats = session.chat(text, on_text=lambda piece: print(piece, end="", flush=True),
+                                 should_stop=lambda: interrupted["flag"])
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        print(f"\n  {format_stats(stats)}")
+        if stats.error:
+            print(f"  error: {stats.error}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = parse_args(argv)
+    try:
+        system, turns = read_script(args.script) if args.script else (args.system, [])
+        session = open_session(args, system or args.system)
+    except (CheckpointError, ScalesError, ScriptError, ValueError) as err:
+        print(f"cabin-chat: error: {err}", file=sys.stderr)
+        return 2
+    if args.script:
+        run_script(session, turns, args.json)
+    else:
+        run_interactive(session)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

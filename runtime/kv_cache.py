@@ -1,0 +1,175 @@
+"""The paged KV cache: a block pool preallocated from a byte budget, in one storage mode.
+
+Storage modes:
+- ``fp32``: exact reference; ``fp16``: half precision;
+- ``int8``: one static scale per layer shared by K and V (TensorRT-LLM's format);
+- ``int8-separate``: static per-layer scales, one for K and one for V;
+- ``int8-dynamic``: one fp16 scale per token and KV head, stored beside the block.
+
+Tensors are laid out ``(layers, blocks, tokens_per_block, kv_heads, head_size)``;
+the block manager decides which block each token goes to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.block_manager import BlockManager
+from runtime.kv_quant import dequantize_per_token, quantize_per_token, quantize_static
+
+KV_MODES = ("fp32", "fp16", "int8", "int8-separate", "int8-dynamic")
+STATIC_INT8_MODES = ("int8", "int8-separate")
+_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "int8": 1, "int8-separate": 1, "int8-dynamic": 1}
+_SCALE_BYTES = 2  # fp16 scale per token and KV head, for K and for V, in int8-dynamic
+
+
+@dataclass
+class KVScales:
+    """Static INT8 scales (amax / 127), one per layer for K and one for V."""
+
+    k: list[float]
+    v: list[float]
+
+    def shared(self) -> list[float]:
+        """One scale per layer for K and V together, as TensorRT-LLM stores it."""
+        return [max(k, v) for k, v in zip(self.k, self.v)]
+
+
+@dataclass
+class KVLayout:
+    """Shape of the KV cache of one model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+
+    def bytes_per_token(self, mode: str) -> int:
+        """Bytes one token takes in the cache, all layers, K and V, scales included."""
+        if mode not in KV_MODES:
+            raise ValueError(f"unknown KV cache mode {mode!r}; choose one of {', '.join(KV_MODES)}")
+        per_layer = 2 * self.num_kv_heads * self.head_size * _ELEMENT_BYTES[mode]
+        if mode == "int8-dynamic":
+            per_layer += 2 * self.num_kv_heads * _SCALE_BYTES
+        return per_layer * self.num_layers
+
+
+@dataclass
+class CacheStats:
+    """Memory and block counters of the cache."""
+
+    mode: str
+    bytes_per_token: int
+    bytes_reserved: int
+    bytes_used: int
+    tokens_capacity: int
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int
+    blocks_in_use: int
+    reuse_hits: int
+
+
+class PagedKVCache:
+    """Block pool plus block tables; writes and reads K/V of one sequence at a time."""
+
+    def __init__(self, layout: KVLayout, mode: str, max_bytes: int, tokens_per_block: int = 32,
+                 scales: KVScales | None = None) -> None:
+        self.layout, self.mode, self.tokens_per_block = layout, mode, tokens_per_block
+        bytes_per_block = layout.bytes_per_token(mode) * tokens_per_block
+        num_blocks = max_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV budget of {max_bytes} bytes holds no block of {tokens_per_block} tokens "
+                f"({bytes_per_block} bytes in {mode}); raise the budget to at least {bytes_per_block} bytes"
+            )
+        if mode in STATIC_INT8_MODES:
+            if scales is None or len(scales.k) != layout.num_layers:
+                raise ValueError(f"KV mode {mode} needs static scales for all {layout.num_layers} layers")
+            k, v = (scales.shared(), scales.shared()) if mode == "int8" else (scales.k, scales.v)
+            self.k_scale, self.v_scale = torch.tensor(k), torch.tensor(v)
+        self.blocks = BlockManager(num_blocks, tokens_per_block)
+        self.bytes_per_block = bytes_per_block
+        shape = (layout.num_layers, num_blocks, tokens_per_block, layout.num_kv_heads, layout.head_size)
+        dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(mode, torch.int8)
+        self.k_data = torch.zeros(shape, dtype=dtype)
+        self.v_data = torch.zeros(shape, dtype=dtype)
+        if mode == "int8-dynamic":
+            self.k_sdata = torch.zeros(shape[:-1], dtype=torch.float16)
+            self.v_sdata = torch.zeros(shape[:-1], dtype=torch.float16)
+
+    # -- sequences -----------------------------------------------------------------
+    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
+        """Start a sequence; returns how many leading tokens are already cached (reused)."""
+        return self.blocks.allocate(seq_id, token_ids)
+
+    def append(self, seq_id: int, token_ids: list[int]) -> None:
+        """Extend a sequence, copying shared blocks before they are written."""
+        for src, dst in self.blocks.append(seq_id, token_ids):
+            self._copy_block(src, dst)
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence; its full blocks stay cached for reuse until evicted."""
+        self.blocks.free(seq_id)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        tensors = [self.k_data, self.v_data]
+        if self.mode == "int8-dynamic":
+            tensors += [self.k_sdata, self.v_sdata]
+        for t in tensors:
+            t[:, dst] = t[:, src]
+
+    # -- data ----------------------------------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of shape (tokens, kv_heads, head_size) into flat slots of one layer."""
+        k_flat = self.k_data[layer].view(-1, *self.k_data.shape[3:])
+        v_flat = self.v_data[layer].view(-1, *self.v_data.shape[3:])
+        if self.mode in ("fp32", "fp16"):
+            k_flat[slots], v_flat[slots] = k.to(k_flat.dtype), v.to(v_flat.dtype)
+        elif self.mode in STATIC_INT8_MODES:
+            k_flat[slots] = quantize_static(k, float(self.k_scale[layer]))
+            v_flat[slots] = quantize_static(v, float(self.v_scale[layer]))
+        else:
+            (k_flat[slots], self.k_sdata[layer].view(-1, k.shape[1])[slots]) = quantize_per_token(k)
+            (v_flat[slots], self.v_sdata[layer].view(-1, v.shape[1])[slots]) = quantize_per_token(v)
+
+    def read(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K and V of a sequence's first num_tokens tokens, shape (tokens, kv_heads, head_size)."""
+        k = self.k_data[layer, block_table].flatten(0, 1)[:num_tokens]
+        v = self.v_data[layer, block_table].flatten(0, 1)[:num_tokens]
+        if self.mode in ("fp32", "fp16"):
+            return k.float(), v.float()
+        if self.mode in STATIC_INT8_MODES:
+            return k.float() * self.k_scale[layer], v.float() * self.v_scale[layer]
+        k_s = self.k_sdata[layer, block_table].flatten(0, 1)[:num_tokens]
+        v_s = self.v_sdata[layer, block_table].flatten(0, 1)[:num_tokens]
+        return dequantize_per_token(k, k_s), dequantize_per_token(v, v_s)
+
+    def block_table(self, seq_id: int) -> torch.Tensor:
+        """The sequence's block ids as a tensor."""
+        return torch.tensor(self.blocks.block_table(seq_id), dtype=torch.long)
+
+    def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+        """Flat slot indices of token positions [start, end) of a sequence."""
+        return torch.tensor(self.blocks.slots(seq_id, start, end), dtype=torch.long)
+
+    # -- accounting ----------------------------------------------------------------
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in this cache, scales included."""
+        return self.layout.bytes_per_token(self.mode)
+
+    def stats(self) -> CacheStats:
+        """Bytes reserved and used, block counters, reuse hits."""
+        b = self.blocks.stats()
+        return CacheStats(
+            mode=self.mode,
+            bytes_per_token=self.bytes_per_token(),
+            bytes_reserved=b.num_blocks * self.bytes_per_block,
+            bytes_used=b.in_use * self.bytes_per_block,
+            tokens_capacity=b.num_blocks * self.tokens_per_block,
+            blocks_total=b.num_blocks,
+            blocks_free=b.free,
+            blocks_cached=b.cached,
+            blocks_in_use=b.in_use,
+            reuse_hits=b.reuse_hits,
+        )

@@ -1,0 +1,119 @@
+"""The reference forward pass of a Llama-family decoder over a paged KV cache.
+
+Computes in fp32 on the CPU whatever dtype the checkpoint stores. One sequence
+at a time: prefill of N tokens and decode of 1 are the same call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.checkpoint import ModelConfig, layer_prefix
+from runtime.kv_cache import KVLayout, PagedKVCache
+from runtime.rope import apply_rope, rope_table
+
+
+class Transformer:
+    """Weights of a TensorRT-LLM checkpoint plus the math to run them."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        w = {k: v.float() for k, v in weights.items() if not k.endswith("kv_cache_scaling_factor")}
+        self.embedding = w["transformer.vocab_embedding.weight"]
+        self.final_norm = w["transformer.ln_f.weight"]
+        self.lm_head = w["lm_head.weight"]
+        self.layers = [_layer_weights(w, i, config.qkv_bias) for i in range(config.num_hidden_layers)]
+        self.cos, self.sin = rope_table(config.head_size, config.max_position_embeddings,
+                                        config.rotary_base, config.rotary_scaling)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Shape of this model's KV cache."""
+        c = self.config
+        return KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_size)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq_id: int,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated.
+
+        Writes their K/V into the cache and returns logits of the last token
+        (shape (vocab,)) or of every token (shape (N, vocab)).
+        """
+        c = self.config
+        n = len(token_ids)
+        end = start_pos + n
+        if end > c.max_position_embeddings:
+            raise ValueError(f"position {end} exceeds the model's context of {c.max_position_embeddings} tokens")
+        x = self.embedding[torch.tensor(token_ids, dtype=torch.long)]
+        cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
+        slots = cache.slots(seq_id, start_pos, end)
+        block_table = cache.block_table(seq_id)
+        mask = causal_mask(start_pos, n, end, c.num_attention_heads // c.num_key_value_heads)
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer["input_norm"], c.norm_epsilon)
+            x = x + self._attention(index, layer, h, cos, sin, cache, slots, block_table, end, mask)
+            h = _rms_norm(x, layer["post_norm"], c.norm_epsilon)
+            x = x + F.linear(F.silu(F.linear(h, layer["fc"])) * F.linear(h, layer["gate"]), layer["proj"])
+        if not all_logits:
+            x = x[-1:]
+        logits = F.linear(_rms_norm(x, self.final_norm, c.norm_epsilon), self.lm_head)
+        return logits if all_logits else logits[0]
+
+    def _attention(self, index: int, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: PagedKVCache, slots: torch.Tensor, block_table: torch.Tensor, context_len: int,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        c = self.config
+        n, heads, kv_heads, d = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_size
+        qkv = F.linear(h, layer["qkv"], layer.get("qkv_bias"))
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        q = apply_rope(q.view(n, heads, d), cos, sin)
+        k = apply_rope(k.view(n, kv_heads, d), cos, sin)
+        cache.write(index, slots, k, v.view(n, kv_heads, d))
+        keys, values = cache.read(index, block_table, context_len)
+        return F.linear(grouped_attention(q, keys, values, mask), layer["dense"])
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q (n, heads, d) over keys/values (context, kv_heads, d); returns (n, heads * d).
+
+    The query heads of one KV group become rows of one call, so K/V are never repeated.
+    ``mask`` is a boolean (group * n, context) mask from ``causal_mask`` or None.
+    """
+    n, heads, d = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    q = q.view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, d)
+    out = F.scaled_dot_product_attention(q, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                         attn_mask=mask)
+    return out.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
+
+
+def _layer_weights(w: dict[str, torch.Tensor], layer: int, qkv_bias: bool) -> dict[str, torch.Tensor]:
+    p = layer_prefix(layer)
+    out = {
+        "input_norm": w[f"{p}.input_layernorm.weight"],
+        "qkv": w[f"{p}.attention.qkv.weight"],
+        "dense": w[f"{p}.attention.dense.weight"],
+        "post_norm": w[f"{p}.post_layernorm.weight"],
+        "fc": w[f"{p}.mlp.fc.weight"],
+        "gate": w[f"{p}.mlp.gate.weight"],
+        "proj": w[f"{p}.mlp.proj.weight"],
+    }
+    if qkv_bias:
+        out["qkv_bias"] = w[f"{p}.attention.qkv.bias"]
+    return out
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def causal_mask(start_pos: int, n: int, context_len: int, group: int) -> torch.Tensor | None:
+    """Boolean mask (group * n, context_len): query i sees keys up to start_pos + i."""
+    if n == 1:
+        return None
+    query_pos = torch.arange(start_pos, start_pos + n)
+    mask = torch.arange(context_len)[None, :] <= query_pos[:, None]
+    return mask.repeat(group, 1)
