@@ -1,0 +1,58 @@
+"""Dialogue sessions on the default model: reuse across turns, shared prefixes, capacity, streaming."""
+import pytest
+
+from runtime.generate import generate
+from runtime.sampling import SamplingParams
+from runtime.session import DialogueSession
+from runtime.streaming import TextStream
+
+SYSTEM = "You are the in-car assistant. Answer in one sentence."
+TURNS = ["Turn on the seat heating, please.", "How long until we reach Munich?", "Play something calm."]
+
+
+def params(engine, n=12):
+    return SamplingParams(max_new_tokens=n, stop_token_ids=engine.stop_token_ids())
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8-dynamic"])
+def test_reusing_history_gives_the_same_reply_as_prefilling_it(default_engine, mode):
+    session = DialogueSession(default_engine, default_engine.new_cache(mode, 16 << 20), params(default_engine),
+                              SYSTEM)
+    for text in TURNS[:-1]:
+        session.chat(text)
+    last = session.chat(TURNS[-1])
+    assert last.reused_tokens > 0 and last.prefill_tokens < last.reused_tokens
+    history = session.fed[: last.reused_tokens + last.prefill_tokens]
+    fresh = generate(default_engine.model, default_engine.new_cache(mode, 16 << 20), 0, history,
+                     params(default_engine), default_engine.tokenizer.decode_reply)
+    assert fresh.prefill_tokens == len(history)
+    assert fresh.token_ids == last.token_ids
+
+
+def test_second_session_reuses_the_shared_system_prompt(default_engine):
+    cache = default_engine.new_cache("int8", 16 << 20, tokens_per_block=8)
+    first = DialogueSession(default_engine, cache, params(default_engine, 4), SYSTEM).chat(TURNS[0])
+    second = DialogueSession(default_engine, cache, params(default_engine, 4), SYSTEM).chat(TURNS[1])
+    assert first.reused_tokens == 0
+    assert second.reused_tokens >= 8
+    assert cache.stats().reuse_hits >= second.reused_tokens // 8
+
+
+def test_turn_that_does_not_fit_ends_with_capacity_and_session_stays_usable(default_engine):
+    cache = default_engine.new_cache("fp16", 23040 * 64, tokens_per_block=16)  # 64 tokens
+    session = DialogueSession(default_engine, cache, params(default_engine, 8), SYSTEM)
+    stats = session.chat("Tell me everything about the adaptive cruise control. " * 6)
+    assert stats.finish_reason == "capacity" and "kv-budget-mb" in stats.error
+    session.reset()
+    assert session.chat("Hi").finish_reason in ("stop", "length")
+
+
+def test_streaming_never_splits_a_chinese_character(default_engine):
+    tok = default_engine.tokenizer
+    text = "前方两公里有充电站，预计三分钟到达。空调已调到二十二度。"
+    ids = tok.encode(text)
+    assert len(ids) > len(text) // 2  # byte-level tokens: some characters span several ids
+    stream = TextStream(tok.decode_reply)
+    pieces = [stream.push(i) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
