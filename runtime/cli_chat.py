@@ -64,6 +64,12 @@ def run_script(session: DialogueSession, turns: list[str], as_json: bool) -> Non
             print(f"user> {text}\nassistant> {stats.reply}\n  {format_stats(stats)}", flush=True)
             if stats.error:
                 print(f"  error: {stats.error}", flush=True)
+    if not as_json:
+        s = session.cache.stats()
+        tokens = len(session.fed)
+        print(f"KV cache ({s.mode}) after {session.turns} turns: {tokens} tokens x {s.bytes_per_token} B = "
+              f"{tokens * s.bytes_per_token / 2**20:.2f} MiB of K/V; {s.bytes_used / 2**20:.2f} MiB in blocks "
+              f"of a {s.bytes_reserved / 2**20:.2f} MiB pool")
 
 
 def run_interactive(session: DialogueSession) -> None:

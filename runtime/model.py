@@ -49,10 +49,9 @@ class Transformer:
         cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
         slots = cache.slots(seq_id, start_pos, end)
         block_table = cache.block_table(seq_id)
-        mask = causal_mask(start_pos, n, end, c.num_attention_heads // c.num_key_value_heads)
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["input_norm"], c.norm_epsilon)
-            x = x + self._attention(index, layer, h, cos, sin, cache, slots, block_table, end, mask)
+            x = x + self._attention(index, layer, h, cos, sin, cache, slots, block_table, start_pos)
             h = _rms_norm(x, layer["post_norm"], c.norm_epsilon)
             x = x + F.linear(F.silu(F.linear(h, layer["fc"])) * F.linear(h, layer["gate"]), layer["proj"])
         if not all_logits:
@@ -61,8 +60,8 @@ class Transformer:
         return logits if all_logits else logits[0]
 
     def _attention(self, index: int, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: PagedKVCache, slots: torch.Tensor, block_table: torch.Tensor, context_len: int,
-                   mask: torch.Tensor | None) -> torch.Tensor:
+                   cache: PagedKVCache, slots: torch.Tensor, block_table: torch.Tensor,
+                   start_pos: int) -> torch.Tensor:
         c = self.config
         n, heads, kv_heads, d = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_size
         qkv = F.linear(h, layer["qkv"], layer.get("qkv_bias"))
@@ -70,24 +69,33 @@ class Transformer:
         q = apply_rope(q.view(n, heads, d), cos, sin)
         k = apply_rope(k.view(n, kv_heads, d), cos, sin)
         cache.write(index, slots, k, v.view(n, kv_heads, d))
-        keys, values = cache.read(index, block_table, context_len)
-        return F.linear(grouped_attention(q, keys, values, mask), layer["dense"])
+        keys, values = cache.read(index, block_table, start_pos + n)
+        return F.linear(grouped_attention(q, keys, values, start_pos), layer["dense"])
 
 
-def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of q (n, heads, d) over keys/values (context, kv_heads, d); returns (n, heads * d).
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """Causal attention of q (n, heads, d) at positions [start_pos, start_pos + n) over keys/values
+    (context, kv_heads, d) of positions [0, context); returns (n, heads * d).
 
-    The query heads of one KV group become rows of one call, so K/V are never repeated.
-    ``mask`` is a boolean (group * n, context) mask from ``causal_mask`` or None.
+    Decode (n == 1) folds each KV group's query heads into rows of one call, so K/V are never
+    repeated; prefill repeats K/V per query head and uses the fused causal kernel.
     """
     n, heads, d = q.shape
-    kv_heads = keys.shape[1]
+    context, kv_heads = keys.shape[0], keys.shape[1]
     group = heads // kv_heads
-    q = q.view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, d)
-    out = F.scaled_dot_product_attention(q, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                                         attn_mask=mask)
-    return out.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
+    if n == 1:
+        q = q.view(kv_heads, group, d)[None]
+        out = F.scaled_dot_product_attention(q, keys.transpose(0, 1)[None], values.transpose(0, 1)[None])
+        return out.reshape(1, heads * d)
+    keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    values = values.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    q = q.transpose(0, 1)[None]
+    if start_pos == 0 and n == context:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+    else:
+        mask = torch.arange(context)[None, :] <= torch.arange(start_pos, start_pos + n)[:, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    return out[0].transpose(0, 1).reshape(n, heads * d)
 
 
 def _layer_weights(w: dict[str, torch.Tensor], layer: int, qkv_bias: bool) -> dict[str, torch.Tensor]:
@@ -108,12 +116,3 @@ def _layer_weights(w: dict[str, torch.Tensor], layer: int, qkv_bias: bool) -> di
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def causal_mask(start_pos: int, n: int, context_len: int, group: int) -> torch.Tensor | None:
-    """Boolean mask (group * n, context_len): query i sees keys up to start_pos + i."""
-    if n == 1:
-        return None
-    query_pos = torch.arange(start_pos, start_pos + n)
-    mask = torch.arange(context_len)[None, :] <= query_pos[:, None]
-    return mask.repeat(group, 1)

@@ -2,45 +2,15 @@
 import pytest
 import torch
 
-from runtime.checkpoint import layer_prefix, load_checkpoint
+from builders.hf_export import to_transformers
 from runtime.engine import CHECKPOINT_DIR
 from runtime.generate import generate
-from runtime.kv_cache import PagedKVCache
 from runtime.sampling import SamplingParams
-
-transformers = pytest.importorskip("transformers")
-
-
-def hf_model_from_checkpoint(folder):
-    """A transformers LlamaForCausalLM holding exactly our checkpoint's weights, in fp32."""
-    config, weights = load_checkpoint(folder)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_size,
-        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.norm_epsilon,
-        rope_theta=config.rotary_base, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(hf_config).float().eval()
-    q, kv = config.num_attention_heads * config.head_size, config.kv_channels
-    state = {"model.embed_tokens.weight": weights["transformer.vocab_embedding.weight"],
-             "model.norm.weight": weights["transformer.ln_f.weight"], "lm_head.weight": weights["lm_head.weight"]}
-    for i in range(config.num_hidden_layers):
-        p, h = layer_prefix(i), f"model.layers.{i}"
-        state[f"{h}.self_attn.q_proj.weight"], state[f"{h}.self_attn.k_proj.weight"], \
-            state[f"{h}.self_attn.v_proj.weight"] = weights[f"{p}.attention.qkv.weight"].split([q, kv, kv])
-        state[f"{h}.self_attn.o_proj.weight"] = weights[f"{p}.attention.dense.weight"]
-        state[f"{h}.mlp.gate_proj.weight"] = weights[f"{p}.mlp.fc.weight"]
-        state[f"{h}.mlp.up_proj.weight"] = weights[f"{p}.mlp.gate.weight"]
-        state[f"{h}.mlp.down_proj.weight"] = weights[f"{p}.mlp.proj.weight"]
-        state[f"{h}.input_layernorm.weight"] = weights[f"{p}.input_layernorm.weight"]
-        state[f"{h}.post_attention_layernorm.weight"] = weights[f"{p}.post_layernorm.weight"]
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    return model
 
 
 @pytest.fixture(scope="module")
 def hf_model(default_engine_dir):
-    return hf_model_from_checkpoint(default_engine_dir / CHECKPOINT_DIR)
+    return to_transformers(default_engine_dir / CHECKPOINT_DIR)
 
 
 @pytest.fixture(scope="module")
