@@ -12,6 +12,7 @@ from runtime.checkpoint import CheckpointError
 from runtime.engine import DEFAULT_TOKENS_PER_BLOCK, Engine
 from runtime.kv_cache import KV_MODES
 from runtime.kv_scales import ScalesError
+from runtime.overflow import OVERFLOW_POLICIES, OverflowPolicy
 from runtime.sampling import SamplingParams
 from runtime.session import DialogueSession, TurnStats
 
@@ -29,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "static int8 modes use the engine's kv_scales.json")
     parser.add_argument("--kv-budget-mb", type=float, default=64.0, help="KV cache budget in MiB (default 64)")
     parser.add_argument("--tokens-per-block", type=int, default=DEFAULT_TOKENS_PER_BLOCK, help="tokens per KV block")
+    parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="sink-window",
+                        help="when a turn does not fit the budget: keep the system prompt and the most recent tokens "
+                             "(sink-window, default), drop the oldest turns (drop-turns), or refuse the turn (error)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="longest reply in tokens (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
@@ -43,7 +47,7 @@ def open_session(args: argparse.Namespace, system: str | None) -> DialogueSessio
     cache = engine.new_cache(args.kv_cache, int(args.kv_budget_mb * (1 << 20)), args.tokens_per_block)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_token_ids=engine.stop_token_ids())
-    return DialogueSession(engine, cache, params, system)
+    return DialogueSession(engine, cache, params, system, OverflowPolicy(args.overflow))
 
 
 def format_stats(stats: TurnStats) -> str:

@@ -1,0 +1,59 @@
+"""Overflow policies on the default model: long dialogues under a small KV budget."""
+import pytest
+
+from runtime.overflow import OverflowPolicy, drop_oldest_turns, sink_window
+from runtime.sampling import SamplingParams
+from runtime.session import DialogueSession
+
+SYSTEM = "You are the in-car assistant. Answer in one short sentence."
+QUESTIONS = ["What is the tyre pressure?", "Turn the music down.", "Find a parking garage near the station.",
+             "How does lane assist work?", "Call Anna.", "Is the trunk closed?", "What's the range left?",
+             "Set the temperature to 20 degrees."]
+
+
+def test_sink_window_keeps_the_head_and_the_tail():
+    assert sink_window(list(range(10)), 2, 5) == [0, 1, 7, 8, 9]
+    assert sink_window(list(range(4)), 2, 5) == [0, 1, 2, 3]
+
+
+def test_drop_oldest_turns_keeps_system_and_whole_turns():
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+                {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
+    kept = drop_oldest_turns(messages, lambda m: len(m) <= 2)
+    assert kept == [messages[0], messages[3]]
+    assert drop_oldest_turns(messages, lambda m: False) is None
+
+
+def budgeted_session(engine, policy, tokens=192):
+    cache = engine.new_cache("int8", engine.model.kv_layout.bytes_per_token("int8") * tokens, tokens_per_block=16)
+    params = SamplingParams(max_new_tokens=16, stop_token_ids=engine.stop_token_ids())
+    return DialogueSession(engine, cache, params, SYSTEM, OverflowPolicy(policy))
+
+
+@pytest.mark.parametrize("policy", ["sink-window", "drop-turns"])
+def test_every_turn_completes_under_a_small_budget(default_engine, policy):
+    session = budgeted_session(default_engine, policy)
+    turns = [session.chat(q) for q in QUESTIONS]
+    assert all(t.finish_reason in ("stop", "length") for t in turns), [t.error for t in turns]
+    assert sum(t.evicted_tokens for t in turns) > 0
+    assert all(t.kv_bytes_used <= t.kv_bytes_budget for t in turns)
+    assert len(session.fed) + 1 <= 192
+    assert session.cache.blocks.num_tokens(session.seq_id) == len(session.fed)
+    if policy == "drop-turns":
+        assert session.messages[0]["role"] == "system" and len(session.messages) < 2 * len(QUESTIONS) + 1
+
+
+def test_error_policy_refuses_and_stays_usable(default_engine):
+    session = budgeted_session(default_engine, "error")
+    turns = [session.chat(q) for q in QUESTIONS]
+    refused = [t for t in turns if t.finish_reason == "capacity"]
+    assert refused and "kv-budget-mb" in refused[0].error and refused[0].evicted_tokens == 0
+    session.reset()
+    assert session.chat(QUESTIONS[0]).finish_reason in ("stop", "length")
+
+
+def test_a_message_longer_than_the_budget_is_a_clear_error(default_engine):
+    session = budgeted_session(default_engine, "sink-window")
+    stats = session.chat("Please read this out loud: " + "the quick brown fox jumps over the lazy dog " * 60)
+    assert stats.finish_reason == "capacity" and "shorten the message" in stats.error
+    assert session.chat(QUESTIONS[0]).finish_reason in ("stop", "length")
