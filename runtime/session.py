@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 from runtime.engine import Engine
@@ -92,6 +93,19 @@ class DialogueSession:
         self.transcript = plan.prompt + self.engine.tokenizer.decode(result.token_ids)
         return self._stats(result.text, result.token_ids, result.prefill_tokens, result.reused_tokens,
                            result.ttft_s, result.decode_tok_s, result.finish_reason, plan.evicted)
+
+    def save(self, path: str | Path) -> None:
+        """Write messages, KV and fingerprints to path atomically."""
+        from runtime.session_store import save_session
+
+        save_session(self, path)
+
+    @classmethod
+    def restore(cls, path: str | Path, engine: Engine, cache: PagedKVCache | None = None) -> "DialogueSession":
+        """Continue a saved session on an engine of the same model and scales, without re-prefill."""
+        from runtime.session_store import restore_session
+
+        return restore_session(path, engine, cache)
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and release its KV blocks."""
