@@ -2,21 +2,25 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import signal
 import sys
 from pathlib import Path
 
 from runtime.chat_script import ScriptError, read_script
-from runtime.checkpoint import CheckpointError
-from runtime.engine import DEFAULT_TOKENS_PER_BLOCK, Engine
-from runtime.kv_cache import KV_MODES
+from runtime.checkpoint import CONFIG_FILE, CheckpointError, ModelConfig
+from runtime.engine import CHECKPOINT_DIR, DEFAULT_TOKENS_PER_BLOCK, MANIFEST_FILE, Engine
+from runtime.kv_cache import KV_MODES, KVLayout
 from runtime.kv_scales import ScalesError
 from runtime.overflow import OVERFLOW_POLICIES, OverflowPolicy
 from runtime.sampling import SamplingParams
 from runtime.session import DialogueSession, TurnStats
+from runtime.session_store import SessionFileError
+from runtime.tokenizer import ChatTokenizer
+from runtime.trtllm_session import TRT_ENGINE_DIR, TrtllmSession
 
-HELP_COMMANDS = "commands: /reset (new conversation), /stats (KV memory), /quit; Ctrl-C stops a reply"
+HELP_COMMANDS = "commands: /reset (new conversation), /stats (KV memory), /save FILE, /quit; Ctrl-C stops a reply"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,6 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="sink-window",
                         help="when a turn does not fit the budget: keep the system prompt and the most recent tokens "
                              "(sink-window, default), drop the oldest turns (drop-turns), or refuse the turn (error)")
+    parser.add_argument("--backend", choices=("auto", "reference", "tensorrt-llm"), default="auto",
+                        help="tensorrt-llm runs the engine's trt_engine/ through ModelRunnerCpp (needs tensorrt_llm); "
+                             "reference runs the PyTorch engine; auto picks tensorrt-llm when both are present")
+    parser.add_argument("--restore", type=Path, help="continue a session saved with /save")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="longest reply in tokens (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
@@ -41,13 +49,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def open_session(args: argparse.Namespace, system: str | None) -> DialogueSession:
-    """Load the engine and start a session with the requested cache and sampling."""
+def open_session(args: argparse.Namespace, system: str | None):
+    """Load the engine and start (or restore) a session on the chosen backend."""
+    budget = int(args.kv_budget_mb * (1 << 20))
+    if _use_trtllm(args):
+        return _open_trtllm_session(args, system, budget)
     engine = Engine.load(args.engine)
-    cache = engine.new_cache(args.kv_cache, int(args.kv_budget_mb * (1 << 20)), args.tokens_per_block)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop_token_ids=engine.stop_token_ids())
-    return DialogueSession(engine, cache, params, system, OverflowPolicy(args.overflow))
+    cache = engine.new_cache(args.kv_cache, budget, args.tokens_per_block)
+    if args.restore:
+        return DialogueSession.restore(args.restore, engine, cache)
+    return DialogueSession(engine, cache, _params(args, engine.stop_token_ids()), system, OverflowPolicy(args.overflow))
+
+
+def _params(args: argparse.Namespace, stop_token_ids: list[int]) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop_token_ids=stop_token_ids)
+
+
+def _use_trtllm(args: argparse.Namespace) -> bool:
+    has_engine = (args.engine / TRT_ENGINE_DIR).is_dir()
+    if args.backend == "tensorrt-llm":
+        if not has_engine:
+            raise CheckpointError(f"{args.engine / TRT_ENGINE_DIR}: no TensorRT engine; run the engine build on the device")
+        return True
+    return args.backend == "auto" and has_engine and importlib.util.find_spec("tensorrt_llm") is not None
+
+
+def _open_trtllm_session(args: argparse.Namespace, system: str | None, budget: int) -> TrtllmSession:
+    folder = args.engine / CHECKPOINT_DIR
+    config = ModelConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8")), str(folder))
+    layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_size)
+    tokenizer = ChatTokenizer(folder)
+    manifest = json.loads((args.engine / MANIFEST_FILE).read_text(encoding="utf-8"))
+    return TrtllmSession(args.engine, tokenizer, layout, args.kv_cache or manifest.get("kv_cache", "fp16"), budget,
+                         _params(args, tokenizer.stop_token_ids), system, OverflowPolicy(args.overflow))
 
 
 def format_stats(stats: TurnStats) -> str:
@@ -58,7 +93,7 @@ def format_stats(stats: TurnStats) -> str:
             f"({stats.kv_bytes_per_token} B/token)")
 
 
-def run_script(session: DialogueSession, turns: list[str], as_json: bool) -> None:
+def run_script(session, turns: list[str], as_json: bool) -> None:
     """Play user turns from a script and print each reply."""
     for text in turns:
         stats = session.chat(text)
@@ -69,16 +104,35 @@ def run_script(session: DialogueSession, turns: list[str], as_json: bool) -> Non
             if stats.error:
                 print(f"  error: {stats.error}", flush=True)
     if not as_json:
-        s = session.cache.stats()
-        tokens = len(session.fed)
-        print(f"KV cache ({s.mode}) after {session.turns} turns: {tokens} tokens x {s.bytes_per_token} B = "
-              f"{tokens * s.bytes_per_token / 2**20:.2f} MiB of K/V; {s.bytes_used / 2**20:.2f} MiB in blocks "
-              f"of a {s.bytes_reserved / 2**20:.2f} MiB pool")
+        print(f"after {session.turns} turns: {describe_kv(session)}")
 
 
-def run_interactive(session: DialogueSession) -> None:
+def describe_kv(session) -> str:
+    """KV memory of a session in one line."""
+    if not isinstance(session, DialogueSession):
+        return f"TensorRT-LLM KV settings: {session.settings}"
+    s = session.cache.stats()
+    return (f"KV {s.mode}: {len(session.fed)} tokens held, {s.bytes_used / 2**20:.2f} of {s.bytes_reserved / 2**20:.2f} "
+            f"MiB in use ({s.bytes_per_token} B/token); blocks free {s.blocks_free}, cached {s.blocks_cached}, "
+            f"in use {s.blocks_in_use}; prefix reuse hits {s.reuse_hits} blocks")
+
+
+def save_command(session, path: str) -> str:
+    """Run /save FILE and say what happened."""
+    if not path:
+        return "usage: /save FILE"
+    if not isinstance(session, DialogueSession):
+        return "saving is available on the reference backend only"
+    try:
+        session.save(path)
+    except OSError as err:
+        return f"could not save to {path}: {err.strerror}"
+    return f"saved {len(session.messages)} messages and {len(session.fed)} tokens of KV to {path}"
+
+
+def run_interactive(session) -> None:
     """A terminal chat with streaming replies."""
-    print(f"cabin-chat on {session.engine.folder} ({session.cache.mode} KV). {HELP_COMMANDS}")
+    print(f"cabin-chat: {describe_kv(session)}\n{HELP_COMMANDS}")
     interrupted = {"flag": False}
 
     def on_sigint(signum, frame):
@@ -97,7 +151,10 @@ def run_interactive(session: DialogueSession) -> None:
             print("(conversation reset)")
             continue
         if text == "/stats":
-            print(session.cache.stats())
+            print(describe_kv(session))
+            continue
+        if text.startswith("/save"):
+            print(save_command(session, text[len("/save"):].strip()))
             continue
         if not text:
             continue
@@ -120,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         system, turns = read_script(args.script) if args.script else (args.system, [])
         session = open_session(args, system or args.system)
-    except (CheckpointError, ScalesError, ScriptError, ValueError) as err:
+    except (CheckpointError, ScalesError, ScriptError, SessionFileError, ValueError) as err:
         print(f"cabin-chat: error: {err}", file=sys.stderr)
         return 2
     if args.script:

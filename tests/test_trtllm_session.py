@@ -1,0 +1,78 @@
+"""The TensorRT-LLM dialogue backend against a fake ``tensorrt_llm`` that records every call."""
+import sys
+import types
+
+import pytest
+import torch
+
+from runtime.overflow import OverflowPolicy
+from runtime.sampling import SamplingParams
+from runtime.trtllm_session import TRT_ENGINE_DIR, TrtllmSession
+
+SYSTEM = "You are the in-car assistant."
+
+
+class FakeRunner:
+    """Stands in for ModelRunnerCpp: records from_dir/generate arguments, streams a fixed reply."""
+
+    created: list[dict] = []
+    calls: list[dict] = []
+    reply: list[int] = []
+
+    @classmethod
+    def from_dir(cls, engine_dir, **kwargs):
+        cls.created.append({"engine_dir": engine_dir, **kwargs})
+        return cls()
+
+    def generate(self, batch_input_ids, **kwargs):
+        self.calls.append({"input_ids": batch_input_ids[0].tolist(), **kwargs})
+        prompt = batch_input_ids[0].tolist()
+        for step in range(1, len(self.reply) + 1):
+            ids = prompt + self.reply[:step]
+            yield {"output_ids": torch.tensor([[ids]]), "sequence_lengths": torch.tensor([[len(ids)]])}
+
+
+@pytest.fixture
+def fake_trtllm(monkeypatch, default_engine):
+    module, runtime = types.ModuleType("tensorrt_llm"), types.ModuleType("tensorrt_llm.runtime")
+    runtime.ModelRunnerCpp = FakeRunner
+    module.runtime = runtime
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", module)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.runtime", runtime)
+    FakeRunner.created, FakeRunner.calls = [], []
+    FakeRunner.reply = default_engine.tokenizer.encode("Cabin set to 21 degrees.") + [default_engine.stop_token_ids()[0]]
+    return FakeRunner
+
+
+def open_session(engine, tmp_path, kv_mode, policy):
+    params = SamplingParams(max_new_tokens=32, stop_token_ids=engine.stop_token_ids())
+    return TrtllmSession(tmp_path, engine.tokenizer, engine.model.kv_layout, kv_mode, 8 << 20, params, SYSTEM,
+                         OverflowPolicy(policy))
+
+
+def test_int8_engine_gets_budget_window_and_no_block_reuse(default_engine, fake_trtllm, tmp_path):
+    session = open_session(default_engine, tmp_path, "int8", "sink-window")
+    kwargs = fake_trtllm.created[0]
+    system_tokens = len(default_engine.tokenizer.encode(
+        default_engine.tokenizer.render([{"role": "system", "content": SYSTEM}], add_generation_prompt=False)))
+    assert kwargs == {"engine_dir": str(tmp_path / TRT_ENGINE_DIR), "max_tokens_in_paged_kv_cache": (8 << 20) // 11520,
+                      "kv_cache_enable_block_reuse": False, "max_attention_window_size": [(8 << 20) // 11520],
+                      "sink_token_length": system_tokens + 4}
+    first, second = session.chat("It is warm in here."), session.chat("Thanks!")
+    assert first.reply == "Cabin set to 21 degrees." and first.finish_reason == "stop"
+    assert second.reused_tokens == 0 and second.prefill_tokens == len(fake_trtllm.calls[1]["input_ids"])
+    history = fake_trtllm.calls[0]["input_ids"] + fake_trtllm.reply
+    assert fake_trtllm.calls[1]["input_ids"][: len(history)] == history  # the whole history is sent again
+    call = fake_trtllm.calls[0]
+    assert call["end_id"] == default_engine.stop_token_ids()[0] and call["top_k"] == 1 and call["streaming"] is True
+
+
+def test_fp16_engine_asks_for_block_reuse_and_reports_it(default_engine, fake_trtllm, tmp_path):
+    session = open_session(default_engine, tmp_path, "fp16", "drop-turns")
+    kwargs = fake_trtllm.created[0]
+    assert kwargs["kv_cache_enable_block_reuse"] is True and "max_attention_window_size" not in kwargs
+    session.chat("Navigate home, but first stop at the pharmacy on Main Street and then at the dry cleaner "
+                 "next to the station; avoid toll roads and tell me the arrival time.")
+    second = session.chat("Avoid the motorway, please, and tell me when we pass a bakery.")
+    assert second.reused_tokens > 0 and second.reused_tokens % 64 == 0
+    assert second.reused_tokens + second.prefill_tokens == len(fake_trtllm.calls[1]["input_ids"])
