@@ -1,4 +1,4 @@
-"""``cabin-build``: turn a model into an engine folder (TensorRT-LLM checkpoint + reference engine)."""
+"""``cabin-build``: turn a model into an engine folder for a target (checkpoint, KV scales, plan, TensorRT engine)."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,10 @@ import sys
 from pathlib import Path
 
 from builders.engine_build import BuildRequest, build_engine
+from builders.memory_model import FP8_KV_DTYPE
+from builders.planner import PlanRefused
+from builders.targets import TargetError
+from builders.trtllm import TrtllmError
 from runtime.checkpoint import CheckpointError
 from runtime.kv_cache import KV_MODES
 from runtime.kv_scales import ScalesError
@@ -15,27 +19,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of cabin-build."""
     parser = argparse.ArgumentParser(
         prog="cabin-build",
-        description="Import a model (GGUF file or Hugging Face folder) into a TensorRT-LLM checkpoint "
-                    "and write an engine folder with tokenizer, KV scales and manifest.json.",
+        description="Import a model (GGUF file or Hugging Face folder) into a TensorRT-LLM checkpoint with KV cache "
+                    "quantization, plan its memory on the target, run trtllm-build where it is installed (else "
+                    "record it as the step to run on the device) and write an engine folder with manifest.json.",
     )
     parser.add_argument("--model", default="default",
                         help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file or an HF model folder")
+    parser.add_argument("--target", default="cpu", help="target profile from engines/targets.toml (default cpu)")
     parser.add_argument("--output", required=True, type=Path, help="engine folder to write, e.g. engines/smollm2-int8")
-    parser.add_argument("--kv-cache", default="int8", choices=KV_MODES,
-                        help="KV cache storage the engine is built for (default int8). INT8 scales come from a "
-                             "quick abs-max measurement on built-in sample dialogues")
+    parser.add_argument("--kv-cache", default="int8", choices=(*KV_MODES, FP8_KV_DTYPE),
+                        help="KV cache storage the engine is built for (default int8); must be one the target takes")
+    parser.add_argument("--scales", type=Path, help="calibrated kv_scales.json for this model (default: a quick "
+                        "abs-max measurement on built-in sample exchanges)")
+    parser.add_argument("--calibrate", metavar="DATA", help="calibrate KV scales now on dialogues: builtin "
+                        "(cockpit set), sharegpt, or a .jsonl / ShareGPT .json file (instead of --scales)")
+    parser.add_argument("--equalize", action=argparse.BooleanOptionalAction, default=False,
+                        help="fold KV equalization factors from the calibrated per-channel ranges into the "
+                             "weights (default off)")
+    parser.add_argument("--reserve-gb", type=float, help="GiB held for co-resident models; default: the profile's")
     parser.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="stored weight dtype")
-    parser.add_argument("--force", action="store_true", help="replace an existing output folder")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the output is up to date, or "
+                        "replace an engine folder built from other inputs")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
-    request = BuildRequest(args.model, args.output, args.kv_cache, args.dtype, args.force)
+    request = BuildRequest(args.model, args.output, args.kv_cache, args.dtype, args.force, args.target, args.scales,
+                           args.equalize, args.reserve_gb, args.calibrate)
     try:
         build_engine(request, log=lambda msg: print(msg, file=sys.stderr))
-    except (CheckpointError, ScalesError, FileExistsError, ValueError) as err:
+    except (CheckpointError, ScalesError, TargetError, PlanRefused, TrtllmError, FileExistsError, ValueError) as err:
         print(f"cabin-build: error: {err}", file=sys.stderr)
         return 2
     return 0

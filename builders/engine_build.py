@@ -1,32 +1,43 @@
-"""Build a reference engine folder: import the model, attach INT8 KV scales, write the manifest.
+"""Build an engine folder: import the model, attach KV scales, plan, run trtllm-build where it can, write the manifest.
 
-Everything is written into a temporary folder beside the output and renamed at
-the end, so a failed build leaves nothing half-made.
+Everything is written into a temporary folder beside the output and renamed at the
+end, so a failed build leaves nothing half-made. The same inputs again are a no-op
+unless ``force``. Layout (what runtime/engine.py reads, plus the TensorRT engine)::
+
+    engines/NAME/
+      manifest.json        what was built, from what, with which tools, and the plan
+      checkpoint/          TensorRT-LLM checkpoint (+ tokenizer files)
+      kv_scales.json       the KV scales the checkpoint carries
+      trt_engine/          the TensorRT engine, where trtllm-build ran (+ trtllm-build.log)
 """
 from __future__ import annotations
 
 import json
-import platform
-import sys
+import shlex
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from builders.default_model import default_gguf_path
 from builders.importer import import_model
-from builders.quick_scales import quick_kv_scales
+from builders.kv_attach import attach_kv_quant, quant_algo
+from builders.manifest import (ENGINE_FORMAT, changed_inputs, file_sha256, read_manifest, source_identity,
+                               tool_versions)
+from builders.model_shapes import load_model_config, resolve_model
+from builders.planner import Plan, PlanRefused, PlanRequest, make_plan, nearest_working
+from builders.progress import Steps
+from builders.scales_source import BuildScales, calibrated_scales, quick_scales, scales_from_file
+from builders.targets import Target, get_target, load_targets
+from builders.trtllm import (ENGINE_DIR, LOG_FILE, TrtllmInstall, build_args, find_trtllm, flag_set, local_sm,
+                             run_trtllm_build)
 from runtime.atomic import staging_folder
-from runtime.checkpoint import CheckpointError, layer_prefix, load_checkpoint, save_checkpoint
+from runtime.checkpoint import CheckpointError, ModelConfig, load_checkpoint, save_checkpoint
 from runtime.engine import CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE
-from runtime.kv_cache import KV_MODES, KVScales
-from runtime.kv_scales import model_fingerprint, save_scales
-from runtime.model import Transformer
-from runtime.tokenizer import ChatTokenizer
+from runtime.kv_scales import ScalesError, model_fingerprint
 
-ENGINE_FORMAT = "cabin-engine/1"
+Log = Callable[[str], None]
 
 
 @dataclass
@@ -38,66 +49,199 @@ class BuildRequest:
     kv_cache: str = "int8"
     dtype: str = "float16"
     force: bool = False
+    target: str = "cpu"
+    scales: Path | None = None
+    equalize: bool = False
+    reserve_gb: float | None = None
+    calibrate: str | None = None  # dialogue data to calibrate on now: builtin, sharegpt or a file
+
+    def command(self) -> str:
+        """The cabin-build command line that makes this request."""
+        args = ["cabin-build", "--model", self.model, "--target", self.target, "--kv-cache", self.kv_cache,
+                "--dtype", self.dtype, "--output", str(self.output)]
+        args += ["--scales", str(self.scales)] if self.scales else []
+        args += ["--calibrate", self.calibrate] if self.calibrate else []
+        args += ["--equalize"] if self.equalize else []
+        args += ["--reserve-gb", str(self.reserve_gb)] if self.reserve_gb is not None else []
+        return shlex.join(args)
 
 
-def resolve_model(model: str) -> Path:
-    """The model source path; ``default`` is the embedded SmolLM2-135M-Instruct GGUF."""
-    path = default_gguf_path() if model == "default" else Path(model)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such model file or folder; give a .gguf file, an HF folder or 'default'")
-    return path
+@dataclass
+class DeviceStep:
+    """The TensorRT engine build: run here, left for the device, or not needed (reference engine)."""
+
+    status: str  # "run here", "pending" or "not needed"
+    reason: str
+    flags: str | None  # trtllm-build flag set: "v0.12" or "1.x"
 
 
-def build_engine(request: BuildRequest, log=print) -> Path:
-    """Write the engine folder for a request and return its path."""
-    if request.kv_cache not in KV_MODES:
-        raise ValueError(f"unknown --kv-cache {request.kv_cache!r}; choose one of {', '.join(KV_MODES)}")
-    if request.output.exists() and not request.force:
-        raise FileExistsError(f"{request.output} already exists; choose another --output or pass --force to replace it")
+def build_engine(request: BuildRequest, log: Log = print) -> Path:
+    """Write the engine folder for a request and return its path (untouched when already up to date)."""
+    target = get_target(request.target)
     source = resolve_model(request.model)
+    check_scales_options(request)
+    if request.dtype not in ("float16", "float32"):
+        raise CheckpointError(f"unknown --dtype {request.dtype!r}; choose float16 or float32")
+    plan = checked_plan(request, target)
+    trtllm = find_trtllm() if target.backend == "tensorrt" else None
+    inputs = build_inputs(request, target, source, trtllm)
+    if output_up_to_date(request.output, inputs, request.force):
+        log(f"{request.output} is up to date (same inputs); pass --force to build it again")
+        return request.output
+    device = device_step(target, trtllm)
+    steps = Steps(5 if device.status == "run here" else 4, log)
     started = time.perf_counter()
     with staging_folder(request.output) as tmp:
-        log(f"[1/3] importing {source.name} -> TensorRT-LLM checkpoint ({request.dtype})")
         checkpoint = tmp / CHECKPOINT_DIR
-        checkpoint.mkdir()
-        import_model(source, checkpoint, dtype=request.dtype)
-        config, weights = load_checkpoint(checkpoint)
-        fingerprint = model_fingerprint(config, weights)
-        log("[2/3] measuring quick INT8 KV scales on built-in sample dialogues")
-        scales = quick_kv_scales(Transformer(config, weights), ChatTokenizer(checkpoint))
-        save_scales(tmp / SCALES_FILE, scales, fingerprint, "quick-max", {"source": "builtin samples"})
-        if request.kv_cache.startswith("int8"):
-            attach_int8_kv(config, weights, scales)
-            save_checkpoint(checkpoint, config, weights)
-        log("[3/3] writing manifest")
-        manifest = {
-            "format": ENGINE_FORMAT,
-            "backend": "reference",
-            "model": {"source": str(source), "architecture": config.architecture, "fingerprint": fingerprint},
-            "kv_cache": request.kv_cache,
-            "kv_scales": {"file": SCALES_FILE, "method": "quick-max"},
-            "build_command": " ".join(sys.argv),
-            "build_seconds": round(time.perf_counter() - started, 2),
-            "versions": tool_versions(),
-        }
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-    log(f"engine written to {request.output}")
+        with steps.step(f"importing {source.name} -> TensorRT-LLM checkpoint ({request.dtype})"):
+            checkpoint.mkdir()
+            import_model(source, checkpoint, dtype=request.dtype)
+            config, weights = load_checkpoint(checkpoint)
+            fingerprint = model_fingerprint(config, weights)
+        with steps.step(scales_step_text(request)):
+            kv = build_scales(request, config, weights, checkpoint, fingerprint, tmp / SCALES_FILE)
+        with steps.step(f"writing the checkpoint with {quant_algo(request.kv_cache) or 'no'} KV cache quantization"):
+            attach_kv_quant(config, kv.weights, kv.scales, request.kv_cache)
+            save_checkpoint(checkpoint, config, kv.weights)
+        trt_command = None
+        failed_log = request.output.parent / f"{request.output.name}.{LOG_FILE}"
+        if device.status == "run here":
+            with steps.step(f"trtllm-build ({trtllm.version}, {device.flags} flags) -> {ENGINE_DIR}/"):
+                trt_command = run_trtllm_build(trtllm, build_args(plan.kv[request.kv_cache].shape, device.flags),
+                                               tmp, failed_log)
+        with steps.step("writing manifest.json"):
+            scales_sha256 = file_sha256(tmp / SCALES_FILE)
+            manifest = make_manifest(request, target, plan, source, fingerprint, kv, scales_sha256, device, trtllm,
+                                     trt_command, inputs, time.perf_counter() - started)
+            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    failed_log.unlink(missing_ok=True)  # a failed earlier attempt's log is stale now
+    log(f"engine written to {request.output} ({manifest['backend']} backend; device step: {device.status})")
     return request.output
 
 
-def attach_int8_kv(config, weights: dict[str, torch.Tensor], scales: KVScales) -> None:
-    """Mark the checkpoint INT8-KV and store each layer's shared scale as TensorRT-LLM reads it."""
-    config.quantization = {**config.quantization, "kv_cache_quant_algo": "INT8"}
-    for layer, scale in enumerate(scales.shared()):
-        weights[f"{layer_prefix(layer)}.attention.kv_cache_scaling_factor"] = torch.tensor([scale], dtype=torch.float32)
+def check_scales_options(request: BuildRequest) -> None:
+    """ScalesError when the scales options do not go together or the scales file is missing."""
+    if request.scales is not None and not request.scales.is_file():
+        raise ScalesError(f"{request.scales}: no such scales file; give a kv_scales.json from calibration")
+    if request.scales is not None and request.calibrate is not None:
+        raise ScalesError("give either --scales FILE or --calibrate DATA, not both")
+    if request.equalize and request.scales is None and request.calibrate is None:
+        raise ScalesError("--equalize needs calibrated per-channel ranges: add --calibrate builtin or "
+                          "--scales kv_scales.json (version 2, from calibration)")
 
 
-def tool_versions() -> dict[str, str]:
-    """Versions of Python and of every package the build used."""
-    versions = {"python": platform.python_version()}
-    for package in ("cabinllm", "torch", "transformers", "gguf", "safetensors", "tokenizers"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = "not installed"
-    return versions
+def build_scales(request: BuildRequest, config: ModelConfig, weights: dict[str, torch.Tensor], checkpoint: Path,
+                 fingerprint: str, out: Path) -> BuildScales:
+    """The build's KV scales (written to ``out``) from --scales, --calibrate or the quick measurement."""
+    if request.scales:
+        return scales_from_file(request.scales, config, weights, fingerprint, request.equalize, out)
+    if request.calibrate:
+        return calibrated_scales(request.calibrate, config, weights, checkpoint, fingerprint, request.equalize, out)
+    return quick_scales(config, weights, checkpoint, fingerprint, out)
+
+
+def scales_step_text(request: BuildRequest) -> str:
+    """What the KV scales step does, for the progress display."""
+    if request.scales:
+        text = f"reading KV scales from {request.scales}"
+    elif request.calibrate:
+        text = f"calibrating KV scales on {request.calibrate} dialogues"
+    else:
+        text = "measuring quick KV scales on sample dialogues"
+    return text + (" and folding KV equalization into the weights" if request.equalize else "")
+
+
+def checked_plan(request: BuildRequest, target: Target) -> Plan:
+    """The memory plan for the requested KV dtype; PlanRefused (with the nearest working config) if it cannot work."""
+    config = load_model_config(request.model)
+    plan_request = PlanRequest(request.model, target, "fp16", request.reserve_gb, request.kv_cache)
+    plan = make_plan(plan_request, config)
+    reason = plan.refusal()
+    if reason:
+        raise PlanRefused(reason, nearest_working(plan_request, config, load_targets(), ("fp16",)))
+    return plan
+
+
+def build_inputs(request: BuildRequest, target: Target, source: Path, trtllm: TrtllmInstall | None) -> dict:
+    """Everything the built folder depends on, as JSON data; equal records mean an identical build."""
+    record = {
+        "model": source_identity(source),
+        "target": target.to_dict(),
+        "kv_cache": request.kv_cache,
+        "dtype": request.dtype,
+        "reserve_gb": request.reserve_gb,
+        "scales_sha256": file_sha256(request.scales) if request.scales else None,
+        "equalize": request.equalize,
+        "calibrate": request.calibrate,
+        "trtllm": [trtllm.executable, trtllm.version] if trtllm else None,
+        "cabinllm": tool_versions(None)["cabinllm"],
+    }
+    return json.loads(json.dumps(record))
+
+
+def output_up_to_date(output: Path, inputs: dict, force: bool) -> bool:
+    """True when ``output`` was built from the same inputs; FileExistsError when it holds something else."""
+    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+        return False
+    manifest = read_manifest(output)
+    if manifest is None:
+        raise FileExistsError(f"{output} exists and is not an engine folder (no readable {MANIFEST_FILE}); "
+                              "cabin-build does not replace it, even with --force: remove it or choose another "
+                              "--output")
+    if force:
+        return False
+    old = manifest.get("inputs") or {}
+    if old == inputs:
+        return True
+    raise FileExistsError(f"{output} already holds an engine built from other inputs (differs in: "
+                          f"{', '.join(changed_inputs(old, inputs))}); pass --force to replace it "
+                          "or choose another --output")
+
+
+def device_step(target: Target, trtllm: TrtllmInstall | None) -> DeviceStep:
+    """Whether trtllm-build runs here: only for TensorRT targets, where it is installed and the GPU matches."""
+    if target.backend != "tensorrt":
+        return DeviceStep("not needed", f"{target.name} runs the reference engine", None)
+    line_flags = flag_set(target.trtllm_line)
+    if trtllm is None:
+        return DeviceStep("pending", "trtllm-build is not installed here; run the command on the device", line_flags)
+    sm = local_sm()
+    if sm is not None and sm != target.sm:
+        return DeviceStep("pending", f"this GPU is SM{sm} and {target.name} is SM{target.sm}: a TensorRT engine "
+                          "only runs on the GPU it was built on; run the command on the device", line_flags)
+    return DeviceStep("run here", f"trtllm-build {trtllm.version} at {trtllm.executable}", trtllm.flags)
+
+
+def make_manifest(request: BuildRequest, target: Target, plan: Plan, source: Path, fingerprint: str,
+                  kv: BuildScales, scales_sha256: str, device: DeviceStep, trtllm: TrtllmInstall | None,
+                  trt_command: list[str] | None, inputs: dict, seconds: float) -> dict:
+    """The manifest.json content."""
+    kv_plan = plan.kv[request.kv_cache]
+    args = build_args(kv_plan.shape, device.flags) if device.flags else None
+    warnings = list(plan.warnings)
+    if trtllm and target.trtllm_line and trtllm.flags != flag_set(target.trtllm_line):
+        warnings.append(f"TensorRT-LLM {trtllm.version} is installed here but {target.name} runs "
+                        f"{target.trtllm_line}: an engine only runs with the version that built it")
+    return {
+        "format": ENGINE_FORMAT,
+        "backend": "tensorrt" if trt_command else "reference",
+        "target": target.name,
+        "model": {"source": str(source), "architecture": plan.config.architecture, "fingerprint": fingerprint},
+        "kv_cache": request.kv_cache,
+        "kv_cache_quant_algo": quant_algo(request.kv_cache),
+        "weights_dtype": request.dtype,
+        "kv_scales": {"file": SCALES_FILE, "method": kv.method, "source": kv.source,
+                      "input_sha256": inputs["scales_sha256"], "sha256": scales_sha256},
+        "equalization": {"enabled": kv.equalized},
+        "plan": plan.to_json(),
+        "build_command": request.command(),
+        "device_step": {"what": "TensorRT engine build (trtllm-build)", "status": device.status,
+                        "reason": device.reason, "run_on": f"{target.name}: {target.description}",
+                        "flags": device.flags, "cwd": "the engine folder",
+                        "command": trt_command or (["trtllm-build", *args] if args else None),
+                        "log": LOG_FILE if trt_command else None, "engine_dir": ENGINE_DIR if trt_command else None},
+        "inputs": inputs,
+        "build_seconds": round(seconds, 2),
+        "versions": tool_versions(trtllm.version if trtllm else None),
+        "warnings": warnings,
+    }

@@ -1,9 +1,23 @@
-"""Static INT8 KV scales on disk (``kv_scales.json``) and the model fingerprint they belong to."""
+"""Static INT8 KV scales on disk (``kv_scales.json``) and the model fingerprint they belong to.
+
+Schema version 2 (version 1 files, without ranges, are still read)::
+
+    {"version": 2, "model_fingerprint": "...", "method": "max|percentile|mse|...",
+     "equalized": false, "data": {...},
+     "layers": [{"layer": 0, "k": s_k, "v": s_v, "kv_cache_scaling_factor": max(s_k, s_v),
+                 "k_amax": ..., "v_amax": ..., "k_head_amax": [...], "v_head_amax": [...],
+                 "k_channel_amax": [[...]], "v_channel_amax": [[...]],   # [kv_heads][head_size]
+                 "k_clip_rate": ..., "v_clip_rate": ...}, ...]}
+
+Scales are amax / 127 with K measured after RoPE. ``equalized`` says the scales
+belong to weights with KV equalization folded in (calibration.equalize).
+"""
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,13 +26,36 @@ from runtime.atomic import atomic_write_text
 from runtime.checkpoint import ModelConfig
 from runtime.kv_cache import KVScales
 
-SCALES_VERSION = 1
+SCALES_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _SHAPE_KEYS = ("architecture", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_size", "intermediate_size")
 
 
 class ScalesError(ValueError):
     """A scales file is unreadable, malformed or made for another model."""
+
+
+@dataclass
+class LayerRanges:
+    """Measured K (post-RoPE) and V abs-max of one layer per channel, ``[kv_heads][head_size]``, and clip rates."""
+
+    k_channel_amax: list[list[float]]
+    v_channel_amax: list[list[float]]
+    k_clip_rate: float = 0.0
+    v_clip_rate: float = 0.0
+
+
+@dataclass
+class ScalesFile:
+    """Everything a ``kv_scales.json`` holds."""
+
+    scales: KVScales
+    fingerprint: str
+    method: str
+    data: dict = field(default_factory=dict)
+    ranges: list[LayerRanges] | None = None
+    equalized: bool = False
 
 
 def model_fingerprint(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str:
@@ -29,33 +66,90 @@ def model_fingerprint(config: ModelConfig, weights: dict[str, torch.Tensor]) -> 
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def save_scales(path: str | Path, scales: KVScales, fingerprint: str, method: str, data_summary: dict) -> None:
-    """Write scales atomically; each layer carries K, V and the shared TensorRT-LLM scale."""
-    layers = [{"layer": i, "k": k, "v": v, "kv_cache_scaling_factor": s}
-              for i, (k, v, s) in enumerate(zip(scales.k, scales.v, scales.shared()))]
-    doc = {"version": SCALES_VERSION, "model_fingerprint": fingerprint, "method": method,
+def _layer_entry(index: int, k: float, v: float, ranges: LayerRanges | None) -> dict:
+    entry = {"layer": index, "k": k, "v": v, "kv_cache_scaling_factor": max(k, v)}
+    if ranges is None:
+        return entry
+    for name, channels in (("k", ranges.k_channel_amax), ("v", ranges.v_channel_amax)):
+        entry[f"{name}_amax"] = max(max(head) for head in channels)
+        entry[f"{name}_head_amax"] = [max(head) for head in channels]
+        entry[f"{name}_channel_amax"] = [list(head) for head in channels]
+    entry["k_clip_rate"], entry["v_clip_rate"] = ranges.k_clip_rate, ranges.v_clip_rate
+    return entry
+
+
+def save_scales(path: str | Path, scales: KVScales, fingerprint: str, method: str, data_summary: dict,
+                ranges: list[LayerRanges] | None = None, equalized: bool = False) -> None:
+    """Write scales atomically; each layer carries K, V, the shared TensorRT-LLM scale and, if given, its ranges."""
+    if ranges is not None and len(ranges) != len(scales.k):
+        raise ValueError(f"{len(ranges)} layer ranges for {len(scales.k)} layers of scales")
+    layers = [_layer_entry(i, k, v, ranges[i] if ranges else None)
+              for i, (k, v) in enumerate(zip(scales.k, scales.v))]
+    doc = {"version": SCALES_VERSION, "model_fingerprint": fingerprint, "method": method, "equalized": equalized,
            "data": data_summary, "layers": layers}
     atomic_write_text(Path(path), json.dumps(doc, indent=2))
 
 
-def load_scales(path: str | Path, fingerprint: str, num_layers: int) -> KVScales:
-    """Read and check a scales file against the model it will be used with."""
+def load_scales_file(path: str | Path, fingerprint: str, num_layers: int,
+                     kv_shape: tuple[int, int] | None = None) -> ScalesFile:
+    """Read and check a scales file (any readable version) against the model it will be used with.
+
+    ``kv_shape`` (kv heads, head size), when given, is checked against the stored channel ranges.
+    """
     path = Path(path)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
         layers = sorted(doc["layers"], key=lambda entry: entry["layer"])
         k = [float(entry["k"]) for entry in layers]
         v = [float(entry["v"]) for entry in layers]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise ScalesError(f"{path}: not a readable kv_scales.json ({err!r}); re-run calibration") from err
-    if doc.get("version") != SCALES_VERSION:
-        raise ScalesError(f"{path}: schema version {doc.get('version')}, this CabinLLM reads {SCALES_VERSION}")
+    if doc.get("version") not in READABLE_VERSIONS:
+        raise ScalesError(f"{path}: schema version {doc.get('version')}, this CabinLLM reads "
+                          f"{', '.join(map(str, READABLE_VERSIONS))}; re-run calibration with this version")
     if doc.get("model_fingerprint") != fingerprint:
         raise ScalesError(f"{path}: made for model {doc.get('model_fingerprint')}, not this one ({fingerprint}); "
                           "calibrate this model instead")
-    if [entry["layer"] for entry in layers] != list(range(num_layers)):
-        raise ScalesError(f"{path}: needs one entry for each of layers 0..{num_layers - 1}")
-    bad = [i for i, s in enumerate(k + v) if not (math.isfinite(s) and s > 0)]
-    if bad:
-        raise ScalesError(f"{path}: scale #{bad[0]} is not a finite positive number; re-run calibration")
-    return KVScales(k=k, v=v)
+    found = [entry["layer"] for entry in layers]
+    if found != list(range(num_layers)):
+        missing = sorted(set(range(num_layers)) - set(found))
+        raise ScalesError(f"{path}: needs one entry for each of layers 0..{num_layers - 1}"
+                          + (f"; missing layer(s) {missing}" if missing else f"; found {found}")
+                          + "; re-run calibration")
+    for name, values in (("k", k), ("v", v)):
+        bad = [i for i, s in enumerate(values) if not (math.isfinite(s) and s > 0)]
+        if bad:
+            raise ScalesError(f"{path}: layer {bad[0]} {name} scale {values[bad[0]]} is not a finite positive "
+                              "number; re-run calibration")
+    ranges = _read_ranges(path, layers, kv_shape)
+    return ScalesFile(KVScales(k=k, v=v), fingerprint, str(doc.get("method", "")), dict(doc.get("data") or {}),
+                      ranges, bool(doc.get("equalized", False)))
+
+
+def _read_ranges(path: Path, layers: list[dict], kv_shape: tuple[int, int] | None) -> list[LayerRanges] | None:
+    if not all("k_channel_amax" in entry and "v_channel_amax" in entry for entry in layers):
+        return None
+    ranges = []
+    for entry in layers:
+        try:
+            k = torch.tensor(entry["k_channel_amax"], dtype=torch.float64)
+            v = torch.tensor(entry["v_channel_amax"], dtype=torch.float64)
+        except (TypeError, ValueError) as err:
+            raise ScalesError(f"{path}: layer {entry['layer']} channel ranges are not numbers ({err}); "
+                              "re-run calibration") from err
+        shape = tuple(kv_shape) if kv_shape else k.shape
+        if k.dim() != 2 or tuple(k.shape) != shape or tuple(v.shape) != shape:
+            raise ScalesError(f"{path}: layer {entry['layer']} K/V channel ranges have shapes {list(k.shape)}/"
+                              f"{list(v.shape)}, expected [kv_heads, head_size] = {list(shape)}; "
+                              "calibrate this model instead")
+        if not (torch.isfinite(k).all() and torch.isfinite(v).all() and (k >= 0).all() and (v >= 0).all()):
+            raise ScalesError(f"{path}: layer {entry['layer']} has a channel abs-max that is negative or not "
+                              "finite; re-run calibration")
+        k, v = k.tolist(), v.tolist()
+        ranges.append(LayerRanges(k, v, float(entry.get("k_clip_rate", 0.0)), float(entry.get("v_clip_rate", 0.0))))
+    return ranges
+
+
+def load_scales(path: str | Path, fingerprint: str, num_layers: int) -> KVScales:
+    """Read and check a scales file against the model it will be used with; only the scales."""
+    return load_scales_file(path, fingerprint, num_layers).scales

@@ -1,0 +1,34 @@
+"""Store KV cache quantization in a TensorRT-LLM checkpoint: the algorithm and each layer's scaling factor.
+
+TensorRT-LLM keeps ONE float32 ``[1]`` scale per layer for K and V together:
+amax / 127 for INT8, amax / 448 for FP8 (e4m3). ``kv_scales.json`` holds amax / 127,
+so the FP8 factor is the shared INT8 scale times 127 / 448.
+"""
+from __future__ import annotations
+
+import torch
+
+from runtime.checkpoint import ModelConfig, layer_prefix
+from runtime.kv_cache import STATIC_INT8_MODES, KVScales
+from runtime.kv_quant import INT8_MAX
+
+FP8_E4M3_MAX = 448.0
+
+
+def quant_algo(kv_dtype: str) -> str | None:
+    """``kv_cache_quant_algo`` for a KV dtype: INT8 for the static int8 modes, FP8, or None."""
+    if kv_dtype in STATIC_INT8_MODES:
+        return "INT8"
+    return "FP8" if kv_dtype == "fp8" else None
+
+
+def attach_kv_quant(config: ModelConfig, weights: dict[str, torch.Tensor], scales: KVScales, kv_dtype: str) -> None:
+    """Set ``kv_cache_quant_algo`` and every layer's ``kv_cache_scaling_factor`` (in place); no-op for fp16/fp32."""
+    algo = quant_algo(kv_dtype)
+    if algo is None:
+        return
+    ratio = 1.0 if algo == "INT8" else INT8_MAX / FP8_E4M3_MAX
+    config.quantization = {**config.quantization, "kv_cache_quant_algo": algo}
+    for layer, scale in enumerate(scales.shared()):
+        name = f"{layer_prefix(layer)}.attention.kv_cache_scaling_factor"
+        weights[name] = torch.tensor([scale * ratio], dtype=torch.float32)

@@ -1,0 +1,309 @@
+"""The memory plan: how a model fits a target for each KV dtype, and the engine limits that follow.
+
+Unified memory minus the OS reserve, the co-resident models and the runtime overhead
+holds the weights; what is left holds activations and the KV pool. For each KV dtype
+the plan sizes ``max_seq_len`` (the model's context, or less when the pool is smaller),
+``max_num_tokens`` (a 2,048-token prefill chunk, or the whole prompt when chunked
+prefill is unavailable, as with INT8 KV on TensorRT) and the pool's blocks, and turns
+the pool into turns of a typical in-car dialogue (``dialogue_turns.TYPICAL_TURN``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from builders.dialogue_turns import TYPICAL_TURN, TurnTokens
+from builders.memory_model import (WEIGHT_FORMATS, activation_bytes, kv_bytes_per_token, parameter_count,
+                                   weights_bytes)
+from builders.targets import GIB, Target
+from builders.trtllm import EngineShape, build_args, flag_set
+from runtime.checkpoint import ModelConfig
+
+MAX_BATCH_SIZE = 1  # one dialogue at a time in the cabin
+REPLY_TOKENS = 256  # longest reply the engine is built for: max_seq_len - max_input_len
+CHUNK_TOKENS = 2048  # max_num_tokens where prefill can be chunked
+MIN_TURNS = 4  # a KV dtype whose pool holds fewer turns than this does not fit
+MIB = 1 << 20
+
+
+class PlanRefused(ValueError):
+    """The request cannot work on the target: ``reason`` says why, ``nearest`` is the closest plan that works."""
+
+    def __init__(self, reason: str, nearest: "Plan | None") -> None:
+        hint = f"; nearest working config: {nearest.summary()}" if nearest else "; no listed target fits this model"
+        super().__init__(reason + hint)
+        self.reason, self.nearest = reason, nearest
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan: the model as named on the command line, a target, weight storage, reserve and KV dtype."""
+
+    model: str
+    target: Target
+    weights: str = "fp16"
+    reserve_gb: float | None = None  # memory of co-resident models in GiB; None = the profile's
+    kv_dtype: str | None = None  # one KV dtype; None = every dtype the target allows
+
+
+@dataclass
+class KVPlan:
+    """The engine limits and dialogue length for one KV dtype."""
+
+    kv_dtype: str
+    bytes_per_token: int
+    paged_context_fmha: bool
+    block_reuse: bool
+    activation_bytes: int
+    max_kv_tokens: int  # tokens the memory left after weights and activations could hold
+    max_seq_len: int
+    max_input_len: int
+    max_num_tokens: int
+    tokens_per_block: int
+    num_blocks: int  # blocks of the pool the runtime should allocate (max_seq_len x batch)
+    kv_pool_bytes: int
+    memory_left_bytes: int  # unified memory still free after the sized pool
+    est_turns: int
+    prefill_tokens_per_turn: dict  # mean and last over est_turns turns, and with block reuse
+    trtllm_build_args: list[str] | None
+    fits: bool
+
+    @property
+    def shape(self) -> EngineShape:
+        """The trtllm-build limits (weights as float16)."""
+        return EngineShape(self.kv_dtype, "float16", self.tokens_per_block, MAX_BATCH_SIZE, self.max_input_len,
+                           self.max_seq_len, self.max_num_tokens)
+
+
+@dataclass
+class Plan:
+    """A model on a target: memory budget, one KVPlan per KV dtype, warnings."""
+
+    request: PlanRequest
+    config: ModelConfig
+    turn: TurnTokens
+    co_resident_bytes: int
+    weights_bytes: int
+    kv: dict[str, KVPlan]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> Target:
+        """The target planned for."""
+        return self.request.target
+
+    @property
+    def budget_bytes(self) -> int:
+        """Memory left for activations and the KV pool (negative when the weights do not fit)."""
+        t = self.target
+        fixed = int((t.memory_gib - t.os_reserve_gib - t.runtime_overhead_gib) * GIB) - self.co_resident_bytes
+        return fixed - self.weights_bytes
+
+    def refusal(self) -> str | None:
+        """Why this plan cannot work, or None."""
+        t, req = self.target, self.request
+        if req.weights not in t.weight_formats:
+            return f"{req.weights} weights are not available on {t.name}; it takes {', '.join(t.weight_formats)}"
+        if req.kv_dtype is not None and req.kv_dtype not in t.kv_dtypes:
+            why = t.unsupported_kv.get(req.kv_dtype, f"{t.name} takes KV dtypes {', '.join(t.kv_dtypes)}")
+            return f"{req.kv_dtype} KV cache does not work on {t.name}: {why}"
+        if self.budget_bytes <= 0:
+            return (f"{self.weights_bytes / GIB:.2f} GiB of {req.weights} weights do not fit on {t.name}: "
+                    f"{t.memory_gib} GiB less OS {t.os_reserve_gib} GiB, co-resident models "
+                    f"{self.co_resident_bytes / GIB:.2f} GiB and runtime {t.runtime_overhead_gib} GiB leaves "
+                    f"{(self.budget_bytes + self.weights_bytes) / GIB:.2f} GiB")
+        if not any(kv.fits for kv in self.kv.values()):
+            best = max(self.kv.values(), key=lambda kv: kv.max_kv_tokens)
+            return (f"after {self.weights_bytes / GIB:.2f} GiB of weights the KV pool on {t.name} holds "
+                    f"{best.max_kv_tokens} tokens ({best.kv_dtype}), fewer than {MIN_TURNS} dialogue turns "
+                    f"({self.turn.system + MIN_TURNS * self.turn.per_turn} tokens)")
+        return None
+
+    def summary(self) -> str:
+        """One line: target, weights, KV dtype(s) and their turns."""
+        kvs = ", ".join(f"{kv.kv_dtype} KV {kv.est_turns} turns" for kv in self.kv.values() if kv.fits)
+        weights = f" --weights {self.request.weights}" if self.request.weights != "fp16" else ""
+        kv_flag = f" --kv-cache {self.request.kv_dtype}" if self.request.kv_dtype else ""
+        return f"--target {self.target.name}{weights}{kv_flag} ({kvs})"
+
+    def to_json(self) -> dict:
+        """The plan as cabin-plan --json prints it; per-dtype values are keyed by KV dtype."""
+        def per(key: str) -> dict:
+            return {name: getattr(kv, key) for name, kv in self.kv.items()}
+
+        t = self.target
+        return {
+            "target": t.name,
+            "target_profile": t.to_dict(),
+            "model": {"source": self.request.model, "architecture": self.config.architecture,
+                      "parameters": parameter_count(self.config), "layers": self.config.num_hidden_layers,
+                      "kv_heads": self.config.num_key_value_heads, "head_size": self.config.head_size,
+                      "context": self.config.max_position_embeddings},
+            "weights": self.request.weights,
+            "weights_bytes": self.weights_bytes,
+            "memory_bytes": {"total": int(t.memory_gib * GIB), "os_reserve": int(t.os_reserve_gib * GIB),
+                             "co_resident": self.co_resident_bytes,
+                             "runtime_overhead": int(t.runtime_overhead_gib * GIB), "weights": self.weights_bytes,
+                             "for_activations_and_kv": self.budget_bytes},
+            "kv_dtypes": list(self.kv),
+            "kv_bytes_per_token": per("bytes_per_token"),
+            "activation_bytes": per("activation_bytes"),
+            "max_kv_tokens": per("max_kv_tokens"),
+            "max_seq_len": per("max_seq_len"),
+            "max_input_len": per("max_input_len"),
+            "max_num_tokens": per("max_num_tokens"),
+            "tokens_per_block": t.tokens_per_block,
+            "num_blocks": per("num_blocks"),
+            "kv_pool_bytes": per("kv_pool_bytes"),
+            "memory_left_bytes": per("memory_left_bytes"),
+            "est_turns": per("est_turns"),
+            "fits": per("fits"),
+            "turn_tokens": self.turn.to_dict(),
+            "paged_context_fmha": per("paged_context_fmha"),
+            "block_reuse": per("block_reuse"),
+            "prefill_tokens_per_turn": per("prefill_tokens_per_turn"),
+            "trtllm_build_args": per("trtllm_build_args") if t.backend == "tensorrt" else None,
+            "warnings": self.warnings,
+        }
+
+
+def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPICAL_TURN) -> Plan:
+    """The plan of a model on a target (check ``refusal()`` before building from it)."""
+    t = request.target
+    co_resident = int((t.co_resident_gib if request.reserve_gb is None else request.reserve_gb) * GIB)
+    weights = weights_bytes(config, request.weights, t.weights_in_memory)
+    plan = Plan(request, config, turn, co_resident, weights, {})
+    dtypes = [request.kv_dtype] if request.kv_dtype in t.kv_dtypes else list(t.kv_dtypes)
+    plan.kv = {dtype: size_kv(config, t, dtype, plan.budget_bytes, turn) for dtype in dtypes}
+    plan.warnings = plan_warnings(plan)
+    return plan
+
+
+def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, turn: TurnTokens) -> KVPlan:
+    """Engine limits for one KV dtype within ``budget`` bytes for activations and the KV pool."""
+    tpb = target.tokens_per_block
+    per_token = kv_bytes_per_token(config, kv_dtype)
+    paged_fmha = not (target.backend == "tensorrt" and kv_dtype.startswith("int8"))
+    chunked = target.backend == "tensorrt" and paged_fmha
+    context = config.max_position_embeddings
+
+    def limits(seq: int) -> tuple[int, int, int]:
+        """max_input_len, max_num_tokens and activation bytes of an engine with this max_seq_len."""
+        max_input = seq - min(REPLY_TOKENS, seq // 2)
+        num_tokens = min(max_input, CHUNK_TOKENS) if chunked else max_input
+        return max_input, num_tokens, activation_bytes(config, num_tokens, seq, MAX_BATCH_SIZE, target.backend)
+
+    def fits_in_budget(seq: int) -> bool:
+        return limits(seq)[2] + blocks_for(seq * MAX_BATCH_SIZE, tpb) * tpb * per_token <= budget
+
+    if fits_in_budget(context):
+        seq = context
+    else:  # the longest max_seq_len, in whole blocks, whose activations and pool fit (both grow with it)
+        low, high = 0, context // tpb
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits_in_budget(middle * tpb) else (low, middle - 1)
+        seq = low * tpb
+    max_input, num_tokens, activations = limits(seq)
+    capacity = max(budget - activations, 0) // per_token
+    num_blocks = blocks_for(seq * MAX_BATCH_SIZE, tpb)
+    pool = num_blocks * tpb * per_token
+    turns = max((seq - turn.system) // turn.per_turn, 0)
+    fits = turns >= MIN_TURNS
+    shape = EngineShape(kv_dtype, "float16", tpb, MAX_BATCH_SIZE, max_input, seq, num_tokens)
+    return KVPlan(
+        kv_dtype=kv_dtype, bytes_per_token=per_token, paged_context_fmha=paged_fmha, block_reuse=paged_fmha,
+        activation_bytes=activations, max_kv_tokens=capacity, max_seq_len=seq, max_input_len=max_input,
+        max_num_tokens=num_tokens, tokens_per_block=tpb, num_blocks=num_blocks, kv_pool_bytes=pool,
+        memory_left_bytes=budget - activations - pool, est_turns=turns,
+        prefill_tokens_per_turn=prefill_per_turn(turn, turns, tpb, paged_fmha),
+        trtllm_build_args=build_args(shape, flag_set(target.trtllm_line)) if target.trtllm_line and fits else None,
+        fits=fits,
+    )
+
+
+def blocks_for(tokens: int, tokens_per_block: int) -> int:
+    """KV blocks that hold ``tokens`` tokens."""
+    return -(-tokens // tokens_per_block)
+
+
+def prefill_per_turn(turn: TurnTokens, turns: int, tokens_per_block: int, reuse: bool) -> dict:
+    """Tokens prefilled per turn over a dialogue of ``turns`` turns.
+
+    With block reuse a turn prefills its new user message plus, on average, half a
+    block (reuse matches whole blocks only); without it, the whole history again.
+    """
+    with_reuse = turn.user + tokens_per_block // 2
+    history_mean = turn.system + turn.user + turn.per_turn * max(turns - 1, 0) // 2
+    history_last = turn.system + turn.user + turn.per_turn * max(turns - 1, 0)
+    return {"mean": with_reuse if reuse else history_mean, "last": with_reuse if reuse else history_last,
+            "with_block_reuse": with_reuse}
+
+
+def plan_warnings(plan: Plan) -> list[str]:
+    """The known conflicts and costs of this plan, stated with numbers."""
+    t, out = plan.target, []
+    if plan.request.weights != "fp16":
+        out.append(f"cabin-build writes fp16 checkpoints: {plan.request.weights} weight-only storage is planned "
+                   "here but not built yet")
+    if t.weights_in_memory:
+        out.append(f"the {t.name} runtime holds weights in {t.weights_in_memory}: "
+                   f"{plan.weights_bytes / GIB:.2f} GiB counted")
+    if plan.config.tie_word_embeddings:
+        lm_head = plan.config.vocab_size * plan.config.hidden_size * (4 if t.weights_in_memory else 2)
+        out.append(f"lm_head is tied to the embedding; the checkpoint keeps its own copy ({lm_head / MIB:.0f} MiB, "
+                   "counted)")
+    for kv in plan.kv.values():
+        if not kv.fits:
+            out.append(f"{kv.kv_dtype} KV: the pool holds {kv.max_kv_tokens} tokens, {kv.est_turns} turns: "
+                       f"fewer than {MIN_TURNS}, not usable")
+            continue
+        if t.backend == "tensorrt" and not kv.paged_context_fmha:
+            reuse = kv.prefill_tokens_per_turn
+            chunked = activation_bytes(plan.config, min(kv.max_input_len, CHUNK_TOKENS), kv.max_seq_len,
+                                       MAX_BATCH_SIZE, t.backend)
+            out.append(
+                f"{kv.kv_dtype} KV on TensorRT-LLM cannot use paged context FMHA, so the engine has no KV block "
+                f"reuse and no chunked prefill: each turn re-prefills the whole history, {reuse['mean']} tokens "
+                f"per turn on average over {kv.est_turns} turns ({reuse['last']} at the last) instead of about "
+                f"{reuse['with_block_reuse']} with reuse; max_num_tokens must cover the whole prompt "
+                f"({kv.max_num_tokens}), {kv.activation_bytes / MIB:.0f} MiB of activations instead of "
+                f"{chunked / MIB:.0f} MiB")
+    capped = [kv for kv in plan.kv.values() if kv.fits and kv.max_kv_tokens > plan.config.max_position_embeddings]
+    if capped:
+        held = ", ".join(f"{kv.max_kv_tokens:,} ({kv.kv_dtype}, {kv.memory_left_bytes / GIB:.2f} GiB left)"
+                         for kv in capped)
+        out.append(f"the model's context ({plan.config.max_position_embeddings:,} tokens) caps max_seq_len, not "
+                   f"memory: it could hold {held}; a longer dialogue needs the overflow policy (sliding window "
+                   "+ sink tokens), and the memory left is free for other models")
+    if t.backend == "tensorrt":
+        out.append("size the runtime KV pool with KvCacheConfig(max_tokens=max_seq_len): the default "
+                   "free_gpu_memory_fraction=0.9 takes 90% of free unified memory, including what the "
+                   "co-resident models need")
+    return out
+
+
+def nearest_working(request: PlanRequest, config: ModelConfig, targets: dict[str, Target],
+                    weight_formats: tuple[str, ...] = WEIGHT_FORMATS, turn: TurnTokens = TYPICAL_TURN) -> Plan | None:
+    """The closest plan that works: another KV dtype here, lighter weights here, then larger targets.
+
+    ``weight_formats`` limits the weights tried (cabin-build writes fp16 only).
+    """
+    here = request.target
+    lighter = [w for w in weight_formats if w in here.weight_formats]
+    lighter = lighter[lighter.index(request.weights) + 1:] if request.weights in lighter else lighter
+    kv_here = request.kv_dtype if request.kv_dtype in here.kv_dtypes else None
+    if request.kv_dtype and kv_here is None:  # the same-size dtype this target has (fp8 <-> int8), else the smallest
+        kv_here = min(here.kv_dtypes, key=lambda d: (kv_bytes_per_token(config, d), d != "int8"))
+    candidates = [replace(request, kv_dtype=kv_here)]
+    candidates += [replace(request, weights=w, kv_dtype=kv_here) for w in lighter]
+    larger = sorted((t for t in targets.values() if t.memory_gib > here.memory_gib), key=lambda t: t.memory_gib)
+    for target in larger:
+        for weights in dict.fromkeys([request.weights, *weight_formats]):
+            kv = request.kv_dtype if request.kv_dtype in target.kv_dtypes else None
+            candidates.append(replace(request, target=target, weights=weights, kv_dtype=kv))
+    for candidate in candidates:
+        plan = make_plan(candidate, config, turn)
+        if plan.refusal() is None:
+            return plan
+    return None
+

@@ -1,0 +1,115 @@
+"""``cabin-eval``: perplexity, KL and top-1 agreement of KV cache modes on held-out dialogues."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from calibration.calibrate import CalibrationRequest, calibrate
+from calibration.charts import plot_accuracy
+from calibration.dialogues import DataError
+from calibration.evaluate import EVAL_MODES, STATIC_MODES, ModeResult, evaluate, results_json
+from calibration.model_source import LoadedModel, load_model
+from calibration.selection import prepare_dialogues
+from runtime.atomic import atomic_write_text
+from runtime.checkpoint import CheckpointError
+from runtime.kv_scales import ScalesError, ScalesFile, load_scales_file
+
+RESULTS_JSON = "eval.json"
+CHART_PNG = "accuracy.png"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options of cabin-eval."""
+    parser = argparse.ArgumentParser(
+        prog="cabin-eval",
+        description="Teacher-forced accuracy of KV cache modes against full precision (fp32 KV) on held-out "
+                    "dialogues: perplexity, mean KL of next-token distributions, top-1 agreement.")
+    parser.add_argument("--model", default="default", help="'default', an engine or checkpoint folder, a .gguf "
+                                                           "file or an HF model folder")
+    parser.add_argument("--data", default="builtin", help="'builtin', 'sharegpt', a .jsonl or a ShareGPT .json file")
+    parser.add_argument("--kv-cache", default=",".join(EVAL_MODES),
+                        help=f"comma-separated modes (default all: {','.join(EVAL_MODES)})")
+    parser.add_argument("--scales", type=Path,
+                        help="kv_scales.json from cabin-calibrate; default: the engine's own if it has channel "
+                             "ranges, else a calibration on the train split of --data")
+    parser.add_argument("--num-dialogues", type=int, default=8, help="held-out dialogues to evaluate (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=2048, help="tokens per dialogue at most (default 2048)")
+    parser.add_argument("--min-tokens", type=int, default=0, help="use only dialogues with at least this many tokens")
+    parser.add_argument("--calib-dialogues", type=int, default=16,
+                        help="train dialogues for the calibration made when no scales are given (default 16)")
+    parser.add_argument("--seed", type=int, default=0, help="selects which dialogues are used (default 0)")
+    parser.add_argument("--json", action="store_true", help="print the JSON object instead of the table")
+    parser.add_argument("--output", type=Path, default=Path("eval_report"),
+                        help=f"folder for {RESULTS_JSON} and {CHART_PNG} (default eval_report)")
+    return parser.parse_args(argv)
+
+
+def resolve_scales(args: argparse.Namespace, model: LoadedModel, modes: list[str]) -> tuple[ScalesFile | None, str]:
+    """The scales the static modes use, and where they came from."""
+    if not any(m in STATIC_MODES for m in modes):
+        return None, "none needed"
+    kv_shape = (model.config.num_key_value_heads, model.config.head_size)
+    layers = model.config.num_hidden_layers
+    if args.scales:
+        return load_scales_file(args.scales, model.fingerprint, layers, kv_shape), str(args.scales)
+    if model.scales_path:
+        found = load_scales_file(model.scales_path, model.fingerprint, layers, kv_shape)
+        if found.ranges is not None or "int8-shared-eq" not in modes:
+            return found, str(model.scales_path)
+    request = CalibrationRequest(args.data, args.calib_dialogues, args.max_tokens, args.min_tokens, "max",
+                                 seed=args.seed)
+    print(f"cabin-eval: no scales given; calibrating on {args.calib_dialogues} train dialogues of {args.data}",
+          file=sys.stderr)
+    result = calibrate(model, request)
+    return result.scales_file, f"calibrated now: {args.calib_dialogues} train dialogues of {args.data}, max"
+
+
+def format_table(results: dict[str, ModeResult]) -> str:
+    """The results as an aligned text table."""
+    rows = [f"{'KV mode':<16}{'bytes/token':>12}{'perplexity':>12}{'vs fp32':>10}{'KL':>11}{'top-1 agree':>13}"]
+    for mode, r in results.items():
+        delta = "-" if mode == "fp32" else f"{r.ppl_delta_pct:+.2f}%"
+        rows.append(f"{mode:<16}{r.kv_bytes_per_token:>12}{r.ppl:>12.4f}{delta:>10}{r.kl:>11.5f}"
+                    f"{100 * r.top1_agree:>12.2f}%")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = parse_args(argv)
+    modes = [m.strip() for m in args.kv_cache.split(",") if m.strip()]
+    started = time.perf_counter()
+    try:
+        unknown = [m for m in modes if m not in EVAL_MODES]
+        if unknown or not modes:
+            raise ValueError(f"unknown --kv-cache mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
+        model = load_model(args.model)
+        scales, scales_source = resolve_scales(args, model, modes)
+        dialogues, data = prepare_dialogues(args.data, "heldout", args.num_dialogues, args.seed, model.tokenizer,
+                                            args.max_tokens, args.min_tokens)
+        results = evaluate(model, dialogues, modes, scales)
+    except (CheckpointError, DataError, ScalesError, ValueError) as err:
+        print(f"cabin-eval: error: {err}", file=sys.stderr)
+        return 2
+    table = format_table(results)
+    record = {"modes": results_json(results), "model": model.name, "scales": scales_source, "data": data,
+              "seconds": round(time.perf_counter() - started, 1),
+              "command": " ".join(["cabin-eval", *sys.argv[1:]] if argv is None else ["cabin-eval", *argv])}
+    args.output.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.output / RESULTS_JSON, json.dumps(record, indent=2))
+    plot_accuracy(results, args.output / CHART_PNG,
+                  f"{model.name} on {data['dialogues']} held-out {args.data} dialogues, {data['tokens']} tokens")
+    if args.json:
+        print(json.dumps(results_json(results), indent=2))
+    else:
+        print(f"{data['dialogues']} held-out dialogues of {args.data}, {data['tokens']} tokens; scales: {scales_source}")
+        print(table)
+    print(f"results in {args.output / RESULTS_JSON} and {args.output / CHART_PNG}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

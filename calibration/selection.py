@@ -1,0 +1,84 @@
+"""Train/held-out split, seeded selection and tokenization of dialogues.
+
+The split depends only on a dialogue's id (a hash), never on the seed or on how
+many dialogues are asked for, so calibration (train) and evaluation (held-out)
+never see the same dialogue, whatever options either run used.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+from dataclasses import dataclass
+from typing import Iterable
+
+from calibration.dialogues import DataError, Dialogue
+from calibration.sources import open_source
+from runtime.tokenizer import ChatTokenizer
+
+SPLITS = ("train", "heldout")
+HELDOUT_PERCENT = 20
+OVERSAMPLE = 8  # candidates kept per requested dialogue, for those that turn out too short once tokenized
+
+
+@dataclass
+class TokenizedDialogue:
+    """A dialogue rendered with the chat template and tokenized (cut to the token limit)."""
+
+    id: str
+    token_ids: list[int]
+
+
+def split_of(key: str) -> str:
+    """``heldout`` for about HELDOUT_PERCENT % of keys (dialogue ids or groups), ``train`` for the rest; fixed per key."""
+    bucket = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:4], "big") % 100
+    return "heldout" if bucket < HELDOUT_PERCENT else "train"
+
+
+def select_dialogues(dialogues: Iterable[Dialogue], split: str, count: int, seed: int,
+                     min_chars: int = 0) -> list[Dialogue]:
+    """Up to ``count`` dialogues of one split with at least ``min_chars`` characters, chosen by seed.
+
+    The order is a seeded hash of the id, so the choice is reproducible and
+    only ``count`` dialogues are held in memory.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    pool = (d for d in dialogues
+            if split_of(d.group or d.id) == split and sum(len(m["content"]) for m in d.messages) >= min_chars)
+    return heapq.nsmallest(count, pool, key=lambda d: hashlib.sha256(f"{seed}:{d.id}".encode("utf-8")).digest())
+
+
+def tokenize_dialogue(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: int) -> list[int]:
+    """Token ids of the whole rendered conversation (BOS first if the model wants it), cut to max_tokens."""
+    ids = tokenizer.encode(tokenizer.render(dialogue.messages, add_generation_prompt=False))
+    if tokenizer.add_bos_token and tokenizer.bos_token:
+        ids = [tokenizer.token_id(tokenizer.bos_token)] + ids
+    return ids[:max_tokens]
+
+
+def prepare_dialogues(data: str, split: str, count: int, seed: int, tokenizer: ChatTokenizer,
+                      max_tokens: int, min_tokens: int = 0) -> tuple[list[TokenizedDialogue], dict]:
+    """Load, split, select and tokenize ``count`` dialogues of ``min_tokens``..``max_tokens`` tokens.
+
+    Returns them with a data summary (source, load report, split, seed, token counts).
+    """
+    if count < 1 or max_tokens < 2 or min_tokens > max_tokens:
+        raise DataError(f"need count >= 1 (got {count}) and 2 <= min_tokens <= max_tokens "
+                        f"(got {min_tokens}, {max_tokens})")
+    dialogues, report = open_source(data)
+    # A token is at least one UTF-8 byte and a character at most four, so shorter texts cannot qualify.
+    candidates = select_dialogues(dialogues, split, count * OVERSAMPLE, seed, min_chars=min_tokens // 4)
+    chosen: list[TokenizedDialogue] = []
+    for dialogue in candidates:
+        ids = tokenize_dialogue(dialogue, tokenizer, max_tokens)
+        if len(ids) >= max(min_tokens, 2):
+            chosen.append(TokenizedDialogue(dialogue.id, ids))
+        if len(chosen) == count:
+            break
+    if len(chosen) < count:
+        raise DataError(f"{data}: only {len(chosen)} {split} dialogues of at least {min_tokens} tokens found, "
+                        f"{count} asked for; ask for fewer dialogues, lower --min-tokens or use a larger data set")
+    summary = {**report.to_dict(), "split": split, "seed": seed, "dialogues": len(chosen),
+               "tokens": sum(len(d.token_ids) for d in chosen), "max_tokens": max_tokens,
+               "min_tokens": min_tokens, "ids": [d.id for d in chosen]}
+    return chosen, summary

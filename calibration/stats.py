@@ -1,0 +1,95 @@
+"""Per-layer K/V range statistics collected by running the model over dialogues.
+
+K is measured as the cache stores it (after RoPE). For K and for V, each layer
+keeps the abs-max per channel (per head and per layer follow from it) and a
+histogram of |x| on fixed log-spaced bins, good for percentiles and clipping
+error. Memory is fixed by the model's shape, whatever the amount of data.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from calibration.selection import TokenizedDialogue
+from runtime.kv_cache import PagedKVCache
+from runtime.model import Transformer
+
+HIST_BINS = 4096
+HIST_LOW, HIST_HIGH = 1e-4, 1e4  # |x| below HIST_LOW counts in bin 0, above HIST_HIGH in the last bin
+_LOG_LOW, _LOG_HIGH = torch.tensor(HIST_LOW).log().item(), torch.tensor(HIST_HIGH).log().item()
+
+
+def bin_edges() -> torch.Tensor:
+    """The HIST_BINS + 1 edges of the |x| histogram (float64); bin 0 starts at 0."""
+    edges = torch.logspace(_LOG_LOW, _LOG_HIGH, HIST_BINS + 1, base=torch.e, dtype=torch.float64)
+    edges[0] = 0.0
+    return edges
+
+
+@dataclass
+class RangeStats:
+    """Ranges of K (or V) of every layer: channel abs-max (layers, kv_heads, head_size) and |x| histogram."""
+
+    channel_amax: torch.Tensor
+    hist: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_layers: int, num_kv_heads: int, head_size: int) -> "RangeStats":
+        """Statistics of no data."""
+        return cls(torch.zeros(num_layers, num_kv_heads, head_size), torch.zeros(num_layers, HIST_BINS, dtype=torch.float64))
+
+    @property
+    def layer_amax(self) -> torch.Tensor:
+        """Abs-max per layer, shape (layers,)."""
+        return self.channel_amax.amax(dim=(1, 2))
+
+    @property
+    def head_amax(self) -> torch.Tensor:
+        """Abs-max per layer and KV head, shape (layers, kv_heads)."""
+        return self.channel_amax.amax(dim=2)
+
+    def update(self, layer: int, x: torch.Tensor) -> None:
+        """Add values of shape (tokens, kv_heads, head_size) to one layer."""
+        magnitude = x.abs()
+        self.channel_amax[layer] = torch.maximum(self.channel_amax[layer], magnitude.amax(dim=0))
+        logs = magnitude.flatten().clamp(HIST_LOW, HIST_HIGH).log()
+        self.hist[layer] += torch.histc(logs, HIST_BINS, _LOG_LOW, _LOG_HIGH).double()
+
+
+@dataclass
+class KVStats:
+    """K and V statistics of a model over some data."""
+
+    k: RangeStats
+    v: RangeStats
+    dialogues: int = 0
+    tokens: int = 0
+
+
+def collect_stats(model: Transformer, dialogues: list[TokenizedDialogue], tokens_per_block: int = 32,
+                  progress: bool = True) -> KVStats:
+    """Run the model in full precision over each dialogue and gather K/V statistics of every layer."""
+    layout = model.kv_layout
+    stats = KVStats(RangeStats.empty(layout.num_layers, layout.num_kv_heads, layout.head_size),
+                    RangeStats.empty(layout.num_layers, layout.num_kv_heads, layout.head_size))
+    total = sum(len(d.token_ids) for d in dialogues)
+    with tqdm(total=total, unit="tok", desc="collecting K/V stats", file=sys.stderr, disable=not progress) as bar:
+        for seq_id, dialogue in enumerate(dialogues):
+            ids = dialogue.token_ids
+            blocks = -(-len(ids) // tokens_per_block)
+            cache = PagedKVCache(layout, "fp32", layout.bytes_per_token("fp32") * tokens_per_block * blocks,
+                                 tokens_per_block)
+            cache.allocate(seq_id, ids)
+            model.forward(ids, 0, cache, seq_id)
+            table = cache.block_table(seq_id)
+            for layer in range(layout.num_layers):
+                k, v = cache.read(layer, table, len(ids))
+                stats.k.update(layer, k)
+                stats.v.update(layer, v)
+            stats.dialogues += 1
+            stats.tokens += len(ids)
+            bar.update(len(ids))
+    return stats

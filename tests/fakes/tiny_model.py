@@ -1,0 +1,52 @@
+"""A tiny random Llama saved as an HF folder (config.json, model.safetensors, tokenizer files), without transformers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+WORDS = "navigate to the nearest charging station set cabin temperature play some jazz what does light mean".split()
+SPECIAL = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
+TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+SHAPE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 1024}
+
+
+def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
+    """Write the tiny model into ``folder`` and return it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {token: i for i, token in enumerate(SPECIAL + WORDS)}
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, heads, kv_heads = (SHAPE[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                    "num_key_value_heads"))
+    d = h // heads
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.3
+
+    weights = {"model.embed_tokens.weight": rand(len(vocab), h), "model.norm.weight": 1 + rand(h),
+               "lm_head.weight": rand(len(vocab), h)}
+    for layer in range(SHAPE["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        weights.update({
+            f"{p}.input_layernorm.weight": 1 + rand(h), f"{p}.post_attention_layernorm.weight": 1 + rand(h),
+            f"{p}.self_attn.q_proj.weight": rand(heads * d, h), f"{p}.self_attn.k_proj.weight": rand(kv_heads * d, h),
+            f"{p}.self_attn.v_proj.weight": rand(kv_heads * d, h), f"{p}.self_attn.o_proj.weight": rand(h, heads * d),
+            f"{p}.mlp.gate_proj.weight": rand(inter, h), f"{p}.mlp.up_proj.weight": rand(inter, h),
+            f"{p}.mlp.down_proj.weight": rand(h, inter),
+        })
+    save_file(weights, str(folder / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": len(vocab), "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "tie_word_embeddings": False, **SHAPE}
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    tok_config = {"eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False, "chat_template": TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return folder

@@ -1,0 +1,162 @@
+"""K/V statistics, clip methods, and the kv_scales.json round trip with every rejection."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from calibration.scales import compute_clips, layer_ranges, mse_clip, percentile_clip, quantization_mse
+from calibration.selection import prepare_dialogues
+from calibration.stats import KVStats, RangeStats, collect_stats
+from runtime.kv_cache import KVScales
+from runtime.kv_scales import LayerRanges, ScalesError, load_scales, load_scales_file, save_scales
+
+
+def _stats_of(x: torch.Tensor) -> RangeStats:
+    stats = RangeStats.empty(1, x.shape[1], x.shape[2])
+    stats.update(0, x)
+    return stats
+
+
+def test_range_stats_track_channel_max_and_count_every_value():
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(50, 2, 8, generator=gen), torch.randn(30, 2, 8, generator=gen) * 3
+    stats = RangeStats.empty(2, 2, 8)
+    stats.update(1, a)
+    stats.update(1, b)
+    assert torch.equal(stats.channel_amax[1], torch.cat([a, b]).abs().amax(0))
+    assert torch.equal(stats.head_amax[1], torch.cat([a, b]).abs().amax(dim=(0, 2)))
+    assert stats.hist[1].sum() == 80 * 16 and stats.hist[0].sum() == 0
+    assert stats.layer_amax[0] == 0
+
+
+def test_percentile_clip_matches_the_true_quantile():
+    x = torch.randn(20_000, 1, 8, generator=torch.Generator().manual_seed(1))
+    stats = _stats_of(x)
+    amax = float(stats.layer_amax[0])
+    want = float(torch.quantile(x.abs().flatten(), 0.999))
+    got = percentile_clip(stats.hist[0], amax, 99.9)
+    assert abs(got / want - 1) < 0.01
+    assert percentile_clip(stats.hist[0], amax, 100) == amax
+    with pytest.raises(ValueError, match="percentile"):
+        percentile_clip(stats.hist[0], amax, 0)
+
+
+def test_mse_clip_cuts_rare_outliers_and_lowers_the_error():
+    x = torch.randn(50_000, 1, 8, generator=torch.Generator().manual_seed(2))
+    x[0, 0, 0] = 60.0  # one outlier would cost every other value its resolution
+    stats = _stats_of(x)
+    amax = float(stats.layer_amax[0])
+    clip = mse_clip(stats.hist[0], amax)
+    assert clip < amax / 3
+    errors = quantization_mse(stats.hist[0], torch.tensor([clip, amax], dtype=torch.float64))
+    assert errors[0] < errors[1] / 2
+    # The histogram estimate agrees with the error of really quantizing the data.
+    for c, estimate in zip((clip, amax), errors.tolist()):
+        s = c / 127
+        real = float(((torch.clamp(torch.round(x / s), -127, 127) * s - x) ** 2).mean())
+        assert abs(estimate / real - 1) < 0.2
+
+
+def test_compute_clips_by_method():
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(4000, 2, 8, generator=gen) * 5, torch.randn(4000, 2, 8, generator=gen)
+    stats = KVStats(_stats_of(k), _stats_of(v), dialogues=1, tokens=4000)
+    by_max = compute_clips(stats, "max")
+    assert by_max.k == [float(k.abs().max())] and by_max.v == [float(v.abs().max())]
+    assert by_max.k_clip_rate == [0.0]
+    pct = compute_clips(stats, "percentile", 99.0)
+    assert pct.k[0] < by_max.k[0] and 0.005 < pct.k_clip_rate[0] < 0.015
+    assert pytest.approx(pct.scales().k[0]) == pct.k[0] / 127
+    with pytest.raises(ValueError, match="unknown method"):
+        compute_clips(stats, "minmax")
+    empty = KVStats(RangeStats.empty(1, 2, 8), RangeStats.empty(1, 2, 8))
+    with pytest.raises(ValueError, match="no K/V values collected"):
+        compute_clips(empty, "max")
+
+
+def test_collect_stats_measures_what_the_cache_stores(default_engine):
+    dialogues, _ = prepare_dialogues("builtin", "train", 2, 0, default_engine.tokenizer, max_tokens=48)
+    stats = collect_stats(default_engine.model, dialogues, progress=False)
+    assert (stats.dialogues, stats.tokens) == (2, 96)
+    layout = default_engine.model.kv_layout
+    assert stats.k.channel_amax.shape == (layout.num_layers, layout.num_kv_heads, layout.head_size)
+    assert torch.all(stats.k.layer_amax > 0) and torch.all(stats.v.layer_amax > 0)
+    assert torch.all(stats.k.hist.sum(1) == 96 * layout.num_kv_heads * layout.head_size)
+    # Same numbers as reading one layer back from an fp32 cache by hand.
+    cache = default_engine.new_cache("fp32")
+    amax = torch.zeros(layout.num_kv_heads, layout.head_size)
+    for seq, d in enumerate(dialogues):
+        cache.allocate(seq, d.token_ids)
+        default_engine.model.forward(d.token_ids, 0, cache, seq)
+        k, _ = cache.read(5, cache.block_table(seq), len(d.token_ids))
+        amax = torch.maximum(amax, k.abs().amax(0))
+    assert torch.equal(stats.k.channel_amax[5], amax)
+
+
+# -- kv_scales.json ------------------------------------------------------------------
+
+def _ranges(layers: int = 2) -> list[LayerRanges]:
+    return [LayerRanges([[1.0 + i, 2.0], [0.5, 3.0]], [[0.1, 0.2], [0.3, 0.4 + i]], 0.001, 0.0) for i in range(layers)]
+
+
+def _write(path, **changes):
+    save_scales(path, KVScales(k=[0.1, 0.2], v=[0.01, 0.3]), "abc", "mse", {"dialogues": 3}, _ranges())
+    doc = json.loads(path.read_text())
+    for key, value in changes.items():
+        doc[key] = value
+    path.write_text(json.dumps(doc))
+    return doc
+
+
+def test_scales_file_round_trip(tmp_path):
+    path = tmp_path / "kv_scales.json"
+    doc = _write(path)
+    assert doc["version"] == 2 and doc["equalized"] is False
+    first = doc["layers"][0]
+    assert first["kv_cache_scaling_factor"] == 0.1 and first["k_amax"] == 3.0 and first["v_head_amax"] == [0.2, 0.4]
+    loaded = load_scales_file(path, "abc", 2, kv_shape=(2, 2))
+    assert loaded.scales == KVScales(k=[0.1, 0.2], v=[0.01, 0.3])
+    assert loaded.scales.shared() == [0.1, 0.3]
+    assert loaded.ranges == _ranges() and loaded.method == "mse" and loaded.data == {"dialogues": 3}
+    assert load_scales(path, "abc", 2) == loaded.scales
+
+
+def test_version_1_files_still_load(tmp_path):
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps({"version": 1, "model_fingerprint": "abc", "method": "quick-max", "data": {},
+                                "layers": [{"layer": 0, "k": 0.5, "v": 0.25, "kv_cache_scaling_factor": 0.5}]}))
+    loaded = load_scales_file(path, "abc", 1)
+    assert loaded.scales == KVScales(k=[0.5], v=[0.25]) and loaded.ranges is None
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda doc: doc.update(model_fingerprint="other"), "made for model other, not this one"),
+    (lambda doc: doc["layers"].pop(1), r"missing layer\(s\) \[1\]"),
+    (lambda doc: doc["layers"][1].update(v=float("nan")), "layer 1 v scale nan is not a finite positive"),
+    (lambda doc: doc["layers"][0].update(k=0.0), "layer 0 k scale 0.0 is not a finite positive"),
+    (lambda doc: doc["layers"][0].update(k=-1.0), "not a finite positive"),
+    (lambda doc: doc["layers"][0].update(k="Infinity"), "not a finite positive"),
+    (lambda doc: doc["layers"][1].update(k_channel_amax=[[1.0, 2.0]]), "expected \\[kv_heads, head_size\\]"),
+    (lambda doc: doc["layers"][1].update(v_channel_amax=[[-1.0, 2.0], [1.0, 1.0]]), "negative or not finite"),
+    (lambda doc: doc.update(version=99), "schema version 99"),
+    (lambda doc: doc.pop("layers"), "not a readable kv_scales.json"),
+])
+def test_scales_file_rejections(tmp_path, edit, message):
+    path = tmp_path / "kv_scales.json"
+    doc = _write(path)
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ScalesError, match=message):
+        load_scales_file(path, "abc", 2, kv_shape=(2, 2))
+
+
+def test_layer_ranges_carry_channel_maxima_and_clip_rates():
+    gen = torch.Generator().manual_seed(4)
+    stats = KVStats(_stats_of(torch.randn(500, 2, 4, generator=gen)), _stats_of(torch.randn(500, 2, 4, generator=gen)))
+    clips = compute_clips(stats, "percentile", 99.0)
+    (ranges,) = layer_ranges(stats, clips)
+    assert ranges.k_channel_amax == stats.k.channel_amax[0].tolist()
+    assert math.isclose(ranges.k_clip_rate, clips.k_clip_rate[0]) and ranges.k_clip_rate > 0

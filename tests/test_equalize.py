@@ -1,0 +1,84 @@
+"""KV equalization keeps full-precision outputs and makes one shared INT8 scale per layer fit better."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from calibration.equalize import MAX_FACTOR, equalization_factors, equalize, equalized_ranges
+from calibration.scales import compute_clips, layer_ranges
+from calibration.selection import prepare_dialogues
+from calibration.stats import collect_stats
+from runtime.checkpoint import load_checkpoint, layer_prefix
+from runtime.engine import CHECKPOINT_DIR
+from runtime.kv_cache import PagedKVCache
+from runtime.kv_scales import LayerRanges
+from runtime.model import Transformer
+
+
+@pytest.fixture(scope="module")
+def calibrated(default_engine, default_engine_dir):
+    """The default model's weights and per-channel ranges from a few short train dialogues."""
+    config, weights = load_checkpoint(default_engine_dir / CHECKPOINT_DIR)
+    train, _ = prepare_dialogues("builtin", "train", 4, 0, default_engine.tokenizer, max_tokens=96)
+    stats = collect_stats(default_engine.model, train, progress=False)
+    clips = compute_clips(stats, "max")
+    held, _ = prepare_dialogues("builtin", "heldout", 1, 0, default_engine.tokenizer, max_tokens=96)
+    return config, weights, layer_ranges(stats, clips), clips.scales(), held[0].token_ids
+
+
+def _logits(model: Transformer, ids: list[int], mode: str = "fp32", scales=None) -> torch.Tensor:
+    layout = model.kv_layout
+    cache = PagedKVCache(layout, mode, layout.bytes_per_token(mode) * 32 * 4, 32, scales)
+    cache.allocate(0, ids)
+    return model.forward(ids, 0, cache, 0, all_logits=True)
+
+
+def test_factors_are_shared_within_rope_pairs_and_bounded():
+    k = [[1.0, 8.0, 4.0, 0.5], [2.0, 2.0, 2.0, 2.0]]
+    v = [[0.25, 0.0, 1.0, 1e-9], [2.0, 2.0, 2.0, 2.0]]
+    k_factor, v_factor = equalization_factors(LayerRanges(k, v))
+    assert torch.equal(k_factor[:, :2], k_factor[:, 2:])
+    pair = torch.tensor([[4.0, 8.0], [2.0, 2.0]])
+    assert torch.allclose(k_factor[:, :2] * pair, (k_factor[0, 0] * pair[0, 0]).expand(2, 2).double())
+    assert v_factor[0, 1] == 1.0  # an all-zero channel is left alone
+    assert v_factor.max() <= MAX_FACTOR and v_factor[0, 3] == MAX_FACTOR
+    pow2_k, pow2_v = equalization_factors(LayerRanges(k, v), power_of_two=True)
+    assert torch.equal(pow2_k.log2(), pow2_k.log2().round()) and torch.equal(pow2_v.log2(), pow2_v.log2().round())
+    (eq,) = equalized_ranges([LayerRanges(k, v)])
+    assert max(max(h) for h in eq.k_channel_amax) == pytest.approx(max(max(h) for h in eq.v_channel_amax))
+
+
+def test_equalization_leaves_full_precision_logits_unchanged(calibrated):
+    config, weights, ranges, _, ids = calibrated
+    reference = _logits(Transformer(config, weights), ids)
+    exact, _ = equalize(config, weights, ranges)
+    assert float((_logits(Transformer(config, exact), ids) - reference).abs().max()) <= 1e-4
+    pow2, _ = equalize(config, weights, ranges, power_of_two=True)
+    assert torch.equal(_logits(Transformer(config, pow2), ids), reference)
+    qkv = f"{layer_prefix(3)}.attention.qkv.weight"
+    assert exact[qkv].dtype == weights[qkv].dtype and not torch.equal(exact[qkv], weights[qkv])
+    assert exact["lm_head.weight"] is weights["lm_head.weight"]
+
+
+def test_equalized_shared_int8_beats_plain_shared_int8(calibrated):
+    config, weights, ranges, scales, ids = calibrated
+    model = Transformer(config, weights)
+    reference = _logits(model, ids).log_softmax(-1)
+    eq_weights, eq_scales = equalize(config, weights, ranges)
+
+    def kl(logits: torch.Tensor) -> float:
+        return float((reference.exp() * (reference - logits.log_softmax(-1))).sum(-1).mean())
+
+    plain = kl(_logits(model, ids, "int8", scales))
+    equalized = kl(_logits(Transformer(config, eq_weights), ids, "int8", eq_scales))
+    assert equalized < plain / 3
+    assert eq_scales.k == pytest.approx(eq_scales.v)  # every channel of K and V now reaches the same range
+
+
+def test_equalize_rewrites_a_stored_shared_scale_and_rejects_other_models(calibrated):
+    config, weights, ranges, _, _ = calibrated
+    name = f"{layer_prefix(0)}.attention.kv_cache_scaling_factor"
+    out, scales = equalize(config, {**weights, name: torch.tensor([9.0])}, ranges)
+    assert float(out[name]) == pytest.approx(scales.shared()[0])
+    with pytest.raises(ValueError, match="ranges cover 2 layers"):
+        equalize(config, weights, ranges[:2])

@@ -1,0 +1,87 @@
+"""cabin-calibrate and cabin-eval end to end on the default model, on short dialogues."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from calibration import cli_calibrate, cli_eval
+from calibration.evaluate import EVAL_MODES, evaluate
+from calibration.model_source import load_model
+from calibration.selection import prepare_dialogues
+from runtime.kv_scales import load_scales_file
+
+
+@pytest.fixture(scope="module")
+def calibrated_scales(default_engine_dir, tmp_path_factory):
+    """kv_scales.json and report folder made by cabin-calibrate on three short builtin dialogues."""
+    folder = tmp_path_factory.mktemp("calibration")
+    code = cli_calibrate.main(["--model", str(default_engine_dir), "--data", "builtin", "--num-dialogues", "3",
+                               "--max-tokens", "64", "--method", "percentile", "--percentile", "99.9",
+                               "--output", str(folder / "kv_scales.json"), "--report", str(folder / "report")])
+    assert code == 0
+    return folder
+
+
+def test_cabin_calibrate_writes_scales_with_ranges_and_a_report(calibrated_scales, default_engine):
+    config = default_engine.config
+    loaded = load_scales_file(calibrated_scales / "kv_scales.json", default_engine.fingerprint,
+                              config.num_hidden_layers, (config.num_key_value_heads, config.head_size))
+    assert loaded.method == "percentile-99.9" and loaded.ranges is not None
+    assert loaded.data["dialogues"] == 3 and loaded.data["tokens"] == 192 and loaded.data["split"] == "train"
+    assert any(r.k_clip_rate > 0 for r in loaded.ranges)
+    for layer, r in enumerate(loaded.ranges):  # the percentile clip never exceeds the measured max
+        assert loaded.scales.k[layer] * 127 <= max(max(h) for h in r.k_channel_amax) * (1 + 1e-9)
+    summary = (calibrated_scales / "report" / "summary.md").read_text(encoding="utf-8")
+    assert "| 29 |" in summary and "K clipped %" in summary and "malformed skipped: 0" in summary
+    assert (calibrated_scales / "report" / "ranges.png").stat().st_size > 10_000
+
+
+def test_cabin_calibrate_explains_bad_requests(default_engine_dir, tmp_path, capsys):
+    code = cli_calibrate.main(["--model", str(default_engine_dir), "--data", str(tmp_path / "none.jsonl"),
+                               "--output", str(tmp_path / "s.json")])
+    assert code == 2 and "no such file" in capsys.readouterr().err
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_evaluate_compares_every_mode_with_full_precision(default_engine_dir, calibrated_scales):
+    model = load_model(str(default_engine_dir))
+    config = model.config
+    scales = load_scales_file(calibrated_scales / "kv_scales.json", model.fingerprint, config.num_hidden_layers)
+    dialogues, _ = prepare_dialogues("builtin", "heldout", 1, 0, model.tokenizer, max_tokens=64)
+    results = evaluate(model, dialogues, list(EVAL_MODES), scales, progress=False)
+    assert list(results) == ["fp32", *EVAL_MODES]
+    assert 1 < results["fp32"].ppl < 1000 and results["fp32"].kl == 0
+    for mode in EVAL_MODES:
+        r = results[mode]
+        assert math.isclose(r.ppl_delta_pct, 100 * (r.ppl / results["fp32"].ppl - 1))
+        assert r.kl >= -1e-6 and 0 <= r.top1_agree <= 1
+    assert abs(results["fp16"].ppl_delta_pct) < 0.1 and results["fp16"].top1_agree > 0.98
+    assert results["int8-dynamic"].kl < results["int8-shared"].kl
+    assert results["int8-shared-eq"].kl < results["int8-shared"].kl
+    assert results["int4"].kv_bytes_per_token < results["int8-shared"].kv_bytes_per_token / 1.5
+
+
+def test_cabin_eval_prints_json_keyed_by_mode(default_engine_dir, calibrated_scales, tmp_path, capsys):
+    out = tmp_path / "eval"
+    code = cli_eval.main(["--model", str(default_engine_dir), "--data", "builtin", "--kv-cache",
+                          "int8-shared,int8-shared-eq", "--scales", str(calibrated_scales / "kv_scales.json"),
+                          "--num-dialogues", "1", "--max-tokens", "48", "--json", "--output", str(out)])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert list(printed) == ["fp32", "int8-shared", "int8-shared-eq"]
+    assert set(printed["int8-shared-eq"]) >= {"ppl", "ppl_delta_pct", "kl", "top1_agree"}
+    record = json.loads((out / "eval.json").read_text())
+    assert record["modes"] == printed and record["data"]["split"] == "heldout"
+    assert (out / "accuracy.png").stat().st_size > 10_000
+
+
+def test_cabin_eval_rejects_unknown_modes_and_foreign_scales(default_engine_dir, tmp_path, capsys):
+    assert cli_eval.main(["--model", str(default_engine_dir), "--kv-cache", "int3"]) == 2
+    assert "unknown --kv-cache mode" in capsys.readouterr().err
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"version": 2, "model_fingerprint": "0" * 16, "method": "max", "layers": []}))
+    assert cli_eval.main(["--model", str(default_engine_dir), "--kv-cache", "int8-shared",
+                          "--scales", str(foreign), "--output", str(tmp_path / "e")]) == 2
+    assert "calibrate this model instead" in capsys.readouterr().err

@@ -1,0 +1,137 @@
+"""INT4 KV (KIVI-style) and quantize/dequantize error bounds of every KV cache mode."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.kv_cache import KV_MODES, KVLayout, KVScales, PagedKVCache
+from runtime.kv_int4 import (VALUE_GROUP, dequantize_keys, dequantize_values, pack_nibbles, quantize_keys,
+                             quantize_values, unpack_nibbles)
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=64)
+TPB = 8
+
+
+def _kv(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(tokens, 2, 64, generator=gen) * torch.linspace(0.5, 12, 64)  # channel-dependent key ranges
+    v = torch.randn(tokens, 2, 64, generator=gen) * torch.linspace(0.2, 3, tokens)[:, None, None]
+    return k, v
+
+
+def test_nibbles_round_trip():
+    codes = torch.randint(0, 16, (5, 3, 64), dtype=torch.uint8)
+    assert pack_nibbles(codes).shape == (5, 3, 32)
+    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), tokens=st.integers(1, 40), spread=st.floats(0.01, 100))
+def test_int4_error_is_at_most_half_a_step_per_group(seed, tokens, spread):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 2, 64, generator=gen) * spread + spread * torch.rand(1, generator=gen)
+    packed, scale, zero = quantize_keys(x)
+    err = (dequantize_keys(packed, scale, zero) - x).abs()
+    # Per channel over tokens; fp16 storage of zero adds at most 2^-11 of the range's end.
+    bound = scale.float() / 2 + x.abs().amax(0) * 2 ** -10 + 1e-6
+    assert torch.all(err <= bound)
+    packed, scale, zero = quantize_values(x)
+    err = (dequantize_values(packed, scale, zero) - x).abs().unflatten(-1, (-1, VALUE_GROUP))
+    bound = scale.float() / 2 + x.abs().unflatten(-1, (-1, VALUE_GROUP)).amax(-1) * 2 ** -10 + 1e-6
+    assert torch.all(err <= bound[..., None])
+
+
+def _cache(mode: str, blocks: int = 12, scales: KVScales | None = None) -> PagedKVCache:
+    budget = LAYOUT.bytes_per_token(mode, TPB) * TPB * blocks
+    if mode == "int4":
+        budget += LAYOUT.int4_window_bytes(TPB)
+    return PagedKVCache(LAYOUT, mode, budget, TPB, scales)
+
+
+def _write_dialogue(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, prefill: int) -> None:
+    """Prefill, then decode one token at a time, as generation does."""
+    cache.allocate(0, list(range(prefill)))
+    for layer in range(LAYOUT.num_layers):
+        cache.write(layer, cache.slots(0, 0, prefill), k[:prefill] * (layer + 1), v[:prefill])
+    for t in range(prefill, len(k)):
+        cache.append(0, [t])
+        for layer in range(LAYOUT.num_layers):
+            cache.write(layer, cache.slots(0, t, t + 1), k[t:t + 1] * (layer + 1), v[t:t + 1])
+
+
+@pytest.mark.parametrize("mode", KV_MODES)
+def test_every_mode_reads_back_within_its_error_bound(mode):
+    k, v = _kv(43, seed=7)
+    k_amax, v_amax = [float(k.abs().max() * (layer + 1)) for layer in range(2)], [float(v.abs().max())] * 2
+    scales = KVScales(k=[a / 127 for a in k_amax], v=[a / 127 for a in v_amax])
+    cache = _cache(mode, scales=scales)
+    _write_dialogue(cache, k, v, prefill=13)
+    got_k, got_v = cache.read(1, cache.block_table(0), len(k))
+    want_k = k * 2
+    if mode == "fp32":
+        k_bound, v_bound = torch.zeros(()), torch.zeros(())
+    elif mode == "fp16":
+        k_bound, v_bound = want_k.abs() * 2 ** -11, v.abs() * 2 ** -11
+    elif mode == "int8":
+        k_bound = v_bound = torch.tensor(scales.shared()[1] / 2 * 1.0001)
+    elif mode == "int8-separate":
+        k_bound, v_bound = torch.tensor(scales.k[1] / 2 * 1.0001), torch.tensor(scales.v[1] / 2 * 1.0001)
+    elif mode == "int8-dynamic":
+        k_bound = want_k.abs().amax(-1, keepdim=True) / 127 * 0.5 * 1.01
+        v_bound = v.abs().amax(-1, keepdim=True) / 127 * 0.5 * 1.01
+    else:  # int4: half a step of a 16-level group; the newest partial block stays fp16
+        k_bound = torch.cat([(want_k[:40].unflatten(0, (5, TPB)).amax(1) - want_k[:40].unflatten(0, (5, TPB)).amin(1))
+                             .repeat_interleave(TPB, 0) / 30 * 1.01, want_k[40:].abs() * 2 ** -11])
+        grouped = v.unflatten(-1, (-1, VALUE_GROUP))
+        v_bound = ((grouped.amax(-1) - grouped.amin(-1)) / 30 * 1.01).repeat_interleave(VALUE_GROUP, -1)
+        v_bound[40:] = v[40:].abs() * 2 ** -11
+        assert torch.equal(got_k[40:], want_k[40:].half().float())
+    assert torch.all((got_k - want_k).abs() <= k_bound + 1e-6)
+    assert torch.all((got_v - v).abs() <= v_bound + 1e-6)
+
+
+def test_int4_bytes_per_token_counts_codes_and_scales():
+    # codes: 2 x 128 channels / 2; key scale+zero per block and channel; value scale+zero per token and group
+    per_layer_block = TPB * 128 + 128 * 4 + TPB * (128 // VALUE_GROUP) * 4
+    assert LAYOUT.bytes_per_token("int4", TPB) == -(-per_layer_block * 2 // TPB)
+    cache = _cache("int4", blocks=5)
+    stored = sum(t.numel() * t.element_size() for t in (cache.k_data, cache.v_data, cache.k_qscale, cache.k_qzero,
+                                                        cache.v_qscale, cache.v_qzero))
+    assert stored == cache.stats().blocks_total * TPB * cache.bytes_per_token()
+    assert cache.stats().window_bytes == LAYOUT.bytes_per_token("fp16") * TPB
+    assert LAYOUT.bytes_per_token("int4", 32) * 3 < LAYOUT.bytes_per_token("fp16")
+    with pytest.raises(ValueError, match="head size divisible by 32"):
+        KVLayout(1, 1, 48).bytes_per_token("int4")
+
+
+def test_int4_windows_follow_partial_blocks_through_copy_and_free():
+    k, v = _kv(20, seed=3)
+    cache = _cache("int4", blocks=8)
+    _write_dialogue(cache, k, v, prefill=20)  # blocks: 8 + 8 quantized, 4 tokens in the window
+    assert len(cache._window_of) == 1
+    before = cache.read(0, cache.block_table(0), 20)
+    # A second sequence with the same prefix reuses the two full blocks; its own last block needs a window.
+    assert cache.allocate(1, list(range(20)) + [99]) == 16
+    for layer in range(LAYOUT.num_layers):
+        cache.write(layer, cache.slots(1, 16, 21), torch.cat([k[16:20] * (layer + 1), k[:1]]), torch.cat([v[16:], v[:1]]))
+    after = cache.read(0, cache.block_table(0), 20)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert len(cache._window_of) == 2 and cache.stats().window_bytes == 2 * LAYOUT.int4_window_bytes(TPB)
+    cache.free(1)
+    cache.free(0)
+    assert not cache._window_of and cache.stats().bytes_used == 0
+
+
+def test_int4_rewrites_a_quantized_block_after_truncation():
+    k, v = _kv(24, seed=5)
+    cache = _cache("int4", blocks=6)
+    _write_dialogue(cache, k, v, prefill=16)
+    cache.blocks.truncate(0, 12)  # what a session does when the history changes
+    cache.append(0, [7])
+    for layer in range(LAYOUT.num_layers):
+        cache.write(layer, cache.slots(0, 12, 13), k[20:21] * (layer + 1), v[20:21])
+    got_k, _ = cache.read(0, cache.block_table(0), 13)
+    assert torch.equal(got_k[12], k[20].half().float())
+    assert (got_k[8:12] - k[8:12]).abs().max() <= (k[8:16].amax(0) - k[8:16].amin(0)).max() / 30 * 1.01 + 1e-2

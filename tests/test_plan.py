@@ -1,0 +1,150 @@
+"""cabin-plan: every target profile, exact sizes, refusals with the nearest working config, bare HF config.json."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from builders.dialogue_turns import TURNS_SOURCE, TYPICAL_TURN, measure_turn_tokens
+from builders.model_shapes import load_model_config
+from builders.plan_cli import main as cabin_plan
+from builders.planner import CHUNK_TOKENS, REPLY_TOKENS, PlanRequest, make_plan
+from builders.targets import GIB, get_target, load_targets
+from builders.trtllm import build_args, flag_set
+
+LLAMA3_8B = Path(__file__).parent / "data" / "llama3-8b" / "config.json"
+TARGETS = ("orin-nano-8gb", "orin-nx-16gb", "agx-orin-32gb", "agx-orin-64gb", "thor-128gb", "cpu")
+# SmolLM2-135M: 30 layers, hidden 576, q 9x64, kv 3x64, MLP 1536, vocab 49152; lm_head stored as its own copy.
+SMOL_PARAMS = 2 * 49152 * 576 + 576 + 30 * ((576 + 2 * 192) * 576 + 576 * 576 + 3 * 1536 * 576 + 2 * 576)
+# Llama-3-8B: 32 layers, hidden 4096, q 32x128, kv 8x128, MLP 14336, vocab 128256.
+LLAMA3_PARAMS = 2 * 128256 * 4096 + 4096 + 32 * ((4096 + 2 * 1024) * 4096 + 4096 * 4096 + 3 * 14336 * 4096 + 2 * 4096)
+
+
+def run_plan(capsys, *args: str) -> tuple[int, dict | None, str]:
+    code = cabin_plan([*args, "--json"])
+    out = capsys.readouterr()
+    return code, json.loads(out.out) if out.out else None, out.err
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_plan_json_for_every_target(capsys, target):
+    code, plan, _ = run_plan(capsys, "--target", target)
+    profile = get_target(target)
+    assert code == 0 and plan["target"] == target
+    assert set(plan["kv_dtypes"]) == set(profile.kv_dtypes)
+    for key in ("weights_bytes", "kv_bytes_per_token", "max_kv_tokens", "est_turns", "trtllm_build_args", "warnings"):
+        assert key in plan
+    per_param = 4 if target == "cpu" else 2  # the reference runtime holds fp32 weights
+    assert plan["weights_bytes"] == SMOL_PARAMS * per_param
+    assert plan["kv_bytes_per_token"]["fp16"] == 23040  # DESIGN.md's figure
+    one_byte = [d for d in ("int8", "fp8") if d in profile.kv_dtypes]
+    assert all(plan["kv_bytes_per_token"][d] == 11520 for d in one_byte)
+    for dtype in profile.kv_dtypes:  # the 8,192-token context caps it everywhere for a 135M model
+        assert plan["max_seq_len"][dtype] == 8192
+        assert plan["est_turns"][dtype] == (8192 - TYPICAL_TURN.system) // TYPICAL_TURN.per_turn == 135
+        assert plan["num_blocks"][dtype] == 8192 // profile.tokens_per_block
+        assert plan["max_kv_tokens"][dtype] * plan["kv_bytes_per_token"][dtype] <= plan["memory_bytes"][
+            "for_activations_and_kv"] - plan["activation_bytes"][dtype]
+    assert (plan["trtllm_build_args"] is None) == (profile.backend == "reference")
+
+
+def test_orin_int8_plan_states_the_fmha_conflict(capsys):
+    _, plan, _ = run_plan(capsys, "--target", "orin-nano-8gb")
+    assert plan["tokens_per_block"] == 64
+    assert plan["block_reuse"] == {"fp16": True, "int8": False}
+    assert plan["max_num_tokens"] == {"fp16": CHUNK_TOKENS, "int8": 8192 - REPLY_TOKENS}
+    turns, t = 135, TYPICAL_TURN
+    assert plan["prefill_tokens_per_turn"]["int8"]["mean"] == t.system + t.user + t.per_turn * (turns - 1) // 2 == 4107
+    assert plan["prefill_tokens_per_turn"]["fp16"]["mean"] == t.user + 64 // 2 == 49
+    assert any("re-prefills the whole history, 4107 tokens per turn" in w for w in plan["warnings"])
+    assert plan["trtllm_build_args"]["int8"] == [
+        "--checkpoint_dir", "checkpoint", "--output_dir", "trt_engine", "--gemm_plugin", "float16",
+        "--paged_kv_cache", "enable", "--tokens_per_block", "64", "--use_paged_context_fmha", "disable",
+        "--max_batch_size", "1", "--max_input_len", "7936", "--max_seq_len", "8192", "--max_num_tokens", "7936"]
+
+
+def test_bare_hf_config_json_llama3_8b(capsys):
+    code, plan, _ = run_plan(capsys, "--model", str(LLAMA3_8B), "--target", "agx-orin-64gb")
+    assert code == 0
+    assert plan["model"]["parameters"] == LLAMA3_PARAMS == 8_030_261_248
+    assert plan["weights_bytes"] == 2 * LLAMA3_PARAMS
+    assert plan["kv_bytes_per_token"] == {"fp16": 131072, "int8": 65536}
+    assert plan["est_turns"] == {"fp16": 135, "int8": 135}
+    assert plan["kv_pool_bytes"] == {"fp16": 8192 * 131072, "int8": 8192 * 65536}
+
+
+def test_weight_only_formats_shrink_the_linear_layers():
+    config = load_model_config(str(LLAMA3_8B))
+    target = get_target("agx-orin-64gb")
+    sizes = {w: make_plan(PlanRequest("llama3", target, w), config).weights_bytes for w in ("fp16", "int8", "int4")}
+    embeddings = 2 * 128256 * 4096 * 2 + (65 * 4096) * 2  # embedding + lm_head + norms stay fp16
+    linear = LLAMA3_PARAMS - 2 * 128256 * 4096 - 65 * 4096
+    out_channels = 32 * (6144 + 4096 + 2 * 14336 + 4096)
+    assert sizes["int8"] == embeddings + linear + 2 * out_channels
+    groups = 32 * (6144 * 32 + 4096 * 32 + 2 * 14336 * 32 + 4096 * 112)  # in/128 groups per output row
+    assert sizes["int4"] == embeddings + linear // 2 + 2 * groups
+
+
+def test_refuses_model_that_does_not_fit_and_names_nearest(capsys):
+    code, out, err = run_plan(capsys, "--model", str(LLAMA3_8B), "--target", "orin-nano-8gb")
+    assert code == 2
+    reason = out["refused"]["reason"]
+    assert reason.startswith("14.96 GiB of fp16 weights do not fit on orin-nano-8gb") and "leaves 4.10 GiB" in reason
+    nearest = out["refused"]["nearest"]
+    assert (nearest["target"], nearest["weights"]) == ("orin-nx-16gb", "int8")  # int4 on the Nano does not fit either
+    assert all(nearest["fits"].values())
+    assert "nearest working config: --target orin-nx-16gb --weights int8" in err
+
+
+def test_refuses_kv_dtype_the_target_cannot_run(capsys):
+    code, out, _ = run_plan(capsys, "--target", "orin-nano-8gb", "--kv-cache", "fp8")
+    assert code == 2 and "Orin (SM87) has no FP8" in out["refused"]["reason"]
+    assert out["refused"]["nearest"]["kv_dtypes"] == ["int8"]
+    code, out, _ = run_plan(capsys, "--target", "thor-128gb", "--kv-cache", "int8")
+    assert code == 2 and "refuses INT8 (INT8 KV included) on SM100-119" in out["refused"]["reason"]
+    assert out["refused"]["nearest"]["kv_dtypes"] == ["fp8"]
+
+
+def test_unknown_target_lists_known_ones(capsys):
+    assert cabin_plan(["--target", "orin-nano"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown target 'orin-nano'; known targets: " + ", ".join(TARGETS) in err
+
+
+def test_small_budget_shrinks_max_seq_len_to_fit():
+    config = load_model_config(str(LLAMA3_8B))
+    target = get_target("agx-orin-32gb")
+    free = (target.memory_gib - target.os_reserve_gib - target.runtime_overhead_gib) * GIB - 2 * LLAMA3_PARAMS
+    plan = make_plan(PlanRequest("llama3", target, reserve_gb=(free - 0.75 * GIB) / GIB), config)
+    budget = plan.budget_bytes
+    assert 0.74 * GIB < budget < 0.76 * GIB
+    for kv in plan.kv.values():
+        assert kv.max_seq_len < 8192 and kv.max_seq_len % 64 == 0
+        assert kv.memory_left_bytes == budget - kv.activation_bytes - kv.kv_pool_bytes >= 0  # what is planned fits
+        assert kv.kv_pool_bytes == kv.num_blocks * 64 * kv.bytes_per_token == kv.max_seq_len * kv.bytes_per_token
+        assert kv.est_turns == (kv.max_seq_len - TYPICAL_TURN.system) // TYPICAL_TURN.per_turn
+    # INT8 holds more tokens despite needing the whole prompt in one prefill.
+    assert plan.kv["int8"].max_seq_len > plan.kv["fp16"].max_seq_len
+
+
+def test_int8_never_asks_for_paged_context_fmha():
+    config = load_model_config(str(LLAMA3_8B))
+    for target in load_targets().values():
+        for dtype in target.kv_dtypes:
+            kv = make_plan(PlanRequest("llama3", target, "int4", kv_dtype=dtype), config).kv[dtype]
+            for flags in ("v0.12", "1.x"):
+                args = build_args(kv.shape, flags)
+                fmha = args[args.index("--use_paged_context_fmha") + 1]
+                assert fmha == ("disable" if dtype.startswith("int8") else "enable")
+    assert flag_set("0.12.0") == "v0.12" and flag_set("0.13.0") == "1.x" and flag_set("1.0.0rc3") == "1.x"
+
+
+def test_typical_turn_is_measured_on_the_builtin_set(default_engine):
+    from calibration.sources import open_source
+
+    dialogues, _ = open_source("builtin")
+    messages = [d.messages for d in dialogues]
+    assert len(messages) == 200
+    measured = measure_turn_tokens(default_engine.tokenizer, messages, TURNS_SOURCE, "SmolLM2-135M-Instruct")
+    assert measured == TYPICAL_TURN, "the built-in dialogue set changed: update TYPICAL_TURN in dialogue_turns.py"
