@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.checkpoint import CheckpointError, ModelConfig, load_checkpoint
-from runtime.kv_cache import STATIC_INT8_MODES, KVScales, PagedKVCache
+from runtime.kv_cache import KV_MODES, STATIC_INT8_MODES, KVScales, PagedKVCache
 from runtime.kv_scales import load_scales, model_fingerprint
 from runtime.model import Transformer
 from runtime.tokenizer import ChatTokenizer
@@ -54,8 +54,9 @@ class Engine:
 
     @property
     def default_kv_mode(self) -> str:
-        """The KV mode the engine was built for."""
-        return self.manifest.get("kv_cache", "fp16")
+        """The KV mode the engine was built for (fp16 where the reference engine has no such storage, e.g. fp8)."""
+        mode = self.manifest.get("kv_cache", "fp16")
+        return mode if mode in KV_MODES else "fp16"
 
     def stop_token_ids(self) -> list[int]:
         """Every id that ends an assistant turn."""

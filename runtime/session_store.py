@@ -20,6 +20,7 @@ from runtime.overflow import OverflowPolicy
 from runtime.sampling import SamplingParams
 
 SESSION_FORMAT = "cabin-session/1"
+PER_TOKEN_MODES = ("fp32", "fp16", "int8", "int8-separate", "int8-dynamic")
 
 
 class SessionFileError(ValueError):
@@ -36,10 +37,10 @@ def scales_fingerprint(cache: PagedKVCache) -> str:
 
 def _token_tensors(cache: PagedKVCache) -> dict[str, torch.Tensor]:
     """The cache's per-token storage tensors, each shaped (layers, blocks, tokens_per_block, ...)."""
+    if cache.mode not in PER_TOKEN_MODES:
+        raise SessionFileError(f"saving sessions needs per-token KV storage ({', '.join(PER_TOKEN_MODES)}), "
+                               f"not {cache.mode}")
     names = ["k_data", "v_data"] + (["k_sdata", "v_sdata"] if cache.mode == "int8-dynamic" else [])
-    missing = [n for n in names if not hasattr(cache, n)]
-    if missing:
-        raise SessionFileError(f"saving sessions is not supported for KV mode {cache.mode}")
     return {name: getattr(cache, name) for name in names}
 
 
