@@ -130,20 +130,20 @@ class PagedKVCache:
             self._init_int4(shape)
             return
         dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(mode, torch.int8)
-        self.k_data = torch.zeros(shape, dtype=dtype)
-        self.v_data = torch.zeros(shape, dtype=dtype)
+        self.k_data = _committed(shape, dtype=dtype)
+        self.v_data = _committed(shape, dtype=dtype)
         if mode == "int8-dynamic":
-            self.k_sdata = torch.zeros(shape[:-1], dtype=torch.float16)
-            self.v_sdata = torch.zeros(shape[:-1], dtype=torch.float16)
+            self.k_sdata = _committed(shape[:-1], dtype=torch.float16)
+            self.v_sdata = _committed(shape[:-1], dtype=torch.float16)
 
     def _init_int4(self, shape: tuple[int, ...]) -> None:
         layers, blocks, tpb, heads, d = shape
-        self.k_data = torch.zeros(layers, blocks, tpb, heads, d // 2, dtype=torch.uint8)
-        self.v_data = torch.zeros(layers, blocks, tpb, heads, d // 2, dtype=torch.uint8)
-        self.k_qscale = torch.zeros(layers, blocks, heads, d, dtype=torch.float16)
-        self.k_qzero = torch.zeros(layers, blocks, heads, d, dtype=torch.float16)
-        self.v_qscale = torch.zeros(layers, blocks, tpb, heads, d // VALUE_GROUP, dtype=torch.float16)
-        self.v_qzero = torch.zeros(layers, blocks, tpb, heads, d // VALUE_GROUP, dtype=torch.float16)
+        self.k_data = _committed(layers, blocks, tpb, heads, d // 2, dtype=torch.uint8)
+        self.v_data = _committed(layers, blocks, tpb, heads, d // 2, dtype=torch.uint8)
+        self.k_qscale = _committed(layers, blocks, heads, d, dtype=torch.float16)
+        self.k_qzero = _committed(layers, blocks, heads, d, dtype=torch.float16)
+        self.v_qscale = _committed(layers, blocks, tpb, heads, d // VALUE_GROUP, dtype=torch.float16)
+        self.v_qzero = _committed(layers, blocks, tpb, heads, d // VALUE_GROUP, dtype=torch.float16)
         window = (layers, tpb, heads, d)
         self._windows = [(torch.zeros(window, dtype=torch.float16), torch.zeros(window, dtype=torch.float16))]
         self._free_windows = [0]
@@ -313,3 +313,8 @@ def _gather(pool: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> t
     ``index_select`` on one layer is far faster than indexing (layer, block_table) together.
     """
     return pool.index_select(0, block_table).flatten(0, 1)[:num_tokens]
+
+
+def _committed(*shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor whose pages are written now, so the process holds the whole budget from the start."""
+    return torch.empty(*shape, dtype=dtype).fill_(0)
