@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from calibration.model_source import LoadedModel
 from calibration.scales import DEFAULT_PERCENTILE, LayerClips, compute_clips, layer_ranges
@@ -48,7 +49,7 @@ def calibrate(model: LoadedModel, request: CalibrationRequest, progress: bool = 
     return CalibrationResult(scales_file, stats, clips, seconds)
 
 
-def write_scales(path, scales_file: ScalesFile) -> None:
+def write_scales(path: str | Path, scales_file: ScalesFile) -> None:
     """Write a ScalesFile as kv_scales.json (atomically)."""
     save_scales(path, scales_file.scales, scales_file.fingerprint, scales_file.method, scales_file.data,
                 scales_file.ranges, scales_file.equalized)

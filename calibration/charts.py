@@ -38,6 +38,9 @@ def plot_ranges(stats: KVStats, clips: LayerClips, path: Path) -> None:
     width = 0.4
     bottom.bar([i - width / 2 for i in layers], [100 * r for r in clips.k_clip_rate], width, label="K")
     bottom.bar([i + width / 2 for i in layers], [100 * r for r in clips.v_clip_rate], width, label="V")
+    if not any(clips.k_clip_rate + clips.v_clip_rate):
+        bottom.text(0.5, 0.5, "no value clipped (the clips are the measured abs-max)", ha="center",
+                    transform=bottom.transAxes)
     bottom.set_ylabel("values clipped (%)")
     bottom.set_xlabel("layer")
     bottom.legend(fontsize=8)

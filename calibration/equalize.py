@@ -9,9 +9,9 @@ Attention is linear in V (``softmax(QK^T) V W_o``) and, per RoPE pair, in K
 - K pair (j, j + head_size/2) of KV head g: both ``k`` rows times ``b``, the same
   pair of ``q`` rows of every query head in group g divided by ``b``.
 
-Factors bring every channel's calibrated abs-max to the layer's geometric mean
-(within [1/MAX_FACTOR, MAX_FACTOR]), so the shared scale quantizes like a static
-per-channel scale. With full-precision KV the model's outputs do not change:
+Factors bring every channel's calibrated range (its clip by the calibration
+method, else its abs-max) to the layer's geometric mean (within [1/MAX_FACTOR,
+MAX_FACTOR]), so the shared scale quantizes like a static per-channel scale. With full-precision KV the model's outputs do not change:
 up to float rounding with exact factors, bit for bit (in fp32 and fp16 weights
 alike) with ``power_of_two`` factors, which fit the shared scale less tightly.
 """
@@ -27,38 +27,46 @@ from runtime.kv_scales import LayerRanges
 MAX_FACTOR = 64.0  # bounds factors so fp16 weights neither overflow nor lose precision
 
 
+def calibrated_ranges(ranges: LayerRanges) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V range per channel that equalization fits: the method's clip if stored, else the abs-max."""
+    k = ranges.k_channel_clip if ranges.k_channel_clip is not None else ranges.k_channel_amax
+    v = ranges.v_channel_clip if ranges.v_channel_clip is not None else ranges.v_channel_amax
+    return torch.tensor(k, dtype=torch.float64), torch.tensor(v, dtype=torch.float64)
+
+
 def equalization_factors(ranges: LayerRanges, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V factors of one layer, each (kv_heads, head_size) float64; K factors are equal within a RoPE pair.
 
     ``power_of_two`` rounds each factor to the nearest power of two, so folding it changes no bit of the outputs.
     """
-    k_amax = torch.tensor(ranges.k_channel_amax, dtype=torch.float64)
-    v_amax = torch.tensor(ranges.v_channel_amax, dtype=torch.float64)
-    half = k_amax.shape[1] // 2
-    pair_amax = torch.maximum(k_amax[:, :half], k_amax[:, half:])
-    measured = torch.cat([pair_amax.flatten(), v_amax.flatten()])
+    k_range, v_range = calibrated_ranges(ranges)
+    half = k_range.shape[1] // 2
+    pair_range = torch.maximum(k_range[:, :half], k_range[:, half:])
+    measured = torch.cat([pair_range.flatten(), v_range.flatten()])
     measured = measured[measured > 0]
     if measured.numel() == 0:
         raise ValueError("a layer has no non-zero K/V range; calibrate on real dialogues before equalizing")
     target = measured.log().mean().exp()
 
-    def factor(amax: torch.Tensor) -> torch.Tensor:
-        safe = torch.where(amax > 0, amax, target)
+    def factor(channel_range: torch.Tensor) -> torch.Tensor:
+        safe = torch.where(channel_range > 0, channel_range, target)
         f = (target / safe).clamp(1 / MAX_FACTOR, MAX_FACTOR)
         return 2.0 ** f.log2().round() if power_of_two else f
 
-    k_factor = factor(pair_amax)
-    return torch.cat([k_factor, k_factor], dim=1), factor(v_amax)
+    k_factor = factor(pair_range)
+    return torch.cat([k_factor, k_factor], dim=1), factor(v_range)
 
 
 def equalized_ranges(ranges: list[LayerRanges], power_of_two: bool = False) -> list[LayerRanges]:
-    """The channel abs-max each layer will have once its equalization factors are folded in."""
+    """The channel abs-max and clips each layer will have once its equalization factors are folded in."""
     out = []
     for layer in ranges:
         k_factor, v_factor = equalization_factors(layer, power_of_two)
+        k_clip, v_clip = calibrated_ranges(layer)
         k = torch.tensor(layer.k_channel_amax, dtype=torch.float64) * k_factor
         v = torch.tensor(layer.v_channel_amax, dtype=torch.float64) * v_factor
-        out.append(LayerRanges(k.tolist(), v.tolist(), layer.k_clip_rate, layer.v_clip_rate))
+        out.append(LayerRanges(k.tolist(), v.tolist(), layer.k_clip_rate, layer.v_clip_rate,
+                               (k_clip * k_factor).tolist(), (v_clip * v_factor).tolist()))
     return out
 
 
@@ -66,7 +74,7 @@ def equalize(config: ModelConfig, weights: dict[str, torch.Tensor],
              ranges: list[LayerRanges], power_of_two: bool = False) -> tuple[dict[str, torch.Tensor], KVScales]:
     """Weights with equalization folded into ``qkv`` and ``dense``, and the scales (amax / 127) that fit them.
 
-    ``ranges`` are the calibrated per-channel K/V abs-max of the original weights
+    ``ranges`` are the calibrated per-channel K/V ranges of the original weights
     (``ScalesFile.ranges``). Tensors keep their dtype; untouched ones are shared.
     A stored ``kv_cache_scaling_factor`` is replaced by the new shared scale.
     """
@@ -97,9 +105,8 @@ def equalize(config: ModelConfig, weights: dict[str, torch.Tensor],
         dense = out[f"{p}.attention.dense.weight"]
         column_factor = (1 / v_factor).repeat_interleave(group, dim=0).flatten()
         out[f"{p}.attention.dense.weight"] = (dense.double() * column_factor[None, :]).to(dense.dtype)
-    k = [max(max(h) for h in r.k_channel_amax) / INT8_MAX for r in new_ranges]
-    v = [max(max(h) for h in r.v_channel_amax) / INT8_MAX for r in new_ranges]
-    scales = KVScales(k=k, v=v)
+    fitted = [calibrated_ranges(r) for r in new_ranges]
+    scales = KVScales(k=[float(k.max()) / INT8_MAX for k, _ in fitted], v=[float(v.max()) / INT8_MAX for _, v in fitted])
     for layer, shared in enumerate(scales.shared()):
         name = f"{layer_prefix(layer)}.attention.kv_cache_scaling_factor"
         if name in out:

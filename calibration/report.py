@@ -26,16 +26,19 @@ def summary_markdown(model_name: str, result: CalibrationResult, command: str) -
         f"- method: `{result.scales_file.method}`; scale = clip / 127; shared TensorRT-LLM scale = max(K, V)",
         f"- time: {result.seconds:.1f} s", "",
         f"![K/V ranges per layer]({RANGES_PNG})", "",
-        "| layer | K abs-max | V abs-max | K clip | V clip | K scale | V scale | shared scale | K clipped % | V clipped % |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| layer | K abs-max | V abs-max | K clip | V clip | K scale | V scale | shared scale "
+        "| V levels with shared scale | K clipped % | V clipped % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, shared in enumerate(scales.shared()):
         lines.append(f"| {i} | {float(stats.k.layer_amax[i]):.3f} | {float(stats.v.layer_amax[i]):.3f} "
                      f"| {clips.k[i]:.3f} | {clips.v[i]:.3f} | {scales.k[i]:.5f} | {scales.v[i]:.5f} | {shared:.5f} "
+                     f"| {clips.v[i] / shared:.0f} of 127 "
                      f"| {100 * clips.k_clip_rate[i]:.4f} | {100 * clips.v_clip_rate[i]:.4f} |")
-    ratio = [v / k for k, v in zip(scales.k, scales.v)]
-    lines += ["", f"V scale / K scale ranges from {min(ratio):.3f} to {max(ratio):.3f}: with one shared scale, "
-              "layers with a small ratio leave V few INT8 levels; KV equalization (int8-shared-eq) fixes that.", ""]
+    levels = [v / s for v, s in zip(clips.v, scales.shared())]
+    lines += ["", f"With one shared scale per layer (TensorRT-LLM's format), V uses {min(levels):.0f} to "
+              f"{max(levels):.0f} of the 127 INT8 levels; KV equalization (int8-shared-eq) gives every layer "
+              "all of them.", ""]
     return "\n".join(lines)
 
 

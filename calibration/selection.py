@@ -63,18 +63,23 @@ def prepare_dialogues(data: str, split: str, count: int, seed: int, tokenizer: C
     Returns them with a data summary (source, load report, split, seed, token counts).
     """
     if count < 1 or max_tokens < 2 or min_tokens > max_tokens:
-        raise DataError(f"need count >= 1 (got {count}) and 2 <= min_tokens <= max_tokens "
-                        f"(got {min_tokens}, {max_tokens})")
-    dialogues, report = open_source(data)
-    # A token is at least one UTF-8 byte and a character at most four, so shorter texts cannot qualify.
-    candidates = select_dialogues(dialogues, split, count * OVERSAMPLE, seed, min_chars=min_tokens // 4)
-    chosen: list[TokenizedDialogue] = []
-    for dialogue in candidates:
-        ids = tokenize_dialogue(dialogue, tokenizer, max_tokens)
-        if len(ids) >= max(min_tokens, 2):
-            chosen.append(TokenizedDialogue(dialogue.id, ids))
-        if len(chosen) == count:
+        raise DataError(f"need at least 1 dialogue, max_tokens >= 2 and min_tokens <= max_tokens "
+                        f"(got {count}, {max_tokens}, {min_tokens})")
+    pool = count * OVERSAMPLE
+    while True:
+        dialogues, report = open_source(data)
+        # A token is at least one UTF-8 byte and a character at most four, so shorter texts cannot qualify.
+        candidates = select_dialogues(dialogues, split, pool, seed, min_chars=min_tokens // 4)
+        chosen: list[TokenizedDialogue] = []
+        for dialogue in candidates:
+            ids = tokenize_dialogue(dialogue, tokenizer, max_tokens)
+            if len(ids) >= max(min_tokens, 2):
+                chosen.append(TokenizedDialogue(dialogue.id, ids))
+            if len(chosen) == count:
+                break
+        if len(chosen) == count or len(candidates) < pool:
             break
+        pool *= OVERSAMPLE  # too many candidates were short once tokenized: look further down the same order
     if len(chosen) < count:
         raise DataError(f"{data}: only {len(chosen)} {split} dialogues of at least {min_tokens} tokens found, "
                         f"{count} asked for; ask for fewer dialogues, lower --min-tokens or use a larger data set")

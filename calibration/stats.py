@@ -1,12 +1,13 @@
 """Per-layer K/V range statistics collected by running the model over dialogues.
 
 K is measured as the cache stores it (after RoPE). For K and for V, each layer
-keeps the abs-max per channel (per head and per layer follow from it) and a
-histogram of |x| on fixed log-spaced bins, good for percentiles and clipping
+keeps per channel the abs-max and a histogram of |x| on fixed log-spaced bins
+(per head and per layer follow by summing), good for percentiles and clipping
 error. Memory is fixed by the model's shape, whatever the amount of data.
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
@@ -17,9 +18,10 @@ from calibration.selection import TokenizedDialogue
 from runtime.kv_cache import PagedKVCache
 from runtime.model import Transformer
 
-HIST_BINS = 4096
+HIST_BINS = 1024  # 1.8 % wide each
 HIST_LOW, HIST_HIGH = 1e-4, 1e4  # |x| below HIST_LOW counts in bin 0, above HIST_HIGH in the last bin
-_LOG_LOW, _LOG_HIGH = torch.tensor(HIST_LOW).log().item(), torch.tensor(HIST_HIGH).log().item()
+_LOG_LOW, _LOG_HIGH = math.log(HIST_LOW), math.log(HIST_HIGH)
+_BIN_WIDTH = (_LOG_HIGH - _LOG_LOW) / HIST_BINS
 
 
 def bin_edges() -> torch.Tensor:
@@ -31,15 +33,22 @@ def bin_edges() -> torch.Tensor:
 
 @dataclass
 class RangeStats:
-    """Ranges of K (or V) of every layer: channel abs-max (layers, kv_heads, head_size) and |x| histogram."""
+    """Ranges of K (or V) of every layer per channel: abs-max (layers, kv_heads, head_size) and |x| histogram
+    (layers, kv_heads, head_size, HIST_BINS)."""
 
     channel_amax: torch.Tensor
-    hist: torch.Tensor
+    channel_hist: torch.Tensor
 
     @classmethod
     def empty(cls, num_layers: int, num_kv_heads: int, head_size: int) -> "RangeStats":
         """Statistics of no data."""
-        return cls(torch.zeros(num_layers, num_kv_heads, head_size), torch.zeros(num_layers, HIST_BINS, dtype=torch.float64))
+        return cls(torch.zeros(num_layers, num_kv_heads, head_size),
+                   torch.zeros(num_layers, num_kv_heads, head_size, HIST_BINS, dtype=torch.float64))
+
+    @property
+    def layer_hist(self) -> torch.Tensor:
+        """|x| histogram per layer, shape (layers, HIST_BINS)."""
+        return self.channel_hist.sum(dim=(1, 2))
 
     @property
     def layer_amax(self) -> torch.Tensor:
@@ -55,8 +64,11 @@ class RangeStats:
         """Add values of shape (tokens, kv_heads, head_size) to one layer."""
         magnitude = x.abs()
         self.channel_amax[layer] = torch.maximum(self.channel_amax[layer], magnitude.amax(dim=0))
-        logs = magnitude.flatten().clamp(HIST_LOW, HIST_HIGH).log()
-        self.hist[layer] += torch.histc(logs, HIST_BINS, _LOG_LOW, _LOG_HIGH).double()
+        bins = ((magnitude.clamp(HIST_LOW, HIST_HIGH).log() - _LOG_LOW) / _BIN_WIDTH).long().clamp(0, HIST_BINS - 1)
+        channels = x.shape[1] * x.shape[2]
+        index = (torch.arange(channels).view(x.shape[1:]) * HIST_BINS + bins).flatten()
+        counts = torch.bincount(index, minlength=channels * HIST_BINS)
+        self.channel_hist[layer] += counts.view(*x.shape[1:], HIST_BINS).double()
 
 
 @dataclass

@@ -274,6 +274,20 @@ class PagedKVCache:
         v_s = _gather(self.v_sdata[layer], block_table, num_tokens)
         return dequantize_per_token(k, k_s), dequantize_per_token(v, v_s)
 
+    def read_unscaled(self, layer: int, block_table: torch.Tensor,
+                      num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """Like ``read``, but static INT8 codes come back unscaled with their K and V scales.
+
+        Attention is linear in V and in K for a fixed q, so the caller can scale q by the K scale
+        and the output by the V scale instead of scaling the whole history at every step.
+        Other modes return dequantized K/V and scales of 1.
+        """
+        if self.mode not in STATIC_INT8_MODES:
+            return (*self.read(layer, block_table, num_tokens), 1.0, 1.0)
+        k = _gather(self.k_data[layer], block_table, num_tokens).float()
+        v = _gather(self.v_data[layer], block_table, num_tokens).float()
+        return k, v, float(self.k_scale[layer]), float(self.v_scale[layer])
+
     def block_table(self, seq_id: int) -> torch.Tensor:
         """The sequence's block ids as a tensor."""
         return torch.tensor(self.blocks.block_table(seq_id), dtype=torch.long)

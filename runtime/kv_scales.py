@@ -7,6 +7,7 @@ Schema version 2 (version 1 files, without ranges, are still read)::
      "layers": [{"layer": 0, "k": s_k, "v": s_v, "kv_cache_scaling_factor": max(s_k, s_v),
                  "k_amax": ..., "v_amax": ..., "k_head_amax": [...], "v_head_amax": [...],
                  "k_channel_amax": [[...]], "v_channel_amax": [[...]],   # [kv_heads][head_size]
+                 "k_channel_clip": [[...]], "v_channel_clip": [[...]],   # optional, by the method
                  "k_clip_rate": ..., "v_clip_rate": ...}, ...]}
 
 Scales are amax / 127 with K measured after RoPE. ``equalized`` says the scales
@@ -38,12 +39,15 @@ class ScalesError(ValueError):
 
 @dataclass
 class LayerRanges:
-    """Measured K (post-RoPE) and V abs-max of one layer per channel, ``[kv_heads][head_size]``, and clip rates."""
+    """Measured K (post-RoPE) and V of one layer per channel, ``[kv_heads][head_size]``: abs-max, the clip the
+    calibration method chose (None: the abs-max), and the share of the layer's values its K/V scales clip."""
 
     k_channel_amax: list[list[float]]
     v_channel_amax: list[list[float]]
     k_clip_rate: float = 0.0
     v_clip_rate: float = 0.0
+    k_channel_clip: list[list[float]] | None = None
+    v_channel_clip: list[list[float]] | None = None
 
 
 @dataclass
@@ -74,6 +78,9 @@ def _layer_entry(index: int, k: float, v: float, ranges: LayerRanges | None) -> 
         entry[f"{name}_amax"] = max(max(head) for head in channels)
         entry[f"{name}_head_amax"] = [max(head) for head in channels]
         entry[f"{name}_channel_amax"] = [list(head) for head in channels]
+        clip = getattr(ranges, f"{name}_channel_clip")
+        if clip is not None:
+            entry[f"{name}_channel_clip"] = [list(head) for head in clip]
     entry["k_clip_rate"], entry["v_clip_rate"] = ranges.k_clip_rate, ranges.v_clip_rate
     return entry
 
@@ -126,27 +133,34 @@ def load_scales_file(path: str | Path, fingerprint: str, num_layers: int,
                       ranges, bool(doc.get("equalized", False)))
 
 
+def _channel_table(path: Path, entry: dict, key: str, shape: tuple[int, ...] | None) -> torch.Tensor:
+    """One [kv_heads][head_size] table of an entry, checked for shape and finite non-negative values."""
+    try:
+        table = torch.tensor(entry[key], dtype=torch.float64)
+    except (TypeError, ValueError) as err:
+        raise ScalesError(f"{path}: layer {entry['layer']} {key} is not a table of numbers ({err}); "
+                          "re-run calibration") from err
+    if table.dim() != 2 or (shape is not None and tuple(table.shape) != shape):
+        raise ScalesError(f"{path}: layer {entry['layer']} {key} has shape {list(table.shape)}, expected "
+                          f"[kv_heads, head_size]{' = ' + str(list(shape)) if shape else ''}; "
+                          "calibrate this model instead")
+    if not (torch.isfinite(table).all() and (table >= 0).all()):
+        raise ScalesError(f"{path}: layer {entry['layer']} {key} has a value that is negative or not finite; "
+                          "re-run calibration")
+    return table
+
+
 def _read_ranges(path: Path, layers: list[dict], kv_shape: tuple[int, int] | None) -> list[LayerRanges] | None:
     if not all("k_channel_amax" in entry and "v_channel_amax" in entry for entry in layers):
         return None
     ranges = []
     for entry in layers:
-        try:
-            k = torch.tensor(entry["k_channel_amax"], dtype=torch.float64)
-            v = torch.tensor(entry["v_channel_amax"], dtype=torch.float64)
-        except (TypeError, ValueError) as err:
-            raise ScalesError(f"{path}: layer {entry['layer']} channel ranges are not numbers ({err}); "
-                              "re-run calibration") from err
-        shape = tuple(kv_shape) if kv_shape else k.shape
-        if k.dim() != 2 or tuple(k.shape) != shape or tuple(v.shape) != shape:
-            raise ScalesError(f"{path}: layer {entry['layer']} K/V channel ranges have shapes {list(k.shape)}/"
-                              f"{list(v.shape)}, expected [kv_heads, head_size] = {list(shape)}; "
-                              "calibrate this model instead")
-        if not (torch.isfinite(k).all() and torch.isfinite(v).all() and (k >= 0).all() and (v >= 0).all()):
-            raise ScalesError(f"{path}: layer {entry['layer']} has a channel abs-max that is negative or not "
-                              "finite; re-run calibration")
-        k, v = k.tolist(), v.tolist()
-        ranges.append(LayerRanges(k, v, float(entry.get("k_clip_rate", 0.0)), float(entry.get("v_clip_rate", 0.0))))
+        k = _channel_table(path, entry, "k_channel_amax", tuple(kv_shape) if kv_shape else None)
+        tables = {key: _channel_table(path, entry, key, tuple(k.shape)).tolist()
+                  for key in ("v_channel_amax", "k_channel_clip", "v_channel_clip") if key in entry}
+        ranges.append(LayerRanges(k.tolist(), tables["v_channel_amax"], float(entry.get("k_clip_rate", 0.0)),
+                                  float(entry.get("v_clip_rate", 0.0)), tables.get("k_channel_clip"),
+                                  tables.get("v_channel_clip")))
     return ranges
 
 

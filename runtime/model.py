@@ -69,8 +69,9 @@ class Transformer:
         q = apply_rope(q.view(n, heads, d), cos, sin)
         k = apply_rope(k.view(n, kv_heads, d), cos, sin)
         cache.write(index, slots, k, v.view(n, kv_heads, d))
-        keys, values = cache.read(index, block_table, start_pos + n)
-        return F.linear(grouped_attention(q, keys, values, start_pos), layer["dense"])
+        keys, values, k_scale, v_scale = cache.read_unscaled(index, block_table, start_pos + n)
+        out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, start_pos)
+        return F.linear(out * v_scale if v_scale != 1.0 else out, layer["dense"])
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> torch.Tensor:

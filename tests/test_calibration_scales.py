@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from calibration.scales import compute_clips, layer_ranges, mse_clip, percentile_clip, quantization_mse
+from calibration.scales import compute_clips, layer_ranges, mse_clips, percentile_clips, quantization_mse
 from calibration.selection import prepare_dialogues
-from calibration.stats import KVStats, RangeStats, collect_stats
+from calibration.stats import KVStats, RangeStats, bin_edges, collect_stats
 from runtime.kv_cache import KVScales
 from runtime.kv_scales import LayerRanges, ScalesError, load_scales, load_scales_file, save_scales
 
@@ -26,22 +26,31 @@ def test_range_stats_track_channel_max_and_count_every_value():
     stats = RangeStats.empty(2, 2, 8)
     stats.update(1, a)
     stats.update(1, b)
-    assert torch.equal(stats.channel_amax[1], torch.cat([a, b]).abs().amax(0))
-    assert torch.equal(stats.head_amax[1], torch.cat([a, b]).abs().amax(dim=(0, 2)))
-    assert stats.hist[1].sum() == 80 * 16 and stats.hist[0].sum() == 0
+    both = torch.cat([a, b]).abs()
+    assert torch.equal(stats.channel_amax[1], both.amax(0))
+    assert torch.equal(stats.head_amax[1], both.amax(dim=(0, 2)))
+    assert torch.all(stats.channel_hist[1].sum(-1) == 80)
+    assert stats.layer_hist[1].sum() == 80 * 16 and stats.layer_hist[0].sum() == 0
     assert stats.layer_amax[0] == 0
+    # The bin of each value's magnitude: the histogram of channel (1, 3) knows its largest value's bin.
+    top = int(stats.channel_hist[1, 1, 3].nonzero().max())
+    edges = bin_edges()
+    assert edges[top] <= both[:, 1, 3].max() <= edges[top + 1] * 1.0001
 
 
 def test_percentile_clip_matches_the_true_quantile():
     x = torch.randn(20_000, 1, 8, generator=torch.Generator().manual_seed(1))
     stats = _stats_of(x)
-    amax = float(stats.layer_amax[0])
+    amax = stats.layer_amax
     want = float(torch.quantile(x.abs().flatten(), 0.999))
-    got = percentile_clip(stats.hist[0], amax, 99.9)
-    assert abs(got / want - 1) < 0.01
-    assert percentile_clip(stats.hist[0], amax, 100) == amax
+    got = float(percentile_clips(stats.layer_hist, amax, 99.9)[0])
+    assert -0.005 < got / want - 1 < 0.04  # the upper edge of the quantile's bin; bins are 1.8 % wide
+    assert float(percentile_clips(stats.layer_hist, amax, 100)[0]) == float(amax[0])
+    per_channel = percentile_clips(stats.channel_hist[0], stats.channel_amax[0], 99.9)
+    want_channel = torch.quantile(x.abs(), 0.999, dim=0)
+    assert torch.all((per_channel / want_channel - 1 > -0.005) & (per_channel / want_channel - 1 < 0.04))
     with pytest.raises(ValueError, match="percentile"):
-        percentile_clip(stats.hist[0], amax, 0)
+        percentile_clips(stats.layer_hist, amax, 0)
 
 
 def test_mse_clip_cuts_rare_outliers_and_lowers_the_error():
@@ -49,9 +58,9 @@ def test_mse_clip_cuts_rare_outliers_and_lowers_the_error():
     x[0, 0, 0] = 60.0  # one outlier would cost every other value its resolution
     stats = _stats_of(x)
     amax = float(stats.layer_amax[0])
-    clip = mse_clip(stats.hist[0], amax)
+    clip = float(mse_clips(stats.layer_hist[0], stats.layer_amax[0]))
     assert clip < amax / 3
-    errors = quantization_mse(stats.hist[0], torch.tensor([clip, amax], dtype=torch.float64))
+    errors = quantization_mse(stats.layer_hist[0], torch.tensor([clip, amax], dtype=torch.float64))
     assert errors[0] < errors[1] / 2
     # The histogram estimate agrees with the error of really quantizing the data.
     for c, estimate in zip((clip, amax), errors.tolist()):
@@ -84,7 +93,7 @@ def test_collect_stats_measures_what_the_cache_stores(default_engine):
     layout = default_engine.model.kv_layout
     assert stats.k.channel_amax.shape == (layout.num_layers, layout.num_kv_heads, layout.head_size)
     assert torch.all(stats.k.layer_amax > 0) and torch.all(stats.v.layer_amax > 0)
-    assert torch.all(stats.k.hist.sum(1) == 96 * layout.num_kv_heads * layout.head_size)
+    assert torch.all(stats.k.layer_hist.sum(1) == 96 * layout.num_kv_heads * layout.head_size)
     # Same numbers as reading one layer back from an fp32 cache by hand.
     cache = default_engine.new_cache("fp32")
     amax = torch.zeros(layout.num_kv_heads, layout.head_size)
@@ -99,7 +108,9 @@ def test_collect_stats_measures_what_the_cache_stores(default_engine):
 # -- kv_scales.json ------------------------------------------------------------------
 
 def _ranges(layers: int = 2) -> list[LayerRanges]:
-    return [LayerRanges([[1.0 + i, 2.0], [0.5, 3.0]], [[0.1, 0.2], [0.3, 0.4 + i]], 0.001, 0.0) for i in range(layers)]
+    return [LayerRanges([[1.0 + i, 2.0], [0.5, 3.0]], [[0.1, 0.2], [0.3, 0.4 + i]], 0.001, 0.0,
+                        [[0.9, 2.0], [0.5, 2.5]] if i == 0 else None, [[0.1, 0.2], [0.3, 0.35]] if i == 0 else None)
+            for i in range(layers)]
 
 
 def _write(path, **changes):
@@ -141,6 +152,8 @@ def test_version_1_files_still_load(tmp_path):
     (lambda doc: doc["layers"][0].update(k="Infinity"), "not a finite positive"),
     (lambda doc: doc["layers"][1].update(k_channel_amax=[[1.0, 2.0]]), "expected \\[kv_heads, head_size\\]"),
     (lambda doc: doc["layers"][1].update(v_channel_amax=[[-1.0, 2.0], [1.0, 1.0]]), "negative or not finite"),
+    (lambda doc: doc["layers"][0].update(k_channel_clip=[[float("inf"), 2.0], [1.0, 1.0]]), "negative or not finite"),
+    (lambda doc: doc["layers"][0].update(v_channel_clip=[1.0, 2.0]), "v_channel_clip has shape \\[2\\]"),
     (lambda doc: doc.update(version=99), "schema version 99"),
     (lambda doc: doc.pop("layers"), "not a readable kv_scales.json"),
 ])
@@ -153,10 +166,14 @@ def test_scales_file_rejections(tmp_path, edit, message):
         load_scales_file(path, "abc", 2, kv_shape=(2, 2))
 
 
-def test_layer_ranges_carry_channel_maxima_and_clip_rates():
+def test_layer_ranges_carry_channel_maxima_clips_and_clip_rates():
     gen = torch.Generator().manual_seed(4)
     stats = KVStats(_stats_of(torch.randn(500, 2, 4, generator=gen)), _stats_of(torch.randn(500, 2, 4, generator=gen)))
     clips = compute_clips(stats, "percentile", 99.0)
     (ranges,) = layer_ranges(stats, clips)
     assert ranges.k_channel_amax == stats.k.channel_amax[0].tolist()
+    assert all(c < a for c_head, a_head in zip(ranges.k_channel_clip, ranges.k_channel_amax)
+               for c, a in zip(c_head, a_head))
     assert math.isclose(ranges.k_clip_rate, clips.k_clip_rate[0]) and ranges.k_clip_rate > 0
+    (by_max,) = layer_ranges(stats, compute_clips(stats, "max"))
+    assert by_max.v_channel_clip == by_max.v_channel_amax

@@ -48,6 +48,16 @@ def test_factors_are_shared_within_rope_pairs_and_bounded():
     assert max(max(h) for h in eq.k_channel_amax) == pytest.approx(max(max(h) for h in eq.v_channel_amax))
 
 
+def test_factors_fit_the_calibrated_clips_when_the_file_has_them():
+    amax = [[4.0, 4.0], [4.0, 4.0]]
+    clipped = LayerRanges(amax, amax, k_channel_clip=[[1.0, 1.0], [4.0, 4.0]], v_channel_clip=amax)
+    k_factor, v_factor = equalization_factors(clipped)
+    assert torch.allclose(k_factor[0] * 1.0, v_factor[0] * 4.0) and torch.allclose(k_factor[1], v_factor[1])
+    (eq,) = equalized_ranges([clipped])
+    assert eq.k_channel_clip[0] == pytest.approx(eq.v_channel_clip[0])
+    assert eq.k_channel_amax[0][0] == pytest.approx(4 * eq.k_channel_clip[0][0])  # values above the clip saturate
+
+
 def test_equalization_leaves_full_precision_logits_unchanged(calibrated):
     config, weights, ranges, _, ids = calibrated
     reference = _logits(Transformer(config, weights), ids)

@@ -89,3 +89,18 @@ def test_new_sequence_reuses_cached_prefix_blocks():
     cache.free(0)
     assert cache.allocate(1, prompt + [99]) == 8
     assert cache.stats().reuse_hits == 2
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-separate", "fp16"])
+def test_unscaled_read_times_its_scales_is_the_dequantized_read(mode):
+    torch.manual_seed(1)
+    k, v = torch.randn(20, 2, 8), torch.randn(20, 2, 8) * 0.1
+    scales = KVScales(k=[0.02, 0.03], v=[0.001, 0.002])
+    cache = PagedKVCache(TINY, mode, 1 << 20, 8, scales)
+    cache.allocate(0, list(range(20)))
+    cache.write(1, cache.slots(0, 0, 20), k, v)
+    table = cache.block_table(0)
+    raw_k, raw_v, k_scale, v_scale = cache.read_unscaled(1, table, 20)
+    want_k, want_v = cache.read(1, table, 20)
+    assert torch.allclose(raw_k * k_scale, want_k, atol=1e-7) and torch.allclose(raw_v * v_scale, want_v, atol=1e-7)
+    assert (k_scale, v_scale) != (1.0, 1.0) or mode == "fp16"

@@ -1,0 +1,100 @@
+"""One cabin-bench run: set up ours and the peers, measure KV memory, speed and multi-turn TTFT, check the claims."""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from benchmarks.accuracy import accuracy_rows
+from benchmarks.claims import check_claims
+from benchmarks.kv_memory import measure_kv_memory
+from benchmarks.machine import machine_info
+from benchmarks.multiturn import measure_multiturn
+from benchmarks.runner import Runner, Unavailable
+from benchmarks.runner_cabin import available_modes, cabin_runner
+from benchmarks.runner_llamacpp import llamacpp_runners
+from benchmarks.runner_transformers import transformers_runners
+from benchmarks.settings import BenchSettings
+from benchmarks.speed import measure_speed, speed_ratios, speed_rows
+from benchmarks.workload import long_sharegpt_dialogue, sharegpt_stream
+from builders.default_model import DEFAULT_GGUF_NAME, default_gguf_path
+from builders.hf_export import to_transformers
+from runtime.engine import CHECKPOINT_DIR, Engine
+
+MIB = 1 << 20
+TURN_MODE = "int8"  # our mode in the dialogue test
+TURN_PEERS = ("transformers dynamic", "llama.cpp q8_0")
+PEER_FAMILIES = ("transformers", "llama.cpp")
+
+
+def engine_gguf(engine: Engine) -> Path | None:
+    """The GGUF file the engine was imported from (llama.cpp runs the same file), None if it came from elsewhere."""
+    source = engine.manifest.get("model", {}).get("source", "")
+    if Path(source).name == DEFAULT_GGUF_NAME:
+        return default_gguf_path()  # the packaged file, wherever it is installed on this machine
+    return Path(source) if source.endswith(".gguf") and Path(source).is_file() else None
+
+
+def make_peers(engine: Engine, families: list[str], threads: int) -> list[Runner | Unavailable]:
+    """transformers (default and quantized caches) and llama.cpp (f16, q8_0), each as a runner or Unavailable."""
+    peers: list[Runner | Unavailable] = []
+    if "transformers" in families:
+        peers += transformers_runners(to_transformers(engine.folder / CHECKPOINT_DIR))
+    if "llama.cpp" in families:
+        gguf = engine_gguf(engine)
+        if gguf is None:
+            peers += [Unavailable(f"llama.cpp {kv}", "llama.cpp", "the engine was not imported from a GGUF file, "
+                                  "so llama.cpp has no file with the same weights") for kv in ("f16", "q8_0")]
+        else:
+            peers += llamacpp_runners(gguf, threads, engine.config.max_position_embeddings)
+    return peers
+
+
+def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unavailable],
+              evaluation: dict | None) -> dict:
+    """Measure everything on ours and the available peers; the JSON-ready results (without command/notes)."""
+    info = machine_info()
+    ours = [cabin_runner(engine, m) for m in available_modes(settings.modes)]
+    runners = ours + [p for p in peers if isinstance(p, Runner)]
+    turn_peers = [p for p in runners if p.name in TURN_PEERS]
+    prompt = sharegpt_stream(engine, max(settings.contexts))
+    prompts = {c: prompt[:c] for c in settings.contexts}
+    users = long_sharegpt_dialogue(engine, settings.turns, settings.max_user_tokens) if settings.turns else []
+    total = len(runners) + settings.repeats * len(settings.contexts) * len(runners) + settings.turn_repeats * len(users)
+    with tqdm(total=total, desc="cabin-bench", unit="run", file=sys.stderr) as bar:
+        kv = measure_kv_memory(runners, settings.kv_budget_mib * MIB, engine.config.max_position_embeddings, prompt,
+                               bar)
+        speed = measure_speed(runners, prompts, settings.decode_steps, settings.repeats, bar)
+        multiturn = measure_multiturn(engine, TURN_MODE, users, turn_peers, settings.turn_repeats,
+                                      settings.reply_tokens, settings.kv_budget_mib, bar) if users else None
+    ratios = speed_ratios(speed, [r.name for r in ours], [r.name for r in runners if r.family != "cabin"])
+    quantized = [r.name for r in runners if r.family == "transformers" and r.name != "transformers dynamic"]
+    growth = multiturn["growth_last_vs_first_quarter"] if multiturn else {}
+    equalized = bool(engine.manifest.get("equalization", {}).get("enabled"))
+    failed = {**speed.errors, **(multiturn["errors"] if multiturn else {}),
+              **{r["runner"]: r["error"] for r in kv if "error" in r}}
+    return {
+        "machine": info,
+        "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "engine": str(engine.folder),
+        "engine_build_command": engine.manifest.get("build_command"),
+        "model": f"{engine.manifest.get('model', {}).get('source', engine.folder)} "
+                 f"({engine.config.num_hidden_layers} layers, {engine.config.num_key_value_heads} KV heads of "
+                 f"{engine.config.head_size}); KV scales: {engine.manifest.get('kv_scales', {}).get('method', '?')}",
+        "settings": {**asdict(settings), "label": settings.label()},
+        "runners": [{"name": r.name, "family": r.family, "kv": r.kv, "weights": r.weights,
+                     "status": "failed" if r.name in failed else "ok", "reason": failed.get(r.name)}
+                    for r in runners]
+                   + [{"name": p.name, "family": p.family, "kv": "-", "weights": "-", "status": "unavailable",
+                       "reason": p.reason} for p in peers if isinstance(p, Unavailable)],
+        "kv_memory": kv,
+        "speed": {"rows": speed_rows(speed), "ratios": [asdict(r) for r in ratios], "errors": speed.errors},
+        "multiturn": multiturn,
+        "accuracy": {"source": {k: v for k, v in evaluation.items() if k != "modes"},
+                     "rows": accuracy_rows(runners, evaluation, equalized)} if evaluation else {},
+        "claims": [asdict(c) for c in check_claims(ratios, settings.contexts, quantized, growth,
+                                                               f"cabin {TURN_MODE} (reuse)")],
+    }

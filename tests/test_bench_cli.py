@@ -1,0 +1,81 @@
+"""cabin-bench end to end on a tiny model: results JSON, RESULTS.md, figures, unavailable peers (no timing asserted)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.cli import main
+from builders.engine_build import BuildRequest, build_engine
+from fakes.tiny_model import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    """An int8 engine of the tiny random model (not imported from a GGUF, so llama.cpp cannot run it)."""
+    root = tmp_path_factory.mktemp("bench")
+    return build_engine(BuildRequest(str(write_tiny_llama(root / "model")), root / "engine", "int8",
+                                     dtype="float32"), log=lambda _msg: None)
+
+
+@pytest.fixture
+def keep_threads():
+    """Restore torch's thread count after a test that sets it through --threads."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_one_run_writes_results_markdown_and_figures(tiny_engine, tmp_path, capsys, keep_threads):
+    out = tmp_path / "out"
+    code = main(["--engine", str(tiny_engine), "--contexts", "16", "32", "--repeats", "2", "--decode-steps", "3",
+                 "--turns", "3", "--modes", "fp16", "int8", "--threads", "1", "--out", str(out),
+                 "--json", str(tmp_path / "r.json")])
+    assert code == 0
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results == json.loads((out / "cabin_bench.json").read_text())
+    assert {"cpu", "cores", "versions"} <= set(results["machine"]) and results["machine"]["torch_threads"] == 1
+    status = {r["name"]: r["status"] for r in results["runners"]}
+    assert status["cabin int8"] == status["transformers dynamic"] == "ok"
+    assert status["llama.cpp q8_0"] == "unavailable"
+    rows = {(r["runner"], r["context"]): r for r in results["speed"]["rows"]}
+    assert {c for (_, c) in rows} == {16, 32} and len(rows[("cabin int8", 32)]["decode_tok_s_samples"]) == 2
+    ratio = next(r for r in results["speed"]["ratios"] if (r["ours"], r["peer"], r["metric"], r["context"])
+                 == ("cabin int8", "transformers dynamic", "decode_tok_s", 32))
+    ours = rows[("cabin int8", 32)]["decode_tok_s_samples"]
+    peer = rows[("transformers dynamic", 32)]["decode_tok_s_samples"]
+    assert ratio["pairs"] == 2
+    assert ratio["ratio"] == pytest.approx((ours[0] / peer[0] + ours[1] / peer[1]) / 2)  # median of two pairs
+    kv = {r["runner"]: r for r in results["kv_memory"]}
+    assert kv["cabin int8"]["bytes_per_token"] * 2 == kv["cabin fp16"]["bytes_per_token"]
+    assert kv["transformers dynamic"]["vs_cabin_fp16"] == pytest.approx(2.0)
+    turns = results["multiturn"]["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    assert set(turns[2]["ttft_s"]) == {"cabin int8 (reuse)", "transformers dynamic"}
+    assert turns[2]["context_tokens"] > turns[1]["context_tokens"] > turns[2]["new_tokens"]
+    assert len(results["claims"]) >= 3
+    text = (out / "RESULTS.md").read_text()
+    for part in ("## Results", "## Claims", "## Decode tokens/s, ours / peer", "## KV memory",
+                 "## Peers unavailable or failed", "llama.cpp q8_0: unavailable: the engine was not imported from"):
+        assert part in text
+    assert sorted(p.name for p in (out / "figures").iterdir()) == ["cabin_bench_kv.png", "cabin_bench_speed.png",
+                                                                    "cabin_bench_ttft.png"]
+    assert "## Results" in capsys.readouterr().out
+    assert main(["--render", str(out / "cabin_bench.json"), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "RESULTS.md").read_text() == text
+    assert len(list((tmp_path / "again" / "figures").iterdir())) == 3
+
+
+def test_unknown_peer_family_and_bad_eval_json_are_clear_errors(tiny_engine, tmp_path, capsys):
+    out = ["--out", str(tmp_path / "out")]
+    assert main(["--engine", str(tiny_engine), "--peers", "vllm", *out]) == 2
+    assert "unknown --peers" in capsys.readouterr().err
+    bad = tmp_path / "eval.json"
+    for text in ("{}", '{"modes": {"int8": {"kl": 0.1}}}', "not json"):
+        bad.write_text(text)
+        assert main(["--engine", str(tiny_engine), "--eval-json", str(bad), *out]) == 2
+        assert "pass the eval.json cabin-eval wrote" in capsys.readouterr().err
+    assert main(["--render", str(bad), *out]) == 2
+    assert "not a cabin-bench results JSON" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

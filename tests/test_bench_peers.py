@@ -1,0 +1,49 @@
+"""cabin-bench's peers: one that cannot be imported is reported with the reason, never dropped."""
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import torch
+
+from benchmarks import runner as runner_module
+from benchmarks.runner import Runner, Unavailable
+from benchmarks.runner_llamacpp import llamacpp_runners
+from benchmarks.runner_transformers import SETTINGS, cache_bytes, transformers_runners
+
+
+def block_imports(monkeypatch, blocked: set[str]) -> None:
+    """Make importlib.import_module fail for the blocked modules, as if they were not installed."""
+    real = importlib.import_module
+
+    def fake(name: str, *args, **kwargs):
+        if name in blocked:
+            raise ModuleNotFoundError(f"No module named '{name}'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(runner_module.importlib, "import_module", fake)
+
+
+def test_llama_cpp_not_installed_is_reported_for_both_kv_types(monkeypatch, tmp_path):
+    block_imports(monkeypatch, {"llama_cpp"})
+    peers = llamacpp_runners(tmp_path / "model.gguf", threads=1, n_ctx=64)
+    assert [p.name for p in peers] == ["llama.cpp f16", "llama.cpp q8_0"]
+    assert all(isinstance(p, Unavailable) for p in peers)
+    assert "llama-cpp-python is not installed" in peers[0].reason and "[bench]" in peers[0].reason
+
+
+def test_a_missing_quantized_cache_backend_leaves_the_others(monkeypatch):
+    block_imports(monkeypatch, {"hqq"})
+    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1, head_dim=4))
+    peers = {p.name: p for p in transformers_runners(model, SETTINGS)}
+    assert isinstance(peers["transformers dynamic"], Runner)
+    assert isinstance(peers["transformers hqq int4"], Unavailable)
+    assert isinstance(peers["transformers hqq int8"], Unavailable)
+    assert "hqq is not installed" in peers["transformers hqq int4"].reason
+    assert isinstance(peers["transformers fp8"], Runner)  # built into transformers
+
+
+def test_cache_bytes_counts_nested_and_subclassed_tensors():
+    layer = SimpleNamespace(keys=torch.zeros(2, 3), _quantized=(torch.zeros(4, dtype=torch.uint8),
+                                                                {"scale": torch.zeros(2, dtype=torch.float16)}))
+    assert cache_bytes(SimpleNamespace(layers=[layer, layer])) == 2 * (6 * 4 + 4 + 2 * 2)
