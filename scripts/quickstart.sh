@@ -1,17 +1,36 @@
 #!/usr/bin/env bash
-# The main job on the embedded default model (SmolLM2-135M-Instruct): set up if needed,
-# build an INT8-KV engine, then play a short scripted dialogue with FP16 and with INT8 KV.
+# The main job on the embedded default model (SmolLM2-135M-Instruct), end to end:
+# set up if needed, calibrate KV scales on the built-in cockpit dialogues, plan memory for a
+# Jetson Orin Nano, build an INT8-KV engine with equalization, play a scripted dialogue with
+# FP16 and with INT8 KV (memory used), and measure INT8 quality against full precision.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 BIN="${CABIN_VENV:-.venv}/bin"
-ENGINE="${CABIN_ENGINE:-engines/smollm2-135m-int8}"
-if [ ! -f "$ENGINE/manifest.json" ]; then
-    "$BIN/cabin-build" --model default --output "$ENGINE" --kv-cache int8
+OUT="${CABIN_OUT:-out}"
+ENGINE="${CABIN_ENGINE:-engines/smollm2-135m-int8-eq}"
+SCALES="$OUT/kv_scales.json"
+mkdir -p "$OUT"
+
+echo "=== 1. calibrate INT8 KV scales on built-in cockpit dialogues ==="
+if [ ! -f "$SCALES" ]; then
+    "$BIN/cabin-calibrate" --model default --data builtin --num-dialogues 48 --max-tokens 1024 \
+        --method percentile --output "$SCALES" --report "$OUT/calibration_report"
 fi
+
+echo; echo "=== 2. memory plan for orin-nano-8gb ==="
+"$BIN/cabin-plan" --model default --target orin-nano-8gb
+
+echo; echo "=== 3. build the INT8-KV engine (equalized weights; a no-op when already built) ==="
+"$BIN/cabin-build" --model default --target cpu --kv-cache int8 --scales "$SCALES" --equalize --output "$ENGINE"
+
 for MODE in fp16 int8; do
-    echo
-    echo "=== scripted dialogue, $MODE KV cache ==="
+    echo; echo "=== 4. scripted dialogue, $MODE KV cache ==="
     "$BIN/cabin-chat" --engine "$ENGINE" --script scripts/demo_dialogue.jsonl --kv-cache "$MODE" \
         --kv-budget-mb 32 --max-new-tokens 48
 done
+
+echo; echo "=== 5. quality of INT8 KV against full precision (held-out built-in dialogues) ==="
+# Evaluated on the original weights: int8-shared-eq applies the same equalization the engine carries.
+"$BIN/cabin-eval" --model default --data builtin --kv-cache fp16,int8-shared,int8-shared-eq,int8-dynamic \
+    --scales "$SCALES" --num-dialogues 6 --max-tokens 1024 --output "$OUT/eval"
