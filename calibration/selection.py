@@ -50,10 +50,7 @@ def select_dialogues(dialogues: Iterable[Dialogue], split: str, count: int, seed
 
 def tokenize_dialogue(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: int) -> list[int]:
     """Token ids of the whole rendered conversation (BOS first if the model wants it), cut to max_tokens."""
-    ids = tokenizer.encode(tokenizer.render(dialogue.messages, add_generation_prompt=False))
-    if tokenizer.add_bos_token and tokenizer.bos_token:
-        ids = [tokenizer.token_id(tokenizer.bos_token)] + ids
-    return ids[:max_tokens]
+    return tokenizer.encode_prompt(tokenizer.render(dialogue.messages, add_generation_prompt=False))[:max_tokens]
 
 
 def prepare_dialogues(data: str, split: str, count: int, seed: int, tokenizer: ChatTokenizer,

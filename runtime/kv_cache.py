@@ -264,12 +264,13 @@ class PagedKVCache:
         """fp32 K and V of a sequence's first num_tokens tokens, shape (tokens, kv_heads, head_size)."""
         if self.mode == "int4":
             return self._read_int4(layer, block_table, num_tokens)
+        if self.mode in STATIC_INT8_MODES:
+            k, v, k_scale, v_scale = self.read_unscaled(layer, block_table, num_tokens)
+            return k * k_scale, v * v_scale
         k = _gather(self.k_data[layer], block_table, num_tokens)
         v = _gather(self.v_data[layer], block_table, num_tokens)
         if self.mode in ("fp32", "fp16"):
             return k.float(), v.float()
-        if self.mode in STATIC_INT8_MODES:
-            return k.float() * self.k_scale[layer], v.float() * self.v_scale[layer]
         k_s = _gather(self.k_sdata[layer], block_table, num_tokens)
         v_s = _gather(self.v_sdata[layer], block_table, num_tokens)
         return dequantize_per_token(k, k_s), dequantize_per_token(v, v_s)

@@ -120,12 +120,12 @@ class DialogueSession:
         prompt = tok.render(messages)
         history = self.fed + self.pending
         if history and prompt.startswith(self.transcript):
-            delta = self.pending + tok.encode(prompt[len(self.transcript):])
-            if self._fits(len(self.fed), len(delta)):
-                return _Plan(delta, False, messages, prompt)
-            stream = history + tok.encode(prompt[len(self.transcript):])
+            new = tok.encode(prompt[len(self.transcript):])
+            if self._fits(len(self.fed), len(self.pending) + len(new)):
+                return _Plan(self.pending + new, False, messages, prompt)
+            stream = history + new
         else:
-            stream = self._encode(prompt)
+            stream = tok.encode_prompt(prompt)
         if self._fits(0, len(stream)):
             return _Plan(stream, True, messages, prompt)
         return self._evict(messages, prompt, stream)
@@ -135,28 +135,23 @@ class DialogueSession:
         policy = self.overflow
         tok = self.engine.tokenizer
         limit = int(self._capacity() * policy.keep_fraction) - self.params.max_new_tokens
-        message = len(self._encode(prompt[len(tok.render(messages[:-1], add_generation_prompt=False)):]))
+        message = len(tok.encode_prompt(prompt[len(tok.render(messages[:-1], add_generation_prompt=False)):]))
         if message + self.params.max_new_tokens > self._capacity():
             raise CapacityError(f"the message is {message} tokens and its reply may take {self.params.max_new_tokens} "
                                 f"more, but the KV budget holds {self._capacity()} tokens; shorten the message")
         if policy.name == "sink-window":
-            sink = len(self._encode(tok.render(messages[:1], add_generation_prompt=False))) if self.system_prompt else 0
+            sink = len(tok.encode_prompt(tok.render(messages[:1], add_generation_prompt=False))) if self.system_prompt else 0
             kept = sink_window(stream, sink + policy.sink_tokens, limit)
             if limit > sink + policy.sink_tokens and self._fits(0, len(kept)):
                 return _Plan(kept, True, messages, prompt, len(stream) - len(kept))
         elif policy.name == "drop-turns":
-            kept_messages = drop_oldest_turns(messages, lambda m: len(self._encode(tok.render(m))) <= limit)
+            kept_messages = drop_oldest_turns(messages, lambda m: len(tok.encode_prompt(tok.render(m))) <= limit)
             if kept_messages:
                 kept_prompt = tok.render(kept_messages)
-                ids = self._encode(kept_prompt)
+                ids = tok.encode_prompt(kept_prompt)
                 return _Plan(ids, True, kept_messages, kept_prompt, max(0, len(stream) - len(ids)))
         raise CapacityError(f"the turn needs {len(stream) + self.params.max_new_tokens} tokens of KV but the budget "
                             f"holds {self._capacity()} for this conversation (policy {policy.name})")
-
-    def _encode(self, text: str) -> list[int]:
-        tok = self.engine.tokenizer
-        ids = tok.encode(text)
-        return [tok.token_id(tok.bos_token)] + ids if tok.add_bos_token and tok.bos_token else ids
 
     def _capacity(self) -> int:
         """Tokens this conversation could hold: its own blocks plus every free or evictable one."""

@@ -42,6 +42,11 @@ class ChatTokenizer:
         """Token ids of text; special tokens written in the text are recognised."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a whole rendered conversation: BOS first where the model wants it."""
+        ids = self.encode(text)
+        return [self.token_id(self.bos_token)] + ids if self.add_bos_token and self.bos_token else ids
+
     def decode(self, ids: list[int]) -> str:
         """Text of ids, special tokens included."""
         return self._tok.decode(ids, skip_special_tokens=False)

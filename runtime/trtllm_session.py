@@ -65,7 +65,8 @@ class TrtllmSession:
         self.system_prompt = system_prompt
         self.bytes_per_token = layout.bytes_per_token(kv_mode)
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        sink = len(tokenizer.encode(tokenizer.render(self.messages, add_generation_prompt=False))) if system_prompt else 0
+        sink = len(tokenizer.encode_prompt(tokenizer.render(self.messages, add_generation_prompt=False))) \
+            if system_prompt else 0
         self.settings = kv_settings(kv_mode, budget_bytes, layout, self.overflow, sink + self.overflow.sink_tokens)
         self.runner = ModelRunnerCpp.from_dir(engine_dir=str(Path(engine_folder) / TRT_ENGINE_DIR),
                                               **self.settings.as_kwargs())
@@ -80,13 +81,13 @@ class TrtllmSession:
         self.turns += 1
         messages = self.messages + [{"role": "user", "content": user_text}]
         limit = self.settings.max_tokens_in_paged_kv_cache - self.params.max_new_tokens
+        ids = self._prompt_ids(messages)
         evicted = 0
-        if self.overflow.name == "drop-turns":
-            kept = drop_oldest_turns(messages, lambda m: len(self.tokenizer.encode(self.tokenizer.render(m))) <= limit)
-            evicted = len(self.tokenizer.encode(self.tokenizer.render(messages))) - \
-                len(self.tokenizer.encode(self.tokenizer.render(kept))) if kept else 0
-            messages = kept or messages
-        ids = self.tokenizer.encode(self.tokenizer.render(messages))
+        if self.overflow.name == "drop-turns" and len(ids) > limit:
+            kept = drop_oldest_turns(messages, lambda m: len(self._prompt_ids(m)) <= limit)
+            if kept:
+                messages, kept_ids = kept, self._prompt_ids(kept)
+                ids, evicted = kept_ids, len(ids) - len(kept_ids)
         if len(ids) > limit and self.overflow.name != "sink-window":
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0,
                                f"the turn needs {len(ids) + self.params.max_new_tokens} tokens of KV but the "
@@ -119,6 +120,9 @@ class TrtllmSession:
         self.messages = messages + [{"role": "assistant", "content": reply}]
         tok_s = (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0
         return self._stats(reply, generated, len(ids) - reused, reused, ttft, tok_s, finish, evicted)
+
+    def _prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.encode_prompt(self.tokenizer.render(messages))
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""
