@@ -3,6 +3,10 @@
 For every dialogue the model runs once with an fp32 cache (the reference) and
 once per mode with a fresh cache of that mode; each run is one prefill of the
 whole dialogue, so every position attends to K/V as the mode stores them.
+``int4`` keeps the newest tokens in fp16, so its dialogue is prefilled in
+chunks of one block: every position then sees 96 to 127 earlier tokens at full
+precision (with the default 128-token window), as in decode, where it sees 127
+or more.
 Per mode: perplexity of the dialogue's next tokens, mean KL(reference || mode)
 of the next-token distributions, and how often the top-1 token agrees.
 """
@@ -18,7 +22,7 @@ from tqdm import tqdm
 from calibration.equalize import equalize
 from calibration.model_source import LoadedModel
 from calibration.selection import TokenizedDialogue
-from runtime.kv_cache import KVScales, PagedKVCache
+from runtime.kv_cache import KVLayout, KVScales, PagedKVCache
 from runtime.kv_scales import ScalesFile
 from runtime.model import Transformer
 
@@ -38,7 +42,7 @@ class ModeResult:
     ppl_delta_pct: float
     kl: float
     top1_agree: float
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # at the mean dialogue length; int4 includes its fp16 window
 
 
 @dataclass
@@ -75,15 +79,31 @@ def build_runners(model: LoadedModel, modes: list[str], scales_file: ScalesFile 
 
 
 def run_logits(model: Transformer, token_ids: list[int], cache_mode: str, scales: KVScales | None) -> torch.Tensor:
-    """Logits (tokens, vocab) of one prefill of token_ids over a fresh cache of the given mode."""
+    """Logits (tokens, vocab) of token_ids prefilled over a fresh cache of the given mode (int4: block by block)."""
     layout = model.kv_layout
     blocks = -(-len(token_ids) // TOKENS_PER_BLOCK)
     budget = layout.bytes_per_token(cache_mode, TOKENS_PER_BLOCK) * TOKENS_PER_BLOCK * blocks
     if cache_mode == "int4":
         budget += layout.int4_window_bytes(TOKENS_PER_BLOCK)
     cache = PagedKVCache(layout, cache_mode, budget, TOKENS_PER_BLOCK, scales)
-    cache.allocate(0, token_ids)
-    return model.forward(token_ids, 0, cache, 0, all_logits=True)
+    chunk = TOKENS_PER_BLOCK if cache_mode == "int4" else len(token_ids)
+    logits = []
+    for start in range(0, len(token_ids), chunk):
+        piece = token_ids[start:start + chunk]
+        if start == 0:
+            cache.allocate(0, piece)
+        else:
+            cache.append(0, piece)
+        logits.append(model.forward(piece, start, cache, 0, all_logits=True))
+    return torch.cat(logits)
+
+
+def stored_bytes_per_token(layout: KVLayout, cache_mode: str, tokens: int) -> int:
+    """Bytes per token of a sequence of ``tokens`` tokens, scales and (int4) the fp16 window included."""
+    per_token = layout.bytes_per_token(cache_mode, TOKENS_PER_BLOCK)
+    if cache_mode != "int4":
+        return per_token
+    return -(-(per_token * tokens + layout.int4_window_bytes(TOKENS_PER_BLOCK)) // tokens)
 
 
 @dataclass
@@ -126,11 +146,11 @@ def evaluate(model: LoadedModel, dialogues: list[TokenizedDialogue], modes: list
                 bar.update()
     ref_ppl = math.exp(ref_totals.nll / ref_totals.tokens)
     results = {"fp32": ModeResult(ref_ppl, 0.0, 0.0, 1.0, reference.kv_layout.bytes_per_token("fp32"))}
+    mean_tokens = round(sum(len(d.token_ids) for d in dialogues) / len(dialogues))
     for mode, t in totals.items():
         ppl = math.exp(t.nll / t.tokens)
-        layout = runners[mode].model.kv_layout
-        results[mode] = ModeResult(ppl, 100 * (ppl / ref_ppl - 1), t.kl / t.tokens, t.agree / t.tokens,
-                                   layout.bytes_per_token(runners[mode].cache_mode, TOKENS_PER_BLOCK))
+        stored = stored_bytes_per_token(runners[mode].model.kv_layout, runners[mode].cache_mode, mean_tokens)
+        results[mode] = ModeResult(ppl, 100 * (ppl / ref_ppl - 1), t.kl / t.tokens, t.agree / t.tokens, stored)
     return results
 
 

@@ -6,12 +6,10 @@ Storage modes:
 - ``int8-separate``: static per-layer scales, one for K and one for V;
 - ``int8-dynamic``: one fp16 scale per token and KV head, stored beside the block;
 - ``int4``: KIVI-style 4-bit (runtime.kv_int4): keys per channel over the tokens
-  of a block, values per token in groups of 32 channels, fp16 scales and zeros.
-  A block is quantized when its last token is written; until then it lives in
-  an fp16 window buffer, so each sequence keeps its newest (< one block of)
-  tokens in full precision. One window (an fp16 block) is reserved from the
-  budget; more are added, and counted in ``stats()``, if several sequences
-  are partial at once.
+  of a block, values per token in groups of 32 channels, fp16 scales and zeros;
+  each sequence's newest ``int4_window`` tokens stay in fp16 block buffers
+  (runtime.kv_int4_pool). One sequence's buffers are reserved from the budget;
+  more are added, and counted in ``stats()``, when several sequences are live.
 
 Tensors are laid out ``(layers, blocks, tokens_per_block, kv_heads, head_size)``;
 the block manager decides which block each token goes to. Writes of a sequence
@@ -24,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from runtime.block_manager import BlockManager
-from runtime.kv_int4 import VALUE_GROUP, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from runtime.committed import committed_zeros
+from runtime.kv_int4 import VALUE_GROUP
+from runtime.kv_int4_pool import INT4_WINDOW, Int4Pool, buffers_per_sequence
 from runtime.kv_quant import dequantize_per_token, quantize_per_token, quantize_static
 
 KV_MODES = ("fp32", "fp16", "int8", "int8-separate", "int8-dynamic", "int4")
@@ -58,7 +58,7 @@ class KVLayout:
         """Bytes one token takes in the cache, all layers, K and V, scales included.
 
         For ``int4`` the per-block key scales are spread over the block's tokens
-        (rounded up); the fp16 window of each partial sequence is not included
+        (rounded up); the fp16 window of each sequence is not included
         (see ``int4_window_bytes``).
         """
         if mode not in KV_MODES:
@@ -75,9 +75,9 @@ class KVLayout:
             per_layer += 2 * self.num_kv_heads * _SCALE_BYTES
         return per_layer * self.num_layers
 
-    def int4_window_bytes(self, tokens_per_block: int) -> int:
-        """Bytes of one fp16 window buffer (one block, all layers, K and V) of the int4 mode."""
-        return self.bytes_per_token("fp16") * tokens_per_block
+    def int4_window_bytes(self, tokens_per_block: int, window: int = INT4_WINDOW) -> int:
+        """Bytes of the fp16 block buffers one sequence's newest ``window`` tokens need in the int4 mode."""
+        return self.bytes_per_token("fp16") * tokens_per_block * buffers_per_sequence(tokens_per_block, window)
 
     def check_int4(self) -> None:
         """Raise ValueError if the head size does not split into int4 value groups."""
@@ -100,17 +100,17 @@ class CacheStats:
     blocks_cached: int
     blocks_in_use: int
     reuse_hits: int
-    window_bytes: int = 0  # int4: fp16 window buffers holding the newest tokens of partial sequences
+    window_bytes: int = 0  # int4: fp16 buffers holding the newest tokens of each sequence
 
 
 class PagedKVCache:
     """Block pool plus block tables; writes and reads K/V of one sequence at a time."""
 
     def __init__(self, layout: KVLayout, mode: str, max_bytes: int, tokens_per_block: int = 32,
-                 scales: KVScales | None = None) -> None:
+                 scales: KVScales | None = None, int4_window: int = INT4_WINDOW) -> None:
         self.layout, self.mode, self.tokens_per_block = layout, mode, tokens_per_block
         bytes_per_block = layout.bytes_per_token(mode, tokens_per_block) * tokens_per_block
-        reserved = layout.int4_window_bytes(tokens_per_block) if mode == "int4" else 0
+        reserved = layout.int4_window_bytes(tokens_per_block, int4_window) if mode == "int4" else 0
         num_blocks = (max_bytes - reserved) // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
@@ -127,127 +127,53 @@ class PagedKVCache:
         self.bytes_per_block = bytes_per_block
         shape = (layout.num_layers, num_blocks, tokens_per_block, layout.num_kv_heads, layout.head_size)
         if mode == "int4":
-            self._init_int4(shape)
+            self._int4 = Int4Pool(layout.num_layers, num_blocks, tokens_per_block, layout.num_kv_heads,
+                                  layout.head_size, int4_window)
             return
         dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(mode, torch.int8)
-        self.k_data = _committed(shape, dtype=dtype)
-        self.v_data = _committed(shape, dtype=dtype)
+        self.k_data = committed_zeros(*shape, dtype=dtype)
+        self.v_data = committed_zeros(*shape, dtype=dtype)
         if mode == "int8-dynamic":
-            self.k_sdata = _committed(shape[:-1], dtype=torch.float16)
-            self.v_sdata = _committed(shape[:-1], dtype=torch.float16)
-
-    def _init_int4(self, shape: tuple[int, ...]) -> None:
-        layers, blocks, tpb, heads, d = shape
-        self.k_data = _committed(layers, blocks, tpb, heads, d // 2, dtype=torch.uint8)
-        self.v_data = _committed(layers, blocks, tpb, heads, d // 2, dtype=torch.uint8)
-        self.k_qscale = _committed(layers, blocks, heads, d, dtype=torch.float16)
-        self.k_qzero = _committed(layers, blocks, heads, d, dtype=torch.float16)
-        self.v_qscale = _committed(layers, blocks, tpb, heads, d // VALUE_GROUP, dtype=torch.float16)
-        self.v_qzero = _committed(layers, blocks, tpb, heads, d // VALUE_GROUP, dtype=torch.float16)
-        window = (layers, tpb, heads, d)
-        self._windows = [(torch.zeros(window, dtype=torch.float16), torch.zeros(window, dtype=torch.float16))]
-        self._free_windows = [0]
-        self._window_of: dict[int, int] = {}  # block -> window buffer
-        self._in_window = torch.zeros(layers, blocks, dtype=torch.bool)  # (layer, block) not yet quantized
+            self.k_sdata = committed_zeros(*shape[:-1], dtype=torch.float16)
+            self.v_sdata = committed_zeros(*shape[:-1], dtype=torch.float16)
 
     # -- sequences -----------------------------------------------------------------
     def allocate(self, seq_id: int, token_ids: list[int]) -> int:
         """Start a sequence; returns how many leading tokens are already cached (reused)."""
-        return self.blocks.allocate(seq_id, token_ids)
+        reused = self.blocks.allocate(seq_id, token_ids)
+        if self.mode == "int4":
+            self._int4.follow(seq_id, self.blocks.block_table(seq_id), reused, len(token_ids))
+        return reused
 
     def append(self, seq_id: int, token_ids: list[int]) -> None:
         """Extend a sequence, copying shared blocks before they are written."""
+        written = self.blocks.num_tokens(seq_id)
         for src, dst in self.blocks.append(seq_id, token_ids):
             self._copy_block(src, dst)
+        if self.mode == "int4":
+            self._int4.follow(seq_id, self.blocks.block_table(seq_id), written, written + len(token_ids))
 
     def free(self, seq_id: int) -> None:
         """Release a sequence; its full blocks stay cached for reuse until evicted."""
-        if self.mode == "int4" and self.blocks.num_tokens(seq_id) % self.tokens_per_block:
-            self._release_window(self.blocks.block_table(seq_id)[-1])  # a partial last block is never shared
+        if self.mode == "int4":
+            self._int4.drop(seq_id, self.blocks.block_table(seq_id), self.blocks.num_tokens(seq_id))
         self.blocks.free(seq_id)
 
     def _copy_block(self, src: int, dst: int) -> None:
+        if self.mode == "int4":
+            self._int4.copy_block(src, dst)
+            return
         tensors = [self.k_data, self.v_data]
         if self.mode == "int8-dynamic":
             tensors += [self.k_sdata, self.v_sdata]
-        if self.mode == "int4":
-            tensors += [self.k_qscale, self.k_qzero, self.v_qscale, self.v_qzero, self._in_window]
-            if src in self._window_of:
-                for src_t, dst_t in zip(self._windows[self._window_of[src]], self._windows[self._take_window(dst)]):
-                    dst_t.copy_(src_t)
         for t in tensors:
             t[:, dst] = t[:, src]
-
-    # -- int4 window buffers -------------------------------------------------------
-    def _take_window(self, block: int) -> int:
-        if block not in self._window_of:
-            if not self._free_windows:
-                self._windows.append(tuple(torch.zeros_like(t) for t in self._windows[0]))
-                self._free_windows.append(len(self._windows) - 1)
-            self._window_of[block] = self._free_windows.pop()
-        return self._window_of[block]
-
-    def _release_window(self, block: int) -> None:
-        if block in self._window_of:
-            self._free_windows.append(self._window_of.pop(block))
-        self._in_window[:, block] = False
-
-    def _write_int4(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write into each touched block's fp16 window; quantize a block once its last slot is written."""
-        tpb = self.tokens_per_block
-        blocks, offsets = slots // tpb, slots % tpb
-        unique, counts = blocks.unique(return_counts=True)
-        whole = unique[(counts == tpb) & ~self._in_window[layer, unique]]
-        if whole.numel():  # blocks written whole by this call are quantized directly, without a window
-            self._quantize_blocks(layer, whole, blocks, offsets, k, v)
-        for block in unique[~torch.isin(unique, whole)].tolist():
-            chosen = blocks == block
-            window = self._take_window(block)
-            wk, wv = self._windows[window]
-            if not self._in_window[layer, block]:
-                if int(offsets[chosen].min()) > 0:  # earlier tokens of the block were quantized (after a truncate)
-                    wk[layer] = dequantize_keys(self.k_data[layer, block], self.k_qscale[layer, block],
-                                                self.k_qzero[layer, block]).half()
-                    wv[layer] = dequantize_values(self.v_data[layer, block], self.v_qscale[layer, block],
-                                                  self.v_qzero[layer, block]).half()
-                self._in_window[layer, block] = True
-            wk[layer, offsets[chosen]] = k[chosen].half()
-            wv[layer, offsets[chosen]] = v[chosen].half()
-            if bool((offsets[chosen] == tpb - 1).any()):
-                self.k_data[layer, block], self.k_qscale[layer, block], self.k_qzero[layer, block] = \
-                    quantize_keys(wk[layer].float())
-                self.v_data[layer, block], self.v_qscale[layer, block], self.v_qzero[layer, block] = \
-                    quantize_values(wv[layer].float())
-                self._in_window[layer, block] = False
-                if not self._in_window[:, block].any():
-                    self._release_window(block)
-
-    def _quantize_blocks(self, layer: int, whole: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
-                         k: torch.Tensor, v: torch.Tensor) -> None:
-        chosen = torch.isin(blocks, whole)
-        rows = torch.searchsorted(whole, blocks[chosen])
-        k_blocks = torch.empty(len(whole), self.tokens_per_block, *k.shape[1:])
-        v_blocks = torch.empty_like(k_blocks)
-        k_blocks[rows, offsets[chosen]] = k[chosen].float()
-        v_blocks[rows, offsets[chosen]] = v[chosen].float()
-        self.k_data[layer, whole], self.k_qscale[layer, whole], self.k_qzero[layer, whole] = quantize_keys(k_blocks)
-        self.v_data[layer, whole], self.v_qscale[layer, whole], self.v_qzero[layer, whole] = quantize_values(v_blocks)
-
-    def _read_int4(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = dequantize_keys(self.k_data[layer, block_table], self.k_qscale[layer, block_table],
-                            self.k_qzero[layer, block_table])
-        v = dequantize_values(self.v_data[layer, block_table], self.v_qscale[layer, block_table],
-                              self.v_qzero[layer, block_table])
-        for index in self._in_window[layer, block_table].nonzero().flatten().tolist():
-            wk, wv = self._windows[self._window_of[int(block_table[index])]]
-            k[index], v[index] = wk[layer].float(), wv[layer].float()
-        return k.flatten(0, 1)[:num_tokens], v.flatten(0, 1)[:num_tokens]
 
     # -- data ----------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of shape (tokens, kv_heads, head_size) into flat slots of one layer."""
         if self.mode == "int4":
-            self._write_int4(layer, slots, k, v)
+            self._int4.write(layer, slots, k, v)
             return
         k_flat = self.k_data[layer].view(-1, *self.k_data.shape[3:])
         v_flat = self.v_data[layer].view(-1, *self.v_data.shape[3:])
@@ -263,7 +189,7 @@ class PagedKVCache:
     def read(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K and V of a sequence's first num_tokens tokens, shape (tokens, kv_heads, head_size)."""
         if self.mode == "int4":
-            return self._read_int4(layer, block_table, num_tokens)
+            return self._int4.read(layer, block_table, num_tokens)
         if self.mode in STATIC_INT8_MODES:
             k, v, k_scale, v_scale = self.read_unscaled(layer, block_table, num_tokens)
             return k * k_scale, v * v_scale
@@ -305,20 +231,19 @@ class PagedKVCache:
     def stats(self) -> CacheStats:
         """Bytes reserved and used, block counters, reuse hits."""
         b = self.blocks.stats()
-        window = self.layout.int4_window_bytes(self.tokens_per_block) if self.mode == "int4" else 0
-        windows = (len(self._windows), len(self._window_of)) if self.mode == "int4" else (0, 0)
+        window_reserved, window_used = self._int4.buffer_bytes() if self.mode == "int4" else (0, 0)
         return CacheStats(
             mode=self.mode,
             bytes_per_token=self.bytes_per_token(),
-            bytes_reserved=b.num_blocks * self.bytes_per_block + windows[0] * window,
-            bytes_used=b.in_use * self.bytes_per_block + windows[1] * window,
+            bytes_reserved=b.num_blocks * self.bytes_per_block + window_reserved,
+            bytes_used=b.in_use * self.bytes_per_block + window_used,
             tokens_capacity=b.num_blocks * self.tokens_per_block,
             blocks_total=b.num_blocks,
             blocks_free=b.free,
             blocks_cached=b.cached,
             blocks_in_use=b.in_use,
             reuse_hits=b.reuse_hits,
-            window_bytes=windows[0] * window,
+            window_bytes=window_reserved,
         )
 
 
@@ -329,7 +254,3 @@ def _gather(pool: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> t
     """
     return pool.index_select(0, block_table).flatten(0, 1)[:num_tokens]
 
-
-def _committed(*shape, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed tensor whose pages are written now, so the process holds the whole budget from the start."""
-    return torch.empty(*shape, dtype=dtype).fill_(0)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from runtime.kv_cache import KV_MODES, KVLayout, KVScales, PagedKVCache
 from runtime.kv_int4 import (VALUE_GROUP, dequantize_keys, dequantize_values, pack_nibbles, quantize_keys,
                              quantize_values, unpack_nibbles)
+from runtime.kv_int4_pool import buffers_per_sequence
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=64)
 TPB = 8
@@ -43,11 +44,11 @@ def test_int4_error_is_at_most_half_a_step_per_group(seed, tokens, spread):
     assert torch.all(err <= bound[..., None])
 
 
-def _cache(mode: str, blocks: int = 12, scales: KVScales | None = None) -> PagedKVCache:
+def _cache(mode: str, blocks: int = 12, scales: KVScales | None = None, window: int = 0) -> PagedKVCache:
     budget = LAYOUT.bytes_per_token(mode, TPB) * TPB * blocks
     if mode == "int4":
-        budget += LAYOUT.int4_window_bytes(TPB)
-    return PagedKVCache(LAYOUT, mode, budget, TPB, scales)
+        budget += LAYOUT.int4_window_bytes(TPB, window)
+    return PagedKVCache(LAYOUT, mode, budget, TPB, scales, int4_window=window)
 
 
 def _write_dialogue(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, prefill: int) -> None:
@@ -81,7 +82,7 @@ def test_every_mode_reads_back_within_its_error_bound(mode):
     elif mode == "int8-dynamic":
         k_bound = want_k.abs().amax(-1, keepdim=True) / 127 * 0.5 * 1.01
         v_bound = v.abs().amax(-1, keepdim=True) / 127 * 0.5 * 1.01
-    else:  # int4: half a step of a 16-level group; the newest partial block stays fp16
+    else:  # int4 without a window: half a step of a 16-level group; the newest partial block stays fp16
         k_bound = torch.cat([(want_k[:40].unflatten(0, (5, TPB)).amax(1) - want_k[:40].unflatten(0, (5, TPB)).amin(1))
                              .repeat_interleave(TPB, 0) / 30 * 1.01, want_k[40:].abs() * 2 ** -11])
         grouped = v.unflatten(-1, (-1, VALUE_GROUP))
@@ -96,11 +97,14 @@ def test_int4_bytes_per_token_counts_codes_and_scales():
     # codes: 2 x 128 channels / 2; key scale+zero per block and channel; value scale+zero per token and group
     per_layer_block = TPB * 128 + 128 * 4 + TPB * (128 // VALUE_GROUP) * 4
     assert LAYOUT.bytes_per_token("int4", TPB) == -(-per_layer_block * 2 // TPB)
-    cache = _cache("int4", blocks=5)
-    stored = sum(t.numel() * t.element_size() for t in (cache.k_data, cache.v_data, cache.k_qscale, cache.k_qzero,
-                                                        cache.v_qscale, cache.v_qzero))
+    cache = _cache("int4", blocks=5, window=20)
+    pool = cache._int4
+    stored = sum(t.numel() * t.element_size() for t in (pool.k_codes, pool.v_codes, pool.k_scale, pool.k_zero,
+                                                        pool.v_scale, pool.v_zero))
     assert stored == cache.stats().blocks_total * TPB * cache.bytes_per_token()
-    assert cache.stats().window_bytes == LAYOUT.bytes_per_token("fp16") * TPB
+    # a 20-token window touches up to 3 full blocks of 8, plus the partial block being written
+    assert buffers_per_sequence(TPB, 20) == 4
+    assert cache.stats().window_bytes == LAYOUT.bytes_per_token("fp16") * TPB * 4
     assert LAYOUT.bytes_per_token("int4", 32) * 3 < LAYOUT.bytes_per_token("fp16")
     with pytest.raises(ValueError, match="head size divisible by 32"):
         KVLayout(1, 1, 48).bytes_per_token("int4")
@@ -110,7 +114,7 @@ def test_int4_windows_follow_partial_blocks_through_copy_and_free():
     k, v = _kv(20, seed=3)
     cache = _cache("int4", blocks=8)
     _write_dialogue(cache, k, v, prefill=20)  # blocks: 8 + 8 quantized, 4 tokens in the window
-    assert len(cache._window_of) == 1
+    assert len(cache._int4._buffers) == 1
     before = cache.read(0, cache.block_table(0), 20)
     # A second sequence with the same prefix reuses the two full blocks; its own last block needs a window.
     assert cache.allocate(1, list(range(20)) + [99]) == 16
@@ -118,10 +122,10 @@ def test_int4_windows_follow_partial_blocks_through_copy_and_free():
         cache.write(layer, cache.slots(1, 16, 21), torch.cat([k[16:20] * (layer + 1), k[:1]]), torch.cat([v[16:], v[:1]]))
     after = cache.read(0, cache.block_table(0), 20)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    assert len(cache._window_of) == 2 and cache.stats().window_bytes == 2 * LAYOUT.int4_window_bytes(TPB)
+    assert len(cache._int4._buffers) == 2 and cache.stats().window_bytes == 2 * LAYOUT.int4_window_bytes(TPB, 0)
     cache.free(1)
     cache.free(0)
-    assert not cache._window_of and cache.stats().bytes_used == 0
+    assert not cache._int4._buffers and cache.stats().bytes_used == 0
 
 
 def test_int4_rewrites_a_quantized_block_after_truncation():
@@ -135,3 +139,39 @@ def test_int4_rewrites_a_quantized_block_after_truncation():
     got_k, _ = cache.read(0, cache.block_table(0), 13)
     assert torch.equal(got_k[12], k[20].half().float())
     assert (got_k[8:12] - k[8:12]).abs().max() <= (k[8:16].amax(0) - k[8:16].amin(0)).max() / 30 * 1.01 + 1e-2
+
+
+@pytest.mark.parametrize("prefill", [3, 30])
+def test_int4_window_keeps_the_newest_tokens_in_fp16(prefill):
+    k, v = _kv(45, seed=11)
+    window = 12
+    cache = _cache("int4", blocks=8, window=window)
+    _write_dialogue(cache, k, v, prefill=prefill)
+    got_k, got_v = cache.read(0, cache.block_table(0), len(k))
+    # tokens 32..44 share blocks with the newest 12 tokens (blocks 4 and 5): exact fp16
+    assert torch.equal(got_k[32:], k[32:].half().float()) and torch.equal(got_v[32:], v[32:].half().float())
+    # older blocks are 4-bit: within half a step of their key groups, and not exact
+    older = k[:32].unflatten(0, (4, TPB))
+    bound = ((older.amax(1) - older.amin(1)) / 30 * 1.01).repeat_interleave(TPB, 0) + 1e-6
+    assert torch.all((got_k[:32] - k[:32]).abs() <= bound) and not torch.equal(got_k[:32], k[:32].half().float())
+    assert len(cache._int4._buffers) <= buffers_per_sequence(TPB, window)
+    # freed, the full window blocks are quantized and stay cached; a new sequence reuses them
+    cache.free(0)
+    assert not cache._int4._buffers
+    assert cache.allocate(1, list(range(40)) + [7]) == 40
+    reused_k, _ = cache.read(0, cache.block_table(1), 40)
+    assert torch.all((reused_k[32:40] - k[32:40]).abs() <= (k[32:40].amax(0) - k[32:40].amin(0)) / 30 * 1.01 + 1e-6)
+
+
+def test_int4_window_of_a_shared_prefix_stays_fp16_while_one_sequence_needs_it():
+    k, v = _kv(16, seed=2)
+    cache = _cache("int4", blocks=10, window=16)
+    _write_dialogue(cache, k, v, prefill=16)
+    assert cache.allocate(1, list(range(16)) + list(range(100, 120))) == 16  # both blocks of sequence 0 reused
+    for layer in range(LAYOUT.num_layers):
+        cache.write(layer, cache.slots(1, 16, 36), torch.randn(20, 2, 64), torch.randn(20, 2, 64))
+    got_k, _ = cache.read(0, cache.block_table(0), 16)
+    assert torch.equal(got_k[:8], k[:8].half().float())  # sequence 0 still has block 0 in its window
+    cache.free(0)
+    got_k, _ = cache.read(0, cache.block_table(1), 8)
+    assert not torch.equal(got_k, k[:8].half().float())  # no window holds it any more: quantized
