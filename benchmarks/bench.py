@@ -11,7 +11,7 @@ from tqdm import tqdm
 from benchmarks.accuracy import accuracy_rows
 from benchmarks.claims import check_claims
 from benchmarks.kv_memory import measure_kv_memory
-from benchmarks.machine import machine_info
+from benchmarks.machine import machine_info, oversubscribed
 from benchmarks.multiturn import measure_multiturn
 from benchmarks.runner import Runner, Unavailable
 from benchmarks.runner_cabin import available_modes, cabin_runner
@@ -57,13 +57,18 @@ def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unav
               evaluation: dict | None) -> dict:
     """Measure everything on ours and the available peers; the JSON-ready results (without command/notes)."""
     info = machine_info()
+    crowded = oversubscribed(info)
+    if crowded:
+        print(f"cabin-bench: warning: {crowded}", file=sys.stderr)
     ours = [cabin_runner(engine, m) for m in available_modes(settings.modes)]
     runners = ours + [p for p in peers if isinstance(p, Runner)]
     turn_peers = [p for p in runners if p.name in TURN_PEERS]
     prompt = sharegpt_stream(engine, max(settings.contexts))
     prompts = {c: prompt[:c] for c in settings.contexts}
     users = long_sharegpt_dialogue(engine, settings.turns, settings.max_user_tokens) if settings.turns else []
-    total = len(runners) + settings.repeats * len(settings.contexts) * len(runners) + settings.turn_repeats * len(users)
+    warm_ups = len(runners)  # measure_speed's untimed first run of each runner
+    total = (len(runners) + warm_ups + settings.repeats * len(settings.contexts) * len(runners)
+             + settings.turn_repeats * len(users))
     with tqdm(total=total, desc="cabin-bench", unit="run", file=sys.stderr) as bar:
         kv = measure_kv_memory(runners, settings.kv_budget_mib * MIB, engine.config.max_position_embeddings, prompt,
                                bar)
@@ -91,7 +96,8 @@ def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unav
                    + [{"name": p.name, "family": p.family, "kv": "-", "weights": "-", "status": "unavailable",
                        "reason": p.reason} for p in peers if isinstance(p, Unavailable)],
         "kv_memory": kv,
-        "speed": {"rows": speed_rows(speed), "ratios": [asdict(r) for r in ratios], "errors": speed.errors},
+        "speed": {"rows": speed_rows(speed), "ratios": [asdict(r) for r in ratios], "errors": speed.errors,
+                  "warm_up_runs": speed.warm_up_runs},
         "multiturn": multiturn,
         "accuracy": {"source": {k: v for k, v in evaluation.items() if k != "modes"},
                      "rows": accuracy_rows(runners, evaluation, equalized)} if evaluation else {},

@@ -11,6 +11,7 @@ import torch
 
 from benchmarks.accuracy import EvalJsonError, load_eval
 from benchmarks.bench import PEER_FAMILIES, make_peers, run_bench
+from benchmarks.machine import oversubscribed
 from benchmarks.plots import write_figures
 from benchmarks.report import render_markdown
 from benchmarks.settings import BenchSettings, quick_settings
@@ -78,10 +79,17 @@ def notes(results: dict) -> list[str]:
         "transformers make of the K/V they read.",
         "transformers' times include generate()'s per-call set-up (logits processors, cache creation): what a user "
         "of generate() gets. Its TTFT per turn is generate() on the whole history with max_new_tokens=1.",
+        "Decode tok/s, every system alike: the tokens after the first over the time from the first token to the last "
+        "(prefill and the first sampling excluded). "
+        + ("Every runner had one untimed warm-up run (the shortest context) before the timed repeats."
+           if results.get("speed", {}).get("warm_up_runs") else "This run had no warm-up runs."),
         f"Threads: torch.set_num_threads({results['machine']['torch_threads']}) and llama.cpp n_threads equal; on a "
         "machine shared with other jobs, more threads than idle cores make every runner stall on its busy-waiting "
         "workers, so use --threads to match the idle cores.",
     ]
+    crowded = oversubscribed(results["machine"])
+    if crowded:
+        out.insert(0, f"WARNING: {crowded}.")
     if results.get("accuracy"):
         src = results["accuracy"]["source"]
         out.append(f"Accuracy columns: cabin-eval file {src.get('file')} (model {src.get('model', '?')}, scales "

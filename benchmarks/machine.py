@@ -43,3 +43,22 @@ def machine_info() -> dict:
         "torch_threads": torch.get_num_threads(),
         "versions": package_versions(),
     }
+
+
+def oversubscribed(info: dict) -> str | None:
+    """A warning when torch runs more threads than the cores the load average left idle, else None.
+
+    Each parallel op then waits for a worker that has no core, which costs a runner with many short ops per
+    decoded token far more than its own work: with 2,048 tokens of context on 2 cores, one of them busy,
+    cabin int8 / transformers dynamic ranged from 0.06x to 1.12x between repeats with 2 threads, and
+    was 1.15-1.18x with 1.
+    """
+    load = info.get("load_average_1m")
+    if load is None or not info.get("cores"):
+        return None
+    idle = max(1, round(info["cores"] - load))
+    if info["torch_threads"] <= idle:
+        return None
+    return (f"torch ran {info['torch_threads']} threads on {info['cores']} cores with a load average of {load:.2f} "
+            f"at the start (about {idle} idle): the timings are dominated by threads waiting for a core; "
+            f"rerun with --threads {idle}")

@@ -44,5 +44,6 @@ def cabin_runner(engine: Engine, mode: str) -> Runner:
                            f"runtime block accounting (PagedKVCache.stats), blocks of {DEFAULT_TOKENS_PER_BLOCK} "
                            "tokens")
 
-    return Runner(f"cabin {mode}", "cabin", KV_DESCRIPTIONS[mode], "fp32 (the engine's checkpoint, upcast)",
+    return Runner(f"cabin {mode}", "cabin", KV_DESCRIPTIONS[mode],
+                  "fp32 (the engine's checkpoint, upcast; linear weights held transposed, (in, out))",
                   run, footprint, mode=mode)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from benchmarks.runner import Runner
+from benchmarks.runner import Runner, RunTiming
 from benchmarks.stats import PairRatio, median, paired_ratio
 
 METRICS = ("decode_tok_s", "prefill_tok_s")
@@ -19,6 +19,7 @@ class SpeedSamples:
     samples: dict[str, dict[str, dict[int, list[float | None]]]] = field(
         default_factory=lambda: {m: {} for m in METRICS})
     errors: dict[str, str] = field(default_factory=dict)
+    warm_up_runs: int = 0  # untimed runs of each runner before the repeats
 
     def add(self, runner: str, context: int, values: dict[str, float] | None) -> None:
         """Record one run (None if it failed)."""
@@ -33,27 +34,37 @@ def rotated(items: list, by: int) -> list:
     return items[by:] + items[:by]
 
 
+def _try_run(runner: Runner, prompt: list[int], new_tokens: int, result: SpeedSamples) -> RunTiming | None:
+    """One run; a failure is recorded in result.errors (with its reason) and gives None."""
+    try:
+        return runner.run(prompt, new_tokens)
+    except Exception as err:  # a peer that breaks is a result, reported with its reason
+        result.errors[runner.name] = f"{type(err).__name__}: {err}"
+        print(f"cabin-bench: {runner.name} failed: {result.errors[runner.name]}", file=sys.stderr)
+        return None
+
+
 def measure_speed(runners: list[Runner], prompts: dict[int, list[int]], new_tokens: int, repeats: int,
                   bar: tqdm | None = None) -> SpeedSamples:
-    """Each repeat runs, for each context, every runner back to back (in a rotating order), so a change of
+    """First one untimed warm-up run of every runner (the shortest prompt, the same decode steps), so that no
+    runner's first timed run carries one-time costs (lazy imports, kernel set-up, first touch of its weights).
+    Then each repeat runs, for each context, every runner back to back (in a rotating order), so a change of
     machine load hits the runners of a pair alike. A runner that fails is recorded and not run again."""
-    result = SpeedSamples()
+    result = SpeedSamples(warm_up_runs=1)
+    for runner in runners:
+        if bar is not None:
+            bar.set_postfix_str(f"warm-up: {runner.name}")
+        _try_run(runner, prompts[min(prompts)], new_tokens, result)
+        if bar is not None:
+            bar.update()
     for repeat in range(repeats):
         for context, prompt in prompts.items():
             for runner in rotated(runners, repeat):
                 if bar is not None:
                     bar.set_postfix_str(f"{runner.name} @ {context}")
-                if runner.name in result.errors:
-                    result.add(runner.name, context, None)
-                else:
-                    try:
-                        timing = runner.run(prompt, new_tokens)
-                        result.add(runner.name, context, {"decode_tok_s": timing.decode_tok_s,
-                                                          "prefill_tok_s": timing.prefill_tok_s})
-                    except Exception as err:  # a peer that breaks is a result, reported with its reason
-                        result.errors[runner.name] = f"{type(err).__name__}: {err}"
-                        print(f"cabin-bench: {runner.name} failed: {result.errors[runner.name]}", file=sys.stderr)
-                        result.add(runner.name, context, None)
+                timing = None if runner.name in result.errors else _try_run(runner, prompt, new_tokens, result)
+                result.add(runner.name, context, None if timing is None else {
+                    "decode_tok_s": timing.decode_tok_s, "prefill_tok_s": timing.prefill_tok_s})
                 if bar is not None:
                     bar.update()
     return result

@@ -122,7 +122,8 @@ class PagedKVCache:
             if scales is None or len(scales.k) != layout.num_layers:
                 raise ValueError(f"KV mode {mode} needs static scales for all {layout.num_layers} layers")
             k, v = (scales.shared(), scales.shared()) if mode == "int8" else (scales.k, scales.v)
-            self.k_scale, self.v_scale = torch.tensor(k), torch.tensor(v)
+            # float32 values, kept as Python floats: read every step without a tensor lookup
+            self.k_scale, self.v_scale = torch.tensor(k).tolist(), torch.tensor(v).tolist()
         self.blocks = BlockManager(num_blocks, tokens_per_block)
         self.bytes_per_block = bytes_per_block
         shape = (layout.num_layers, num_blocks, tokens_per_block, layout.num_kv_heads, layout.head_size)
@@ -180,8 +181,8 @@ class PagedKVCache:
         if self.mode in ("fp32", "fp16"):
             k_flat[slots], v_flat[slots] = k.to(k_flat.dtype), v.to(v_flat.dtype)
         elif self.mode in STATIC_INT8_MODES:
-            k_flat[slots] = quantize_static(k, float(self.k_scale[layer]))
-            v_flat[slots] = quantize_static(v, float(self.v_scale[layer]))
+            k_flat[slots] = quantize_static(k, self.k_scale[layer])
+            v_flat[slots] = quantize_static(v, self.v_scale[layer])
         else:
             (k_flat[slots], self.k_sdata[layer].view(-1, k.shape[1])[slots]) = quantize_per_token(k)
             (v_flat[slots], self.v_sdata[layer].view(-1, v.shape[1])[slots]) = quantize_per_token(v)
@@ -213,7 +214,7 @@ class PagedKVCache:
             return (*self.read(layer, block_table, num_tokens), 1.0, 1.0)
         k = _gather(self.k_data[layer], block_table, num_tokens).float()
         v = _gather(self.v_data[layer], block_table, num_tokens).float()
-        return k, v, float(self.k_scale[layer]), float(self.v_scale[layer])
+        return k, v, self.k_scale[layer], self.v_scale[layer]
 
     def block_table(self, seq_id: int) -> torch.Tensor:
         """The sequence's block ids as a tensor."""

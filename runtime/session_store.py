@@ -31,7 +31,7 @@ def scales_fingerprint(cache: PagedKVCache) -> str:
     """Hash of the static INT8 scales the cache quantizes with ('none' for other modes)."""
     if cache.mode not in STATIC_INT8_MODES:
         return "none"
-    data = json.dumps([cache.k_scale.tolist(), cache.v_scale.tolist()]).encode()
+    data = json.dumps([cache.k_scale, cache.v_scale]).encode()
     return hashlib.sha256(data).hexdigest()[:16]
 
 

@@ -41,6 +41,7 @@ def test_one_run_writes_results_markdown_and_figures(tiny_engine, tmp_path, caps
     assert status["llama.cpp q8_0"] == "unavailable"
     rows = {(r["runner"], r["context"]): r for r in results["speed"]["rows"]}
     assert {c for (_, c) in rows} == {16, 32} and len(rows[("cabin int8", 32)]["decode_tok_s_samples"]) == 2
+    assert results["speed"]["warm_up_runs"] == 1
     ratio = next(r for r in results["speed"]["ratios"] if (r["ours"], r["peer"], r["metric"], r["context"])
                  == ("cabin int8", "transformers dynamic", "decode_tok_s", 32))
     ours = rows[("cabin int8", 32)]["decode_tok_s_samples"]

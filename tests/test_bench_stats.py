@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.claims import check_claims
+from benchmarks.machine import oversubscribed
 from benchmarks.multiturn import growth
 from benchmarks.runner import KVFootprint, Runner, RunTiming
 from benchmarks.speed import SpeedSamples, measure_speed, rotated, speed_ratios, speed_rows
@@ -34,27 +35,45 @@ def test_rotated_starts_each_repeat_elsewhere():
     assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
 
 
-def test_every_runner_runs_back_to_back_per_context_in_a_rotating_order():
+def test_every_runner_warms_up_then_runs_back_to_back_per_context_in_a_rotating_order():
     calls: list[str] = []
-    ours = fake_runner("cabin int8", "cabin", [20, 30], calls)
-    peer = fake_runner("transformers dynamic", "transformers", [10, 30], calls)
-    speed = measure_speed([ours, peer], {4: [1] * 4, 8: [1] * 8}, 5, repeats=1)
-    assert calls == ["cabin int8@4", "transformers dynamic@4", "cabin int8@8", "transformers dynamic@8"]
+    ours = fake_runner("cabin int8", "cabin", [1, 20, 30], calls)
+    peer = fake_runner("transformers dynamic", "transformers", [1, 10, 30], calls)
+    speed = measure_speed([ours, peer], {8: [1] * 8, 4: [1] * 4}, 5, repeats=1)
+    assert calls == ["cabin int8@4", "transformers dynamic@4",  # warm-up on the shortest prompt, not recorded
+                     "cabin int8@8", "transformers dynamic@8", "cabin int8@4", "transformers dynamic@4"]
+    assert speed.samples["decode_tok_s"]["cabin int8"] == {8: [20], 4: [30]}
     calls.clear()
-    ours, peer = (fake_runner(r.name, r.family, [10, 10], calls) for r in (ours, peer))
+    ours, peer = (fake_runner(r.name, r.family, [10, 10, 10], calls) for r in (ours, peer))
     measure_speed([ours, peer], {4: [1] * 4}, 5, repeats=2)
-    assert calls == ["cabin int8@4", "transformers dynamic@4", "transformers dynamic@4", "cabin int8@4"]
-    assert speed.samples["decode_tok_s"]["cabin int8"] == {4: [20], 8: [30]}
+    assert calls[2:] == ["cabin int8@4", "transformers dynamic@4", "transformers dynamic@4", "cabin int8@4"]
 
 
 def test_a_failing_runner_is_recorded_once_and_not_run_again():
     calls: list[str] = []
-    broken = fake_runner("transformers hqq int4", "transformers", [10, 10, 10], calls, fail_at=1)
+    broken = fake_runner("transformers hqq int4", "transformers", [10, 10, 10, 10], calls, fail_at=2)
     speed = measure_speed([broken], {4: [1] * 4}, 5, repeats=3)
-    assert calls == ["transformers hqq int4@4", "transformers hqq int4@4"]
+    assert calls == ["transformers hqq int4@4"] * 3  # warm-up, a timed run, the run that fails
     assert speed.errors == {"transformers hqq int4": "RuntimeError: backend exploded"}
     assert speed.samples["decode_tok_s"]["transformers hqq int4"][4] == [10, None, None]
     assert speed_rows(speed)[0]["decode_tok_s"] == 10
+
+
+def test_a_runner_that_fails_its_warm_up_is_never_timed():
+    calls: list[str] = []
+    broken = fake_runner("transformers fp8", "transformers", [10, 10], calls, fail_at=0)
+    speed = measure_speed([broken], {4: [1] * 4}, 5, repeats=2)
+    assert calls == ["transformers fp8@4"]
+    assert speed.samples["decode_tok_s"]["transformers fp8"][4] == [None, None]
+    assert "backend exploded" in speed.errors["transformers fp8"]
+
+
+def test_more_threads_than_idle_cores_is_flagged():
+    info = {"cores": 2, "load_average_1m": 1.1, "torch_threads": 2}
+    assert "--threads 1" in oversubscribed(info)
+    assert oversubscribed({**info, "torch_threads": 1}) is None
+    assert oversubscribed({**info, "load_average_1m": 0.2}) is None
+    assert oversubscribed({**info, "load_average_1m": None}) is None
 
 
 def test_ratios_pair_the_runs_of_the_same_repeat():
