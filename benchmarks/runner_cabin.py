@@ -14,7 +14,7 @@ KV_DESCRIPTIONS = {
     "int8": "int8, one static scale per layer shared by K and V",
     "int8-separate": "int8, static per-layer K and V scales",
     "int8-dynamic": "int8 + fp16 scale per token and KV head",
-    "int4": "int4 KIVI-style (K per channel, V per token, groups of 32) + fp16 window of < 1 block",
+    "int4": "int4 KIVI-style (K per channel, V per token, groups of 32) + fp16 blocks holding the newest 128 tokens",
 }
 
 

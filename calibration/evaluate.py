@@ -107,14 +107,16 @@ def stored_bytes_per_token(layout: KVLayout, cache_mode: str, tokens: int) -> in
 
 
 @dataclass
-class _Totals:
+class Totals:
+    """Sums over the positions of the dialogues seen so far."""
+
     nll: float = 0.0
     kl: float = 0.0
     agree: int = 0
     tokens: int = 0
 
 
-def _accumulate(totals: _Totals, ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
+def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
     """Add one dialogue's NLL, KL and top-1 agreement over its positions that have a next token."""
     for start in range(0, len(targets), _CHUNK):
         rows = slice(start, start + _CHUNK)
@@ -130,19 +132,19 @@ def evaluate(model: LoadedModel, dialogues: list[TokenizedDialogue], modes: list
     """Accuracy of each mode over the dialogues, after the ``fp32`` reference itself."""
     runners = build_runners(model, modes, scales_file)
     reference = model.transformer()
-    ref_totals, totals = _Totals(), {mode: _Totals() for mode in modes}
+    ref_totals, totals = Totals(), {mode: Totals() for mode in modes}
     steps = len(dialogues) * (len(modes) + 1)
     with tqdm(total=steps, desc="evaluating KV modes", unit="run", file=sys.stderr, disable=not progress) as bar:
         for dialogue in dialogues:
             ids = dialogue.token_ids
             targets = torch.tensor(ids[1:])
             ref_logp = run_logits(reference, ids, "fp32", None)[:-1].log_softmax(-1)
-            _accumulate(ref_totals, ref_logp, ref_logp, targets)
+            accumulate(ref_totals, ref_logp, ref_logp, targets)
             bar.update()
             for mode, runner in runners.items():
                 bar.set_postfix_str(mode)
                 logits = run_logits(runner.model, ids, runner.cache_mode, runner.scales)[:-1]
-                _accumulate(totals[mode], ref_logp, logits, targets)
+                accumulate(totals[mode], ref_logp, logits, targets)
                 bar.update()
     ref_ppl = math.exp(ref_totals.nll / ref_totals.tokens)
     results = {"fp32": ModeResult(ref_ppl, 0.0, 0.0, 1.0, reference.kv_layout.bytes_per_token("fp32"))}

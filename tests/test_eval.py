@@ -5,7 +5,9 @@ import json
 import math
 
 import pytest
+import torch
 
+from benchmarks import int8_ceiling
 from calibration import cli_calibrate, cli_eval
 from calibration.evaluate import EVAL_MODES, TOKENS_PER_BLOCK, evaluate, stored_bytes_per_token
 from calibration.model_source import load_model
@@ -89,3 +91,25 @@ def test_cabin_eval_rejects_unknown_modes_and_foreign_scales(default_engine_dir,
     assert cli_eval.main(["--model", str(default_engine_dir), "--kv-cache", "int8-shared",
                           "--scales", str(foreign), "--output", str(tmp_path / "e")]) == 2
     assert "calibrate this model instead" in capsys.readouterr().err
+
+
+def test_int8_ceiling_rounds_only_the_side_it_names(default_engine_dir, calibrated_scales, tmp_path):
+    out = tmp_path / "ceiling.json"
+    code = int8_ceiling.main(["--model", str(default_engine_dir), "--scales", str(calibrated_scales / "kv_scales.json"),
+                              "--data", "builtin", "--num-dialogues", "1", "--max-tokens", "64", "--min-tokens", "0",
+                              "--json", str(out)])
+    assert code == 0
+    kl = {name: r["kl"] for name, r in json.loads(out.read_text())["variants"].items()}
+    both = kl["K and V static per-channel"]
+    assert 0 < kl["K static per-channel, V exact"] < both and 0 < kl["K exact, V static per-channel"] < both
+    assert kl["K dynamic per-token, V exact"] > 0
+
+
+def test_static_per_channel_rounding_is_within_half_a_step():
+    steps = [torch.rand(3, 64) + 0.01]
+    x = (torch.rand(50, 3, 64) * 2 - 1) * steps[0] * 127
+    rounded = int8_ceiling.static_per_channel(steps)(0, x)
+    assert torch.all((rounded - x).abs() <= steps[0] / 2 * 1.0001 + 1e-6)
+    assert torch.allclose(rounded / steps[0], torch.round(rounded / steps[0]), atol=1e-3)
+    clipped = int8_ceiling.static_per_channel(steps)(0, x * 3)  # values past the range are clipped to it
+    assert torch.all(clipped.abs() <= steps[0] * 127 * 1.0001)
