@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from calibration.equalize import calibrated_ranges
+from calibration.equalize import calibrated_ranges, rope_pair_max
 from calibration.evaluate import TOKENS_PER_BLOCK, Totals, accumulate, run_logits
 from calibration.model_source import load_model
 from calibration.selection import prepare_dialogues
@@ -38,8 +38,7 @@ def channel_steps(ranges: list[LayerRanges]) -> tuple[list[torch.Tensor], list[t
     k_steps, v_steps = [], []
     for layer in ranges:
         k, v = calibrated_ranges(layer)
-        half = k.shape[1] // 2
-        pair = torch.maximum(k[:, :half], k[:, half:])
+        pair = rope_pair_max(k)
         k_steps.append((torch.cat([pair, pair], dim=1) / INT8_MAX).float())
         v_steps.append((v / INT8_MAX).float())
     return k_steps, v_steps

@@ -34,14 +34,19 @@ def calibrated_ranges(ranges: LayerRanges) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(k, dtype=torch.float64), torch.tensor(v, dtype=torch.float64)
 
 
+def rope_pair_max(k_range: torch.Tensor) -> torch.Tensor:
+    """(kv_heads, head_size / 2): the larger range of each RoPE pair (j, j + head_size / 2) of K."""
+    half = k_range.shape[1] // 2
+    return torch.maximum(k_range[:, :half], k_range[:, half:])
+
+
 def equalization_factors(ranges: LayerRanges, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V factors of one layer, each (kv_heads, head_size) float64; K factors are equal within a RoPE pair.
 
     ``power_of_two`` rounds each factor to the nearest power of two, so folding it changes no bit of the outputs.
     """
     k_range, v_range = calibrated_ranges(ranges)
-    half = k_range.shape[1] // 2
-    pair_range = torch.maximum(k_range[:, :half], k_range[:, half:])
+    pair_range = rope_pair_max(k_range)
     measured = torch.cat([pair_range.flatten(), v_range.flatten()])
     measured = measured[measured > 0]
     if measured.numel() == 0:

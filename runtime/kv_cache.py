@@ -126,11 +126,11 @@ class PagedKVCache:
             self.k_scale, self.v_scale = torch.tensor(k).tolist(), torch.tensor(v).tolist()
         self.blocks = BlockManager(num_blocks, tokens_per_block)
         self.bytes_per_block = bytes_per_block
-        shape = (layout.num_layers, num_blocks, tokens_per_block, layout.num_kv_heads, layout.head_size)
         if mode == "int4":
             self._int4 = Int4Pool(layout.num_layers, num_blocks, tokens_per_block, layout.num_kv_heads,
                                   layout.head_size, int4_window)
             return
+        shape = (layout.num_layers, num_blocks, tokens_per_block, layout.num_kv_heads, layout.head_size)
         dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(mode, torch.int8)
         self.k_data = committed_zeros(*shape, dtype=dtype)
         self.v_data = committed_zeros(*shape, dtype=dtype)

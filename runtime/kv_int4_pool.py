@@ -47,6 +47,7 @@ class Int4Pool:
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> fp16 (K, V)
         self._in_fp16 = torch.zeros(layers, num_blocks, dtype=torch.bool)  # (layer, block) read from its buffer
         self._windows: dict[int, set[int]] = {}  # sequence -> blocks holding its newest tokens
+        self._kept: set[int] = set()  # the union of the windows, updated when one changes
 
     def _new_buffer(self) -> tuple[torch.Tensor, torch.Tensor]:
         return committed_zeros(*self._buffer_shape, dtype=torch.float16), \
@@ -62,17 +63,17 @@ class Int4Pool:
         first = max(0, total - self.window) // self.tokens_per_block
         before = self._windows.get(seq_id, set())
         self._windows[seq_id] = set(block_table[first:])
-        kept = self._kept()
+        self._kept = set().union(*self._windows.values())
         for index, block in enumerate(block_table[:first]):
-            if block in before and block not in kept and (index + 1) * self.tokens_per_block <= written:
+            if block in before and block not in self._kept and (index + 1) * self.tokens_per_block <= written:
                 self._flush(block)
 
     def drop(self, seq_id: int, block_table: list[int], num_tokens: int) -> None:
         """Forget a sequence: its full window blocks are quantized (they stay cached), a partial one is discarded."""
         window = self._windows.pop(seq_id, set())
-        kept = self._kept()
+        self._kept = set().union(*self._windows.values())
         for index, block in enumerate(block_table):
-            if block in window and block not in kept:
+            if block in window and block not in self._kept:
                 if (index + 1) * self.tokens_per_block <= num_tokens:
                     self._flush(block)
                 else:
@@ -92,8 +93,7 @@ class Int4Pool:
         tpb = self.tokens_per_block
         blocks, offsets = slots // tpb, slots % tpb
         unique, counts = blocks.unique(return_counts=True)
-        kept = self._kept()
-        direct = torch.tensor([int(b) not in kept for b in unique], dtype=torch.bool) & (counts == tpb)
+        direct = torch.tensor([int(b) not in self._kept for b in unique], dtype=torch.bool) & (counts == tpb)
         if direct.any():
             self._quantize_whole(layer, unique[direct], blocks, offsets, k, v)
         for block in unique[~direct].tolist():
@@ -107,7 +107,7 @@ class Int4Pool:
             self._in_fp16[layer, block] = True
             wk[layer, block_offsets] = k[chosen].half()
             wv[layer, block_offsets] = v[chosen].half()
-            if block not in kept and bool((block_offsets == tpb - 1).any()):
+            if block not in self._kept and bool((block_offsets == tpb - 1).any()):
                 self._quantize_layer(layer, block)
 
     def read(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,9 +126,6 @@ class Int4Pool:
         return (used + len(self._free_buffers)) * one, used * one
 
     # -- internals -----------------------------------------------------------------
-    def _kept(self) -> set[int]:
-        return set().union(*self._windows.values())
-
     def _take(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         if block not in self._buffers:
             self._buffers[block] = self._free_buffers.pop() if self._free_buffers else self._new_buffer()
