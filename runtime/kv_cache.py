@@ -216,6 +216,11 @@ class PagedKVCache:
         v = _gather(self.v_data[layer], block_table, num_tokens).float()
         return k, v, self.k_scale[layer], self.v_scale[layer]
 
+    def int8_codes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """A static INT8 cache's K and V pools of one layer, (blocks, tokens_per_block, kv_heads, head_size),
+        with their scales."""
+        return self.k_data[layer], self.v_data[layer], self.k_scale[layer], self.v_scale[layer]
+
     def block_table(self, seq_id: int) -> torch.Tensor:
         """The sequence's block ids as a tensor."""
         return torch.tensor(self.blocks.block_table(seq_id), dtype=torch.long)

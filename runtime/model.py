@@ -3,12 +3,13 @@
 Computes in fp32 on the CPU whatever dtype the checkpoint stores. One sequence
 at a time: prefill of N tokens and decode of 1 are the same call.
 
-Linear weights are held transposed, (in, out), and applied as ``x @ w``: for one
-decoded token that is a matrix-vector product over contiguous rows of the
-output, which MKL runs about 1.3x faster on one core than ``F.linear`` on the
-checkpoint's (out, in) layout (the weights are read once per token, so this is
-most of a decode step). The MLP's fc and gate weights are one (in, 2 * inter)
-matrix, applied in one call.
+Linear weights keep the checkpoint's (out, in) layout; the MLP's fc and gate
+weights are one (2 * inter, in) matrix, applied in one call. Decoding one token
+is bound by reading those weights and the KV history, so that case runs on the
+native kernels of runtime.native_kernels: a matrix-vector product per linear
+layer and, on a static INT8 cache, attention that reads the codes in their
+blocks. Prefill, the other cache modes, and machines where the kernels cannot
+be built run the torch path below (same math).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.checkpoint import ModelConfig, layer_prefix
-from runtime.kv_cache import KVLayout, PagedKVCache
+from runtime.kv_cache import STATIC_INT8_MODES, KVLayout, PagedKVCache
+from runtime.native_kernels import Int8DecodeAttention, MatVec, int8_decode_attention, matvec, native_kernels_enabled
 from runtime.rope import apply_rope, rope_table
 
 
@@ -28,10 +30,11 @@ class Transformer:
         w = {k: v.float() for k, v in weights.items() if not k.endswith("kv_cache_scaling_factor")}
         self.embedding = w["transformer.vocab_embedding.weight"]
         self.final_norm = w["transformer.ln_f.weight"]
-        self.lm_head = _transposed(w.pop("lm_head.weight"))
+        self.lm_head = w.pop("lm_head.weight").contiguous()
         self.layers = [_layer_weights(w, i, config.qkv_bias) for i in range(config.num_hidden_layers)]
         self.cos, self.sin = rope_table(config.head_size, config.max_position_embeddings,
                                         config.rotary_base, config.rotary_scaling)
+        self.native_kernels = native_kernels_enabled()
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -56,29 +59,43 @@ class Transformer:
         cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
         slots = cache.slots(seq_id, start_pos, end)
         block_table = cache.block_table(seq_id)
+        mv = matvec() if n == 1 and self.native_kernels else None
+        attention = self._decode_attention(cache) if n == 1 else None
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["input_norm"], c.norm_epsilon)
-            x = x + self._attention(index, layer, h, cos, sin, cache, slots, block_table, start_pos)
+            x = x + self._attention(index, layer, h, cos, sin, cache, slots, block_table, start_pos, mv, attention)
             h = _rms_norm(x, layer["post_norm"], c.norm_epsilon)
-            fc, gate = (h @ layer["fc_gate"]).chunk(2, dim=-1)
-            x = x + (F.silu(fc) * gate) @ layer["proj"]
+            fc, gate = _linear(h, layer["fc_gate"], mv).chunk(2, dim=-1)
+            x = x + _linear(F.silu(fc) * gate, layer["proj"], mv)
         if not all_logits:
             x = x[-1:]
-        logits = _rms_norm(x, self.final_norm, c.norm_epsilon) @ self.lm_head
+        logits = _linear(_rms_norm(x, self.final_norm, c.norm_epsilon), self.lm_head, mv)
         return logits if all_logits else logits[0]
 
     def _attention(self, index: int, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: PagedKVCache, slots: torch.Tensor, block_table: torch.Tensor,
-                   start_pos: int) -> torch.Tensor:
+                   start_pos: int, mv: MatVec | None, kernel: Int8DecodeAttention | None) -> torch.Tensor:
         c = self.config
         n, heads, kv_heads, d = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_size
-        qkv = h @ layer["qkv"] if "qkv_bias" not in layer else torch.addmm(layer["qkv_bias"], h, layer["qkv"])
+        qkv = _linear(h, layer["qkv"], mv, layer.get("qkv_bias"))
         qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
         q, k = apply_rope(qk.view(n, heads + kv_heads, d), cos, sin).split([heads, kv_heads], dim=1)
         cache.write(index, slots, k, v.view(n, kv_heads, d))
-        keys, values, k_scale, v_scale = cache.read_unscaled(index, block_table, start_pos + n)
-        out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, start_pos)
-        return (out * v_scale if v_scale != 1.0 else out) @ layer["dense"]
+        if kernel is not None:
+            k_codes, v_codes, k_scale, v_scale = cache.int8_codes(index)
+            out = kernel(q[0], k_codes, v_codes, block_table, start_pos + 1, k_scale, v_scale)
+        else:
+            keys, values, k_scale, v_scale = cache.read_unscaled(index, block_table, start_pos + n)
+            out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, start_pos)
+            out = out * v_scale if v_scale != 1.0 else out
+        return _linear(out, layer["dense"], mv)
+
+    def _decode_attention(self, cache: PagedKVCache) -> Int8DecodeAttention | None:
+        """The native INT8 decode attention for this model and cache, where enabled and buildable."""
+        if not self.native_kernels or cache.mode not in STATIC_INT8_MODES:
+            return None
+        c = self.config
+        return int8_decode_attention(c.head_size, c.num_attention_heads // c.num_key_value_heads)
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -107,24 +124,24 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def _layer_weights(w: dict[str, torch.Tensor], layer: int, qkv_bias: bool) -> dict[str, torch.Tensor]:
-    """One layer's norms and its linear weights transposed to (in, out); fc and gate side by side."""
+    """One layer's norms and contiguous (out, in) linear weights; fc and gate stacked in one matrix."""
     p = layer_prefix(layer)
     out = {
         "input_norm": w[f"{p}.input_layernorm.weight"],
-        "qkv": _transposed(w.pop(f"{p}.attention.qkv.weight")),
-        "dense": _transposed(w.pop(f"{p}.attention.dense.weight")),
+        "qkv": w.pop(f"{p}.attention.qkv.weight").contiguous(),
+        "dense": w.pop(f"{p}.attention.dense.weight").contiguous(),
         "post_norm": w[f"{p}.post_layernorm.weight"],
-        "fc_gate": _transposed(torch.cat([w.pop(f"{p}.mlp.fc.weight"), w.pop(f"{p}.mlp.gate.weight")])),
-        "proj": _transposed(w.pop(f"{p}.mlp.proj.weight")),
+        "fc_gate": torch.cat([w.pop(f"{p}.mlp.fc.weight"), w.pop(f"{p}.mlp.gate.weight")]),
+        "proj": w.pop(f"{p}.mlp.proj.weight").contiguous(),
     }
     if qkv_bias:
         out["qkv_bias"] = w[f"{p}.attention.qkv.bias"]
     return out
 
 
-def _transposed(weight: torch.Tensor) -> torch.Tensor:
-    """A contiguous (in, out) copy of an (out, in) linear weight."""
-    return weight.t().contiguous()
+def _linear(x: torch.Tensor, weight: torch.Tensor, mv: MatVec | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, on the native kernel for one token where there is one."""
+    return mv(x, weight, bias) if mv is not None and x.shape[0] == 1 else F.linear(x, weight, bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,149 @@
+"""Native decode kernels, compiled from C with the system's compiler at first use and cached on disk.
+
+Decoding one token is bound by memory reads. Two kernels in runtime/kernels/ serve that case:
+- ``matvec.c``: a linear layer for one token over the checkpoint's (out, in) fp32 weights;
+- ``int8_decode_attention.c``: the attention of one token straight from a static-INT8 paged
+  cache, with no gather and no dequantized copy of the history (built per head size and group).
+
+They are built with ``-O3 -march=native`` into ``$CABIN_KERNEL_DIR`` (default
+``~/.cache/cabinllm/kernels``) and loaded with ctypes. Where no C compiler is found or a build
+fails, a warning names the cause and the model keeps its torch path (same math, slower).
+``CABIN_NATIVE_KERNELS=0`` turns them off; ``CC`` picks the compiler (default ``cc``).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+KERNEL_SOURCES = Path(__file__).with_name("kernels")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
+_POINTER, _SIZE, _REAL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+def native_kernels_enabled() -> bool:
+    """False when ``CABIN_NATIVE_KERNELS=0`` asks for the torch path only."""
+    return os.environ.get("CABIN_NATIVE_KERNELS", "1") != "0"
+
+
+class MatVec:
+    """``F.linear`` for a single token, over contiguous fp32 (out, in) weights."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fn = library.matvec
+        self._fn.argtypes = [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE]
+        self._fn.restype = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (1, in) times weight (out, in) transposed, plus bias (out,); returns (1, out)."""
+        rows, cols = weight.shape
+        if x.shape != (1, cols) or x.dtype != torch.float32 or weight.dtype != torch.float32:
+            raise ValueError(f"matvec needs fp32 x of shape (1, {cols}), got {x.dtype} {tuple(x.shape)} "
+                             f"against {weight.dtype} weights {tuple(weight.shape)}")
+        x = x.contiguous()
+        out = torch.empty(1, rows)
+        self._fn(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                 rows, cols)
+        return out
+
+
+class Int8DecodeAttention:
+    """The attention kernel for one head size and group; call it once per layer and decoded token."""
+
+    def __init__(self, library: ctypes.CDLL, head_size: int, group: int) -> None:
+        self.head_size, self.group = head_size, group
+        self._fn = library.int8_decode_attention
+        self._fn.argtypes = [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _REAL, _REAL,
+                             _POINTER, _POINTER]
+        self._fn.restype = None
+
+    def __call__(self, q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, block_table: torch.Tensor,
+                 num_tokens: int, k_scale: float, v_scale: float) -> torch.Tensor:
+        """Attention of q (heads, head_size) over a sequence's first num_tokens cached tokens.
+
+        k_codes/v_codes: one layer's int8 pools (blocks, tokens_per_block, kv_heads, head_size);
+        block_table: the sequence's int64 block ids. Returns (1, heads * head_size) in fp32.
+        """
+        _blocks, tokens_per_block, kv_heads, head_size = k_codes.shape
+        if k_codes.dtype != torch.int8 or head_size != self.head_size or q.shape[0] != kv_heads * self.group:
+            raise ValueError(f"kernel built for head size {self.head_size} and group {self.group} got q "
+                             f"{tuple(q.shape)} over {k_codes.dtype} pools {tuple(k_codes.shape)}")
+        if len(block_table) * tokens_per_block < num_tokens:
+            raise ValueError(f"{num_tokens} tokens do not fit the {len(block_table)} blocks of the table")
+        q = q.contiguous()
+        scratch = torch.empty(q.shape[0], num_tokens)
+        out = torch.empty(q.shape[0], head_size)
+        self._fn(q.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), block_table.data_ptr(), num_tokens,
+                 tokens_per_block, kv_heads, k_scale / head_size ** 0.5, v_scale, scratch.data_ptr(),
+                 out.data_ptr())
+        return out.view(1, -1)
+
+
+@functools.cache
+def matvec() -> MatVec | None:
+    """The one-token linear kernel, built on first use; None (after a warning) if it cannot be."""
+    library = _load("matvec", {})
+    return MatVec(library) if library else None
+
+
+@functools.cache
+def int8_decode_attention(head_size: int, group: int) -> Int8DecodeAttention | None:
+    """The attention kernel for this head size and group, built on first use; None (after a warning) if it cannot be."""
+    library = _load("int8_decode_attention", {"HEAD_SIZE": head_size, "GROUP": group})
+    return Int8DecodeAttention(library, head_size, group) if library else None
+
+
+def _load(name: str, defines: dict[str, int]) -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(str(_build(name, defines)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        warnings.warn(f"native kernel {name} unavailable ({detail}); decoding on the slower torch path. "
+                      "Install a C compiler (gcc or clang, or set CC) to enable it.", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _build(name: str, defines: dict[str, int]) -> Path:
+    """Compile one kernel into the cache folder (atomically) unless an identical build is there."""
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise FileNotFoundError(f"no C compiler {compiler!r} on PATH")
+    source = KERNEL_SOURCES / f"{name}.c"
+    flags = FLAGS + [f"-D{key}={value}" for key, value in defines.items()]
+    key = hashlib.sha256(source.read_bytes())
+    for part in (compiler, *flags, platform.machine(), _cpu_flags()):
+        key.update(part.encode())
+    folder = Path(os.environ.get("CABIN_KERNEL_DIR", Path.home() / ".cache" / "cabinllm" / "kernels"))
+    library = folder / f"{name}-{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    folder.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(handle)
+    try:
+        subprocess.run([compiler, *flags, str(source), "-o", temp, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(temp, library)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
+    return library
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature list, so a build made for one CPU is not loaded on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
