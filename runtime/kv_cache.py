@@ -216,10 +216,23 @@ class PagedKVCache:
         v = _gather(self.v_data[layer], block_table, num_tokens).float()
         return k, v, self.k_scale[layer], self.v_scale[layer]
 
-    def int8_codes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-        """A static INT8 cache's K and V pools of one layer, (blocks, tokens_per_block, kv_heads, head_size),
-        with their scales."""
-        return self.k_data[layer], self.v_data[layer], self.k_scale[layer], self.v_scale[layer]
+    def stored_pools(self, layer: int, block_table: torch.Tensor,
+                     num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
+        """One layer's K and V as stored, for a kernel that reads them in place.
+
+        Returns pools (blocks, tokens_per_block, kv_heads, head_size) of fp32, fp16 or int8 elements,
+        the block table to read them through, and the K and V scales (1 except in static INT8).
+        int4 comes back dequantized as one block of num_tokens; int8-dynamic (scales per token)
+        gives None.
+        """
+        if self.mode == "int8-dynamic":
+            return None
+        if self.mode == "int4":
+            k, v = self._int4.read(layer, block_table, num_tokens)
+            return k[None], v[None], torch.zeros(1, dtype=torch.long), 1.0, 1.0
+        if self.mode in STATIC_INT8_MODES:
+            return self.k_data[layer], self.v_data[layer], block_table, self.k_scale[layer], self.v_scale[layer]
+        return self.k_data[layer], self.v_data[layer], block_table, 1.0, 1.0
 
     def block_table(self, seq_id: int) -> torch.Tensor:
         """The sequence's block ids as a tensor."""

@@ -18,6 +18,7 @@ import torch
 
 from runtime.committed import committed_zeros
 from runtime.kv_int4 import VALUE_GROUP, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from runtime.native_kernels import int4_dequantize, native_kernels_enabled
 
 INT4_WINDOW = 128  # newest tokens kept in fp16, as KIVI's residual length
 
@@ -48,6 +49,7 @@ class Int4Pool:
         self._in_fp16 = torch.zeros(layers, num_blocks, dtype=torch.bool)  # (layer, block) read from its buffer
         self._windows: dict[int, set[int]] = {}  # sequence -> blocks holding its newest tokens
         self._kept: set[int] = set()  # the union of the windows, updated when one changes
+        self._native = int4_dequantize(d, VALUE_GROUP) if native_kernels_enabled() else None
 
     def _new_buffer(self) -> tuple[torch.Tensor, torch.Tensor]:
         return committed_zeros(*self._buffer_shape, dtype=torch.float16), \
@@ -168,6 +170,9 @@ class Int4Pool:
                 self._leave_fp16(layer, block)
 
     def _dequantize(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._native is not None:
+            return self._native((self.k_codes[layer], self.k_scale[layer], self.k_zero[layer]),
+                                (self.v_codes[layer], self.v_scale[layer], self.v_zero[layer]), block_table)
         k = dequantize_keys(self.k_codes[layer, block_table], self.k_scale[layer, block_table],
                             self.k_zero[layer, block_table])
         v = dequantize_values(self.v_codes[layer, block_table], self.v_scale[layer, block_table],

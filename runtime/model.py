@@ -7,9 +7,9 @@ Linear weights keep the checkpoint's (out, in) layout; the MLP's fc and gate
 weights are one (2 * inter, in) matrix, applied in one call. Decoding one token
 is bound by reading those weights and the KV history, so that case runs on the
 native kernels of runtime.native_kernels: a matrix-vector product per linear
-layer and, on a static INT8 cache, attention that reads the codes in their
-blocks. Prefill, the other cache modes, and machines where the kernels cannot
-be built run the torch path below (same math).
+layer and attention that reads the cache's elements in their blocks (int4 is
+dequantized first; int8-dynamic stays on torch). Prefill and machines where the
+kernels cannot be built run the torch path below (same math).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.checkpoint import ModelConfig, layer_prefix
-from runtime.kv_cache import STATIC_INT8_MODES, KVLayout, PagedKVCache
-from runtime.native_kernels import Int8DecodeAttention, MatVec, int8_decode_attention, matvec, native_kernels_enabled
+from runtime.kv_cache import KVLayout, PagedKVCache
+from runtime.native_kernels import MatVec, decode_attention, matvec, native_kernels_enabled
 from runtime.rope import apply_rope, rope_table
 
 
@@ -59,11 +59,11 @@ class Transformer:
         cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
         slots = cache.slots(seq_id, start_pos, end)
         block_table = cache.block_table(seq_id)
-        mv = matvec() if n == 1 and self.native_kernels else None
-        attention = self._decode_attention(cache) if n == 1 else None
+        native = n == 1 and self.native_kernels
+        mv = matvec() if native else None
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["input_norm"], c.norm_epsilon)
-            x = x + self._attention(index, layer, h, cos, sin, cache, slots, block_table, start_pos, mv, attention)
+            x = x + self._attention(index, layer, h, cos, sin, cache, slots, block_table, start_pos, mv, native)
             h = _rms_norm(x, layer["post_norm"], c.norm_epsilon)
             fc, gate = _linear(h, layer["fc_gate"], mv).chunk(2, dim=-1)
             x = x + _linear(F.silu(fc) * gate, layer["proj"], mv)
@@ -74,28 +74,22 @@ class Transformer:
 
     def _attention(self, index: int, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: PagedKVCache, slots: torch.Tensor, block_table: torch.Tensor,
-                   start_pos: int, mv: MatVec | None, kernel: Int8DecodeAttention | None) -> torch.Tensor:
+                   start_pos: int, mv: MatVec | None, native: bool) -> torch.Tensor:
         c = self.config
         n, heads, kv_heads, d = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_size
         qkv = _linear(h, layer["qkv"], mv, layer.get("qkv_bias"))
         qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
         q, k = apply_rope(qk.view(n, heads + kv_heads, d), cos, sin).split([heads, kv_heads], dim=1)
         cache.write(index, slots, k, v.view(n, kv_heads, d))
+        stored = cache.stored_pools(index, block_table, start_pos + 1) if native else None
+        kernel = decode_attention(stored[0].dtype, d, heads // kv_heads) if stored else None
         if kernel is not None:
-            k_codes, v_codes, k_scale, v_scale = cache.int8_codes(index)
-            out = kernel(q[0], k_codes, v_codes, block_table, start_pos + 1, k_scale, v_scale)
+            out = kernel(q[0], *stored[:3], start_pos + 1, *stored[3:])
         else:
             keys, values, k_scale, v_scale = cache.read_unscaled(index, block_table, start_pos + n)
             out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, start_pos)
             out = out * v_scale if v_scale != 1.0 else out
         return _linear(out, layer["dense"], mv)
-
-    def _decode_attention(self, cache: PagedKVCache) -> Int8DecodeAttention | None:
-        """The native INT8 decode attention for this model and cache, where enabled and buildable."""
-        if not self.native_kernels or cache.mode not in STATIC_INT8_MODES:
-            return None
-        c = self.config
-        return int8_decode_attention(c.head_size, c.num_attention_heads // c.num_key_value_heads)
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> torch.Tensor:

@@ -2,8 +2,11 @@
 
 Decoding one token is bound by memory reads. Two kernels in runtime/kernels/ serve that case:
 - ``matvec.c``: a linear layer for one token over the checkpoint's (out, in) fp32 weights;
-- ``int8_decode_attention.c``: the attention of one token straight from a static-INT8 paged
-  cache, with no gather and no dequantized copy of the history (built per head size and group).
+- ``decode_attention.c``: the attention of one token straight from a paged cache of int8, fp16
+  or fp32 elements, with no gather and no converted copy of the history (built per element
+  type, head size and group);
+- ``int4_dequantize.c``: a sequence's INT4 blocks of one layer to fp32 K and V in one pass
+  (built per head size and value group).
 
 They are built with ``-O3 -march=native`` into ``$CABIN_KERNEL_DIR`` (default
 ``~/.cache/cabinllm/kernels``) and loaded with ctypes. Where no C compiler is found or a build
@@ -26,8 +29,12 @@ from pathlib import Path
 import torch
 
 KERNEL_SOURCES = Path(__file__).with_name("kernels")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
+# -ffast-math only when compiling: linked with it, the library would switch the whole process to
+# flushing subnormal floats to zero when it is loaded.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]
 _POINTER, _SIZE, _REAL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+ELEMENT_DEFINES = {torch.int8: {"ELEMENT": "int8_t"}, torch.float32: {"ELEMENT": "float"},
+                   torch.float16: {"ELEMENT": "uint16_t", "HALF_ELEMENTS": 1}}
 
 
 def native_kernels_enabled() -> bool:
@@ -56,36 +63,65 @@ class MatVec:
         return out
 
 
-class Int8DecodeAttention:
-    """The attention kernel for one head size and group; call it once per layer and decoded token."""
+class DecodeAttention:
+    """The attention kernel for one element type, head size and group; call it once per layer and decoded token."""
 
-    def __init__(self, library: ctypes.CDLL, head_size: int, group: int) -> None:
-        self.head_size, self.group = head_size, group
-        self._fn = library.int8_decode_attention
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype, head_size: int, group: int) -> None:
+        self.dtype, self.head_size, self.group = dtype, head_size, group
+        self._fn = library.decode_attention
         self._fn.argtypes = [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _REAL, _REAL,
                              _POINTER, _POINTER]
         self._fn.restype = None
 
-    def __call__(self, q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, block_table: torch.Tensor,
-                 num_tokens: int, k_scale: float, v_scale: float) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                 num_tokens: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Attention of q (heads, head_size) over a sequence's first num_tokens cached tokens.
 
-        k_codes/v_codes: one layer's int8 pools (blocks, tokens_per_block, kv_heads, head_size);
-        block_table: the sequence's int64 block ids. Returns (1, heads * head_size) in fp32.
+        k_pool/v_pool: one layer's contiguous pools (blocks, tokens_per_block, kv_heads, head_size);
+        block_table: the sequence's int64 block ids; k_scale/v_scale: a static INT8 cache's scales.
+        Returns (1, heads * head_size) in fp32.
         """
-        _blocks, tokens_per_block, kv_heads, head_size = k_codes.shape
-        if k_codes.dtype != torch.int8 or head_size != self.head_size or q.shape[0] != kv_heads * self.group:
-            raise ValueError(f"kernel built for head size {self.head_size} and group {self.group} got q "
-                             f"{tuple(q.shape)} over {k_codes.dtype} pools {tuple(k_codes.shape)}")
+        _blocks, tokens_per_block, kv_heads, head_size = k_pool.shape
+        if (k_pool.dtype != self.dtype or v_pool.dtype != self.dtype or head_size != self.head_size
+                or q.shape[0] != kv_heads * self.group):
+            raise ValueError(f"kernel built for {self.dtype}, head size {self.head_size} and group {self.group} "
+                             f"got q {tuple(q.shape)} over {k_pool.dtype} pools {tuple(k_pool.shape)}")
         if len(block_table) * tokens_per_block < num_tokens:
             raise ValueError(f"{num_tokens} tokens do not fit the {len(block_table)} blocks of the table")
         q = q.contiguous()
         scratch = torch.empty(q.shape[0], num_tokens)
         out = torch.empty(q.shape[0], head_size)
-        self._fn(q.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), block_table.data_ptr(), num_tokens,
+        self._fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_table.data_ptr(), num_tokens,
                  tokens_per_block, kv_heads, k_scale / head_size ** 0.5, v_scale, scratch.data_ptr(),
                  out.data_ptr())
         return out.view(1, -1)
+
+
+class Int4Dequantize:
+    """The INT4 block dequantizer for one head size and value group."""
+
+    def __init__(self, library: ctypes.CDLL, head_size: int, value_group: int) -> None:
+        self.head_size, self.value_group = head_size, value_group
+        self._fn = library.int4_dequantize
+        self._fn.argtypes = [_POINTER] * 7 + [_SIZE, _SIZE, _SIZE, _POINTER, _POINTER]
+        self._fn.restype = None
+
+    def __call__(self, k: tuple[torch.Tensor, ...], v: tuple[torch.Tensor, ...],
+                 block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K and V (blocks, tokens_per_block, kv_heads, head_size) of the blocks in block_table.
+
+        k, v: one layer's (codes, scale, zero) pools as runtime.kv_int4_pool holds them.
+        """
+        k_codes, v_codes = k[0], v[0]
+        _blocks, tokens_per_block, kv_heads, half = k_codes.shape
+        if half * 2 != self.head_size or any(t.dtype != torch.float16 for t in (*k[1:], *v[1:])):
+            raise ValueError(f"kernel built for head size {self.head_size} got codes {tuple(k_codes.shape)}")
+        block_table = block_table.contiguous()
+        k_out = torch.empty(len(block_table), tokens_per_block, kv_heads, self.head_size)
+        v_out = torch.empty_like(k_out)
+        self._fn(*(t.data_ptr() for t in (*k, *v, block_table)), len(block_table), tokens_per_block, kv_heads,
+                 k_out.data_ptr(), v_out.data_ptr())
+        return k_out, v_out
 
 
 @functools.cache
@@ -96,13 +132,21 @@ def matvec() -> MatVec | None:
 
 
 @functools.cache
-def int8_decode_attention(head_size: int, group: int) -> Int8DecodeAttention | None:
-    """The attention kernel for this head size and group, built on first use; None (after a warning) if it cannot be."""
-    library = _load("int8_decode_attention", {"HEAD_SIZE": head_size, "GROUP": group})
-    return Int8DecodeAttention(library, head_size, group) if library else None
+def decode_attention(dtype: torch.dtype, head_size: int, group: int) -> DecodeAttention | None:
+    """The attention kernel for pools of this dtype (int8, float16, float32), head size and group,
+    built on first use; None (after a warning) if it cannot be."""
+    library = _load("decode_attention", {**ELEMENT_DEFINES[dtype], "HEAD_SIZE": head_size, "GROUP": group})
+    return DecodeAttention(library, dtype, head_size, group) if library else None
 
 
-def _load(name: str, defines: dict[str, int]) -> ctypes.CDLL | None:
+@functools.cache
+def int4_dequantize(head_size: int, value_group: int) -> Int4Dequantize | None:
+    """The INT4 dequantizer for this head size and value group, built on first use; None (after a warning) if it cannot be."""
+    library = _load("int4_dequantize", {"HEAD_SIZE": head_size, "VALUE_GROUP": value_group})
+    return Int4Dequantize(library, head_size, value_group) if library else None
+
+
+def _load(name: str, defines: dict[str, int | str]) -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(str(_build(name, defines)))
     except (OSError, subprocess.CalledProcessError) as error:
@@ -112,14 +156,14 @@ def _load(name: str, defines: dict[str, int]) -> ctypes.CDLL | None:
         return None
 
 
-def _build(name: str, defines: dict[str, int]) -> Path:
+def _build(name: str, defines: dict[str, int | str]) -> Path:
     """Compile one kernel into the cache folder (atomically) unless an identical build is there."""
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise FileNotFoundError(f"no C compiler {compiler!r} on PATH")
     source = KERNEL_SOURCES / f"{name}.c"
-    flags = FLAGS + [f"-D{key}={value}" for key, value in defines.items()]
-    key = hashlib.sha256(source.read_bytes())
+    flags = COMPILE_FLAGS + [f"-D{key}={value}" for key, value in defines.items()]
+    key = hashlib.sha256(source.read_bytes() + (KERNEL_SOURCES / "half.h").read_bytes())
     for part in (compiler, *flags, platform.machine(), _cpu_flags()):
         key.update(part.encode())
     folder = Path(os.environ.get("CABIN_KERNEL_DIR", Path.home() / ".cache" / "cabinllm" / "kernels"))
@@ -127,14 +171,13 @@ def _build(name: str, defines: dict[str, int]) -> Path:
     if library.exists():
         return library
     folder.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(handle)
-    try:
-        subprocess.run([compiler, *flags, str(source), "-o", temp, "-lm"], check=True, capture_output=True, text=True)
-        os.replace(temp, library)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+    with tempfile.TemporaryDirectory(dir=folder) as temp:
+        objects, built = Path(temp) / f"{name}.o", Path(temp) / library.name
+        subprocess.run([compiler, *flags, "-c", str(source), "-o", str(objects)], check=True, capture_output=True,
+                       text=True)
+        subprocess.run([compiler, "-shared", str(objects), "-o", str(built), "-lm"], check=True, capture_output=True,
+                       text=True)
+        os.replace(built, library)
     return library
 
 

@@ -1,32 +1,41 @@
-/* Decode attention of one token straight from a paged static-INT8 KV cache.
+/* Decode attention of one token straight from a paged KV cache, in the cache's element type.
  *
  * One call covers one layer: the scores of every query head against every cached key (one pass over
  * K, token rows in order), a softmax per head, and the weighted sum of the cached values (one pass
- * over V). Query head j reads KV head j / GROUP. Codes are read from their
- * blocks and converted on the fly; nothing is gathered or dequantized into a copy of the history.
- * The K scale and 1/sqrt(head_size) come in as qk_scale, the V scale as v_scale.
+ * over V). Query head j reads KV head j / GROUP. Elements are read from their blocks and
+ * converted on the fly; nothing is gathered or dequantized into a copy of the history.
+ * A static INT8 cache's K scale and 1/sqrt(head_size) come in as qk_scale, its V scale as v_scale.
  *
- * Compiled per model with -DHEAD_SIZE=... -DGROUP=... (query heads per KV head) so the inner
- * loops have fixed lengths and the accumulators stay in registers.
- * Pools are one layer's (blocks, tokens_per_block, kv_heads, HEAD_SIZE) int8 tensors.
+ * Compiled per element type and model with -DELEMENT=... (int8_t, float, or uint16_t with
+ * -DHALF_ELEMENTS for fp16 bits), -DHEAD_SIZE=... and -DGROUP=... (query heads per KV head), so
+ * the inner loops have fixed lengths.
+ * Pools are one layer's (blocks, tokens_per_block, kv_heads, HEAD_SIZE) tensors.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
+
+#ifdef HALF_ELEMENTS
+#define TO_FLOAT(x) half_to_float(x)
+#else
+#define TO_FLOAT(x) ((float)(x))
+#endif
+
 /* Scores of every query head against each cached key, token rows read in order (one pass over K). */
-static void scores(const float *restrict q, const int8_t *restrict k_pool, const int64_t *restrict block_table,
+static void scores(const float *restrict q, const ELEMENT *restrict k_pool, const int64_t *restrict block_table,
                    int64_t num_tokens, int64_t tokens_per_block, int64_t kv_heads, float qk_scale,
                    float *restrict out)
 {
     const int64_t row = kv_heads * HEAD_SIZE;
     for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
         const int64_t n = num_tokens - start < tokens_per_block ? num_tokens - start : tokens_per_block;
-        const int8_t *k = k_pool + block_table[b] * tokens_per_block * row;
+        const ELEMENT *k = k_pool + block_table[b] * tokens_per_block * row;
         for (int64_t t = 0; t < n; t++) {
             for (int64_t h = 0; h < kv_heads; h++, k += HEAD_SIZE) {
                 float key[HEAD_SIZE];
-                for (int i = 0; i < HEAD_SIZE; i++) key[i] = (float)k[i];
+                for (int i = 0; i < HEAD_SIZE; i++) key[i] = TO_FLOAT(k[i]);
                 for (int g = 0; g < GROUP; g++) {
                     const float *qg = q + (h * GROUP + g) * HEAD_SIZE;
                     float dot = 0.0f;
@@ -57,7 +66,7 @@ static void softmax_rows(float *restrict scores, int64_t rows, int64_t num_token
 }
 
 /* Weighted sum of the cached values for every query head, token rows read in order (one pass over V). */
-static void weighted_values(const float *restrict weights, const int8_t *restrict v_pool,
+static void weighted_values(const float *restrict weights, const ELEMENT *restrict v_pool,
                             const int64_t *restrict block_table, int64_t num_tokens, int64_t tokens_per_block,
                             int64_t kv_heads, float *restrict out)
 {
@@ -65,14 +74,14 @@ static void weighted_values(const float *restrict weights, const int8_t *restric
     memset(out, 0, sizeof(float) * kv_heads * GROUP * HEAD_SIZE);
     for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
         const int64_t n = num_tokens - start < tokens_per_block ? num_tokens - start : tokens_per_block;
-        const int8_t *v = v_pool + block_table[b] * tokens_per_block * row;
+        const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row;
         for (int64_t t = 0; t < n; t++) {
             for (int64_t h = 0; h < kv_heads; h++, v += HEAD_SIZE) {
                 for (int g = 0; g < GROUP; g++) {
                     const float p = weights[(h * GROUP + g) * num_tokens + start + t];
                     float *acc = out + (h * GROUP + g) * HEAD_SIZE;
                     #pragma omp simd
-                    for (int i = 0; i < HEAD_SIZE; i++) acc[i] += p * (float)v[i];
+                    for (int i = 0; i < HEAD_SIZE; i++) acc[i] += p * TO_FLOAT(v[i]);
                 }
             }
         }
@@ -81,9 +90,9 @@ static void weighted_values(const float *restrict weights, const int8_t *restric
 
 /* q: (kv_heads * GROUP, HEAD_SIZE); scratch of (kv_heads * GROUP, num_tokens);
  * out: (kv_heads * GROUP, HEAD_SIZE). */
-void int8_decode_attention(const float *q, const int8_t *k_pool, const int8_t *v_pool,
-                           const int64_t *block_table, int64_t num_tokens, int64_t tokens_per_block,
-                           int64_t kv_heads, float qk_scale, float v_scale, float *scratch, float *out)
+void decode_attention(const float *q, const ELEMENT *k_pool, const ELEMENT *v_pool,
+                      const int64_t *block_table, int64_t num_tokens, int64_t tokens_per_block,
+                      int64_t kv_heads, float qk_scale, float v_scale, float *scratch, float *out)
 {
     const int64_t rows = kv_heads * GROUP;
     scores(q, k_pool, block_table, num_tokens, tokens_per_block, kv_heads, qk_scale, scratch);
