@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from importlib import metadata
 from pathlib import Path
 
@@ -31,6 +32,15 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
+def c_compiler() -> str | None:
+    """The first line of ``$CC --version`` (the compiler of the native decode kernels), None without one."""
+    try:
+        result = subprocess.run([os.environ.get("CC", "cc"), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.splitlines()[0] if result.returncode == 0 and result.stdout else None
+
+
 def machine_info() -> dict:
     """What the results depend on besides the code: CPU, cores, load average, versions, torch threads."""
     return {
@@ -41,6 +51,7 @@ def machine_info() -> dict:
         "os": platform.platform(),
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
+        "c_compiler": c_compiler(),
         "versions": package_versions(),
     }
 

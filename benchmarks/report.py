@@ -88,7 +88,8 @@ def render_markdown(results: dict, figures: dict[str, str]) -> str:
              f"the end; torch {m['versions']['torch']} with {m['torch_threads']} thread(s), llama.cpp with the same "
              f"count; transformers {m['versions']['transformers']}, llama-cpp-python "
              f"{m['versions']['llama-cpp-python'] or 'not installed'}, hqq {m['versions']['hqq'] or 'not installed'}, "
-             f"optimum-quanto {m['versions']['optimum-quanto'] or 'not installed'}.", "",
+             f"optimum-quanto {m['versions']['optimum-quanto'] or 'not installed'}; our native decode kernels built "
+             f"with {m.get('c_compiler') or 'no C compiler (torch path)'}.", "",
              f"Model: {results['model']}. Settings: {s['label']}; {s['repeats']} repeat(s), "
              f"each running every system back to back per context in a rotating order; {s['decode_steps']} greedy "
              f"decode tokens per run; prompts are ShareGPT text; the dialogue has {s['turns']} turns "

@@ -4,6 +4,7 @@ from __future__ import annotations
 from runtime.engine import DEFAULT_TOKENS_PER_BLOCK, Engine
 from runtime.generate import generate
 from runtime.kv_cache import KV_MODES
+from runtime.native_kernels import matvec, native_kernels_enabled
 from runtime.sampling import SamplingParams
 
 from benchmarks.runner import KVFootprint, Runner, RunTiming
@@ -44,6 +45,13 @@ def cabin_runner(engine: Engine, mode: str) -> Runner:
                            f"runtime block accounting (PagedKVCache.stats), blocks of {DEFAULT_TOKENS_PER_BLOCK} "
                            "tokens")
 
-    return Runner(f"cabin {mode}", "cabin", KV_DESCRIPTIONS[mode],
-                  "fp32 (the engine's checkpoint, upcast; linear weights held transposed, (in, out))",
-                  run, footprint, mode=mode)
+    return Runner(f"cabin {mode}", "cabin", KV_DESCRIPTIONS[mode], weights_note(mode), run, footprint, mode=mode)
+
+
+def weights_note(mode: str) -> str:
+    """The weights and which code runs a decode step in this mode: native kernels or the torch fallback."""
+    if not native_kernels_enabled() or matvec() is None:
+        return "fp32 (the engine's checkpoint, upcast); decode steps on the torch path (native kernels off)"
+    attention = {"int8-dynamic": "torch attention",
+                 "int4": "native attention over natively dequantized blocks"}.get(mode, "native attention in the blocks")
+    return f"fp32 (the engine's checkpoint, upcast); decode steps on native kernels (matvec, {attention})"
