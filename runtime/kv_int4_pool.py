@@ -11,6 +11,8 @@ any of them still has it in its window.
 
 One sequence needs at most ``buffers_per_sequence`` fp16 buffers; that many
 are reserved up front, more are added when several sequences are live.
+Reads dequantize through the native kernel of runtime.native_kernels where it
+can be built, else with runtime.kv_int4's torch functions.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Native decode kernels, compiled from C with the system's compiler at first use and cached on disk.
 
-Decoding one token is bound by memory reads. Two kernels in runtime/kernels/ serve that case:
+Decoding one token is bound by memory reads. Three kernels in runtime/kernels/ serve that case:
 - ``matvec.c``: a linear layer for one token over the checkpoint's (out, in) fp32 weights;
 - ``decode_attention.c``: the attention of one token straight from a paged cache of int8, fp16
   or fp32 elements, with no gather and no converted copy of the history (built per element
@@ -53,9 +53,10 @@ class MatVec:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (1, in) times weight (out, in) transposed, plus bias (out,); returns (1, out)."""
         rows, cols = weight.shape
-        if x.shape != (1, cols) or x.dtype != torch.float32 or weight.dtype != torch.float32:
-            raise ValueError(f"matvec needs fp32 x of shape (1, {cols}), got {x.dtype} {tuple(x.shape)} "
-                             f"against {weight.dtype} weights {tuple(weight.shape)}")
+        if (x.shape != (1, cols) or x.dtype != torch.float32 or weight.dtype != torch.float32
+                or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous())):
+            raise ValueError(f"matvec needs fp32 x of shape (1, {cols}) and contiguous fp32 weights, got "
+                             f"{x.dtype} {tuple(x.shape)} against {weight.dtype} weights {tuple(weight.shape)}")
         x = x.contiguous()
         out = torch.empty(1, rows)
         self._fn(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
@@ -83,9 +84,11 @@ class DecodeAttention:
         """
         _blocks, tokens_per_block, kv_heads, head_size = k_pool.shape
         if (k_pool.dtype != self.dtype or v_pool.dtype != self.dtype or head_size != self.head_size
-                or q.shape[0] != kv_heads * self.group):
+                or q.shape[0] != kv_heads * self.group or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
             raise ValueError(f"kernel built for {self.dtype}, head size {self.head_size} and group {self.group} "
-                             f"got q {tuple(q.shape)} over {k_pool.dtype} pools {tuple(k_pool.shape)}")
+                             f"got q {tuple(q.shape)} over {k_pool.dtype} pools {tuple(k_pool.shape)} "
+                             "(contiguous pools needed)")
+        block_table = _int64_table(block_table)
         if len(block_table) * tokens_per_block < num_tokens:
             raise ValueError(f"{num_tokens} tokens do not fit the {len(block_table)} blocks of the table")
         q = q.contiguous()
@@ -114,14 +117,23 @@ class Int4Dequantize:
         """
         k_codes, v_codes = k[0], v[0]
         _blocks, tokens_per_block, kv_heads, half = k_codes.shape
-        if half * 2 != self.head_size or any(t.dtype != torch.float16 for t in (*k[1:], *v[1:])):
-            raise ValueError(f"kernel built for head size {self.head_size} got codes {tuple(k_codes.shape)}")
-        block_table = block_table.contiguous()
+        if (half * 2 != self.head_size or v[1].shape[-1] * self.value_group != self.head_size
+                or any(t.dtype != torch.float16 for t in (*k[1:], *v[1:]))
+                or not all(t.is_contiguous() for t in (*k, *v))):
+            raise ValueError(f"kernel built for head size {self.head_size} and value groups of {self.value_group} "
+                             f"got codes {tuple(k_codes.shape)} and value scales {tuple(v[1].shape)}")
+        block_table = _int64_table(block_table)
         k_out = torch.empty(len(block_table), tokens_per_block, kv_heads, self.head_size)
         v_out = torch.empty_like(k_out)
         self._fn(*(t.data_ptr() for t in (*k, *v, block_table)), len(block_table), tokens_per_block, kv_heads,
                  k_out.data_ptr(), v_out.data_ptr())
         return k_out, v_out
+
+
+def _int64_table(block_table: torch.Tensor) -> torch.Tensor:
+    if block_table.dtype != torch.int64:
+        raise ValueError(f"block tables are int64 block ids, got {block_table.dtype}")
+    return block_table.contiguous()
 
 
 @functools.cache

@@ -95,6 +95,19 @@ def test_decode_attention_rejects_another_models_pools():
     codes = torch.zeros(4, 8, 3, 32, dtype=torch.int8)
     with pytest.raises(ValueError, match="head size 16 and group 2"):
         kernel(torch.zeros(6, 32), codes, codes, torch.arange(4), 10, 1.0, 1.0)
+    codes = torch.zeros(4, 8, 3, 16, dtype=torch.int8)
+    with pytest.raises(ValueError, match="int64 block ids"):
+        kernel(torch.zeros(6, 16), codes, codes, torch.arange(4, dtype=torch.int32), 10)
+    with pytest.raises(ValueError, match="do not fit the 1 blocks"):
+        kernel(torch.zeros(6, 16), codes, codes, torch.arange(1), 10)
+
+
+def test_int4_dequantize_rejects_other_value_groups():
+    codes, half = torch.zeros(2, 8, 1, 32, dtype=torch.uint8), torch.zeros(2, 1, 64, dtype=torch.float16)
+    value_scales = torch.zeros(2, 8, 1, 4, dtype=torch.float16)  # groups of 16
+    with pytest.raises(ValueError, match="value groups of 32"):
+        native_kernels.int4_dequantize(64, 32)((codes, half, half), (codes, value_scales, value_scales),
+                                               torch.arange(2))
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp16", "int4"])
