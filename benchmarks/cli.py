@@ -73,12 +73,13 @@ def notes(results: dict) -> list[str]:
         "token, so llama.cpp's speed is not a KV-only comparison. Its KV sizes (f16, q8_0) are.",
         "Ours stores K/V in the mode named and computes in fp32. A decode step runs on our native C kernels where "
         "a compiler was found (see Machine): a matrix-vector product per linear layer over the same fp32 weights, "
-        "and attention that reads fp16/int8 elements in their blocks (int4: dequantized natively first; "
-        "int8-dynamic: torch attention). Prefill runs torch (MKL) like transformers. transformers' QuantizedCache dequantizes the whole cache every step and keeps up to 128 new tokens in fp32, "
+        "and attention that reads fp16/int8 elements in their blocks (int4: dequantized natively first). Prefill "
+        "runs torch (MKL) like transformers. transformers' QuantizedCache dequantizes the whole cache every step "
+        "and keeps up to 128 new tokens in fp32, "
         f"re-quantizing everything when they flush; runs of {s['decode_steps']} decode tokens {flush} a flush.",
         "Longest context: how many tokens of KV the budget holds (the model's own limit, where lower, in "
         "parenthesis). It counts KV storage only, not weights, activations or the per-layer fp32 copy of the K/V "
-        "read that transformers and our prefill (and int4 and int8-dynamic decode) make.",
+        "read that transformers and our prefill (and int4 decode) make.",
         "transformers' times include generate()'s per-call set-up (logits processors, cache creation): what a user "
         "of generate() gets. Its TTFT per turn is generate() on the whole history with max_new_tokens=1.",
         "Decode tok/s, every system alike: the tokens after the first over the time from the first token to the last "

@@ -52,6 +52,5 @@ def weights_note(mode: str) -> str:
     """The weights and which code runs a decode step in this mode: native kernels or the torch fallback."""
     if not native_kernels_enabled() or matvec() is None:
         return "fp32 (the engine's checkpoint, upcast); decode steps on the torch path (native kernels off)"
-    attention = {"int8-dynamic": "torch attention",
-                 "int4": "native attention over natively dequantized blocks"}.get(mode, "native attention in the blocks")
+    attention = "attention over natively dequantized blocks" if mode == "int4" else "attention in the blocks"
     return f"fp32 (the engine's checkpoint, upcast); decode steps on native kernels (matvec, {attention})"

@@ -26,6 +26,7 @@ from runtime.committed import committed_zeros
 from runtime.kv_int4 import VALUE_GROUP
 from runtime.kv_int4_pool import INT4_WINDOW, Int4Pool, buffers_per_sequence
 from runtime.kv_quant import dequantize_per_token, quantize_per_token, quantize_static
+from runtime.native_kernels import StoredKV
 
 KV_MODES = ("fp32", "fp16", "int8", "int8-separate", "int8-dynamic", "int4")
 STATIC_INT8_MODES = ("int8", "int8-separate")
@@ -216,23 +217,20 @@ class PagedKVCache:
         v = _gather(self.v_data[layer], block_table, num_tokens).float()
         return k, v, self.k_scale[layer], self.v_scale[layer]
 
-    def stored_pools(self, layer: int, block_table: torch.Tensor,
-                     num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
-        """One layer's K and V as stored, for a kernel that reads them in place.
+    def stored_kv(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> StoredKV:
+        """One layer's K and V as stored, for the native decode attention to read in place.
 
-        Returns pools (blocks, tokens_per_block, kv_heads, head_size) of fp32, fp16 or int8 elements,
-        the block table to read them through, and the K and V scales (1 except in static INT8).
-        int4 comes back dequantized as one block of num_tokens; int8-dynamic (scales per token)
-        gives None.
+        int4 comes back dequantized, as one block of the sequence's num_tokens tokens.
         """
-        if self.mode == "int8-dynamic":
-            return None
         if self.mode == "int4":
             k, v = self._int4.read(layer, block_table, num_tokens)
-            return k[None], v[None], torch.zeros(1, dtype=torch.long), 1.0, 1.0
+            return StoredKV(k[None], v[None], torch.zeros(1, dtype=torch.long))
+        stored = StoredKV(self.k_data[layer], self.v_data[layer], block_table)
         if self.mode in STATIC_INT8_MODES:
-            return self.k_data[layer], self.v_data[layer], block_table, self.k_scale[layer], self.v_scale[layer]
-        return self.k_data[layer], self.v_data[layer], block_table, 1.0, 1.0
+            stored.k_scale, stored.v_scale = self.k_scale[layer], self.v_scale[layer]
+        elif self.mode == "int8-dynamic":
+            stored.k_token_scales, stored.v_token_scales = self.k_sdata[layer], self.v_sdata[layer]
+        return stored
 
     def block_table(self, seq_id: int) -> torch.Tensor:
         """The sequence's block ids as a tensor."""

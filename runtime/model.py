@@ -8,8 +8,8 @@ weights are one (2 * inter, in) matrix, applied in one call. Decoding one token
 is bound by reading those weights and the KV history, so that case runs on the
 native kernels of runtime.native_kernels: a matrix-vector product per linear
 layer and attention that reads the cache's elements in their blocks (int4 is
-dequantized first; int8-dynamic stays on torch). Prefill and machines where the
-kernels cannot be built run the torch path below (same math).
+dequantized first). Prefill and machines where the kernels cannot be built run
+the torch path below (same math).
 """
 from __future__ import annotations
 
@@ -81,10 +81,10 @@ class Transformer:
         qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
         q, k = apply_rope(qk.view(n, heads + kv_heads, d), cos, sin).split([heads, kv_heads], dim=1)
         cache.write(index, slots, k, v.view(n, kv_heads, d))
-        stored = cache.stored_pools(index, block_table, start_pos + 1) if native else None
-        kernel = decode_attention(stored[0].dtype, d, heads // kv_heads) if stored else None
+        stored = cache.stored_kv(index, block_table, start_pos + 1) if native else None
+        kernel = decode_attention(stored.k.dtype, d, heads // kv_heads) if stored else None
         if kernel is not None:
-            out = kernel(q[0], *stored[:3], start_pos + 1, *stored[3:])
+            out = kernel(q[0], stored, start_pos + 1)
         else:
             keys, values, k_scale, v_scale = cache.read_unscaled(index, block_table, start_pos + n)
             out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, start_pos)

@@ -2,9 +2,9 @@
 
 Decoding one token is bound by memory reads. Three kernels in runtime/kernels/ serve that case:
 - ``matvec.c``: a linear layer for one token over the checkpoint's (out, in) fp32 weights;
-- ``decode_attention.c``: the attention of one token straight from a paged cache of int8, fp16
-  or fp32 elements, with no gather and no converted copy of the history (built per element
-  type, head size and group);
+- ``decode_attention.c``: the attention of one token straight from a paged cache of int8
+  (static or per-token scales), fp16 or fp32 elements, with no gather and no converted copy of
+  the history (built per element type, head size and group);
 - ``int4_dequantize.c``: a sequence's INT4 blocks of one layer to fp32 K and V in one pass
   (built per head size and value group).
 
@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +36,25 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"
 _POINTER, _SIZE, _REAL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 ELEMENT_DEFINES = {torch.int8: {"ELEMENT": "int8_t"}, torch.float32: {"ELEMENT": "float"},
                    torch.float16: {"ELEMENT": "uint16_t", "HALF_ELEMENTS": 1}}
+
+
+@dataclass
+class StoredKV:
+    """One layer's K and V as a cache stores them, for the decode attention kernel to read in place.
+
+    k, v: contiguous pools (blocks, tokens_per_block, kv_heads, head_size) of int8, fp16 or fp32;
+    block_table: int64 block ids of the sequence in those pools; k_scale, v_scale: static INT8 scales
+    (1 otherwise); k_token_scales, v_token_scales: fp16 scales (blocks, tokens_per_block, kv_heads)
+    of a per-token INT8 cache.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_table: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    k_token_scales: torch.Tensor | None = None
+    v_token_scales: torch.Tensor | None = None
 
 
 def native_kernels_enabled() -> bool:
@@ -70,33 +90,33 @@ class DecodeAttention:
     def __init__(self, library: ctypes.CDLL, dtype: torch.dtype, head_size: int, group: int) -> None:
         self.dtype, self.head_size, self.group = dtype, head_size, group
         self._fn = library.decode_attention
-        self._fn.argtypes = [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _REAL, _REAL,
-                             _POINTER, _POINTER]
+        self._fn.argtypes = [_POINTER] * 6 + [_SIZE, _SIZE, _SIZE, _REAL, _REAL, _POINTER, _POINTER]
         self._fn.restype = None
 
-    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                 num_tokens: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, stored: StoredKV, num_tokens: int) -> torch.Tensor:
         """Attention of q (heads, head_size) over a sequence's first num_tokens cached tokens.
 
-        k_pool/v_pool: one layer's contiguous pools (blocks, tokens_per_block, kv_heads, head_size);
-        block_table: the sequence's int64 block ids; k_scale/v_scale: a static INT8 cache's scales.
         Returns (1, heads * head_size) in fp32.
         """
-        _blocks, tokens_per_block, kv_heads, head_size = k_pool.shape
-        if (k_pool.dtype != self.dtype or v_pool.dtype != self.dtype or head_size != self.head_size
-                or q.shape[0] != kv_heads * self.group or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
+        _blocks, tokens_per_block, kv_heads, head_size = stored.k.shape
+        token_scales = (stored.k_token_scales, stored.v_token_scales)
+        pools = [stored.k, stored.v] + [t for t in token_scales if t is not None]
+        if (stored.k.dtype != self.dtype or stored.v.dtype != self.dtype or head_size != self.head_size
+                or q.shape[0] != kv_heads * self.group or not all(t.is_contiguous() for t in pools)
+                or any(t is not None and t.dtype != torch.float16 for t in token_scales)):
             raise ValueError(f"kernel built for {self.dtype}, head size {self.head_size} and group {self.group} "
-                             f"got q {tuple(q.shape)} over {k_pool.dtype} pools {tuple(k_pool.shape)} "
-                             "(contiguous pools needed)")
-        block_table = _int64_table(block_table)
+                             f"got q {tuple(q.shape)} over {stored.k.dtype} pools {tuple(stored.k.shape)} "
+                             "(contiguous pools and fp16 token scales needed)")
+        block_table = _int64_table(stored.block_table)
         if len(block_table) * tokens_per_block < num_tokens:
             raise ValueError(f"{num_tokens} tokens do not fit the {len(block_table)} blocks of the table")
         q = q.contiguous()
         scratch = torch.empty(q.shape[0], num_tokens)
         out = torch.empty(q.shape[0], head_size)
-        self._fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_table.data_ptr(), num_tokens,
-                 tokens_per_block, kv_heads, k_scale / head_size ** 0.5, v_scale, scratch.data_ptr(),
-                 out.data_ptr())
+        self._fn(q.data_ptr(), stored.k.data_ptr(), stored.v.data_ptr(),
+                 *(None if t is None else t.data_ptr() for t in token_scales), block_table.data_ptr(),
+                 num_tokens, tokens_per_block, kv_heads, stored.k_scale / head_size ** 0.5, stored.v_scale,
+                 scratch.data_ptr(), out.data_ptr())
         return out.view(1, -1)
 
 
@@ -153,7 +173,8 @@ def decode_attention(dtype: torch.dtype, head_size: int, group: int) -> DecodeAt
 
 @functools.cache
 def int4_dequantize(head_size: int, value_group: int) -> Int4Dequantize | None:
-    """The INT4 dequantizer for this head size and value group, built on first use; None (after a warning) if it cannot be."""
+    """The INT4 dequantizer for this head size and value group, built on first use; None (after a warning)
+    if it cannot be."""
     library = _load("int4_dequantize", {"HEAD_SIZE": head_size, "VALUE_GROUP": value_group})
     return Int4Dequantize(library, head_size, value_group) if library else None
 

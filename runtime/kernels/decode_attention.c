@@ -5,6 +5,8 @@
  * over V). Query head j reads KV head j / GROUP. Elements are read from their blocks and
  * converted on the fly; nothing is gathered or dequantized into a copy of the history.
  * A static INT8 cache's K scale and 1/sqrt(head_size) come in as qk_scale, its V scale as v_scale.
+ * A per-token INT8 cache also passes its fp16 scales per token and KV head (blocks,
+ * tokens_per_block, kv_heads) as k_token_scales and v_token_scales; they are NULL otherwise.
  *
  * Compiled per element type and model with -DELEMENT=... (int8_t, float, or uint16_t with
  * -DHALF_ELEMENTS for fp16 bits), -DHEAD_SIZE=... and -DGROUP=... (query heads per KV head), so
@@ -24,16 +26,19 @@
 #endif
 
 /* Scores of every query head against each cached key, token rows read in order (one pass over K). */
-static void scores(const float *restrict q, const ELEMENT *restrict k_pool, const int64_t *restrict block_table,
-                   int64_t num_tokens, int64_t tokens_per_block, int64_t kv_heads, float qk_scale,
-                   float *restrict out)
+static void scores(const float *restrict q, const ELEMENT *restrict k_pool, const uint16_t *restrict k_token_scales,
+                   const int64_t *restrict block_table, int64_t num_tokens, int64_t tokens_per_block,
+                   int64_t kv_heads, float qk_scale, float *restrict out)
 {
     const int64_t row = kv_heads * HEAD_SIZE;
     for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
         const int64_t n = num_tokens - start < tokens_per_block ? num_tokens - start : tokens_per_block;
         const ELEMENT *k = k_pool + block_table[b] * tokens_per_block * row;
+        const uint16_t *token_scales =
+            k_token_scales ? k_token_scales + block_table[b] * tokens_per_block * kv_heads : NULL;
         for (int64_t t = 0; t < n; t++) {
             for (int64_t h = 0; h < kv_heads; h++, k += HEAD_SIZE) {
+                const float scale = token_scales ? qk_scale * half_to_float(token_scales[t * kv_heads + h]) : qk_scale;
                 float key[HEAD_SIZE];
                 for (int i = 0; i < HEAD_SIZE; i++) key[i] = TO_FLOAT(k[i]);
                 for (int g = 0; g < GROUP; g++) {
@@ -41,7 +46,7 @@ static void scores(const float *restrict q, const ELEMENT *restrict k_pool, cons
                     float dot = 0.0f;
                     #pragma omp simd reduction(+:dot)
                     for (int i = 0; i < HEAD_SIZE; i++) dot += qg[i] * key[i];
-                    out[(h * GROUP + g) * num_tokens + start + t] = dot * qk_scale;
+                    out[(h * GROUP + g) * num_tokens + start + t] = dot * scale;
                 }
             }
         }
@@ -67,7 +72,8 @@ static void softmax_rows(float *restrict scores, int64_t rows, int64_t num_token
 
 /* Weighted sum of the cached values for every query head, token rows read in order (one pass over V). */
 static void weighted_values(const float *restrict weights, const ELEMENT *restrict v_pool,
-                            const int64_t *restrict block_table, int64_t num_tokens, int64_t tokens_per_block,
+                            const uint16_t *restrict v_token_scales, const int64_t *restrict block_table,
+                            int64_t num_tokens, int64_t tokens_per_block,
                             int64_t kv_heads, float *restrict out)
 {
     const int64_t row = kv_heads * HEAD_SIZE;
@@ -75,10 +81,13 @@ static void weighted_values(const float *restrict weights, const ELEMENT *restri
     for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
         const int64_t n = num_tokens - start < tokens_per_block ? num_tokens - start : tokens_per_block;
         const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row;
+        const uint16_t *token_scales =
+            v_token_scales ? v_token_scales + block_table[b] * tokens_per_block * kv_heads : NULL;
         for (int64_t t = 0; t < n; t++) {
             for (int64_t h = 0; h < kv_heads; h++, v += HEAD_SIZE) {
+                const float scale = token_scales ? half_to_float(token_scales[t * kv_heads + h]) : 1.0f;
                 for (int g = 0; g < GROUP; g++) {
-                    const float p = weights[(h * GROUP + g) * num_tokens + start + t];
+                    const float p = weights[(h * GROUP + g) * num_tokens + start + t] * scale;
                     float *acc = out + (h * GROUP + g) * HEAD_SIZE;
                     #pragma omp simd
                     for (int i = 0; i < HEAD_SIZE; i++) acc[i] += p * TO_FLOAT(v[i]);
@@ -91,11 +100,12 @@ static void weighted_values(const float *restrict weights, const ELEMENT *restri
 /* q: (kv_heads * GROUP, HEAD_SIZE); scratch of (kv_heads * GROUP, num_tokens);
  * out: (kv_heads * GROUP, HEAD_SIZE). */
 void decode_attention(const float *q, const ELEMENT *k_pool, const ELEMENT *v_pool,
+                      const uint16_t *k_token_scales, const uint16_t *v_token_scales,
                       const int64_t *block_table, int64_t num_tokens, int64_t tokens_per_block,
                       int64_t kv_heads, float qk_scale, float v_scale, float *scratch, float *out)
 {
     const int64_t rows = kv_heads * GROUP;
-    scores(q, k_pool, block_table, num_tokens, tokens_per_block, kv_heads, qk_scale, scratch);
+    scores(q, k_pool, k_token_scales, block_table, num_tokens, tokens_per_block, kv_heads, qk_scale, scratch);
     softmax_rows(scratch, rows, num_tokens, v_scale);
-    weighted_values(scratch, v_pool, block_table, num_tokens, tokens_per_block, kv_heads, out);
+    weighted_values(scratch, v_pool, v_token_scales, block_table, num_tokens, tokens_per_block, kv_heads, out);
 }
