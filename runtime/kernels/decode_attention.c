@@ -25,6 +25,19 @@
 #define TO_FLOAT(x) ((float)(x))
 #endif
 
+/* How many of a block's tokens, from token `start` of the sequence on, are among its num_tokens. */
+static inline int64_t tokens_in_block(int64_t start, int64_t num_tokens, int64_t tokens_per_block)
+{
+    return num_tokens - start < tokens_per_block ? num_tokens - start : tokens_per_block;
+}
+
+/* A block's per-token scales (tokens_per_block, kv_heads), or NULL where the cache has none. */
+static inline const uint16_t *block_scales(const uint16_t *scales, int64_t block, int64_t tokens_per_block,
+                                           int64_t kv_heads)
+{
+    return scales ? scales + block * tokens_per_block * kv_heads : NULL;
+}
+
 /* Scores of every query head against each cached key, token rows read in order (one pass over K). */
 static void scores(const float *restrict q, const ELEMENT *restrict k_pool, const uint16_t *restrict k_token_scales,
                    const int64_t *restrict block_table, int64_t num_tokens, int64_t tokens_per_block,
@@ -32,10 +45,9 @@ static void scores(const float *restrict q, const ELEMENT *restrict k_pool, cons
 {
     const int64_t row = kv_heads * HEAD_SIZE;
     for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
-        const int64_t n = num_tokens - start < tokens_per_block ? num_tokens - start : tokens_per_block;
+        const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
         const ELEMENT *k = k_pool + block_table[b] * tokens_per_block * row;
-        const uint16_t *token_scales =
-            k_token_scales ? k_token_scales + block_table[b] * tokens_per_block * kv_heads : NULL;
+        const uint16_t *token_scales = block_scales(k_token_scales, block_table[b], tokens_per_block, kv_heads);
         for (int64_t t = 0; t < n; t++) {
             for (int64_t h = 0; h < kv_heads; h++, k += HEAD_SIZE) {
                 const float scale = token_scales ? qk_scale * half_to_float(token_scales[t * kv_heads + h]) : qk_scale;
@@ -79,10 +91,9 @@ static void weighted_values(const float *restrict weights, const ELEMENT *restri
     const int64_t row = kv_heads * HEAD_SIZE;
     memset(out, 0, sizeof(float) * kv_heads * GROUP * HEAD_SIZE);
     for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
-        const int64_t n = num_tokens - start < tokens_per_block ? num_tokens - start : tokens_per_block;
+        const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
         const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row;
-        const uint16_t *token_scales =
-            v_token_scales ? v_token_scales + block_table[b] * tokens_per_block * kv_heads : NULL;
+        const uint16_t *token_scales = block_scales(v_token_scales, block_table[b], tokens_per_block, kv_heads);
         for (int64_t t = 0; t < n; t++) {
             for (int64_t h = 0; h < kv_heads; h++, v += HEAD_SIZE) {
                 const float scale = token_scales ? half_to_float(token_scales[t * kv_heads + h]) : 1.0f;
