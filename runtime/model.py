@@ -82,7 +82,7 @@ class Transformer:
         q, k = apply_rope(qk.view(n, heads + kv_heads, d), cos, sin).split([heads, kv_heads], dim=1)
         cache.write(index, slots, k, v.view(n, kv_heads, d))
         stored = cache.stored_kv(index, block_table, start_pos + 1) if native else None
-        kernel = decode_attention(stored.k.dtype, d, heads // kv_heads) if stored else None
+        kernel = decode_attention(stored.k.dtype, d, heads // kv_heads) if stored is not None else None
         if kernel is not None:
             out = kernel(q[0], stored, start_pos + 1)
         else:
