@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.native_kernels import compiler
+
 PACKAGES = ("torch", "transformers", "llama-cpp-python", "hqq", "optimum-quanto")
 
 
@@ -35,7 +37,7 @@ def package_versions() -> dict[str, str | None]:
 def c_compiler() -> str | None:
     """The first line of ``$CC --version`` (the compiler of the native decode kernels), None without one."""
     try:
-        result = subprocess.run([os.environ.get("CC", "cc"), "--version"], capture_output=True, text=True, timeout=30)
+        result = subprocess.run([compiler(), "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return result.stdout.splitlines()[0] if result.returncode == 0 and result.stdout else None

@@ -57,6 +57,18 @@ class StoredKV:
     v_token_scales: torch.Tensor | None = None
 
 
+def compiler() -> str:
+    """The C compiler the kernels are built with: ``$CC``, else ``cc``."""
+    return os.environ.get("CC", "cc")
+
+
+def _bind(library: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
+    """A C function of the library with its argument types set; it returns nothing."""
+    function = getattr(library, name)
+    function.argtypes, function.restype = argtypes, None
+    return function
+
+
 def native_kernels_enabled() -> bool:
     """False when ``CABIN_NATIVE_KERNELS=0`` asks for the torch path only."""
     return os.environ.get("CABIN_NATIVE_KERNELS", "1") != "0"
@@ -66,9 +78,7 @@ class MatVec:
     """``F.linear`` for a single token, over contiguous fp32 (out, in) weights."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._fn = library.matvec
-        self._fn.argtypes = [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE]
-        self._fn.restype = None
+        self._fn = _bind(library, "matvec", [_POINTER] * 4 + [_SIZE, _SIZE])
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (1, in) times weight (out, in) transposed, plus bias (out,); returns (1, out)."""
@@ -89,9 +99,8 @@ class DecodeAttention:
 
     def __init__(self, library: ctypes.CDLL, dtype: torch.dtype, head_size: int, group: int) -> None:
         self.dtype, self.head_size, self.group = dtype, head_size, group
-        self._fn = library.decode_attention
-        self._fn.argtypes = [_POINTER] * 6 + [_SIZE, _SIZE, _SIZE, _REAL, _REAL, _POINTER, _POINTER]
-        self._fn.restype = None
+        self._fn = _bind(library, "decode_attention",
+                         [_POINTER] * 6 + [_SIZE, _SIZE, _SIZE, _REAL, _REAL, _POINTER, _POINTER])
 
     def __call__(self, q: torch.Tensor, stored: StoredKV, num_tokens: int) -> torch.Tensor:
         """Attention of q (heads, head_size) over a sequence's first num_tokens cached tokens.
@@ -125,9 +134,7 @@ class Int4Dequantize:
 
     def __init__(self, library: ctypes.CDLL, head_size: int, value_group: int) -> None:
         self.head_size, self.value_group = head_size, value_group
-        self._fn = library.int4_dequantize
-        self._fn.argtypes = [_POINTER] * 7 + [_SIZE, _SIZE, _SIZE, _POINTER, _POINTER]
-        self._fn.restype = None
+        self._fn = _bind(library, "int4_dequantize", [_POINTER] * 7 + [_SIZE, _SIZE, _SIZE, _POINTER, _POINTER])
 
     def __call__(self, k: tuple[torch.Tensor, ...], v: tuple[torch.Tensor, ...],
                  block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,13 +198,13 @@ def _load(name: str, defines: dict[str, int | str]) -> ctypes.CDLL | None:
 
 def _build(name: str, defines: dict[str, int | str]) -> Path:
     """Compile one kernel into the cache folder (atomically) unless an identical build is there."""
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        raise FileNotFoundError(f"no C compiler {compiler!r} on PATH")
+    cc = compiler()
+    if shutil.which(cc) is None:
+        raise FileNotFoundError(f"no C compiler {cc!r} on PATH")
     source = KERNEL_SOURCES / f"{name}.c"
     flags = COMPILE_FLAGS + [f"-D{key}={value}" for key, value in defines.items()]
     key = hashlib.sha256(source.read_bytes() + (KERNEL_SOURCES / "half.h").read_bytes())
-    for part in (compiler, *flags, platform.machine(), _cpu_flags()):
+    for part in (cc, *flags, platform.machine(), _cpu_flags()):
         key.update(part.encode())
     folder = Path(os.environ.get("CABIN_KERNEL_DIR", Path.home() / ".cache" / "cabinllm" / "kernels"))
     library = folder / f"{name}-{key.hexdigest()[:16]}.so"
@@ -206,9 +213,9 @@ def _build(name: str, defines: dict[str, int | str]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as temp:
         objects, built = Path(temp) / f"{name}.o", Path(temp) / library.name
-        subprocess.run([compiler, *flags, "-c", str(source), "-o", str(objects)], check=True, capture_output=True,
+        subprocess.run([cc, *flags, "-c", str(source), "-o", str(objects)], check=True, capture_output=True,
                        text=True)
-        subprocess.run([compiler, "-shared", str(objects), "-o", str(built), "-lm"], check=True, capture_output=True,
+        subprocess.run([cc, "-shared", str(objects), "-o", str(built), "-lm"], check=True, capture_output=True,
                        text=True)
         os.replace(built, library)
     return library
