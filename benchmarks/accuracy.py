@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from benchmarks.runner import Runner
+from calibration.evaluate import REFERENCE_MODE, eval_name
 
 COLUMNS = ("ppl", "ppl_delta_pct", "kl", "top1_agree")
 
@@ -30,9 +31,9 @@ def load_eval(path: Path) -> dict:
 def eval_mode(runner: Runner, equalized: bool) -> str | None:
     """The cabin-eval mode that measures this runner's KV storage, None where cabin-eval has none."""
     if runner.family == "cabin":
-        return {"int8": "int8-shared-eq" if equalized else "int8-shared"}.get(runner.mode, runner.mode)
+        return eval_name(runner.mode, equalized)
     if runner.name == "transformers dynamic":
-        return "fp32"  # fp32 KV: the reference itself
+        return REFERENCE_MODE  # fp32 KV: the reference itself
     return None
 
 

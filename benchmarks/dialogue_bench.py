@@ -24,8 +24,10 @@ import torch
 
 from benchmarks.workload import long_sharegpt_dialogue, sharegpt_stream
 from calibration.sources import open_source
+from runtime.block_manager import Sequence
 from runtime.engine import Engine
-from runtime.generate import generate
+from runtime.generate import generate, run_tokens
+from runtime.kv_cache import sized_config
 from runtime.overflow import OverflowPolicy, sink_window
 from runtime.sampling import SamplingParams
 from runtime.session import DialogueSession
@@ -43,12 +45,13 @@ def bench_ttft(engine: Engine, turns: int = 20, mode: str = "int8") -> dict:
     """TTFT per turn with reuse, and of re-prefilling the same history from scratch."""
     users = long_sharegpt_dialogue(engine, turns, max_user_tokens=96)
     params = SamplingParams(max_new_tokens=32, stop_token_ids=engine.stop_token_ids())
-    session = DialogueSession(engine, engine.new_cache(mode, 64 * MIB), params, "You are a helpful assistant.")
+    session = DialogueSession(engine, engine.new_cache(engine.kv_cache_config(mode, 64 * MIB)), params,
+                              "You are a helpful assistant.")
     rows = []
     for turn, text in enumerate(users, start=1):
         stats = session.chat(text)
         history = session.fed[: stats.reused_tokens + stats.prefill_tokens]
-        fresh = generate(engine.model, engine.new_cache(mode, 64 * MIB), 0, history,
+        fresh = generate(engine.model, engine.new_cache(engine.kv_cache_config(mode, 64 * MIB)), Sequence(), history,
                          SamplingParams(max_new_tokens=1, stop_token_ids=[]), engine.tokenizer.decode_reply)
         rows.append({"turn": turn, "context_tokens": len(history), "new_tokens": stats.prefill_tokens,
                      "ttft_reuse_s": stats.ttft_s, "ttft_reprefill_s": fresh.ttft_s})
@@ -70,7 +73,7 @@ def bench_budget(engine: Engine, out: Path, turns: int = 200, budget_mib: int = 
     params = SamplingParams(max_new_tokens=24, stop_token_ids=engine.stop_token_ids())
     result = {}
     for policy in ("sink-window", "drop-turns"):
-        session = DialogueSession(engine, engine.new_cache("int8", budget_mib * MIB), params,
+        session = DialogueSession(engine, engine.new_cache(engine.kv_cache_config("int8", budget_mib * MIB)), params,
                                   "You are the in-car assistant. Keep answers short.", OverflowPolicy(policy))
         curve = []
         for text in users:
@@ -111,7 +114,7 @@ def plot_budget(result: dict, budget_mib: int, path: Path) -> None:
 
 def bench_capacity(engine: Engine, budget_mib: int = 32) -> dict:
     """Tokens the same budget holds in each KV mode, and the ratio to FP16."""
-    tokens = {m: engine.new_cache(m, budget_mib * MIB).stats().tokens_capacity
+    tokens = {m: engine.new_cache(engine.kv_cache_config(m, budget_mib * MIB)).stats().tokens_capacity
               for m in ("fp16", "int8", "int8-dynamic")}
     return {"budget_mib": budget_mib, "tokens": tokens,
             "ratio_vs_fp16": {m: t / tokens["fp16"] for m, t in tokens.items()}}
@@ -130,20 +133,18 @@ def bench_stream(engine: Engine, length: int = 20_000, window: int = 2048, chunk
     for start in range(0, length - 1, chunk):  # full attention over the last window tokens, recomputed per chunk
         new = ids[start:min(start + chunk, length - 1)]
         context = ids[max(0, start - (window - chunk)):start] + new
-        cache = engine.new_cache(mode, model.kv_layout.bytes_per_token(mode) * (window + 64))
-        cache.allocate(0, context)
-        logits = model.forward(context, 0, cache, 0, all_logits=True)[-len(new):]
+        cache = engine.new_cache(sized_config(model.kv_layout, mode, window + 64))
+        logits = run_tokens(model, context, all_logits=True, cache=cache).logits[-len(new):]
         reference_nll += _nll(logits, ids[start + 1:start + 1 + len(new)])
         scored += len(new)
-    stream_nll, held, seq = 0.0, [], 0
-    cache = engine.new_cache(mode, model.kv_layout.bytes_per_token(mode) * (window + 2 * chunk))
+    stream_nll, held, seq = 0.0, [], Sequence()
+    cache = engine.new_cache(sized_config(model.kv_layout, mode, window + 2 * chunk))
     keep = OverflowPolicy("sink-window").keep_fraction
     for start in range(0, length - 1, chunk):
         new = ids[start:min(start + chunk, length - 1)]
         if len(held) + len(new) > window:  # the policy: keep the sinks and the recent tokens, prefill them again
             held = sink_window(held, sink, int(window * keep))
             cache.free(seq)
-            seq += 1
             cache.allocate(seq, held)
             model.forward(held, 0, cache, seq)
             cache.append(seq, new)

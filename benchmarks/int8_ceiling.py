@@ -22,13 +22,15 @@ import torch
 from tqdm import tqdm
 
 from calibration.equalize import calibrated_ranges, rope_pair_max
-from calibration.evaluate import TOKENS_PER_BLOCK, Totals, accumulate, run_logits
-from calibration.model_source import load_model
+from calibration.evaluate import Totals, accumulate
 from calibration.selection import prepare_dialogues
-from runtime.kv_cache import KVLayout, PagedKVCache
+from runtime.generate import run_tokens
+from runtime.kv_cache import PagedKVCache, sized_config
 from runtime.kv_quant import INT8_MAX, dequantize_per_token, quantize_per_token
 from runtime.kv_scales import LayerRanges, load_scales_file
+from runtime.kv_storage import Fp32KV
 from runtime.model import Transformer
+from runtime.model_source import load_model
 
 Quantizer = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, x of (tokens, kv_heads, head_size)) -> x rounded
 
@@ -59,13 +61,11 @@ def exact(layer: int, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class RoundingCache(PagedKVCache):
-    """An fp32 cache whose writes pass K and V through a quantizer first."""
+class RoundingKV(Fp32KV):
+    """fp32 storage whose writes pass K and V through a quantizer first."""
 
-    def __init__(self, layout: KVLayout, tokens: int, k_quantizer: Quantizer, v_quantizer: Quantizer) -> None:
-        blocks = -(-tokens // TOKENS_PER_BLOCK)
-        super().__init__(layout, "fp32", layout.bytes_per_token("fp32") * TOKENS_PER_BLOCK * blocks,
-                         TOKENS_PER_BLOCK)
+    def __init__(self, *args, k_quantizer: Quantizer, v_quantizer: Quantizer) -> None:
+        super().__init__(*args)
         self.k_quantizer, self.v_quantizer = k_quantizer, v_quantizer
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -92,13 +92,14 @@ def measure(model: Transformer, token_lists: list[list[int]], ranges: list[Layer
     with tqdm(total=len(token_lists) * (len(chosen) + 1), desc="int8 ceiling", unit="run", file=sys.stderr) as bar:
         for ids in token_lists:
             targets = torch.tensor(ids[1:])
-            ref_logp = run_logits(model, ids, "fp32", None)[:-1].log_softmax(-1)
+            ref_logp = run_tokens(model, ids, all_logits=True).logits[:-1].log_softmax(-1)
             accumulate(reference, ref_logp, ref_logp, targets)
             bar.update()
             for name, (k_quantizer, v_quantizer) in chosen.items():
-                cache = RoundingCache(model.kv_layout, len(ids), k_quantizer, v_quantizer)
-                cache.allocate(0, ids)
-                accumulate(totals[name], ref_logp, model.forward(ids, 0, cache, 0, all_logits=True)[:-1], targets)
+                cache = PagedKVCache(model.kv_layout, sized_config(model.kv_layout, "fp32", len(ids)), None, RoundingKV,
+                                     k_quantizer=k_quantizer, v_quantizer=v_quantizer)
+                logits = run_tokens(model, ids, all_logits=True, cache=cache).logits
+                accumulate(totals[name], ref_logp, logits[:-1], targets)
                 bar.update()
     ref_nll = reference.nll / reference.tokens
     return {name: {"ppl_delta_pct": 100 * (math.exp(t.nll / t.tokens - ref_nll) - 1), "kl": t.kl / t.tokens,

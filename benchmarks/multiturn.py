@@ -45,7 +45,8 @@ def measure_multiturn(engine: Engine, mode: str, users: list[str], peers: list[R
     contexts: list[TurnContext] = []
     for _ in range(repeats):
         params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=engine.stop_token_ids())
-        session = DialogueSession(engine, engine.new_cache(mode, budget_mib * MIB), params, SYSTEM_PROMPT)
+        session = DialogueSession(engine, engine.new_cache(engine.kv_cache_config(mode, budget_mib * MIB)), params,
+                                  SYSTEM_PROMPT)
         contexts = []
         for index, text in enumerate(users):
             stats = session.chat(text)

@@ -6,12 +6,11 @@ import sys
 from pathlib import Path
 
 from builders.engine_build import BuildRequest, build_engine
-from builders.memory_model import FP8_KV_DTYPE
 from builders.planner import PlanRefused
 from builders.targets import TargetError
 from builders.trtllm import TrtllmError
 from runtime.checkpoint import CheckpointError
-from runtime.kv_cache import KV_MODES
+from runtime.kv_modes import KV_MODES
 from runtime.kv_scales import ScalesError
 
 
@@ -27,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file or an HF model folder")
     parser.add_argument("--target", default="cpu", help="target profile from engines/targets.toml (default cpu)")
     parser.add_argument("--output", required=True, type=Path, help="engine folder to write, e.g. engines/smollm2-int8")
-    parser.add_argument("--kv-cache", default="int8", choices=(*KV_MODES, FP8_KV_DTYPE),
+    parser.add_argument("--kv-cache", default="int8", choices=tuple(KV_MODES),
                         help="KV cache storage the engine is built for (default int8); must be one the target takes")
     parser.add_argument("--scales", type=Path, help="calibrated kv_scales.json for this model (default: a quick "
                         "abs-max measurement on built-in sample exchanges)")

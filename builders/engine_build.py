@@ -2,13 +2,7 @@
 
 Everything is written into a temporary folder beside the output and renamed at the
 end, so a failed build leaves nothing half-made. The same inputs again are a no-op
-unless ``force``. Layout (what runtime/engine.py reads, plus the TensorRT engine)::
-
-    engines/NAME/
-      manifest.json        what was built, from what, with which tools, and the plan
-      checkpoint/          TensorRT-LLM checkpoint (+ tokenizer files)
-      kv_scales.json       the KV scales the checkpoint carries
-      trt_engine/          the TensorRT engine, where trtllm-build ran (+ trtllm-build.log)
+unless ``force``. The folder's layout is runtime.engine_folder's.
 """
 from __future__ import annotations
 
@@ -21,21 +15,19 @@ from typing import Callable
 
 import torch
 
-from builders.importer import import_model
 from builders.kv_attach import attach_kv_quant, quant_algo
-from builders.manifest import (ENGINE_FORMAT, changed_inputs, file_sha256, read_manifest, source_identity,
-                               tool_versions)
-from builders.model_shapes import load_model_config, resolve_model
+from builders.manifest import changed_inputs, file_sha256, source_identity, tool_versions
 from builders.planner import Plan, PlanRefused, PlanRequest, make_plan, nearest_working
 from builders.progress import Steps
 from builders.scales_source import BuildScales, calibrated_scales, quick_scales, scales_from_file
 from builders.targets import Target, get_target, load_targets
-from builders.trtllm import (ENGINE_DIR, LOG_FILE, TrtllmInstall, build_args, find_trtllm, flag_set, local_sm,
-                             run_trtllm_build)
-from runtime.atomic import staging_folder
+from builders.trtllm import TrtllmInstall, build_args, find_trtllm, flag_set, local_sm, run_trtllm_build
+from runtime.atomic import atomic_write_text, staging_folder
 from runtime.checkpoint import CheckpointError, ModelConfig, load_checkpoint, save_checkpoint
-from runtime.engine import CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE
+from runtime.engine_folder import (CHECKPOINT_DIR, ENGINE_FORMAT, MANIFEST_FILE, SCALES_FILE, TRT_ENGINE_DIR,
+                                   TRTLLM_LOG_FILE, read_manifest)
 from runtime.kv_scales import ScalesError, model_fingerprint
+from runtime.model_source import import_model, load_model_config, resolve_model
 
 Log = Callable[[str], None]
 
@@ -104,16 +96,16 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
             attach_kv_quant(config, kv.weights, kv.scales, request.kv_cache)
             save_checkpoint(checkpoint, config, kv.weights)
         trt_command = None
-        failed_log = request.output.parent / f"{request.output.name}.{LOG_FILE}"
+        failed_log = request.output.parent / f"{request.output.name}.{TRTLLM_LOG_FILE}"
         if device.status == "run here":
-            with steps.step(f"trtllm-build ({trtllm.version}, {device.flags} flags) -> {ENGINE_DIR}/"):
+            with steps.step(f"trtllm-build ({trtllm.version}, {device.flags} flags) -> {TRT_ENGINE_DIR}/"):
                 trt_command = run_trtllm_build(trtllm, build_args(plan.kv[request.kv_cache].shape, device.flags),
                                                tmp, failed_log)
         with steps.step("writing manifest.json"):
             scales_sha256 = file_sha256(tmp / SCALES_FILE)
             manifest = make_manifest(request, target, plan, source, fingerprint, kv, scales_sha256, device, trtllm,
                                      trt_command, inputs, time.perf_counter() - started)
-            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+            atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2))
     failed_log.unlink(missing_ok=True)  # a failed earlier attempt's log is stale now
     log(f"engine written to {request.output} ({manifest['backend']} backend; device step: {device.status})")
     return request.output
@@ -239,7 +231,8 @@ def make_manifest(request: BuildRequest, target: Target, plan: Plan, source: Pat
                         "reason": device.reason, "run_on": f"{target.name}: {target.description}",
                         "flags": device.flags, "cwd": "the engine folder",
                         "command": trt_command or (["trtllm-build", *args] if args else None),
-                        "log": LOG_FILE if trt_command else None, "engine_dir": ENGINE_DIR if trt_command else None},
+                        "log": TRTLLM_LOG_FILE if trt_command else None,
+                        "engine_dir": TRT_ENGINE_DIR if trt_command else None},
         "inputs": inputs,
         "build_seconds": round(seconds, 2),
         "versions": tool_versions(trtllm.version if trtllm else None),

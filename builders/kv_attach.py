@@ -9,17 +9,16 @@ from __future__ import annotations
 import torch
 
 from runtime.checkpoint import ModelConfig, layer_prefix
-from runtime.kv_cache import STATIC_INT8_MODES, KVScales
+from runtime.kv_modes import kv_mode
 from runtime.kv_quant import INT8_MAX
+from runtime.kv_storage import KVScales
 
 FP8_E4M3_MAX = 448.0
 
 
 def quant_algo(kv_dtype: str) -> str | None:
     """``kv_cache_quant_algo`` for a KV dtype: INT8 for the static int8 modes, FP8, or None."""
-    if kv_dtype in STATIC_INT8_MODES:
-        return "INT8"
-    return "FP8" if kv_dtype == "fp8" else None
+    return kv_mode(kv_dtype).trtllm_quant_algo
 
 
 def attach_kv_quant(config: ModelConfig, weights: dict[str, torch.Tensor], scales: KVScales, kv_dtype: str) -> None:

@@ -1,15 +1,13 @@
-"""What an engine folder was built from: the inputs record (for the no-op check), tool versions, the manifest file."""
+"""What an engine folder was built from: the inputs record (for the no-op check) and tool versions.
+
+The folder's layout and manifest file are runtime.engine_folder's."""
 from __future__ import annotations
 
 import hashlib
-import json
 import platform
 from importlib import metadata
 from pathlib import Path
 
-from runtime.engine import MANIFEST_FILE
-
-ENGINE_FORMAT = "cabin-engine/2"
 _PACKAGES = ("cabinllm", "torch", "transformers", "gguf", "safetensors", "tokenizers")
 
 
@@ -41,14 +39,6 @@ def tool_versions(trtllm_version: str | None) -> dict[str, str]:
             versions[package] = "not installed"
     versions["tensorrt_llm"] = trtllm_version or "not installed"
     return versions
-
-
-def read_manifest(folder: Path) -> dict | None:
-    """The folder's manifest, or None when it has none or it is unreadable."""
-    try:
-        return json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
 
 
 def changed_inputs(old: dict, new: dict) -> list[str]:

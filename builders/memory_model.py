@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 
 from runtime.checkpoint import ModelConfig, expected_shapes
-from runtime.kv_cache import KV_MODES, KVLayout
+from runtime.kv_modes import bytes_per_token
+from runtime.kv_storage import KVLayout
 
 WEIGHT_FORMATS = ("fp16", "int8", "int4")
 INT4_GROUP = 128
 _LINEAR = ("attention.qkv.weight", "attention.dense.weight", "mlp.fc.weight", "mlp.gate.weight", "mlp.proj.weight")
 _BYTES = {"fp32": 4, "fp16": 2}
-FP8_KV_DTYPE = "fp8"  # TensorRT-LLM only; the reference runtime has no FP8 storage
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -43,14 +43,10 @@ def weights_bytes(config: ModelConfig, weight_format: str, in_memory: str | None
     return total
 
 
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tokens_per_block: int) -> int:
     """KV cache bytes of one token, all layers, K and V (scales of int8-dynamic included)."""
     layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_size)
-    if kv_dtype == FP8_KV_DTYPE:
-        return layout.bytes_per_token("int8")  # one byte per element, one scale per layer
-    if kv_dtype not in KV_MODES:
-        raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join((*KV_MODES, FP8_KV_DTYPE))}")
-    return layout.bytes_per_token(kv_dtype)
+    return bytes_per_token(layout, kv_dtype, tokens_per_block)
 
 
 def activation_bytes(config: ModelConfig, num_tokens: int, context: int, batch: int, backend: str) -> int:

@@ -6,7 +6,7 @@ import json
 import sys
 
 from builders.memory_model import WEIGHT_FORMATS
-from builders.model_shapes import load_model_config
+from runtime.model_source import load_model_config
 from builders.planner import MIB, Plan, PlanRefused, PlanRequest, make_plan, nearest_working
 from builders.targets import GIB, TargetError, get_target, load_targets
 from runtime.checkpoint import CheckpointError

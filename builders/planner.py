@@ -17,6 +17,8 @@ from builders.memory_model import (WEIGHT_FORMATS, activation_bytes, kv_bytes_pe
 from builders.targets import GIB, Target
 from builders.trtllm import EngineShape, build_args, flag_set
 from runtime.checkpoint import ModelConfig
+from runtime.kv_cache import KvCacheConfig
+from runtime.kv_modes import kv_mode
 
 MAX_BATCH_SIZE = 1  # one dialogue at a time in the cabin
 REPLY_TOKENS = 256  # longest reply the engine is built for: max_seq_len - max_input_len
@@ -66,6 +68,10 @@ class KVPlan:
     prefill_tokens_per_turn: dict  # mean and last over est_turns turns, and with block reuse
     trtllm_build_args: list[str] | None
     fits: bool
+
+    def kv_cache_config(self) -> KvCacheConfig:
+        """The runtime KV cache this plan sizes: the pool in blocks of the target's size, reuse where it works."""
+        return KvCacheConfig(self.kv_dtype, self.kv_pool_bytes, self.tokens_per_block, self.block_reuse)
 
     @property
     def shape(self) -> EngineShape:
@@ -160,6 +166,7 @@ class Plan:
             "turn_tokens": self.turn.to_dict(),
             "paged_context_fmha": per("paged_context_fmha"),
             "block_reuse": per("block_reuse"),
+            "kv_cache_config": {name: kv.kv_cache_config().to_dict() for name, kv in self.kv.items() if kv.fits},
             "prefill_tokens_per_turn": per("prefill_tokens_per_turn"),
             "trtllm_build_args": per("trtllm_build_args") if t.backend == "tensorrt" else None,
             "warnings": self.warnings,
@@ -181,8 +188,8 @@ def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPI
 def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, turn: TurnTokens) -> KVPlan:
     """Engine limits for one KV dtype within ``budget`` bytes for activations and the KV pool."""
     tpb = target.tokens_per_block
-    per_token = kv_bytes_per_token(config, kv_dtype)
-    paged_fmha = not (target.backend == "tensorrt" and kv_dtype.startswith("int8"))
+    per_token = kv_bytes_per_token(config, kv_dtype, tpb)
+    paged_fmha = not (target.backend == "tensorrt" and not kv_mode(kv_dtype).trtllm_paged_context_fmha)
     chunked = target.backend == "tensorrt" and paged_fmha
     context = config.max_position_embeddings
 
@@ -293,7 +300,8 @@ def nearest_working(request: PlanRequest, config: ModelConfig, targets: dict[str
     lighter = lighter[lighter.index(request.weights) + 1:] if request.weights in lighter else lighter
     kv_here = request.kv_dtype if request.kv_dtype in here.kv_dtypes else None
     if request.kv_dtype and kv_here is None:  # the same-size dtype this target has (fp8 <-> int8), else the smallest
-        kv_here = min(here.kv_dtypes, key=lambda d: (kv_bytes_per_token(config, d), d != "int8"))
+        kv_here = min(here.kv_dtypes, key=lambda d: (kv_bytes_per_token(config, d, here.tokens_per_block),
+                                                   d != "int8"))
     candidates = [replace(request, kv_dtype=kv_here)]
     candidates += [replace(request, weights=w, kv_dtype=kv_here) for w in lighter]
     larger = sorted((t for t in targets.values() if t.memory_gib > here.memory_gib), key=lambda t: t.memory_gib)

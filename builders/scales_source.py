@@ -1,5 +1,5 @@
 """Where a build's KV scales come from: a calibrated ``kv_scales.json``, a calibration run now
-(calibration.calibrate), or a quick abs-max measurement on sample exchanges.
+(calibration.calibrate), or a quick abs-max measurement on sample exchanges (calibration.quick_scales).
 
 With ``--equalize`` the calibrated per-channel ranges are folded into the weights
 (calibration.equalize) and the scales that fit the new weights replace the calibrated ones.
@@ -12,11 +12,14 @@ from pathlib import Path
 
 import torch
 
-from builders.quick_scales import quick_kv_scales
+from calibration.calibrate import CalibrationRequest, calibrate
+from calibration.equalize import equalize as fold, equalized_ranges
+from calibration.quick_scales import SAMPLES_FILE, quick_kv_scales
 from runtime.checkpoint import ModelConfig
-from runtime.kv_cache import KVScales
 from runtime.kv_scales import ScalesError, ScalesFile, load_scales_file, save_scales
+from runtime.kv_storage import KVScales
 from runtime.model import Transformer
+from runtime.model_source import LoadedModel
 from runtime.tokenizer import ChatTokenizer
 
 
@@ -51,9 +54,6 @@ def scales_from_file(path: Path, config: ModelConfig, weights: dict[str, torch.T
 def calibrated_scales(data: str, config: ModelConfig, weights: dict[str, torch.Tensor], checkpoint: Path,
                       fingerprint: str, equalize: bool, out: Path) -> BuildScales:
     """Scales calibrated now on dialogues (``builtin``, ``sharegpt`` or a file; calibration.calibrate)."""
-    from calibration.calibrate import CalibrationRequest, calibrate
-    from calibration.model_source import LoadedModel
-
     model = LoadedModel("build", config, weights, ChatTokenizer(checkpoint), fingerprint)
     request = CalibrationRequest(data=data, max_tokens=min(CalibrationRequest.max_tokens,
                                                            config.max_position_embeddings))
@@ -68,8 +68,6 @@ def calibrated_scales(data: str, config: ModelConfig, weights: dict[str, torch.T
 def equalized(found: ScalesFile, config: ModelConfig, weights: dict[str, torch.Tensor], source: str,
               out: Path) -> BuildScales:
     """Weights with the equalization factors of ``found.ranges`` folded in, and the scales that fit them."""
-    from calibration.equalize import equalize as fold, equalized_ranges
-
     new_weights, scales = fold(config, weights, found.ranges)
     method = f"{found.method}+equalized"
     save_scales(out, scales, found.fingerprint, method, found.data, equalized_ranges(found.ranges), equalized=True)
@@ -78,7 +76,8 @@ def equalized(found: ScalesFile, config: ModelConfig, weights: dict[str, torch.T
 
 def quick_scales(config: ModelConfig, weights: dict[str, torch.Tensor], checkpoint: Path, fingerprint: str,
                  out: Path) -> BuildScales:
-    """Abs-max scales measured on the built-in sample exchanges (builders.quick_scales)."""
+    """Abs-max scales measured on the built-in sample exchanges (calibration.quick_scales)."""
     scales = quick_kv_scales(Transformer(config, weights), ChatTokenizer(checkpoint))
-    save_scales(out, scales, fingerprint, "quick-max", {"source": "builders.quick_scales samples"})
-    return BuildScales(scales, weights, "quick-max", "builders.quick_scales samples", False)
+    source = f"calibration/data/{SAMPLES_FILE}"
+    save_scales(out, scales, fingerprint, "quick-max", {"source": source})
+    return BuildScales(scales, weights, "quick-max", source, False)

@@ -19,14 +19,12 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from runtime.trtllm_session import TRT_ENGINE_DIR
+from runtime.engine_folder import CHECKPOINT_DIR, TRT_ENGINE_DIR, TRTLLM_LOG_FILE
+from runtime.kv_modes import kv_mode
 
 LEGACY_FLAGS = "v0.12"
 MODERN_FLAGS = "1.x"
 TRTLLM_BUILD = "trtllm-build"
-CHECKPOINT_ARG = "checkpoint"  # paths are relative: the command runs inside the engine folder
-ENGINE_DIR = TRT_ENGINE_DIR  # where runtime/trtllm_session.py looks for the engine
-LOG_FILE = "trtllm-build.log"
 
 
 class TrtllmError(RuntimeError):
@@ -61,7 +59,7 @@ class EngineShape:
     @property
     def paged_context_fmha(self) -> bool:
         """Paged context FMHA (needed for KV block reuse and chunked prefill); never with INT8 KV."""
-        return not self.kv_dtype.startswith("int8")
+        return kv_mode(self.kv_dtype).trtllm_paged_context_fmha
 
 
 def flag_set(version: str) -> str:
@@ -102,7 +100,7 @@ def build_args(shape: EngineShape, flags: str) -> list[str]:
     gemm = shape.dtype if flags == LEGACY_FLAGS else "auto"
     fmha = "enable" if shape.paged_context_fmha else "disable"
     return [
-        "--checkpoint_dir", CHECKPOINT_ARG, "--output_dir", ENGINE_DIR,
+        "--checkpoint_dir", CHECKPOINT_DIR, "--output_dir", TRT_ENGINE_DIR,  # relative: run inside the folder
         "--gemm_plugin", gemm, *paged, "--tokens_per_block", str(shape.tokens_per_block),
         "--use_paged_context_fmha", fmha,
         "--max_batch_size", str(shape.max_batch_size), "--max_input_len", str(shape.max_input_len),
@@ -117,7 +115,7 @@ def run_trtllm_build(install: TrtllmInstall, args: list[str], folder: Path, fail
     discards) and TrtllmError quotes its last lines.
     """
     command = [install.executable, *args]
-    log_path = folder / LOG_FILE
+    log_path = folder / TRTLLM_LOG_FILE
     with log_path.open("w", encoding="utf-8") as log:
         log.write("$ " + " ".join(command) + "\n")
         log.flush()

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from calibration.model_source import LoadedModel
+from runtime.model_source import LoadedModel
 from calibration.scales import DEFAULT_PERCENTILE, LayerClips, compute_clips, layer_ranges
 from calibration.selection import prepare_dialogues
 from calibration.stats import KVStats, collect_stats

@@ -11,7 +11,7 @@ from calibration.calibrate import CalibrationRequest, calibrate
 from calibration.charts import plot_accuracy
 from calibration.dialogues import DataError
 from calibration.evaluate import EVAL_MODES, STATIC_MODES, ModeResult, evaluate, results_json
-from calibration.model_source import LoadedModel, load_model
+from runtime.model_source import LoadedModel, load_model
 from calibration.selection import prepare_dialogues
 from runtime.atomic import atomic_write_text
 from runtime.checkpoint import CheckpointError
@@ -57,7 +57,7 @@ def resolve_scales(args: argparse.Namespace, model: LoadedModel, modes: list[str
         return load_scales_file(args.scales, model.fingerprint, layers, kv_shape), str(args.scales)
     if model.scales_path:
         found = load_scales_file(model.scales_path, model.fingerprint, layers, kv_shape)
-        if found.ranges is not None or "int8-shared-eq" not in modes:
+        if found.ranges is not None or not any(EVAL_MODES[m].equalized for m in modes):
             return found, str(model.scales_path)
     request = CalibrationRequest(args.data, args.calib_dialogues, args.max_tokens, args.min_tokens, "max",
                                  seed=args.seed)

@@ -3,10 +3,12 @@
 For every dialogue the model runs once with an fp32 cache (the reference) and
 once per mode with a fresh cache of that mode; each run is one prefill of the
 whole dialogue, so every position attends to K/V as the mode stores them.
-``int4`` keeps the newest tokens in fp16, so its dialogue is prefilled in
-chunks of one block: every position then sees 96 to 127 earlier tokens at full
-precision (with the default 128-token window), as in decode, where it sees 127
-or more.
+A mode that keeps the newest tokens at higher precision (``int4``'s fp16 window)
+is prefilled in chunks of one block (runtime.generate.run_tokens): every position
+then sees 96 to 127 earlier tokens at full precision (with the default 128-token
+window), as in decode, where it sees 127 or more. The modes measured are the
+reference engine's KV modes (runtime.kv_modes) under their eval names, plus each
+shared-scale mode on weights with KV equalization folded in (``-eq``).
 Per mode: perplexity of the dialogue's next tokens, mean KL(reference || mode)
 of the next-token distributions, and how often the top-1 token agrees.
 """
@@ -20,18 +22,40 @@ import torch
 from tqdm import tqdm
 
 from calibration.equalize import equalize
-from calibration.model_source import LoadedModel
 from calibration.selection import TokenizedDialogue
-from runtime.kv_cache import KVLayout, KVScales, PagedKVCache
+from runtime.generate import run_tokens
+from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK
+from runtime.kv_modes import KV_MODES, KVMode, kv_mode
 from runtime.kv_scales import ScalesFile
+from runtime.kv_storage import KVLayout, KVScales
 from runtime.model import Transformer
+from runtime.model_source import LoadedModel
 
-EVAL_MODES = ("fp16", "int8-shared", "int8-separate", "int8-dynamic", "int8-shared-eq", "int4")
-CACHE_MODE = {"fp16": "fp16", "int8-shared": "int8", "int8-separate": "int8-separate",
-              "int8-dynamic": "int8-dynamic", "int8-shared-eq": "int8", "int4": "int4"}
-STATIC_MODES = ("int8-shared", "int8-separate", "int8-shared-eq")
-TOKENS_PER_BLOCK = 32
+REFERENCE_MODE = "fp32"
+EQUALIZED_SUFFIX = "-eq"
 _CHUNK = 256  # rows of logits compared at a time, to bound memory
+
+
+def eval_name(mode_name: str, equalized: bool = False) -> str:
+    """The name cabin-eval gives a KV mode (on equalized weights where asked and the mode has a shared scale)."""
+    mode = kv_mode(mode_name)
+    name = mode.eval_name or mode.name
+    return name + EQUALIZED_SUFFIX if equalized and mode.shared_scale else name
+
+
+@dataclass(frozen=True)
+class EvalMode:
+    """A KV mode as cabin-eval measures it: the cache's storage, on equalized weights or not."""
+
+    kv_mode: KVMode
+    equalized: bool = False
+
+
+EVAL_MODES: dict[str, EvalMode] = {
+    eval_name(mode.name, equalized): EvalMode(mode, equalized)
+    for mode in KV_MODES.values() if mode.reference and mode.name != REFERENCE_MODE
+    for equalized in (False, True) if not equalized or mode.shared_scale}
+STATIC_MODES = tuple(name for name, mode in EVAL_MODES.items() if mode.kv_mode.static_scales)
 
 
 @dataclass
@@ -50,60 +74,46 @@ class ModeRunner:
     """The weights and cache settings one mode runs with."""
 
     model: Transformer
-    cache_mode: str
+    kv_mode: KVMode
     scales: KVScales | None
 
 
 def build_runners(model: LoadedModel, modes: list[str], scales_file: ScalesFile | None) -> dict[str, ModeRunner]:
-    """A runner per mode; int8-shared-eq runs on weights equalized from the scales' channel ranges."""
+    """A runner per mode; an equalized mode runs on weights equalized from the scales' channel ranges."""
     unknown = [m for m in modes if m not in EVAL_MODES]
     if unknown:
         raise ValueError(f"unknown KV mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
     if scales_file is None and any(m in STATIC_MODES for m in modes):
         raise ValueError(f"modes {', '.join(STATIC_MODES)} need calibrated scales; pass --scales or calibrate first")
-    if "int8-shared-eq" in modes and scales_file.ranges is None:
-        raise ValueError("int8-shared-eq needs per-channel ranges in the scales file (schema version 2); "
+    equalized = [m for m in modes if EVAL_MODES[m].equalized]
+    if equalized and scales_file.ranges is None:
+        raise ValueError(f"{', '.join(equalized)} need per-channel ranges in the scales file (schema version 2); "
                          "re-run cabin-calibrate")
     if scales_file is not None and scales_file.equalized:
         raise ValueError("the scales file belongs to equalized weights; pass the scales of the original model")
     base = model.transformer()
     runners = {}
-    for mode in modes:
-        if mode == "int8-shared-eq":
+    for name in modes:
+        mode = EVAL_MODES[name]
+        if mode.equalized:
             weights, scales = equalize(model.config, model.weights, scales_file.ranges)
-            runners[mode] = ModeRunner(Transformer(model.config, weights), "int8", scales)
+            runners[name] = ModeRunner(Transformer(model.config, weights), mode.kv_mode, scales)
         else:
-            scales = scales_file.scales if mode in STATIC_MODES else None
-            runners[mode] = ModeRunner(base, CACHE_MODE[mode], scales)
+            scales = scales_file.scales if mode.kv_mode.static_scales else None
+            runners[name] = ModeRunner(base, mode.kv_mode, scales)
     return runners
 
 
-def run_logits(model: Transformer, token_ids: list[int], cache_mode: str, scales: KVScales | None) -> torch.Tensor:
-    """Logits (tokens, vocab) of token_ids prefilled over a fresh cache of the given mode (int4: block by block)."""
-    layout = model.kv_layout
-    blocks = -(-len(token_ids) // TOKENS_PER_BLOCK)
-    budget = layout.bytes_per_token(cache_mode, TOKENS_PER_BLOCK) * TOKENS_PER_BLOCK * blocks
-    if cache_mode == "int4":
-        budget += layout.int4_window_bytes(TOKENS_PER_BLOCK)
-    cache = PagedKVCache(layout, cache_mode, budget, TOKENS_PER_BLOCK, scales)
-    chunk = TOKENS_PER_BLOCK if cache_mode == "int4" else len(token_ids)
-    logits = []
-    for start in range(0, len(token_ids), chunk):
-        piece = token_ids[start:start + chunk]
-        if start == 0:
-            cache.allocate(0, piece)
-        else:
-            cache.append(0, piece)
-        logits.append(model.forward(piece, start, cache, 0, all_logits=True))
-    return torch.cat(logits)
+def run_logits(model: Transformer, token_ids: list[int], mode: KVMode, scales: KVScales | None) -> torch.Tensor:
+    """Logits (tokens, vocab) of token_ids prefilled over a fresh cache of the given mode."""
+    return run_tokens(model, token_ids, mode.name, scales, all_logits=True).logits
 
 
-def stored_bytes_per_token(layout: KVLayout, cache_mode: str, tokens: int) -> int:
-    """Bytes per token of a sequence of ``tokens`` tokens, scales and (int4) the fp16 window included."""
-    per_token = layout.bytes_per_token(cache_mode, TOKENS_PER_BLOCK)
-    if cache_mode != "int4":
-        return per_token
-    return -(-(per_token * tokens + layout.int4_window_bytes(TOKENS_PER_BLOCK)) // tokens)
+def stored_bytes_per_token(layout: KVLayout, mode: KVMode, tokens: int) -> int:
+    """Bytes per token of a sequence of ``tokens`` tokens, scales and what the mode reserves (int4's fp16
+    window) included."""
+    tpb = DEFAULT_TOKENS_PER_BLOCK
+    return -(-(mode.bytes_per_token(layout, tpb) * tokens + mode.reserved_bytes(layout, tpb)) // tokens)
 
 
 @dataclass
@@ -138,20 +148,21 @@ def evaluate(model: LoadedModel, dialogues: list[TokenizedDialogue], modes: list
         for dialogue in dialogues:
             ids = dialogue.token_ids
             targets = torch.tensor(ids[1:])
-            ref_logp = run_logits(reference, ids, "fp32", None)[:-1].log_softmax(-1)
+            ref_logp = run_logits(reference, ids, kv_mode(REFERENCE_MODE), None)[:-1].log_softmax(-1)
             accumulate(ref_totals, ref_logp, ref_logp, targets)
             bar.update()
             for mode, runner in runners.items():
                 bar.set_postfix_str(mode)
-                logits = run_logits(runner.model, ids, runner.cache_mode, runner.scales)[:-1]
+                logits = run_logits(runner.model, ids, runner.kv_mode, runner.scales)[:-1]
                 accumulate(totals[mode], ref_logp, logits, targets)
                 bar.update()
     ref_ppl = math.exp(ref_totals.nll / ref_totals.tokens)
-    results = {"fp32": ModeResult(ref_ppl, 0.0, 0.0, 1.0, reference.kv_layout.bytes_per_token("fp32"))}
+    reference_bytes = stored_bytes_per_token(reference.kv_layout, kv_mode(REFERENCE_MODE), 1)
+    results = {REFERENCE_MODE: ModeResult(ref_ppl, 0.0, 0.0, 1.0, reference_bytes)}
     mean_tokens = round(sum(len(d.token_ids) for d in dialogues) / len(dialogues))
     for mode, t in totals.items():
         ppl = math.exp(t.nll / t.tokens)
-        stored = stored_bytes_per_token(runners[mode].model.kv_layout, runners[mode].cache_mode, mean_tokens)
+        stored = stored_bytes_per_token(runners[mode].model.kv_layout, runners[mode].kv_mode, mean_tokens)
         results[mode] = ModeResult(ppl, 100 * (ppl / ref_ppl - 1), t.kl / t.tokens, t.agree / t.tokens, stored)
     return results
 

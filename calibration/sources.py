@@ -16,8 +16,7 @@ def builtin_path() -> Path:
     """The built-in cockpit dialogue set shipped as package data."""
     path = Path(str(resources.files("calibration") / "data" / BUILTIN_FILE))
     if not path.is_file():
-        raise DataError(f"{path}: the built-in dialogue set is missing; reinstall cabinllm "
-                        "or regenerate it with `python -m calibration.cockpit_set`")
+        raise DataError(f"{path}: the built-in dialogue set is missing; reinstall cabinllm")
     return path
 
 

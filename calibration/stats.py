@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from calibration.selection import TokenizedDialogue
-from runtime.kv_cache import PagedKVCache
+from runtime.generate import run_tokens
 from runtime.model import Transformer
 
 HIST_BINS = 1024  # 1.8 % wide each
@@ -81,24 +81,18 @@ class KVStats:
     tokens: int = 0
 
 
-def collect_stats(model: Transformer, dialogues: list[TokenizedDialogue], tokens_per_block: int = 32,
-                  progress: bool = True) -> KVStats:
+def collect_stats(model: Transformer, dialogues: list[TokenizedDialogue], progress: bool = True) -> KVStats:
     """Run the model in full precision over each dialogue and gather K/V statistics of every layer."""
     layout = model.kv_layout
     stats = KVStats(RangeStats.empty(layout.num_layers, layout.num_kv_heads, layout.head_size),
                     RangeStats.empty(layout.num_layers, layout.num_kv_heads, layout.head_size))
     total = sum(len(d.token_ids) for d in dialogues)
     with tqdm(total=total, unit="tok", desc="collecting K/V stats", file=sys.stderr, disable=not progress) as bar:
-        for seq_id, dialogue in enumerate(dialogues):
+        for dialogue in dialogues:
             ids = dialogue.token_ids
-            blocks = -(-len(ids) // tokens_per_block)
-            cache = PagedKVCache(layout, "fp32", layout.bytes_per_token("fp32") * tokens_per_block * blocks,
-                                 tokens_per_block)
-            cache.allocate(seq_id, ids)
-            model.forward(ids, 0, cache, seq_id)
-            table = cache.block_table(seq_id)
+            run = run_tokens(model, ids)
             for layer in range(layout.num_layers):
-                k, v = cache.read(layer, table, len(ids))
+                k, v = run.kv(layer)
                 stats.k.update(layer, k)
                 stats.v.update(layer, v)
             stats.dialogues += 1

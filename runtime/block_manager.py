@@ -1,17 +1,18 @@
 """Paged KV-cache bookkeeping: which block holds which tokens, with prefix reuse.
 
-Pure Python, no tensors. A sequence owns a block table (block ids, one per
-``block_size`` tokens). Full blocks are keyed by a chained content hash so a new
-sequence with the same token prefix reuses their KV instead of recomputing it.
-Blocks nobody references but whose hash is known stay cached (LRU) until a new
-block is needed and the free list is empty.
+Pure Python, no tensors. A ``Sequence`` owns its tokens and its block table
+(block ids, one per ``block_size`` tokens); the ``BlockManager`` is the operations
+on it. Full blocks are keyed by a chained content hash so a new sequence with the
+same token prefix reuses their KV instead of recomputing it. Blocks nobody
+references but whose hash is known stay cached (LRU, oldest evicted first) until
+a new block is needed and the free list is empty.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class OutOfBlocks(RuntimeError):
@@ -35,11 +36,19 @@ class _Block:
     hash: bytes | None = None
 
 
-@dataclass
-class _Sequence:
-    token_ids: list[int]
-    block_table: list[int]
-    hashes: list[bytes]  # chained hash of each full block, registered or not
+@dataclass(eq=False)
+class Sequence:
+    """One sequence's tokens, the KV blocks that hold them and the chained hash of each full block.
+
+    Empty until a BlockManager allocates it, empty again once freed; only the manager writes it.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block, registered or not
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
 
 
 def _chain_hash(prev: bytes, token_ids: list[int]) -> bytes:
@@ -54,33 +63,34 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    """Allocates KV blocks to sequences, with prefix caching and copy-on-write."""
+    """Allocates KV blocks to sequences, with prefix caching and LRU eviction of cached blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_block_reuse: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must both be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_block_reuse = enable_block_reuse
         self._blocks = [_Block() for _ in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed blocks, oldest first
         self._hash_to_block: dict[bytes, int] = {}
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: set[Sequence] = set()
         self._reuse_hits = 0
 
     # -- sequences ---------------------------------------------------------
 
-    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
-        """Create a sequence holding ``token_ids``; return how many leading tokens already have cached KV."""
-        if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id} already exists")
+    def allocate(self, seq: Sequence, token_ids: list[int]) -> int:
+        """Fill an empty sequence with ``token_ids``; return how many leading tokens already have cached KV."""
+        if seq:
+            raise ValueError(f"the sequence already holds {len(seq)} tokens; free it first")
         if not token_ids:
-            raise ValueError(f"sequence {seq_id}: token_ids is empty")
+            raise ValueError("token_ids is empty")
         token_ids = list(token_ids)
         bs = self.block_size
         hashes = self._full_block_hashes(b"", token_ids, 0)
         hits: list[int] = []
-        for h in hashes[: (len(token_ids) - 1) // bs]:  # always leave >= 1 token to compute
+        for h in hashes[: (len(token_ids) - 1) // bs] if self.enable_block_reuse else []:  # leave >= 1 to compute
             block_id = self._hash_to_block.get(h)
             if block_id is None:
                 break
@@ -94,26 +104,21 @@ class BlockManager:
         for i in range(len(hits), len(hashes)):
             self._register(table[i], hashes[i])
         self._reuse_hits += len(hits)
-        self._seqs[seq_id] = _Sequence(token_ids, table, hashes)
+        seq.token_ids, seq.block_table, seq.hashes = token_ids, table, hashes
+        self._seqs.add(seq)
         return len(hits) * bs
 
-    def append(self, seq_id: int, token_ids: list[int]) -> list[tuple[int, int]]:
-        """Extend a sequence; return the (src, dst) block copies to perform before writing the new tokens."""
-        seq = self._seq(seq_id)
+    def append(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Extend a sequence with new blocks as needed.
+
+        Only full blocks are ever shared (prefix reuse never hands out the block of a sequence's last
+        token), so the partial last block written here is always the sequence's own: no copy-on-write.
+        """
+        self._check_live(seq)
         if not token_ids:
-            return []
-        self._check_available(self.blocks_needed(seq_id, len(token_ids)), self.num_free_blocks())
+            return
+        self._check_available(self.blocks_needed(seq, len(token_ids)), self.num_free_blocks())
         bs = self.block_size
-        copies: list[tuple[int, int]] = []
-        if len(seq.token_ids) % bs:  # the last block is partial and will be written
-            last = seq.block_table[-1]
-            if self._blocks[last].ref_count > 1:
-                dst = self._take_block()
-                self._release(last)
-                seq.block_table[-1] = dst
-                copies.append((last, dst))
-            elif self._blocks[last].hash is not None:
-                self._unregister(last)
         seq.token_ids.extend(token_ids)
         while len(seq.block_table) < _cdiv(len(seq.token_ids), bs):
             seq.block_table.append(self._take_block())
@@ -122,58 +127,21 @@ class BlockManager:
         for i, h in enumerate(new_hashes, start=len(seq.hashes)):
             self._register(seq.block_table[i], h)
         seq.hashes.extend(new_hashes)
-        return copies
 
-    def fork(self, parent_id: int, child_id: int) -> None:
-        """Create ``child_id`` sharing all of the parent's blocks and tokens."""
-        parent = self._seq(parent_id)
-        if child_id in self._seqs:
-            raise ValueError(f"sequence {child_id} already exists")
-        for block_id in parent.block_table:
-            self._acquire(block_id)
-        self._seqs[child_id] = _Sequence(list(parent.token_ids), list(parent.block_table), list(parent.hashes))
-
-    def truncate(self, seq_id: int, num_tokens: int) -> None:
-        """Keep only the first ``num_tokens`` tokens of a sequence, releasing whole blocks past the end."""
-        seq = self._seq(seq_id)
-        if not 0 < num_tokens <= len(seq.token_ids):
-            raise ValueError(f"sequence {seq_id}: cannot truncate {len(seq.token_ids)} tokens to {num_tokens}")
-        keep = _cdiv(num_tokens, self.block_size)
-        for block_id in reversed(seq.block_table[keep:]):
-            self._release(block_id)
-        del seq.block_table[keep:]
-        del seq.token_ids[num_tokens:]
-        del seq.hashes[num_tokens // self.block_size :]
-        last = self._blocks[seq.block_table[-1]]
-        if num_tokens % self.block_size and last.ref_count == 1 and last.hash is not None:
-            self._unregister(seq.block_table[-1])
-
-    def free(self, seq_id: int) -> None:
-        """Release a sequence; its hashed blocks stay cached until evicted."""
-        seq = self._seq(seq_id)
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence and empty it; its hashed blocks stay cached until evicted."""
+        self._check_live(seq)
         for block_id in reversed(seq.block_table):  # tail first, so prefixes are evicted last
             self._release(block_id)
-        del self._seqs[seq_id]
+        self._seqs.remove(seq)
+        seq.token_ids, seq.block_table, seq.hashes = [], [], []
 
     # -- queries -----------------------------------------------------------
 
-    def block_table(self, seq_id: int) -> list[int]:
-        """The sequence's block ids, one per ``block_size`` tokens."""
-        return list(self._seq(seq_id).block_table)
-
-    def num_tokens(self, seq_id: int) -> int:
-        """How many tokens the sequence holds."""
-        return len(self._seq(seq_id).token_ids)
-
-    def token_ids(self, seq_id: int) -> list[int]:
-        """The sequence's tokens."""
-        return list(self._seq(seq_id).token_ids)
-
-    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Flat KV slot (``block * block_size + offset``) of each token position in ``[start, end)``."""
-        seq = self._seq(seq_id)
         if not 0 <= start <= end <= len(seq.token_ids):
-            raise ValueError(f"sequence {seq_id}: positions [{start}, {end}) outside [0, {len(seq.token_ids)})")
+            raise ValueError(f"positions [{start}, {end}) outside the sequence's [0, {len(seq.token_ids)})")
         bs = self.block_size
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
@@ -181,37 +149,32 @@ class BlockManager:
         """Blocks available for new tokens: free plus evictable cached ones."""
         return len(self._free) + len(self._lru)
 
-    def blocks_needed(self, seq_id: int | None, num_new_tokens: int) -> int:
-        """Worst-case new blocks for an allocate (``seq_id`` None) or an append, ignoring prefix reuse."""
+    def blocks_needed(self, seq: Sequence | None, num_new_tokens: int) -> int:
+        """Worst-case new blocks for an allocate (``seq`` None or empty) or an append, ignoring prefix reuse."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if seq_id is None:
+        if not seq:
             return _cdiv(num_new_tokens, self.block_size)
-        seq = self._seq(seq_id)
         n = len(seq.token_ids)
-        if num_new_tokens == 0:
-            return 0
-        cow = n % self.block_size != 0 and self._blocks[seq.block_table[-1]].ref_count > 1
-        return int(cow) + _cdiv(n + num_new_tokens, self.block_size) - _cdiv(n, self.block_size)
+        return _cdiv(n + num_new_tokens, self.block_size) - _cdiv(n, self.block_size)
 
     def stats(self) -> BlockStats:
         """Current block counts."""
         in_use = sum(b.ref_count > 0 for b in self._blocks)
         return BlockStats(self.num_blocks, len(self._free), len(self._lru), in_use, self._reuse_hits)
 
-    def has_sequence(self, seq_id: int) -> bool:
-        """Whether ``seq_id`` is allocated."""
-        return seq_id in self._seqs
-
     def check_invariants(self) -> None:
         """Assert the internal bookkeeping is consistent (for tests and debugging)."""
         refs = [0] * self.num_blocks
-        for seq in self._seqs.values():
+        for seq in self._seqs:
             assert len(seq.block_table) == _cdiv(len(seq.token_ids), self.block_size)
             assert len(seq.hashes) == len(seq.token_ids) // self.block_size
             assert len(set(seq.block_table)) == len(seq.block_table)
             for block_id in seq.block_table:
                 refs[block_id] += 1
+            if len(seq) % self.block_size:
+                last = self._blocks[seq.block_table[-1]]
+                assert last.ref_count == 1 and last.hash is None, "a partial last block is shared or hashed"
         free, cached = set(self._free), set(self._lru)
         assert len(free) == len(self._free) and not free & cached
         for block_id, block in enumerate(self._blocks):
@@ -229,11 +192,9 @@ class BlockManager:
 
     # -- internals ---------------------------------------------------------
 
-    def _seq(self, seq_id: int) -> _Sequence:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise KeyError(f"unknown sequence {seq_id}") from None
+    def _check_live(self, seq: Sequence) -> None:
+        if seq not in self._seqs:
+            raise KeyError("the sequence is not allocated in this cache; allocate it first")
 
     def _full_block_hashes(self, prev: bytes, token_ids: list[int], first: int) -> list[bytes]:
         """Chained hashes of full blocks ``first``, ``first + 1``, ...; ``prev`` is the hash of block ``first - 1``."""

@@ -1,7 +1,7 @@
 """The TensorRT-LLM checkpoint format: config keys, weight names, load and save.
 
 A checkpoint is a folder with ``config.json`` and ``rank0.safetensors``; the
-names and keys match what ``trtllm-build`` reads (see DESIGN.md).
+names and keys match what ``trtllm-build`` reads (see ARCHITECTURE.md, "Formats we match").
 """
 from __future__ import annotations
 

@@ -9,16 +9,18 @@ import sys
 from pathlib import Path
 
 from runtime.chat_script import ScriptError, read_script
-from runtime.checkpoint import CONFIG_FILE, CheckpointError, ModelConfig
-from runtime.engine import CHECKPOINT_DIR, DEFAULT_TOKENS_PER_BLOCK, MANIFEST_FILE, Engine
-from runtime.kv_cache import KV_MODES, KVLayout
+from runtime.checkpoint import CheckpointError
+from runtime.dialogue import Session, SessionFileError, TurnStats
+from runtime.engine import Engine, kv_cache_config
+from runtime.engine_folder import EngineFolder
+from runtime.kv_modes import REFERENCE_KV_MODES
 from runtime.kv_scales import ScalesError
+from runtime.kv_storage import KVLayout
 from runtime.overflow import OVERFLOW_POLICIES, OverflowPolicy
 from runtime.sampling import SamplingParams
-from runtime.session import DialogueSession, TurnStats
-from runtime.session_store import SessionFileError
+from runtime.session import DialogueSession
 from runtime.tokenizer import ChatTokenizer
-from runtime.trtllm_session import TRT_ENGINE_DIR, TrtllmSession
+from runtime.trtllm_session import TrtllmSession
 
 HELP_COMMANDS = "commands: /reset (new conversation), /stats (KV memory), /save FILE, /quit; Ctrl-C stops a reply"
 
@@ -30,10 +32,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--script", type=Path, help="JSONL dialogue: optional first system line, then user lines")
     parser.add_argument("--json", action="store_true", help="print one JSON object per turn")
     parser.add_argument("--system", help="system prompt (a script's system line wins)")
-    parser.add_argument("--kv-cache", choices=KV_MODES, help="KV storage (default: what the engine was built for); "
-                        "static int8 modes use the engine's kv_scales.json")
+    parser.add_argument("--kv-cache", choices=REFERENCE_KV_MODES, help="KV storage (default: what the engine was "
+                        "built for); static int8 modes use the engine's kv_scales.json")
     parser.add_argument("--kv-budget-mb", type=float, default=64.0, help="KV cache budget in MiB (default 64)")
-    parser.add_argument("--tokens-per-block", type=int, default=DEFAULT_TOKENS_PER_BLOCK, help="tokens per KV block")
+    parser.add_argument("--tokens-per-block", type=int, help="tokens per KV block (default: the engine's target's)")
     parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="sink-window",
                         help="when a turn does not fit the budget: keep the system prompt and the most recent tokens "
                              "(sink-window, default), drop the oldest turns (drop-turns), or refuse the turn (error)")
@@ -49,16 +51,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def open_session(args: argparse.Namespace, system: str | None):
+def open_session(args: argparse.Namespace, system: str | None) -> Session:
     """Load the engine and start (or restore) a session on the chosen backend."""
-    budget = int(args.kv_budget_mb * (1 << 20))
     if _use_trtllm(args):
-        return _open_trtllm_session(args, system, budget)
+        return _open_trtllm_session(args, system)
     engine = Engine.load(args.engine)
-    cache = engine.new_cache(args.kv_cache, budget, args.tokens_per_block)
+    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, _budget(args), args.tokens_per_block))
     if args.restore:
         return DialogueSession.restore(args.restore, engine, cache)
     return DialogueSession(engine, cache, _params(args, engine.stop_token_ids()), system, OverflowPolicy(args.overflow))
+
+
+def _budget(args: argparse.Namespace) -> int:
+    return int(args.kv_budget_mb * (1 << 20))
 
 
 def _params(args: argparse.Namespace, stop_token_ids: list[int]) -> SamplingParams:
@@ -67,21 +72,21 @@ def _params(args: argparse.Namespace, stop_token_ids: list[int]) -> SamplingPara
 
 
 def _use_trtllm(args: argparse.Namespace) -> bool:
-    has_engine = (args.engine / TRT_ENGINE_DIR).is_dir()
+    trt_engine = EngineFolder(args.engine).trt_engine
     if args.backend == "tensorrt-llm":
-        if not has_engine:
-            raise CheckpointError(f"{args.engine / TRT_ENGINE_DIR}: no TensorRT engine; run the engine build on the device")
+        if not trt_engine.is_dir():
+            raise CheckpointError(f"{trt_engine}: no TensorRT engine; run the engine build on the device")
         return True
-    return args.backend == "auto" and has_engine and importlib.util.find_spec("tensorrt_llm") is not None
+    return args.backend == "auto" and trt_engine.is_dir() and importlib.util.find_spec("tensorrt_llm") is not None
 
 
-def _open_trtllm_session(args: argparse.Namespace, system: str | None, budget: int) -> TrtllmSession:
-    folder = args.engine / CHECKPOINT_DIR
-    config = ModelConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8")), str(folder))
+def _open_trtllm_session(args: argparse.Namespace, system: str | None) -> TrtllmSession:
+    folder = EngineFolder(args.engine)
+    config = folder.config()
     layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_size)
-    tokenizer = ChatTokenizer(folder)
-    manifest = json.loads((args.engine / MANIFEST_FILE).read_text(encoding="utf-8"))
-    return TrtllmSession(args.engine, tokenizer, layout, args.kv_cache or manifest.get("kv_cache", "fp16"), budget,
+    tokenizer = ChatTokenizer(folder.checkpoint)
+    config = kv_cache_config(folder.manifest(), args.kv_cache, _budget(args), args.tokens_per_block)
+    return TrtllmSession(folder.path, tokenizer, layout, config,
                          _params(args, tokenizer.stop_token_ids), system, OverflowPolicy(args.overflow))
 
 
@@ -93,7 +98,7 @@ def format_stats(stats: TurnStats) -> str:
             f"({stats.kv_bytes_per_token} B/token)")
 
 
-def run_script(session, turns: list[str], as_json: bool) -> None:
+def run_script(session: Session, turns: list[str], as_json: bool) -> None:
     """Play user turns from a script and print each reply."""
     for text in turns:
         stats = session.chat(text)
@@ -104,35 +109,25 @@ def run_script(session, turns: list[str], as_json: bool) -> None:
             if stats.error:
                 print(f"  error: {stats.error}", flush=True)
     if not as_json:
-        print(f"after {session.turns} turns: {describe_kv(session)}")
+        print(f"after {session.turns} turns: {session.describe_kv()}")
 
 
-def describe_kv(session) -> str:
-    """KV memory of a session in one line."""
-    if not isinstance(session, DialogueSession):
-        return f"TensorRT-LLM KV settings: {session.settings}"
-    s = session.cache.stats()
-    return (f"KV {s.mode}: {len(session.fed)} tokens held, {s.bytes_used / 2**20:.2f} of {s.bytes_reserved / 2**20:.2f} "
-            f"MiB in use ({s.bytes_per_token} B/token); blocks free {s.blocks_free}, cached {s.blocks_cached}, "
-            f"in use {s.blocks_in_use}; prefix reuse hits {s.reuse_hits} blocks")
-
-
-def save_command(session, path: str) -> str:
+def save_command(session: Session, path: str) -> str:
     """Run /save FILE and say what happened."""
     if not path:
         return "usage: /save FILE"
-    if not isinstance(session, DialogueSession):
-        return "saving is available on the reference backend only"
     try:
-        session.save(path)
+        tokens = session.save(path)
+    except SessionFileError as err:
+        return f"could not save: {err}"
     except OSError as err:
         return f"could not save to {path}: {err.strerror}"
-    return f"saved {len(session.messages)} messages and {len(session.fed)} tokens of KV to {path}"
+    return f"saved {len(session.messages)} messages and {tokens} tokens of KV to {path}"
 
 
-def run_interactive(session) -> None:
+def run_interactive(session: Session) -> None:
     """A terminal chat with streaming replies."""
-    print(f"cabin-chat: {describe_kv(session)}\n{HELP_COMMANDS}")
+    print(f"cabin-chat: {session.describe_kv()}\n{HELP_COMMANDS}")
     interrupted = {"flag": False}
 
     def on_sigint(signum, frame):
@@ -151,7 +146,7 @@ def run_interactive(session) -> None:
             print("(conversation reset)")
             continue
         if text == "/stats":
-            print(describe_kv(session))
+            print(session.describe_kv())
             continue
         if text.startswith("/save"):
             print(save_command(session, text[len("/save"):].strip()))

@@ -1,28 +1,33 @@
-"""A built engine folder: checkpoint, tokenizer, KV scales and manifest, ready to run.
-
-Layout::
-
-    engines/NAME/
-      manifest.json          what was built, from what, with which tools
-      checkpoint/            TensorRT-LLM checkpoint + tokenizer files
-      kv_scales.json         static INT8 KV scales (K, V, shared) of this model
-"""
+"""A built engine folder (runtime.engine_folder) loaded for the reference engine: weights, tokenizer, KV scales."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.checkpoint import CheckpointError, ModelConfig, load_checkpoint
-from runtime.kv_cache import KV_MODES, STATIC_INT8_MODES, KVScales, PagedKVCache
+from runtime.engine_folder import SCALES_FILE, EngineFolder
+from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
+from runtime.kv_modes import KV_MODES
 from runtime.kv_scales import load_scales, model_fingerprint
+from runtime.kv_storage import KVScales
 from runtime.model import Transformer
 from runtime.tokenizer import ChatTokenizer
 
-MANIFEST_FILE = "manifest.json"
-CHECKPOINT_DIR = "checkpoint"
-SCALES_FILE = "kv_scales.json"
-DEFAULT_TOKENS_PER_BLOCK = 32
+
+DEFAULT_KV_BUDGET = 64 << 20
+
+
+def built_kv_mode(manifest: dict) -> str:
+    """The KV mode an engine was built for (fp16 for a manifest that does not say)."""
+    return manifest.get("kv_cache", "fp16")
+
+
+def kv_cache_config(manifest: dict, kv_mode: str | None = None, max_bytes: int = DEFAULT_KV_BUDGET,
+                    tokens_per_block: int | None = None) -> KvCacheConfig:
+    """A cache config for an engine: by default the KV mode it was built for and the block size of the target
+    it was planned for."""
+    tpb = tokens_per_block or int(manifest.get("plan", {}).get("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK))
+    return KvCacheConfig(kv_mode or built_kv_mode(manifest), max_bytes, tpb)
 
 
 @dataclass
@@ -40,32 +45,34 @@ class Engine:
     @classmethod
     def load(cls, folder: str | Path) -> "Engine":
         """Load an engine folder written by cabin-build."""
-        folder = Path(folder)
-        manifest_path = folder / MANIFEST_FILE
-        if not manifest_path.is_file():
-            raise CheckpointError(f"{manifest_path}: not found; build an engine first with cabin-build")
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        config, weights = load_checkpoint(folder / CHECKPOINT_DIR)
+        folder = EngineFolder(Path(folder))
+        manifest = folder.manifest()
+        config, weights = load_checkpoint(folder.checkpoint)
         fingerprint = model_fingerprint(config, weights)
-        scales_path = folder / SCALES_FILE
-        scales = load_scales(scales_path, fingerprint, config.num_hidden_layers) if scales_path.exists() else None
-        tokenizer = ChatTokenizer(folder / CHECKPOINT_DIR)
-        return cls(folder, config, Transformer(config, weights), tokenizer, manifest, fingerprint, scales)
+        scales = load_scales(folder.scales, fingerprint, config.num_hidden_layers) if folder.scales.exists() else None
+        tokenizer = ChatTokenizer(folder.checkpoint)
+        return cls(folder.path, config, Transformer(config, weights), tokenizer, manifest, fingerprint, scales)
 
     @property
     def default_kv_mode(self) -> str:
         """The KV mode the engine was built for (fp16 where the reference engine has no such storage, e.g. fp8)."""
-        mode = self.manifest.get("kv_cache", "fp16")
-        return mode if mode in KV_MODES else "fp16"
+        mode = KV_MODES.get(built_kv_mode(self.manifest))
+        return mode.name if mode is not None and mode.reference else "fp16"
 
     def stop_token_ids(self) -> list[int]:
         """Every id that ends an assistant turn."""
         return self.tokenizer.stop_token_ids
 
-    def new_cache(self, mode: str | None = None, max_bytes: int = 64 << 20,
-                  tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK) -> PagedKVCache:
-        """A fresh paged KV cache for this engine within a byte budget."""
-        mode = mode or self.default_kv_mode
-        if mode in STATIC_INT8_MODES and self.scales is None:
-            raise CheckpointError(f"{self.folder}: KV mode {mode} needs {SCALES_FILE}; rebuild with cabin-build")
-        return PagedKVCache(self.model.kv_layout, mode, max_bytes, tokens_per_block, self.scales)
+    def kv_cache_config(self, kv_mode: str | None = None, max_bytes: int = DEFAULT_KV_BUDGET,
+                        tokens_per_block: int | None = None) -> KvCacheConfig:
+        """A cache config with this engine's defaults (``kv_cache_config``; a mode only the reference engine
+        lacks, e.g. fp8, falls back to fp16)."""
+        return kv_cache_config(self.manifest, kv_mode or self.default_kv_mode, max_bytes, tokens_per_block)
+
+    def new_cache(self, config: KvCacheConfig | None = None) -> PagedKVCache:
+        """A fresh paged KV cache for this engine (default: ``kv_cache_config()``)."""
+        config = config or self.kv_cache_config()
+        if config.mode.static_scales and self.scales is None:
+            raise CheckpointError(f"{self.folder}: KV mode {config.kv_mode} needs {SCALES_FILE}; rebuild with "
+                                  "cabin-build")
+        return PagedKVCache(self.model.kv_layout, config, self.scales)

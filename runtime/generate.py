@@ -7,15 +7,13 @@ from typing import Callable
 
 import torch
 
-from runtime.block_manager import OutOfBlocks
-from runtime.kv_cache import PagedKVCache
+from runtime.block_manager import OutOfBlocks, Sequence
+from runtime.kv_cache import PagedKVCache, sized_config
+from runtime.kv_storage import KVScales
 from runtime.model import Transformer
+from runtime.overflow import CapacityError
 from runtime.sampling import SamplingParams, make_generator, sample
 from runtime.streaming import TextStream
-
-
-class CapacityError(RuntimeError):
-    """The tokens to prefill do not fit the KV budget or the model's context."""
 
 
 @dataclass
@@ -37,32 +35,32 @@ class GenerationResult:
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
 
 
-def prefill(model: Transformer, cache: PagedKVCache, seq_id: int, new_ids: list[int]) -> tuple[torch.Tensor, int, int]:
-    """Feed new tokens to a sequence (created if needed).
+def prefill(model: Transformer, cache: PagedKVCache, seq: Sequence, new_ids: list[int]) -> tuple[torch.Tensor, int, int]:
+    """Feed new tokens to a sequence (allocated if empty).
 
     Returns the last logits, the tokens reused from the cache (history, or a prefix
     shared with another sequence) and the tokens computed now.
 
     Raises CapacityError, leaving the cache unchanged, when they do not fit.
     """
-    existing = cache.blocks.has_sequence(seq_id)
-    start = cache.blocks.num_tokens(seq_id) if existing else 0
+    existing = bool(seq)
+    start = len(seq)
     limit = model.config.max_position_embeddings
     if start + len(new_ids) > limit:
         raise CapacityError(f"{start + len(new_ids)} tokens exceed the model's context of {limit}")
     try:
         if existing:
-            cache.append(seq_id, new_ids)
+            cache.append(seq, new_ids)
             computed_from = 0
         else:
-            computed_from = cache.allocate(seq_id, new_ids)
+            computed_from = cache.allocate(seq, new_ids)
     except OutOfBlocks as err:
         raise CapacityError(str(err)) from err
-    logits = model.forward(new_ids[computed_from:], start + computed_from, cache, seq_id)
+    logits = model.forward(new_ids[computed_from:], start + computed_from, cache, seq)
     return logits, start + computed_from, len(new_ids) - computed_from
 
 
-def generate(model: Transformer, cache: PagedKVCache, seq_id: int, new_ids: list[int], params: SamplingParams,
+def generate(model: Transformer, cache: PagedKVCache, seq: Sequence, new_ids: list[int], params: SamplingParams,
              decode_text: Callable[[list[int]], str], on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None) -> GenerationResult:
     """Prefill new_ids into the sequence, then sample up to max_new_tokens.
@@ -71,7 +69,7 @@ def generate(model: Transformer, cache: PagedKVCache, seq_id: int, new_ids: list
     feeds it with the next turn. ``should_stop`` lets a UI interrupt a reply.
     """
     t0 = time.perf_counter()
-    logits, reused, computed = prefill(model, cache, seq_id, new_ids)
+    logits, reused, computed = prefill(model, cache, seq, new_ids)
     generator = make_generator(params.seed)
     stream = TextStream(decode_text)
     stop_ids = set(params.stop_token_ids)
@@ -96,11 +94,11 @@ def generate(model: Transformer, cache: PagedKVCache, seq_id: int, new_ids: list
         if should_stop and should_stop():
             finish = "interrupted"
             break
-        position = cache.blocks.num_tokens(seq_id)
-        if position >= model.config.max_position_embeddings or not _try_append(cache, seq_id, token):
+        position = len(seq)
+        if position >= model.config.max_position_embeddings or not _try_append(cache, seq, token):
             finish = "capacity"
             break
-        logits = model.forward([token], position, cache, seq_id)
+        logits = model.forward([token], position, cache, seq)
     text = stream.text
     for s in params.stop_strings:
         text = text.split(s)[0] if s in text else text
@@ -108,9 +106,44 @@ def generate(model: Transformer, cache: PagedKVCache, seq_id: int, new_ids: list
                             time.perf_counter() - t_first)
 
 
-def _try_append(cache: PagedKVCache, seq_id: int, token: int) -> bool:
+def _try_append(cache: PagedKVCache, seq: Sequence, token: int) -> bool:
     try:
-        cache.append(seq_id, [token])
+        cache.append(seq, [token])
     except OutOfBlocks:
         return False
     return True
+
+
+@dataclass
+class Prefilled:
+    """A cache holding one sequence's K/V after the model ran over its tokens, and the logits it gave."""
+
+    cache: PagedKVCache
+    seq: Sequence
+    logits: torch.Tensor
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K (post-RoPE) and V of every token in one layer, shape (tokens, kv_heads, head_size)."""
+        return self.cache.read(layer, self.seq)
+
+
+def run_tokens(model: Transformer, token_ids: list[int], kv_mode: str = "fp32", scales: KVScales | None = None,
+               all_logits: bool = False, cache: PagedKVCache | None = None) -> Prefilled:
+    """Run the model over token_ids on a fresh cache sized to them (or on ``cache``, empty) and hand back its K/V.
+
+    Modes that keep a window of recent tokens at higher precision are prefilled block by block, so every
+    position sees the window as it would while decoding.
+    """
+    if cache is None:
+        cache = PagedKVCache(model.kv_layout, sized_config(model.kv_layout, kv_mode, len(token_ids)), scales)
+    seq = Sequence()
+    chunk = cache.tokens_per_block if cache.mode.recent_window else len(token_ids)
+    logits = []
+    for start in range(0, len(token_ids), chunk):
+        piece = token_ids[start:start + chunk]
+        if start == 0:
+            cache.allocate(seq, piece)
+        else:
+            cache.append(seq, piece)
+        logits.append(model.forward(piece, start, cache, seq, all_logits=all_logits))
+    return Prefilled(cache, seq, torch.cat(logits) if all_logits else logits[-1])

@@ -16,10 +16,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dataclasses import dataclass
+
+from runtime.block_manager import Sequence
 from runtime.checkpoint import ModelConfig, layer_prefix
-from runtime.kv_cache import KVLayout, PagedKVCache
+from runtime.kv_cache import PagedKVCache
+from runtime.kv_storage import KVLayout, KVStorage
 from runtime.native_kernels import MatVec, decode_attention, matvec, native_kernels_enabled
 from runtime.rope import apply_rope, rope_table
+
+
+@dataclass
+class StepContext:
+    """What every layer of one forward step reads: where the new tokens go and what they attend to."""
+
+    start_pos: int
+    num_tokens: int
+    slots: torch.Tensor  # flat KV slot of each new token
+    block_table: torch.Tensor  # the sequence's blocks
+    storage: KVStorage
+    native: bool  # a one-token step on the native kernels
+    matvec: MatVec | None  # the one-token linear kernel, where it could be built
+
+    @property
+    def context(self) -> int:
+        """Tokens attended to by the last new token, itself included."""
+        return self.start_pos + self.num_tokens
 
 
 class Transformer:
@@ -43,7 +65,7 @@ class Transformer:
         return KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_size)
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq_id: int,
+    def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
                 all_logits: bool = False) -> torch.Tensor:
         """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated.
 
@@ -57,13 +79,13 @@ class Transformer:
             raise ValueError(f"position {end} exceeds the model's context of {c.max_position_embeddings} tokens")
         x = self.embedding[torch.tensor(token_ids, dtype=torch.long)]
         cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
-        slots = cache.slots(seq_id, start_pos, end)
-        block_table = cache.block_table(seq_id)
         native = n == 1 and self.native_kernels
         mv = matvec() if native else None
+        ctx = StepContext(start_pos, n, cache.slots(seq, start_pos, end), cache.block_table(seq), cache.storage,
+                          native, mv)
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["input_norm"], c.norm_epsilon)
-            x = x + self._attention(index, layer, h, cos, sin, cache, slots, block_table, start_pos, mv, native)
+            x = x + self._attention(index, layer, h, cos, sin, ctx)
             h = _rms_norm(x, layer["post_norm"], c.norm_epsilon)
             fc, gate = _linear(h, layer["fc_gate"], mv).chunk(2, dim=-1)
             x = x + _linear(F.silu(fc) * gate, layer["proj"], mv)
@@ -73,21 +95,21 @@ class Transformer:
         return logits if all_logits else logits[0]
 
     def _attention(self, index: int, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: PagedKVCache, slots: torch.Tensor, block_table: torch.Tensor,
-                   start_pos: int, mv: MatVec | None, native: bool) -> torch.Tensor:
+                   ctx: StepContext) -> torch.Tensor:
         c = self.config
         n, heads, kv_heads, d = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_size
+        mv = ctx.matvec
         qkv = _linear(h, layer["qkv"], mv, layer.get("qkv_bias"))
         qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
         q, k = apply_rope(qk.view(n, heads + kv_heads, d), cos, sin).split([heads, kv_heads], dim=1)
-        cache.write(index, slots, k, v.view(n, kv_heads, d))
-        stored = cache.stored_kv(index, block_table, start_pos + 1) if native else None
+        ctx.storage.write(index, ctx.slots, k, v.view(n, kv_heads, d))
+        stored = ctx.storage.stored_kv(index, ctx.block_table, ctx.context) if ctx.native else None
         kernel = decode_attention(stored.k.dtype, d, heads // kv_heads) if stored is not None else None
         if kernel is not None:
-            out = kernel(q[0], stored, start_pos + 1)
+            out = kernel(q[0], stored, ctx.context)
         else:
-            keys, values, k_scale, v_scale = cache.read_unscaled(index, block_table, start_pos + n)
-            out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, start_pos)
+            keys, values, k_scale, v_scale = ctx.storage.read_unscaled(index, ctx.block_table, ctx.context)
+            out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, ctx.start_pos)
             out = out * v_scale if v_scale != 1.0 else out
         return _linear(out, layer["dense"], mv)
 

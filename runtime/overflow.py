@@ -1,36 +1,66 @@
-"""What to do when the next turn does not fit the KV budget.
+"""What to do when the next turn does not fit the KV budget, written once for every backend.
 
 - ``sink-window``: keep the first tokens (system prompt plus a few attention sinks, as in
   StreamingLLM) and the most recent tokens; the kept window is prefilled again at
   compacted positions, so RoPE positions stay contiguous and never pass the model's context.
+  A backend whose engine windows attention itself (TensorRT-LLM) gets the whole stream.
 - ``drop-turns``: drop the oldest whole user/assistant turns, keep the system prompt, and
   prefill what remains (the system prompt's blocks are found again by their hash).
 - ``error``: refuse the turn with ``finish_reason: "capacity"``; the session stays usable.
 
-After an eviction the history fills at most ``keep_fraction`` of the budget, so the next
-turns append again instead of evicting every turn.
+A backend that appends each turn to the cached history leaves the history at most
+``keep_fraction`` of the budget after an eviction, so the next turns append again instead of
+evicting every turn; one that prefills the whole history every turn fills the budget.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+from runtime.tokenizer import ChatTokenizer
+
 OVERFLOW_POLICIES = ("sink-window", "drop-turns", "error")
+CAPACITY_HINT = "start a new conversation (/reset), raise --kv-budget-mb, or choose --overflow sink-window|drop-turns"
+
+
+class CapacityError(RuntimeError):
+    """The tokens to prefill do not fit the KV budget or the model's context."""
 
 
 @dataclass
 class OverflowPolicy:
-    """Which policy, how many sink tokens it keeps, and how full the budget is after evicting."""
+    """Which policy, and how full the budget is after evicting on a backend that appends turns."""
 
     name: str = "sink-window"
-    sink_tokens: int = 4
     keep_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.name not in OVERFLOW_POLICIES:
             raise ValueError(f"unknown overflow policy {self.name!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
-        if not 0 < self.keep_fraction <= 1 or self.sink_tokens < 0:
-            raise ValueError("need 0 < keep_fraction <= 1 and sink_tokens >= 0")
+        if not 0 < self.keep_fraction <= 1:
+            raise ValueError("need 0 < keep_fraction <= 1")
+
+
+@dataclass
+class Room:
+    """What a backend can hold for one conversation."""
+
+    capacity: int  # tokens the conversation could hold, its reply included
+    fits: Callable[[int], bool]  # whether a rebuilt sequence of this many tokens (reply included) fits
+    appends_turns: bool  # the history stays cached and each turn appends to it
+    windows_attention: bool  # the engine applies the sink window itself
+
+
+@dataclass
+class TurnPlan:
+    """What a turn feeds: tokens to prefill, the messages and prompt they stand for, whether the
+    backend's sequence is rebuilt first, and how many tokens of the stream were left out."""
+
+    feed: list[int]
+    messages: list[dict]
+    prompt: str
+    rebuild: bool = True
+    evicted: int = 0
 
 
 def sink_window(tokens: list[int], sink: int, limit: int) -> list[int]:
@@ -52,3 +82,36 @@ def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) 
         while body and body[0]["role"] != "user":  # a turn starts with the user
             body = body[1:]
     return None
+
+
+def system_tokens(tokenizer: ChatTokenizer, messages: list[dict]) -> int:
+    """Tokens of the conversation's system prompt as the template renders it (0 without one)."""
+    if not messages or messages[0]["role"] != "system":
+        return 0
+    return len(tokenizer.encode_prompt(tokenizer.render(messages[:1], add_generation_prompt=False)))
+
+
+def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict], prompt: str, stream: list[int],
+                  room: Room, tokenizer: ChatTokenizer, max_new_tokens: int) -> TurnPlan:
+    """Apply the policy to a turn whose token stream (whole history plus the new message) does not fit."""
+    capacity = room.capacity
+    limit = int(capacity * (policy.keep_fraction if room.appends_turns else 1.0)) - max_new_tokens
+    message = len(tokenizer.encode_prompt(prompt[len(tokenizer.render(messages[:-1], add_generation_prompt=False)):]))
+    if message + max_new_tokens > capacity:
+        raise CapacityError(f"the message is {message} tokens and its reply may take {max_new_tokens} more, but the "
+                            f"KV budget holds {capacity} tokens; shorten the message")
+    if policy.name == "sink-window" and room.windows_attention:
+        return TurnPlan(stream, messages, prompt)
+    if policy.name == "sink-window":
+        sink = system_tokens(tokenizer, messages) + sink_tokens
+        kept = sink_window(stream, sink, limit)
+        if limit > sink and room.fits(len(kept) + max_new_tokens):
+            return TurnPlan(kept, messages, prompt, evicted=len(stream) - len(kept))
+    elif policy.name == "drop-turns":
+        kept_messages = drop_oldest_turns(messages, lambda m: len(tokenizer.encode_prompt(tokenizer.render(m))) <= limit)
+        if kept_messages:
+            kept_prompt = tokenizer.render(kept_messages)
+            ids = tokenizer.encode_prompt(kept_prompt)
+            return TurnPlan(ids, kept_messages, kept_prompt, evicted=max(0, len(stream) - len(ids)))
+    raise CapacityError(f"the turn needs {len(stream) + max_new_tokens} tokens of KV but the budget holds {capacity} "
+                        f"for this conversation (policy {policy.name})")

@@ -1,61 +1,24 @@
-"""A multi-turn dialogue on one engine and one paged KV cache.
+"""A multi-turn dialogue on the reference engine and one paged KV cache.
 
 Each turn prefills only what is new since the last turn: the history's KV stays in
 the cache. A shared prefix (the system prompt) is found again through the cache's
 block hashes, so a second session starting the same way reuses its blocks. When a
-turn does not fit the budget, the session's overflow policy decides what to keep.
+turn does not fit the budget, the session's overflow policy (runtime.overflow) decides
+what to keep. Sessions are saved to and restored from session files (runtime.session_store).
 """
 from __future__ import annotations
 
-import itertools
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from runtime.block_manager import OutOfBlocks, Sequence
+from runtime.dialogue import SessionFileError, TurnStats
 from runtime.engine import Engine
-from runtime.generate import CapacityError, generate
-from runtime.kv_cache import PagedKVCache
-from runtime.overflow import OverflowPolicy, drop_oldest_turns, sink_window
+from runtime.generate import generate
+from runtime.kv_cache import KvCacheConfig, PagedKVCache
+from runtime.overflow import CAPACITY_HINT, CapacityError, OverflowPolicy, Room, TurnPlan, plan_overflow
 from runtime.sampling import SamplingParams
-
-_seq_ids = itertools.count()
-CAPACITY_HINT = "start a new conversation (/reset), raise --kv-budget-mb, or choose --overflow sink-window|drop-turns"
-
-
-@dataclass
-class TurnStats:
-    """One turn's reply and what it cost."""
-
-    turn: int
-    reply: str
-    token_ids: list[int]
-    prefill_tokens: int
-    reused_tokens: int
-    ttft_s: float
-    decode_tok_s: float
-    kv_bytes_used: int
-    kv_bytes_budget: int
-    kv_bytes_per_token: int
-    kv_mode: str
-    finish_reason: str
-    evicted_tokens: int = 0
-    policy: str = "error"
-    error: str | None = None
-
-    def to_dict(self) -> dict:
-        """JSON-ready form."""
-        return asdict(self)
-
-
-@dataclass
-class _Plan:
-    """Tokens to feed this turn, and whether the sequence is rebuilt first."""
-
-    feed: list[int]
-    rebuild: bool
-    messages: list[dict]
-    prompt: str
-    evicted: int = 0
+from runtime.session_store import read_session_file, write_session_file
 
 
 class DialogueSession:
@@ -67,12 +30,16 @@ class DialogueSession:
         self.params = params or SamplingParams(stop_token_ids=engine.stop_token_ids())
         self.overflow = overflow or OverflowPolicy("error")
         self.system_prompt = system_prompt
-        self.seq_id = next(_seq_ids)
+        self.seq = Sequence()         # the tokens whose K/V are in the cache
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        self.fed: list[int] = []      # tokens whose K/V are in the cache
         self.pending: list[int] = []  # the last sampled token, fed with the next turn
         self.transcript = ""          # the conversation text the KV and pending token stand for
         self.turns = 0
+
+    @property
+    def fed(self) -> list[int]:
+        """The tokens whose K/V the cache holds for this conversation."""
+        return self.seq.token_ids
 
     def chat(self, user_text: str, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None) -> TurnStats:
@@ -83,29 +50,15 @@ class DialogueSession:
             plan = self._plan(messages)
             if plan.rebuild:
                 self._release()
-            result = generate(self.engine.model, self.cache, self.seq_id, plan.feed, self.params,
+            result = generate(self.engine.model, self.cache, self.seq, plan.feed, self.params,
                               self.engine.tokenizer.decode_reply, on_text, should_stop)
         except CapacityError as err:
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, f"{err}; {CAPACITY_HINT}")
         self.messages = plan.messages + [{"role": "assistant", "content": result.text}]
-        self.fed += plan.feed + result.token_ids[:-1]
         self.pending = result.token_ids[-1:]
         self.transcript = plan.prompt + self.engine.tokenizer.decode(result.token_ids)
         return self._stats(result.text, result.token_ids, result.prefill_tokens, result.reused_tokens,
                            result.ttft_s, result.decode_tok_s, result.finish_reason, plan.evicted)
-
-    def save(self, path: str | Path) -> None:
-        """Write messages, KV and fingerprints to path atomically."""
-        from runtime.session_store import save_session
-
-        save_session(self, path)
-
-    @classmethod
-    def restore(cls, path: str | Path, engine: Engine, cache: PagedKVCache | None = None) -> "DialogueSession":
-        """Continue a saved session on an engine of the same model and scales, without re-prefill."""
-        from runtime.session_store import restore_session
-
-        return restore_session(path, engine, cache)
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and release its KV blocks."""
@@ -113,67 +66,107 @@ class DialogueSession:
         self.messages = self.messages[:1] if self.system_prompt else []
         self.turns = 0
 
+    def describe_kv(self) -> str:
+        """KV memory of the session in one line."""
+        s = self.cache.stats()
+        return (f"KV {s.mode}: {len(self.seq)} tokens held, {s.bytes_used / 2**20:.2f} of "
+                f"{s.bytes_reserved / 2**20:.2f} MiB in use ({s.bytes_per_token} B/token); blocks free "
+                f"{s.blocks_free}, cached {s.blocks_cached}, in use {s.blocks_in_use}; prefix reuse hits "
+                f"{s.reuse_hits} blocks")
+
+    # -- persistence ---------------------------------------------------------------
+    def save(self, path: str | Path) -> int:
+        """Write messages, the KV of every token in its stored form and fingerprints to path atomically;
+        returns the tokens of KV saved."""
+        storage = self.cache.storage
+        if not self.cache.mode.per_token:
+            raise SessionFileError(f"saving a session needs per-token KV storage; {self.cache.mode.name} stores "
+                                   "whole blocks: chat with another --kv-cache to save")
+        tensors = {}
+        if self.seq:
+            slots = self.cache.slots(self.seq, 0, len(self.seq))
+            tensors = {name: t.flatten(1, 2)[:, slots].contiguous() for name, t in storage.token_tensors().items()}
+        write_session_file(path, {
+            "model_fingerprint": self.engine.fingerprint,
+            "scales_fingerprint": storage.scales_fingerprint(),
+            "kv_cache": self.cache.config.to_dict(),
+            "system_prompt": self.system_prompt,
+            "messages": self.messages,
+            "fed": self.fed,
+            "pending": self.pending,
+            "transcript": self.transcript,
+            "turns": self.turns,
+            "overflow": vars(self.overflow),
+            "params": vars(self.params),
+        }, tensors)
+        return len(self.seq)
+
+    @classmethod
+    def restore(cls, path: str | Path, engine: Engine, cache: PagedKVCache | None = None) -> "DialogueSession":
+        """Continue a saved session on an engine of the same model and scales, without re-prefill
+        (in a new cache like the saved one if none is given)."""
+        header, tensors = read_session_file(path)
+        if header["model_fingerprint"] != engine.fingerprint:
+            raise SessionFileError(f"{path}: saved with model {header['model_fingerprint']}, this engine runs "
+                                   f"{engine.fingerprint}; restore it with the engine it was saved from")
+        config = KvCacheConfig(**header["kv_cache"])
+        cache = cache or engine.new_cache(config)
+        scales = cache.storage.scales_fingerprint()
+        if cache.mode.name != config.kv_mode or scales != header["scales_fingerprint"]:
+            raise SessionFileError(f"{path}: saved with {config.kv_mode} KV and scales "
+                                   f"{header['scales_fingerprint']}, the cache uses {cache.mode.name} and {scales}")
+        session = cls(engine, cache, SamplingParams(**header["params"]), header["system_prompt"],
+                      OverflowPolicy(**header["overflow"]))
+        fed = header["fed"]
+        if fed:
+            try:
+                reused = cache.allocate(session.seq, fed)
+            except OutOfBlocks as err:
+                raise SessionFileError(f"{path}: the session holds {len(fed)} tokens of KV, more than this cache "
+                                       f"holds ({err}); raise --kv-budget-mb") from err
+            slots = cache.slots(session.seq, reused, len(fed))
+            for name, t in cache.storage.token_tensors().items():
+                t.flatten(1, 2)[:, slots] = tensors[name][:, reused:]
+        session.messages, session.pending = header["messages"], header["pending"]
+        session.transcript, session.turns = header["transcript"], header["turns"]
+        return session
+
     # -- planning ------------------------------------------------------------------
-    def _plan(self, messages: list[dict]) -> _Plan:
+    def _plan(self, messages: list[dict]) -> TurnPlan:
         """Decide what to feed: append the new tokens, or rebuild the sequence under the policy."""
         tok = self.engine.tokenizer
         prompt = tok.render(messages)
         history = self.fed + self.pending
         if history and prompt.startswith(self.transcript):
             new = tok.encode(prompt[len(self.transcript):])
-            if self._fits(len(self.fed), len(self.pending) + len(new)):
-                return _Plan(self.pending + new, False, messages, prompt)
+            if self._fits_append(len(self.pending) + len(new)):
+                return TurnPlan(self.pending + new, messages, prompt, rebuild=False)
             stream = history + new
         else:
             stream = tok.encode_prompt(prompt)
-        if self._fits(0, len(stream)):
-            return _Plan(stream, True, messages, prompt)
-        return self._evict(messages, prompt, stream)
+        room = self._room()
+        if room.fits(len(stream) + self.params.max_new_tokens):
+            return TurnPlan(stream, messages, prompt)
+        return plan_overflow(self.overflow, self.cache.config.sink_token_length, messages, prompt, stream, room,
+                             tok, self.params.max_new_tokens)
 
-    def _evict(self, messages: list[dict], prompt: str, stream: list[int]) -> _Plan:
-        """Apply the overflow policy to a stream of tokens that does not fit."""
-        policy = self.overflow
-        tok = self.engine.tokenizer
-        limit = int(self._capacity() * policy.keep_fraction) - self.params.max_new_tokens
-        message = len(tok.encode_prompt(prompt[len(tok.render(messages[:-1], add_generation_prompt=False)):]))
-        if message + self.params.max_new_tokens > self._capacity():
-            raise CapacityError(f"the message is {message} tokens and its reply may take {self.params.max_new_tokens} "
-                                f"more, but the KV budget holds {self._capacity()} tokens; shorten the message")
-        if policy.name == "sink-window":
-            sink = len(tok.encode_prompt(tok.render(messages[:1], add_generation_prompt=False))) if self.system_prompt else 0
-            kept = sink_window(stream, sink + policy.sink_tokens, limit)
-            if limit > sink + policy.sink_tokens and self._fits(0, len(kept)):
-                return _Plan(kept, True, messages, prompt, len(stream) - len(kept))
-        elif policy.name == "drop-turns":
-            kept_messages = drop_oldest_turns(messages, lambda m: len(tok.encode_prompt(tok.render(m))) <= limit)
-            if kept_messages:
-                kept_prompt = tok.render(kept_messages)
-                ids = tok.encode_prompt(kept_prompt)
-                return _Plan(ids, True, kept_messages, kept_prompt, max(0, len(stream) - len(ids)))
-        raise CapacityError(f"the turn needs {len(stream) + self.params.max_new_tokens} tokens of KV but the budget "
-                            f"holds {self._capacity()} for this conversation (policy {policy.name})")
+    def _room(self) -> Room:
+        """What this conversation could hold once its own blocks are released."""
+        context = self.engine.config.max_position_embeddings
+        capacity = self.cache.capacity(self.seq)
+        tpb = self.cache.tokens_per_block
+        return Room(min(capacity, context), lambda n: n <= context and -(-n // tpb) * tpb <= capacity,
+                    appends_turns=True, windows_attention=False)
 
-    def _capacity(self) -> int:
-        """Tokens this conversation could hold: its own blocks plus every free or evictable one."""
-        blocks = self.cache.blocks
-        own = len(blocks.block_table(self.seq_id)) if blocks.has_sequence(self.seq_id) else 0
-        tokens = (own + blocks.num_free_blocks()) * blocks.block_size
-        return min(tokens, self.engine.config.max_position_embeddings)
-
-    def _fits(self, held: int, new: int) -> bool:
-        """Whether ``new`` tokens plus a full reply fit after ``held`` tokens (0 = rebuilt sequence)."""
+    def _fits_append(self, new: int) -> bool:
+        """Whether ``new`` tokens plus a full reply fit after the tokens held now."""
         total = new + self.params.max_new_tokens
-        if held + total > self.engine.config.max_position_embeddings:
-            return False
-        blocks = self.cache.blocks
-        if held:
-            return blocks.blocks_needed(self.seq_id, total) <= blocks.num_free_blocks()
-        return blocks.blocks_needed(None, total) <= self._capacity() // blocks.block_size
+        return len(self.seq) + total <= self.engine.config.max_position_embeddings and self.cache.fits(self.seq, total)
 
     def _release(self) -> None:
-        if self.cache.blocks.has_sequence(self.seq_id):
-            self.cache.free(self.seq_id)
-        self.fed, self.pending, self.transcript = [], [], ""
+        if self.seq:
+            self.cache.free(self.seq)
+        self.pending, self.transcript = [], ""
 
     def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
                finish: str, evicted: int, error: str | None = None) -> TurnStats:

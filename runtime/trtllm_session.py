@@ -1,11 +1,13 @@
-"""The TensorRT-LLM backend of a dialogue: the same ``chat``/``reset`` surface as DialogueSession.
+"""The TensorRT-LLM backend of a dialogue: the ``Session`` protocol (runtime.dialogue) on a built TensorRT engine.
 
-It runs a built TensorRT engine through ``tensorrt_llm.runtime.ModelRunnerCpp`` (imported
-only here, only when used). The KV budget becomes ``max_tokens_in_paged_kv_cache``; the
-sink-window policy becomes ``max_attention_window_size`` + ``sink_token_length``; block
-reuse across turns is asked for only where the engine allows it: an INT8-KV engine has
-no paged context FMHA, so TensorRT-LLM cannot reuse blocks and each turn prefills the
-whole history. Not yet run on hardware: tested against a fake module that checks the calls.
+It runs the engine folder's ``trt_engine/`` through ``tensorrt_llm.runtime.ModelRunnerCpp``
+(imported only here, only when used). The KV cache config becomes ModelRunnerCpp's KV
+arguments: the budget ``max_tokens_in_paged_kv_cache``, the sink-window policy
+``max_attention_window_size`` + ``sink_token_length``; block reuse across turns is asked for
+only where the KV mode allows it: an INT8-KV engine has no paged context FMHA, so TensorRT-LLM
+cannot reuse blocks and each turn prefills the whole history. Overflow is planned as on the
+reference engine (runtime.overflow). Not yet run on hardware: tested against a fake module
+that checks the calls.
 """
 from __future__ import annotations
 
@@ -14,14 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from runtime.kv_cache import KVLayout
-from runtime.overflow import OverflowPolicy, drop_oldest_turns
+from runtime.dialogue import SessionFileError, TurnStats
+from runtime.engine_folder import TRT_ENGINE_DIR
+from runtime.kv_cache import KvCacheConfig
+from runtime.kv_storage import KVLayout
+from runtime.overflow import (CAPACITY_HINT, CapacityError, OverflowPolicy, Room, TurnPlan, plan_overflow,
+                              system_tokens)
 from runtime.sampling import SamplingParams
-from runtime.session import CAPACITY_HINT, TurnStats
 from runtime.streaming import TextStream
 from runtime.tokenizer import ChatTokenizer
-
-TRT_ENGINE_DIR = "trt_engine"
 
 
 @dataclass
@@ -43,31 +46,29 @@ class TrtllmKvSettings:
         return kwargs
 
 
-def kv_settings(kv_mode: str, budget_bytes: int, layout: KVLayout, overflow: OverflowPolicy,
-                sink_tokens: int) -> TrtllmKvSettings:
-    """Map our budget and overflow policy onto TensorRT-LLM's KV cache knobs."""
-    max_tokens = budget_bytes // layout.bytes_per_token(kv_mode)
+def kv_settings(config: KvCacheConfig, layout: KVLayout, overflow: OverflowPolicy, sink_tokens: int) -> TrtllmKvSettings:
+    """Map our KV cache config and overflow policy onto TensorRT-LLM's KV cache knobs."""
+    max_tokens = config.max_tokens(layout)
     window = [max_tokens] if overflow.name == "sink-window" else None
-    return TrtllmKvSettings(max_tokens, not kv_mode.startswith("int8"), window,
+    return TrtllmKvSettings(max_tokens, config.enable_block_reuse and config.mode.trtllm_paged_context_fmha, window,
                             sink_tokens if window else None)
 
 
 class TrtllmSession:
     """A multi-turn dialogue on a TensorRT-LLM engine; each turn sends the rendered history."""
 
-    def __init__(self, engine_folder: str | Path, tokenizer: ChatTokenizer, layout: KVLayout, kv_mode: str,
-                 budget_bytes: int, params: SamplingParams, system_prompt: str | None = None,
+    def __init__(self, engine_folder: str | Path, tokenizer: ChatTokenizer, layout: KVLayout, config: KvCacheConfig,
+                 params: SamplingParams, system_prompt: str | None = None,
                  overflow: OverflowPolicy | None = None) -> None:
         from tensorrt_llm.runtime import ModelRunnerCpp
 
-        self.tokenizer, self.params, self.kv_mode = tokenizer, params, kv_mode
+        self.tokenizer, self.params, self.config = tokenizer, params, config
         self.overflow = overflow or OverflowPolicy("error")
         self.system_prompt = system_prompt
-        self.bytes_per_token = layout.bytes_per_token(kv_mode)
+        self.bytes_per_token = config.bytes_per_token(layout)
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        sink = len(tokenizer.encode_prompt(tokenizer.render(self.messages, add_generation_prompt=False))) \
-            if system_prompt else 0
-        self.settings = kv_settings(kv_mode, budget_bytes, layout, self.overflow, sink + self.overflow.sink_tokens)
+        sink = system_tokens(tokenizer, self.messages) + config.sink_token_length
+        self.settings = kv_settings(config, layout, self.overflow, sink)
         self.runner = ModelRunnerCpp.from_dir(engine_dir=str(Path(engine_folder) / TRT_ENGINE_DIR),
                                               **self.settings.as_kwargs())
         self.previous_ids: list[int] = []
@@ -79,19 +80,11 @@ class TrtllmSession:
         import torch
 
         self.turns += 1
-        messages = self.messages + [{"role": "user", "content": user_text}]
-        limit = self.settings.max_tokens_in_paged_kv_cache - self.params.max_new_tokens
-        ids = self._prompt_ids(messages)
-        evicted = 0
-        if self.overflow.name == "drop-turns" and len(ids) > limit:
-            kept = drop_oldest_turns(messages, lambda m: len(self._prompt_ids(m)) <= limit)
-            if kept:
-                messages, kept_ids = kept, self._prompt_ids(kept)
-                ids, evicted = kept_ids, len(ids) - len(kept_ids)
-        if len(ids) > limit and self.overflow.name != "sink-window":
-            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0,
-                               f"the turn needs {len(ids) + self.params.max_new_tokens} tokens of KV but the "
-                               f"budget holds {self.settings.max_tokens_in_paged_kv_cache}; {CAPACITY_HINT}")
+        try:
+            plan = self._plan(self.messages + [{"role": "user", "content": user_text}])
+        except CapacityError as err:
+            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, f"{err}; {CAPACITY_HINT}")
+        ids = plan.feed
         stop_ids = self.params.stop_token_ids
         stream = TextStream(self.tokenizer.decode_reply)
         generated: list[int] = []
@@ -115,33 +108,50 @@ class TrtllmSession:
         decode_s = time.perf_counter() - start - ttft
         reply = stream.text
         finish = "stop" if generated and generated[-1] in stop_ids else "length"
-        reused = _reused_tokens(self.previous_ids, ids) if self.settings.kv_cache_enable_block_reuse else 0
+        reused = self._reused_tokens(ids) if self.settings.kv_cache_enable_block_reuse else 0
         self.previous_ids = ids + generated
-        self.messages = messages + [{"role": "assistant", "content": reply}]
+        self.messages = plan.messages + [{"role": "assistant", "content": reply}]
         tok_s = (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0
-        return self._stats(reply, generated, len(ids) - reused, reused, ttft, tok_s, finish, evicted)
-
-    def _prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode_prompt(self.tokenizer.render(messages))
+        return self._stats(reply, generated, len(ids) - reused, reused, ttft, tok_s, finish, plan.evicted)
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""
         self.messages = self.messages[:1] if self.system_prompt else []
         self.previous_ids, self.turns = [], 0
 
+    def save(self, path: str | Path) -> int:
+        """Not available: TensorRT-LLM keeps its KV blocks to itself."""
+        raise SessionFileError("saving is available on the reference backend only (--backend reference)")
+
+    def describe_kv(self) -> str:
+        """The KV settings handed to TensorRT-LLM."""
+        return f"TensorRT-LLM KV settings: {self.settings}"
+
+    def _plan(self, messages: list[dict]) -> TurnPlan:
+        """The whole rendered history, or what the overflow policy keeps of it."""
+        prompt = self.tokenizer.render(messages)
+        ids = self.tokenizer.encode_prompt(prompt)
+        capacity = self.settings.max_tokens_in_paged_kv_cache
+        room = Room(capacity, lambda n: n <= capacity, appends_turns=False, windows_attention=True)
+        if room.fits(len(ids) + self.params.max_new_tokens):
+            return TurnPlan(ids, messages, prompt)
+        return plan_overflow(self.overflow, self.config.sink_token_length, messages, prompt, ids, room,
+                             self.tokenizer, self.params.max_new_tokens)
+
+    def _reused_tokens(self, ids: list[int]) -> int:
+        """Tokens TensorRT-LLM can reuse with block reuse on: the common prefix with the previous turn's tokens
+        in whole blocks of the engine's ``tokens_per_block``, less the last token."""
+        common = 0
+        for a, b in zip(self.previous_ids, ids):
+            if a != b:
+                break
+            common += 1
+        block = self.config.tokens_per_block
+        return min(common // block * block, len(ids) - 1)
+
     def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
                finish: str, evicted: int, error: str | None = None) -> TurnStats:
         held = min(len(self.previous_ids), self.settings.max_tokens_in_paged_kv_cache)
         budget = self.settings.max_tokens_in_paged_kv_cache * self.bytes_per_token
         return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, held * self.bytes_per_token, budget,
-                         self.bytes_per_token, self.kv_mode, finish, evicted, self.overflow.name, error)
-
-
-def _reused_tokens(previous: list[int], ids: list[int], block: int = 64) -> int:
-    """Tokens TensorRT-LLM can reuse with block reuse on: the common prefix in whole blocks, less the last token."""
-    common = 0
-    for a, b in zip(previous, ids):
-        if a != b:
-            break
-        common += 1
-    return min(common // block * block, len(ids) - 1)
+                         self.bytes_per_token, self.config.kv_mode, finish, evicted, self.overflow.name, error)

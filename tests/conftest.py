@@ -1,10 +1,24 @@
-"""Shared fixtures: the embedded default model, built once per test run."""
+"""Shared fixtures: a tiny random-weight engine for unit tests, and the embedded default model (135M),
+built once per test run. Every test that uses the default model is marked ``slow``:
+``scripts/test.sh -m "not slow"`` is the quick developer loop."""
 from __future__ import annotations
 
 import pytest
 
 from builders.engine_build import BuildRequest, build_engine
+from fakes.tiny_model import write_tiny_llama
 from runtime.engine import Engine
+
+DEFAULT_MODEL_FIXTURES = {"default_engine", "default_engine_dir"}
+# head size 32: every KV mode works (int4 needs head sizes divisible by its value groups of 32)
+TINY_ENGINE_SHAPE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that needs the default model as slow."""
+    for item in items:
+        if DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +33,19 @@ def default_engine_dir(tmp_path_factory):
 def default_engine(default_engine_dir) -> Engine:
     """The default engine, loaded once."""
     return Engine.load(default_engine_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_dir(tmp_path_factory):
+    """An engine folder of a tiny random Llama (3 layers, head size 32; float32 weights, INT8 KV scales)."""
+    root = tmp_path_factory.mktemp("tiny-engine")
+    model = write_tiny_llama(root / "model", **TINY_ENGINE_SHAPE)
+    folder = root / "tiny-int8"
+    build_engine(BuildRequest(str(model), folder, kv_cache="int8", dtype="float32"), log=lambda _msg: None)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_engine_dir) -> Engine:
+    """The tiny engine, loaded once."""
+    return Engine.load(tiny_engine_dir)

@@ -3,8 +3,10 @@
 The state machine keeps its own model of the manager: block tables, a shadow
 prefix cache (token-prefix tuple -> block id), the LRU order of cached blocks,
 and what a caller would have written into each KV slot. Every step is checked
-against that model, so prefix reuse, eviction, copy-on-write and atomicity on
-OutOfBlocks are all verified, not just the internal invariants.
+against that model, so prefix reuse, eviction, that writes never land in a
+shared block, and atomicity on OutOfBlocks are all verified, not just the
+internal invariants. (Only prefix reuse shares a block, and it only shares full
+blocks, which an append never writes into: no copy-on-write is needed.)
 """
 from __future__ import annotations
 
@@ -12,11 +14,18 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from runtime.block_manager import BlockManager, BlockStats, OutOfBlocks
+from runtime.block_manager import BlockManager, BlockStats, OutOfBlocks, Sequence
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def allocated(bm: BlockManager, token_ids: list[int]) -> Sequence:
+    """A new sequence allocated with ``token_ids``."""
+    seq = Sequence()
+    bm.allocate(seq, token_ids)
+    return seq
 
 
 # -- unit tests ----------------------------------------------------------------
@@ -24,117 +33,124 @@ def cdiv(a: int, b: int) -> int:
 
 def test_allocate_slots_and_stats():
     bm = BlockManager(num_blocks=8, block_size=4)
-    assert bm.allocate(1, list(range(10))) == 0
-    table = bm.block_table(1)
-    assert len(table) == 3 and bm.num_tokens(1) == 10 and bm.token_ids(1) == list(range(10))
-    assert bm.slots(1, 3, 6) == [table[0] * 4 + 3, table[1] * 4, table[1] * 4 + 1]
+    seq = Sequence()
+    assert not seq and len(seq) == 0
+    assert bm.allocate(seq, list(range(10))) == 0
+    table = seq.block_table
+    assert seq and len(table) == 3 and len(seq) == 10 and seq.token_ids == list(range(10))
+    assert len(seq.hashes) == 2
+    assert bm.slots(seq, 3, 6) == [table[0] * 4 + 3, table[1] * 4, table[1] * 4 + 1]
     assert bm.stats() == BlockStats(num_blocks=8, free=5, cached=0, in_use=3, reuse_hits=0)
-    bm.free(1)
-    assert not bm.has_sequence(1)
+    bm.free(seq)
+    assert not seq and seq.block_table == [] and seq.token_ids == [] and seq.hashes == []
     assert bm.stats() == BlockStats(num_blocks=8, free=6, cached=2, in_use=0, reuse_hits=0)
     bm.check_invariants()
 
 
 def test_prefix_reuse_leaves_at_least_one_token_to_compute():
     bm = BlockManager(num_blocks=8, block_size=4)
-    bm.allocate(1, list(range(9)))
-    first_two = bm.block_table(1)[:2]
-    bm.free(1)
-    assert bm.allocate(2, list(range(9)) + [42]) == 8
-    assert bm.block_table(2)[:2] == first_two
+    first = allocated(bm, list(range(9)))
+    first_two = first.block_table[:2]
+    bm.free(first)
+    second = Sequence()
+    assert bm.allocate(second, list(range(9)) + [42]) == 8
+    assert second.block_table[:2] == first_two
     # Exactly two full blocks, all cached: the last one is recomputed, not reused.
-    assert bm.allocate(3, list(range(8))) == 4
-    assert bm.block_table(3)[0] == first_two[0] and bm.block_table(3)[1] != first_two[1]
-    assert bm.allocate(4, [7, 7, 7]) == 0
+    third = Sequence()
+    assert bm.allocate(third, list(range(8))) == 4
+    assert third.block_table[0] == first_two[0] and third.block_table[1] != first_two[1]
+    assert bm.allocate(Sequence(), [7, 7, 7]) == 0
     assert bm.stats().reuse_hits == 3
     bm.check_invariants()
 
 
-def test_fork_then_append_copies_on_write():
+def test_block_reuse_disabled_never_reuses_cached_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_block_reuse=False)
+    first = allocated(bm, list(range(9)))
+    full = first.block_table[:2]
+    bm.free(first)
+    assert bm.stats() == BlockStats(num_blocks=8, free=6, cached=2, in_use=0, reuse_hits=0)
+    second = Sequence()
+    assert bm.allocate(second, list(range(9))) == 0
+    assert not set(second.block_table) & set(full)  # fresh blocks, the cached ones are left alone
+    assert bm.stats() == BlockStats(num_blocks=8, free=3, cached=2, in_use=3, reuse_hits=0)
+    bm.check_invariants()
+
+
+def test_shared_prefix_blocks_are_never_written():
+    """Prefix reuse shares full blocks only; appends open new blocks, so there is nothing to copy."""
     bm = BlockManager(num_blocks=8, block_size=4)
-    bm.allocate(1, [1, 2, 3, 4, 5, 6])
-    bm.fork(1, 2)
-    shared = bm.block_table(1)
-    assert bm.block_table(2) == shared
-    assert bm.blocks_needed(2, 1) == 1
-    copies = bm.append(2, [9])
-    assert copies == [(shared[1], bm.block_table(2)[1])]
-    assert bm.block_table(2)[0] == shared[0] and bm.block_table(2)[1] != shared[1]
-    # Parent is now the only owner of its last block: no copy needed.
-    assert bm.append(1, [8]) == []
-    assert bm.block_table(1) == shared
+    a = allocated(bm, [1, 2, 3, 4, 5, 6, 7, 8])
+    b = Sequence()
+    assert bm.allocate(b, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+    shared = list(a.block_table)
+    assert b.block_table[:2] == shared  # a's last block is full and shared with b
+    assert bm.blocks_needed(a, 1) == 1 and bm.blocks_needed(b, 1) == 0
+    bm.append(a, [5])
+    assert a.block_table[:2] == shared and a.block_table[2] not in b.block_table
+    assert bm.slots(a, 8, 9) == [a.block_table[2] * 4]
+    bm.append(b, [0, 0, 0, 0])  # b's partial last block is its own: written in place
+    assert b.block_table[:3] == shared + [b.block_table[2]] and len(b.block_table) == 4
+    assert bm.stats() == BlockStats(num_blocks=8, free=3, cached=0, in_use=5, reuse_hits=2)
     bm.check_invariants()
 
 
 def test_out_of_blocks_is_atomic_and_explains():
     bm = BlockManager(num_blocks=3, block_size=2)
-    bm.allocate(1, [1, 2, 3])
-    before = (bm.stats(), bm.block_table(1), bm.token_ids(1))
+    seq = allocated(bm, [1, 2, 3])
+    before = (bm.stats(), list(seq.block_table), list(seq.token_ids), list(seq.hashes))
     with pytest.raises(OutOfBlocks, match=r"need 2 KV blocks but only 1 .*KV cache budget"):
-        bm.append(1, [4, 5, 6, 7])
+        bm.append(seq, [4, 5, 6, 7])
+    other = Sequence()
     with pytest.raises(OutOfBlocks):
-        bm.allocate(2, [1, 2, 3, 4, 5])
-    assert (bm.stats(), bm.block_table(1), bm.token_ids(1)) == before
-    assert not bm.has_sequence(2)
+        bm.allocate(other, [1, 2, 3, 4, 5])
+    assert (bm.stats(), seq.block_table, seq.token_ids, seq.hashes) == before
+    assert not other
     bm.check_invariants()
 
 
 def test_lru_evicts_least_recently_freed_first():
     bm = BlockManager(num_blocks=4, block_size=1)
-    bm.allocate(1, [1, 2])  # block size 1: both blocks are full, so both get hashed
-    bm.allocate(2, [5, 6])
-    (a1, a2), (b1, b2) = bm.block_table(1), bm.block_table(2)
-    bm.free(1)  # tail first, so a sequence's prefix outlives its tail: LRU a2, a1
-    bm.free(2)  # LRU a2, a1, b2, b1
+    s1 = allocated(bm, [1, 2])  # block size 1: both blocks are full, so both get hashed
+    s2 = allocated(bm, [5, 6])
+    (a1, a2), (b1, b2) = s1.block_table, s2.block_table
+    bm.free(s1)  # tail first, so a sequence's prefix outlives its tail: LRU a2, a1
+    bm.free(s2)  # LRU a2, a1, b2, b1
     assert bm.stats() == BlockStats(num_blocks=4, free=0, cached=4, in_use=0, reuse_hits=0)
-    bm.allocate(3, [9])
-    assert bm.block_table(3) == [a2]
-    bm.free(3)  # LRU a1, b2, b1, a2
-    assert bm.allocate(4, [1, 2, 3]) == 1  # [1] is still cached, [1, 2] was evicted
-    assert bm.block_table(4) == [a1, b2, b1]
+    s3 = allocated(bm, [9])
+    assert s3.block_table == [a2]
+    bm.free(s3)  # LRU a1, b2, b1, a2
+    s4 = Sequence()
+    assert bm.allocate(s4, [1, 2, 3]) == 1  # [1] is still cached, [1, 2] was evicted
+    assert s4.block_table == [a1, b2, b1]
     assert bm.stats() == BlockStats(num_blocks=4, free=0, cached=1, in_use=3, reuse_hits=1)
-    bm.check_invariants()
-
-
-def test_truncate_unregisters_exclusive_partial_block():
-    bm = BlockManager(num_blocks=8, block_size=2)
-    bm.allocate(1, [1, 2, 3, 4, 5])
-    bm.truncate(1, 3)  # the block of [3, 4] is exclusive and will be overwritten: its hash is dropped
-    assert len(bm.block_table(1)) == 2 and bm.token_ids(1) == [1, 2, 3]
-    assert bm.stats().free == 6
-    assert bm.allocate(2, [1, 2, 3, 4, 9]) == 2
-    bm.check_invariants()
-
-
-def test_truncate_keeps_hash_of_shared_block_and_append_copies_it():
-    bm = BlockManager(num_blocks=8, block_size=2)
-    bm.allocate(1, [1, 2, 3, 4, 5])
-    bm.fork(1, 2)
-    bm.truncate(1, 3)  # shared with seq 2: hash kept, the block still holds [3, 4]
-    shared = bm.block_table(2)[1]
-    assert bm.block_table(1)[1] == shared
-    assert bm.allocate(3, [1, 2, 3, 4, 0]) == 4 and bm.block_table(3)[1] == shared
-    copies = bm.append(1, [7])
-    assert copies == [(shared, bm.block_table(1)[1])] and bm.block_table(1)[1] != shared
     bm.check_invariants()
 
 
 def test_errors():
     bm = BlockManager(num_blocks=4, block_size=2)
-    bm.allocate(1, [1])
+    seq = allocated(bm, [1])
     with pytest.raises(ValueError):
-        bm.allocate(1, [2])
+        bm.allocate(seq, [2])  # already holds tokens
+    empty = Sequence()
     with pytest.raises(ValueError):
-        bm.allocate(2, [])
+        bm.allocate(empty, [])
+    assert not empty
     with pytest.raises(ValueError):
-        bm.fork(1, 1)
+        bm.slots(seq, 0, 2)
     with pytest.raises(ValueError):
-        bm.truncate(1, 0)
-    with pytest.raises(ValueError):
-        bm.slots(1, 0, 2)
-    bm.free(1)
+        bm.blocks_needed(seq, -1)
+    assert bm.blocks_needed(None, 3) == bm.blocks_needed(Sequence(), 3) == 2
     with pytest.raises(KeyError):
-        bm.free(1)
+        bm.append(Sequence(), [1])
+    with pytest.raises(KeyError):
+        bm.free(allocated(BlockManager(num_blocks=4, block_size=2), [1]))  # held by another manager
+    bm.free(seq)
+    with pytest.raises(KeyError):
+        bm.free(seq)
+    with pytest.raises(KeyError):
+        bm.append(seq, [3])
+    assert bm.allocate(seq, [4, 5, 6]) == 0  # a freed sequence is empty and can be allocated again
     with pytest.raises(ValueError):
         BlockManager(0, 4)
     bm.check_invariants()
@@ -146,10 +162,12 @@ VOCAB = st.integers(min_value=0, max_value=2)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(4, 16), block_size=st.integers(1, 4))
-    def setup(self, num_blocks: int, block_size: int) -> None:
-        self.bm = BlockManager(num_blocks, block_size)
+    @initialize(num_blocks=st.integers(4, 16), block_size=st.integers(1, 4), reuse=st.booleans())
+    def setup(self, num_blocks: int, block_size: int, reuse: bool) -> None:
+        self.bm = BlockManager(num_blocks, block_size, enable_block_reuse=reuse)
         self.bs = block_size
+        self.reuse = reuse
+        self.seqs: dict[int, Sequence] = {}
         self.tables: dict[int, list[int]] = {}
         self.tokens: dict[int, list[int]] = {}
         self.prefix_block: dict[tuple[int, ...], int] = {}  # shadow of the hash map
@@ -178,7 +196,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def snapshot(self):
         return (
             self.bm.stats(),
-            {s: (self.bm.block_table(s), self.bm.token_ids(s)) for s in self.tables},
+            {s: (list(q.block_table), list(q.token_ids), list(q.hashes)) for s, q in self.seqs.items()},
             self.bm.num_free_blocks(),
         )
 
@@ -216,7 +234,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def write(self, seq: int, start: int, end: int) -> None:
         """Act as the caller: write tokens [start, end) into their KV slots."""
-        for pos, slot in zip(range(start, end), self.bm.slots(seq, start, end)):
+        for pos, slot in zip(range(start, end), self.bm.slots(self.seqs[seq], start, end)):
             block, offset = divmod(slot, self.bs)
             assert block == self.tables[seq][pos // self.bs] and offset == pos % self.bs
             self.content[block][offset] = self.tokens[seq][pos]
@@ -230,14 +248,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def allocate(self, data, suffix: list[int]) -> None:
         base = data.draw(st.sampled_from(self.history), label="base")
         tokens = base[: data.draw(st.integers(0, len(base)), label="prefix_len")] + suffix
-        seq, self.next_id = self.next_id, self.next_id + 1
+        sid, self.next_id = self.next_id, self.next_id + 1
+        seq = Sequence()
         if not tokens:
             with pytest.raises(ValueError):
                 self.bm.allocate(seq, tokens)
+            assert not seq
             return
         bs = self.bs
         expected_hits = []
-        for i in range((len(tokens) - 1) // bs):
+        for i in range((len(tokens) - 1) // bs if self.reuse else 0):
             b = self.prefix_block.get(tuple(tokens[: (i + 1) * bs]))
             if b is None:
                 break
@@ -249,30 +269,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if num_new > free_before + len(lru_after_hits):
             with pytest.raises(OutOfBlocks):
                 self.bm.allocate(seq, tokens)
-            assert self.snapshot() == before and not self.bm.has_sequence(seq)
+            assert self.snapshot() == before and not seq
             return
         cached = self.bm.allocate(seq, tokens)
         assert cached == len(expected_hits) * bs and cached <= len(tokens) - 1
-        table = self.bm.block_table(seq)
+        table = list(seq.block_table)
         assert table[: len(expected_hits)] == expected_hits, "reused blocks differ from the cached prefix"
         self.lru = lru_after_hits
         self.take_blocks(table[len(expected_hits) :], lru_after_hits, free_before)
-        self.tables[seq], self.tokens[seq] = table, list(tokens)
-        self.register_full_blocks(seq, len(expected_hits))
+        self.seqs[sid], self.tables[sid], self.tokens[sid] = seq, table, list(tokens)
+        self.register_full_blocks(sid, len(expected_hits))
         refs = self.refs()
         assert all(refs[b] == 1 for b in table[len(expected_hits) :])
-        self.write(seq, cached, len(tokens))
+        self.write(sid, cached, len(tokens))
         self.hits += len(expected_hits)
         self.history.append(list(tokens))
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data(), new=st.lists(VOCAB, min_size=1, max_size=6))
     def append(self, data, new: list[int]) -> None:
-        seq = self.pick(data)
-        bs, n, table = self.bs, len(self.tokens[seq]), self.tables[seq]
+        sid = self.pick(data)
+        seq = self.seqs[sid]
+        bs, n, table = self.bs, len(self.tokens[sid]), self.tables[sid]
         refs = self.refs()
-        cow = n % bs != 0 and refs[table[-1]] > 1
-        needed = int(cow) + cdiv(n + len(new), bs) - cdiv(n, bs)
+        if n % bs:  # the partial last block will be written in place: it must be exclusive and unhashed
+            assert refs[table[-1]] == 1, "a partial block is shared, so it would need copy-on-write"
+            assert table[-1] not in self.hashed()
+        needed = cdiv(n + len(new), bs) - cdiv(n, bs)
         assert self.bm.blocks_needed(seq, len(new)) == needed
         free_before = self.unhashed_free()
         before = self.snapshot()
@@ -281,61 +304,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.bm.append(seq, new)
             assert self.snapshot() == before
             return
-        copies = self.bm.append(seq, new)
-        new_table = self.bm.block_table(seq)
-        if n % bs and not cow:
-            self.unregister(table[-1])  # about to be overwritten in place
-        if cow:
-            assert new_table[: n // bs] == table[: n // bs]
-            assert copies == [(table[-1], new_table[n // bs])]
-            taken = new_table[n // bs :]
-        else:
-            assert new_table[: len(table)] == table and copies == []
-            taken = new_table[len(table) :]
-        self.take_blocks(taken, list(self.lru), free_before)
-        for src, dst in copies:
-            self.content[dst] = list(self.content[src])
-        self.tables[seq] = new_table
-        self.tokens[seq] = self.tokens[seq] + new
-        self.register_full_blocks(seq, n // bs)
+        self.bm.append(seq, new)
+        new_table = list(seq.block_table)
+        assert new_table[: len(table)] == table 
+        self.take_blocks(new_table[len(table) :], list(self.lru), free_before)
+        self.tables[sid] = new_table
+        self.tokens[sid] = self.tokens[sid] + new
+        self.register_full_blocks(sid, n // bs)
         refs = self.refs()
         written = set(new_table[n // bs :])
         assert all(refs[b] == 1 for b in written), "an appended position lands in a shared block"
-        self.write(seq, n, n + len(new))
-        self.history.append(list(self.tokens[seq]))
-
-    @precondition(lambda self: self.tables)
-    @rule(data=st.data())
-    def fork(self, data) -> None:
-        parent = self.pick(data)
-        child, self.next_id = self.next_id, self.next_id + 1
-        self.bm.fork(parent, child)
-        self.tables[child] = self.bm.block_table(child)
-        self.tokens[child] = list(self.tokens[parent])
-        assert self.tables[child] == self.tables[parent]
-
-    @precondition(lambda self: self.tables)
-    @rule(data=st.data())
-    def truncate(self, data) -> None:
-        seq = self.pick(data)
-        num = data.draw(st.integers(1, len(self.tokens[seq])), label="keep_tokens")
-        keep = cdiv(num, self.bs)
-        dropped = self.tables[seq][keep:]
-        self.bm.truncate(seq, num)
-        self.tables[seq] = self.tables[seq][:keep]
-        self.tokens[seq] = self.tokens[seq][:num]
-        assert self.bm.block_table(seq) == self.tables[seq]
-        self.release(dropped)
-        if num % self.bs and self.refs()[self.tables[seq][-1]] == 1:
-            self.unregister(self.tables[seq][-1])
+        self.write(sid, n, n + len(new))
+        self.history.append(list(self.tokens[sid]))
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())
     def free(self, data) -> None:
-        seq = self.pick(data)
+        sid = self.pick(data)
+        seq = self.seqs.pop(sid)
         self.bm.free(seq)
-        blocks = self.tables.pop(seq)
-        del self.tokens[seq]
+        assert not seq and seq.block_table == [] and seq.hashes == []
+        blocks = self.tables.pop(sid)
+        del self.tokens[sid]
         self.release(blocks)
         with pytest.raises(KeyError):  # a second free is refused, never double-counted
             self.bm.free(seq)
@@ -354,18 +344,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert stats.reuse_hits == self.hits
         assert bm.num_free_blocks() == self.unhashed_free() + len(self.lru)
         assert all(refs[b] == 0 for b in self.lru) and set(self.lru) <= self.hashed()
-        for seq, table in self.tables.items():
-            assert bm.has_sequence(seq)
-            assert bm.block_table(seq) == table
-            assert bm.token_ids(seq) == self.tokens[seq] and bm.num_tokens(seq) == len(self.tokens[seq])
-            read = [self.content[table[p // self.bs]][p % self.bs] for p in range(len(self.tokens[seq]))]
-            assert read == self.tokens[seq], f"sequence {seq} reads back wrong KV"
+        assert self.seqs.keys() == self.tables.keys()
+        for sid, table in self.tables.items():
+            seq = self.seqs[sid]
+            assert seq
+            assert seq.block_table == table
+            assert seq.token_ids == self.tokens[sid] and len(seq) == len(self.tokens[sid])
+            read = [self.content[table[p // self.bs]][p % self.bs] for p in range(len(self.tokens[sid]))]
+            assert read == self.tokens[sid], f"sequence {sid} reads back wrong KV"
         for prefix, b in self.prefix_block.items():  # cached blocks hold what their prefix says
             assert self.content[b] == list(prefix[-self.bs :])
 
     def teardown(self) -> None:
-        for seq in list(self.tables):
+        for seq in self.seqs.values():
             self.bm.free(seq)
+        self.seqs.clear()
         self.tables.clear()
         self.bm.check_invariants()
         stats = self.bm.stats()

@@ -8,15 +8,17 @@ import pytest
 import torch
 
 from builders.engine_build import BuildRequest, build_engine
-from builders.importer import import_model
 from builders.planner import PlanRefused
 from builders.targets import TargetError
 from fakes.tiny_model import write_tiny_llama
+from runtime.block_manager import Sequence
 from runtime.checkpoint import layer_prefix, load_checkpoint
 from runtime.engine import Engine
-from runtime.kv_cache import KVScales, PagedKVCache
+from runtime.kv_cache import KvCacheConfig, PagedKVCache
 from runtime.kv_scales import LayerRanges, ScalesError, load_scales, load_scales_file, model_fingerprint, save_scales
+from runtime.kv_storage import KVScales
 from runtime.model import Transformer
+from runtime.model_source import import_model
 
 PROMPT = [1, 4, 3, 6, 7, 8, 9, 2, 1, 5, 10, 11, 12]  # ids of the tiny vocabulary
 SCALE = "attention.kv_cache_scaling_factor"
@@ -41,9 +43,10 @@ def tiny(tmp_path_factory) -> dict:
     return {"root": root, "model": model, "config": config, "weights": weights, "scales": scales_path}
 
 
-def logits_of(model: Transformer, cache: PagedKVCache) -> torch.Tensor:
-    cache.allocate(0, PROMPT)
-    return model.forward(PROMPT, 0, cache, 0, all_logits=True)
+def logits_of(model: Transformer, cache: PagedKVCache, seq: Sequence | None = None) -> torch.Tensor:
+    seq = Sequence() if seq is None else seq
+    cache.allocate(seq, PROMPT)
+    return model.forward(PROMPT, 0, cache, seq, all_logits=True)
 
 
 def test_int8_checkpoint_carries_the_file_scales_and_matches_the_runtime(tiny, tmp_path):
@@ -61,10 +64,10 @@ def test_int8_checkpoint_carries_the_file_scales_and_matches_the_runtime(tiny, t
     assert manifest["device_step"]["status"] == "not needed" and manifest["backend"] == "reference"
 
     engine = Engine.load(out)
-    built = logits_of(engine.model, engine.new_cache("int8", 1 << 20, 16))
+    built = logits_of(engine.model, engine.new_cache(engine.kv_cache_config("int8", 1 << 20, 16)))
     scales = load_scales(tiny["scales"], model_fingerprint(tiny["config"], tiny["weights"]), 3)
     direct = Transformer(tiny["config"], tiny["weights"])
-    reference = logits_of(direct, PagedKVCache(direct.kv_layout, "int8", 1 << 20, 16, scales))
+    reference = logits_of(direct, PagedKVCache(direct.kv_layout, KvCacheConfig("int8", 1 << 20, 16), scales))
     assert torch.equal(built, reference)
 
 
@@ -152,12 +155,13 @@ def test_model_path_must_exist(tmp_path):
 
 def measured_ranges(model: Transformer) -> list[LayerRanges]:
     """Per-channel K/V abs-max of each layer over PROMPT, from a full-precision cache."""
-    cache = PagedKVCache(model.kv_layout, "fp32", 1 << 20, 16)
-    logits_of(model, cache)
-    table = cache.block_table(0)
+    cache = PagedKVCache(model.kv_layout, KvCacheConfig("fp32", 1 << 20, 16))
+    seq = Sequence()
+    logits_of(model, cache, seq)
+    table = cache.block_table(seq)
     ranges = []
     for layer in range(model.kv_layout.num_layers):
-        k, v = cache.read(layer, table, len(PROMPT))
+        k, v = cache.storage.read(layer, table, len(PROMPT))
         ranges.append(LayerRanges(k.abs().amax(0).tolist(), v.abs().amax(0).tolist()))
     return ranges
 
@@ -185,9 +189,9 @@ def test_equalize_folds_factors_and_keeps_full_precision_outputs(tiny, tmp_path)
     assert not torch.equal(eq_weights[f"{layer_prefix(0)}.attention.qkv.weight"],
                            weights[f"{layer_prefix(0)}.attention.qkv.weight"])
     engine = Engine.load(out)
-    torch.testing.assert_close(logits_of(engine.model, engine.new_cache("fp32", 1 << 20, 16)),
-                               logits_of(model, PagedKVCache(model.kv_layout, "fp32", 1 << 20, 16)),
-                               rtol=1e-5, atol=1e-5)
+    fp32 = KvCacheConfig("fp32", 1 << 20, 16)
+    torch.testing.assert_close(logits_of(engine.model, engine.new_cache(fp32)),
+                               logits_of(model, PagedKVCache(model.kv_layout, fp32)), rtol=1e-5, atol=1e-5)
     with pytest.raises(ScalesError, match="belong to equalized weights"):
         build_engine(BuildRequest(str(tiny["model"]), tmp_path / "f", scales=out / "kv_scales.json"), log=quiet)
 

@@ -10,8 +10,9 @@ import torch
 from calibration.scales import compute_clips, layer_ranges, mse_clips, percentile_clips, quantization_mse
 from calibration.selection import prepare_dialogues
 from calibration.stats import KVStats, RangeStats, bin_edges, collect_stats
-from runtime.kv_cache import KVScales
+from runtime.block_manager import Sequence
 from runtime.kv_scales import LayerRanges, ScalesError, load_scales, load_scales_file, save_scales
+from runtime.kv_storage import KVScales
 
 
 def _stats_of(x: torch.Tensor) -> RangeStats:
@@ -95,12 +96,13 @@ def test_collect_stats_measures_what_the_cache_stores(default_engine):
     assert torch.all(stats.k.layer_amax > 0) and torch.all(stats.v.layer_amax > 0)
     assert torch.all(stats.k.layer_hist.sum(1) == 96 * layout.num_kv_heads * layout.head_size)
     # Same numbers as reading one layer back from an fp32 cache by hand.
-    cache = default_engine.new_cache("fp32")
+    cache = default_engine.new_cache(default_engine.kv_cache_config("fp32"))
     amax = torch.zeros(layout.num_kv_heads, layout.head_size)
-    for seq, d in enumerate(dialogues):
+    for d in dialogues:
+        seq = Sequence()
         cache.allocate(seq, d.token_ids)
         default_engine.model.forward(d.token_ids, 0, cache, seq)
-        k, _ = cache.read(5, cache.block_table(seq), len(d.token_ids))
+        k, _ = cache.storage.read(5, cache.block_table(seq), len(d.token_ids))
         amax = torch.maximum(amax, k.abs().amax(0))
     assert torch.equal(stats.k.channel_amax[5], amax)
 

@@ -1,7 +1,13 @@
-"""cabin-chat from a script: one JSON object per turn; bad input is a clear error."""
+"""cabin-chat from a script: one JSON object per turn; bad input is a clear error; /save answers on every backend."""
+import builtins
 import json
+import shutil
+import sys
+import types
 
 from runtime.cli_chat import main
+from runtime.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, TRT_ENGINE_DIR
+from runtime.session_store import read_session_file
 
 FIELDS = {"turn", "reply", "token_ids", "prefill_tokens", "reused_tokens", "ttft_s", "decode_tok_s",
           "kv_bytes_used", "kv_bytes_budget", "finish_reason"}
@@ -37,3 +43,52 @@ def test_invalid_utf8_script_is_a_clear_error(default_engine_dir, tmp_path, caps
 def test_missing_engine_is_a_clear_error(tmp_path, capsys):
     assert main(["--engine", str(tmp_path / "nope")]) == 2
     assert "build an engine first" in capsys.readouterr().err
+
+
+def chat_interactively(monkeypatch, argv, lines):
+    """Run cabin-chat with ``lines`` typed at its prompt; returns the exit code."""
+    typed = iter(lines)
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(typed))
+    return main(argv)
+
+
+class FakeRunner:
+    """Stands in for tensorrt_llm's ModelRunnerCpp: records from_dir's arguments."""
+
+    created: list[dict] = []
+
+    @classmethod
+    def from_dir(cls, engine_dir, **kwargs):
+        cls.created.append({"engine_dir": engine_dir, **kwargs})
+        return cls()
+
+
+def test_save_on_the_tensorrt_llm_backend_is_a_clear_message(default_engine_dir, tmp_path, monkeypatch, capsys):
+    module, runtime = types.ModuleType("tensorrt_llm"), types.ModuleType("tensorrt_llm.runtime")
+    runtime.ModelRunnerCpp = FakeRunner
+    module.runtime = runtime
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", module)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.runtime", runtime)
+    FakeRunner.created = []
+    folder = tmp_path / "engine"  # the default engine plus a (fake) TensorRT engine
+    (folder / TRT_ENGINE_DIR).mkdir(parents=True)
+    (folder / CHECKPOINT_DIR).symlink_to(default_engine_dir / CHECKPOINT_DIR)
+    shutil.copy(default_engine_dir / MANIFEST_FILE, folder / MANIFEST_FILE)
+    code = chat_interactively(monkeypatch, ["--engine", str(folder), "--backend", "tensorrt-llm"],
+                              [f"/save {tmp_path / 's.cabin'}", "/stats", "/quit"])
+    out = capsys.readouterr().out
+    assert code == 0 and len(FakeRunner.created) == 1
+    assert "could not save: saving is available on the reference backend only (--backend reference)" in out
+    assert "Traceback" not in out and not (tmp_path / "s.cabin").exists()
+    assert "TensorRT-LLM KV settings" in out
+
+
+def test_save_on_the_reference_backend_reports_the_tokens_saved(default_engine_dir, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "s.cabin"
+    code = chat_interactively(monkeypatch, ["--engine", str(default_engine_dir), "--backend", "reference",
+                                            "--system", "Be brief.", "--max-new-tokens", "4", "--kv-budget-mb", "8"],
+                              ["Open the sunroof.", f"/save {path}", "/quit"])
+    out = capsys.readouterr().out
+    header, _ = read_session_file(path)
+    assert code == 0 and header["kv_cache"]["kv_mode"] == "int8" and header["kv_cache"]["max_bytes"] == 8 << 20
+    assert f"saved 3 messages and {len(header['fed'])} tokens of KV to {path}" in out and header["fed"]

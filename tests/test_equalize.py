@@ -8,9 +8,11 @@ from calibration.equalize import MAX_FACTOR, equalization_factors, equalize, equ
 from calibration.scales import compute_clips, layer_ranges
 from calibration.selection import prepare_dialogues
 from calibration.stats import collect_stats
+from runtime.block_manager import Sequence
 from runtime.checkpoint import load_checkpoint, layer_prefix
-from runtime.engine import CHECKPOINT_DIR
-from runtime.kv_cache import PagedKVCache
+from runtime.engine_folder import CHECKPOINT_DIR
+from runtime.kv_cache import KvCacheConfig, PagedKVCache
+from runtime.kv_modes import bytes_per_token
 from runtime.kv_scales import LayerRanges
 from runtime.model import Transformer
 
@@ -28,9 +30,10 @@ def calibrated(default_engine, default_engine_dir):
 
 def _logits(model: Transformer, ids: list[int], mode: str = "fp32", scales=None) -> torch.Tensor:
     layout = model.kv_layout
-    cache = PagedKVCache(layout, mode, layout.bytes_per_token(mode) * 32 * 4, 32, scales)
-    cache.allocate(0, ids)
-    return model.forward(ids, 0, cache, 0, all_logits=True)
+    cache = PagedKVCache(layout, KvCacheConfig(mode, bytes_per_token(layout, mode, 32) * 32 * 4, 32), scales)
+    seq = Sequence()
+    cache.allocate(seq, ids)
+    return model.forward(ids, 0, cache, seq, all_logits=True)
 
 
 def test_factors_are_shared_within_rope_pairs_and_bounded():

@@ -9,10 +9,13 @@ import torch
 
 from benchmarks import int8_ceiling
 from calibration import cli_calibrate, cli_eval
-from calibration.evaluate import EVAL_MODES, TOKENS_PER_BLOCK, evaluate, stored_bytes_per_token
-from calibration.model_source import load_model
+from calibration.evaluate import EVAL_MODES, evaluate, stored_bytes_per_token
 from calibration.selection import prepare_dialogues
+from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK
+from runtime.kv_int4 import Int4KV
+from runtime.kv_modes import bytes_per_token, kv_mode
 from runtime.kv_scales import load_scales_file
+from runtime.model_source import load_model
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +55,7 @@ def test_evaluate_compares_every_mode_with_full_precision(default_engine_dir, ca
     config = model.config
     scales = load_scales_file(calibrated_scales / "kv_scales.json", model.fingerprint, config.num_hidden_layers)
     dialogues, _ = prepare_dialogues("builtin", "heldout", 1, 0, model.tokenizer, max_tokens=64)
+    assert list(EVAL_MODES) == ["fp16", "int8-shared", "int8-shared-eq", "int8-separate", "int8-dynamic", "int4"]
     results = evaluate(model, dialogues, list(EVAL_MODES), scales, progress=False)
     assert list(results) == ["fp32", *EVAL_MODES]
     assert 1 < results["fp32"].ppl < 1000 and results["fp32"].kl == 0
@@ -64,9 +68,11 @@ def test_evaluate_compares_every_mode_with_full_precision(default_engine_dir, ca
     assert results["int8-shared-eq"].kl < results["int8-shared"].kl
     # int4 counts its fp16 window: more than int8 on this short dialogue, less on a long one
     layout, tokens = model.transformer().kv_layout, len(dialogues[0].token_ids)
-    window = layout.int4_window_bytes(TOKENS_PER_BLOCK)
-    assert results["int4"].kv_bytes_per_token == -(-(layout.bytes_per_token("int4") * tokens + window) // tokens)
-    assert stored_bytes_per_token(layout, "int4", 2048) < 0.8 * stored_bytes_per_token(layout, "int8", 2048)
+    window = Int4KV.reserved_bytes(layout, DEFAULT_TOKENS_PER_BLOCK)
+    int4_bytes = bytes_per_token(layout, "int4", DEFAULT_TOKENS_PER_BLOCK)
+    assert results["int4"].kv_bytes_per_token == -(-(int4_bytes * tokens + window) // tokens)
+    assert stored_bytes_per_token(layout, kv_mode("int4"), 2048) < \
+        0.8 * stored_bytes_per_token(layout, kv_mode("int8"), 2048)
 
 
 def test_cabin_eval_prints_json_keyed_by_mode(default_engine_dir, calibrated_scales, tmp_path, capsys):

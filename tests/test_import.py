@@ -15,11 +15,10 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from builders.default_model import default_gguf_path
-from builders.gguf_import import open_gguf
-from builders.importer import import_model
-from builders.weight_plan import iter_weights
 from runtime.checkpoint import CheckpointError, load_checkpoint
+from runtime.gguf_import import open_gguf
+from runtime.model_source import default_gguf_path, import_model
+from runtime.weight_plan import iter_weights
 
 QKV = "transformer.layers.{}.attention.qkv.weight"
 

@@ -1,30 +1,34 @@
-"""Paged KV cache: bytes per token, quantization error, budget, copy-on-write, reuse."""
+"""Paged KV cache: bytes per token, quantization error, budget, reuse."""
 import pytest
 import torch
 
-from runtime.kv_cache import KVLayout, KVScales, PagedKVCache
+from runtime.block_manager import Sequence
+from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
+from runtime.kv_modes import bytes_per_token
 from runtime.kv_quant import INT8_MAX, quantize_per_token, dequantize_per_token, quantize_static
+from runtime.kv_storage import KVLayout, KVScales
 
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_size=64)
 TINY = KVLayout(num_layers=2, num_kv_heads=2, head_size=8)
 
 
 def test_default_model_bytes_per_token():
-    fp16 = SMOLLM2.bytes_per_token("fp16")
+    tpb = DEFAULT_TOKENS_PER_BLOCK
+    fp16 = bytes_per_token(SMOLLM2, "fp16", tpb)
     assert fp16 == 23040  # DESIGN.md
-    assert SMOLLM2.bytes_per_token("fp32") == 2 * fp16
+    assert bytes_per_token(SMOLLM2, "fp32", tpb) == 2 * fp16
     for mode in ("int8", "int8-separate", "int8-dynamic"):
-        assert SMOLLM2.bytes_per_token(mode) <= 0.53 * fp16, mode
-    assert SMOLLM2.bytes_per_token("int8-dynamic") > SMOLLM2.bytes_per_token("int8")  # scales are counted
+        assert bytes_per_token(SMOLLM2, mode, tpb) <= 0.53 * fp16, mode
+    assert bytes_per_token(SMOLLM2, "int8-dynamic", tpb) > bytes_per_token(SMOLLM2, "int8", tpb)  # scales are counted
 
 
 def test_unknown_mode_and_tiny_budget_are_clear_errors():
     with pytest.raises(ValueError, match="unknown KV cache mode"):
-        TINY.bytes_per_token("int3")
+        bytes_per_token(TINY, "int3", 4)
     with pytest.raises(ValueError, match="raise the budget"):
-        PagedKVCache(TINY, "fp16", 10, 4)
+        PagedKVCache(TINY, KvCacheConfig("fp16", 10, 4))
     with pytest.raises(ValueError, match="needs static scales"):
-        PagedKVCache(TINY, "int8", 1 << 20, 4)
+        PagedKVCache(TINY, KvCacheConfig("int8", 1 << 20, 4))
 
 
 def test_static_int8_error_is_at_most_half_a_step():
@@ -47,10 +51,11 @@ def test_write_read_round_trip(mode):
     torch.manual_seed(0)
     k, v = torch.randn(37, 2, 8), torch.randn(37, 2, 8) * 0.1
     scales = KVScales(k=[float(k.abs().max()) / INT8_MAX] * 2, v=[float(v.abs().max()) / INT8_MAX] * 2)
-    cache = PagedKVCache(TINY, mode, 1 << 20, 5, scales)
-    cache.allocate(7, list(range(37)))
-    cache.write(1, cache.slots(7, 0, 37), k, v)
-    got_k, got_v = cache.read(1, cache.block_table(7), 37)
+    cache = PagedKVCache(TINY, KvCacheConfig(mode, 1 << 20, 5), scales)
+    seq = Sequence()
+    cache.allocate(seq, list(range(37)))
+    cache.storage.write(1, cache.slots(seq, 0, 37), k, v)
+    got_k, got_v = cache.storage.read(1, cache.block_table(seq), 37)
     tolerance = {"fp32": 0, "fp16": 2e-3, "int8": scales.shared()[0], "int8-separate": scales.k[0],
                  "int8-dynamic": 0.03}[mode]
     assert (got_k - k).abs().max() <= tolerance
@@ -60,34 +65,21 @@ def test_write_read_round_trip(mode):
 
 def test_budget_bounds_the_pool_and_stats_count_usage():
     budget = 10_000
-    cache = PagedKVCache(TINY, "fp16", budget, 4)
+    cache = PagedKVCache(TINY, KvCacheConfig("fp16", budget, 4))
     s = cache.stats()
-    assert s.bytes_reserved <= budget and s.bytes_reserved == s.blocks_total * 4 * TINY.bytes_per_token("fp16")
-    cache.allocate(0, list(range(9)))
+    assert s.bytes_reserved <= budget and s.bytes_reserved == s.blocks_total * 4 * bytes_per_token(TINY, "fp16", 4)
+    cache.allocate(Sequence(), list(range(9)))
     s = cache.stats()
-    assert s.blocks_in_use == 3 and s.bytes_used == 3 * 4 * TINY.bytes_per_token("fp16")
-
-
-def test_fork_copies_the_shared_block_before_writing():
-    cache = PagedKVCache(TINY, "fp32", 1 << 20, 4)
-    cache.allocate(0, [1, 2, 3, 4, 5, 6])
-    k = torch.arange(6 * 16, dtype=torch.float32).view(6, 2, 8)
-    cache.write(0, cache.slots(0, 0, 6), k, k)
-    cache.blocks.fork(0, 1)
-    cache.append(1, [7])
-    assert cache.block_table(1)[1] != cache.block_table(0)[1]
-    cache.write(0, cache.slots(1, 6, 7), torch.full((1, 2, 8), -1.0), torch.full((1, 2, 8), -1.0))
-    parent_k, _ = cache.read(0, cache.block_table(0), 6)
-    child_k, _ = cache.read(0, cache.block_table(1), 7)
-    assert torch.equal(parent_k, k) and torch.equal(child_k[:6], k) and bool((child_k[6] == -1).all())
+    assert s.blocks_in_use == 3 and s.bytes_used == 3 * 4 * bytes_per_token(TINY, "fp16", 4)
 
 
 def test_new_sequence_reuses_cached_prefix_blocks():
-    cache = PagedKVCache(TINY, "fp16", 1 << 20, 4)
+    cache = PagedKVCache(TINY, KvCacheConfig("fp16", 1 << 20, 4))
     prompt = list(range(10))
-    assert cache.allocate(0, prompt) == 0
-    cache.free(0)
-    assert cache.allocate(1, prompt + [99]) == 8
+    first, second = Sequence(), Sequence()
+    assert cache.allocate(first, prompt) == 0
+    cache.free(first)
+    assert cache.allocate(second, prompt + [99]) == 8
     assert cache.stats().reuse_hits == 2
 
 
@@ -96,11 +88,12 @@ def test_unscaled_read_times_its_scales_is_the_dequantized_read(mode):
     torch.manual_seed(1)
     k, v = torch.randn(20, 2, 8), torch.randn(20, 2, 8) * 0.1
     scales = KVScales(k=[0.02, 0.03], v=[0.001, 0.002])
-    cache = PagedKVCache(TINY, mode, 1 << 20, 8, scales)
-    cache.allocate(0, list(range(20)))
-    cache.write(1, cache.slots(0, 0, 20), k, v)
-    table = cache.block_table(0)
-    raw_k, raw_v, k_scale, v_scale = cache.read_unscaled(1, table, 20)
-    want_k, want_v = cache.read(1, table, 20)
+    cache = PagedKVCache(TINY, KvCacheConfig(mode, 1 << 20, 8), scales)
+    seq = Sequence()
+    cache.allocate(seq, list(range(20)))
+    cache.storage.write(1, cache.slots(seq, 0, 20), k, v)
+    table = cache.block_table(seq)
+    raw_k, raw_v, k_scale, v_scale = cache.storage.read_unscaled(1, table, 20)
+    want_k, want_v = cache.storage.read(1, table, 20)
     assert torch.allclose(raw_k * k_scale, want_k, atol=1e-7) and torch.allclose(raw_v * v_scale, want_v, atol=1e-7)
     assert (k_scale, v_scale) != (1.0, 1.0) or mode == "fp16"

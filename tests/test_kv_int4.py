@@ -6,10 +6,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.kv_cache import KV_MODES, KVLayout, KVScales, PagedKVCache
-from runtime.kv_int4 import (VALUE_GROUP, dequantize_keys, dequantize_values, pack_nibbles, quantize_keys,
-                             quantize_values, unpack_nibbles)
-from runtime.kv_int4_pool import buffers_per_sequence
+from runtime.block_manager import Sequence
+from runtime.kv_cache import KvCacheConfig, PagedKVCache
+from runtime.kv_int4 import (VALUE_GROUP, Int4KV, buffers_per_sequence, dequantize_keys, dequantize_values,
+                             pack_nibbles, quantize_keys, quantize_values, unpack_nibbles)
+from runtime.kv_modes import REFERENCE_KV_MODES, bytes_per_token
+from runtime.kv_storage import KVLayout, KVScales
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=64)
 TPB = 8
@@ -45,31 +47,34 @@ def test_int4_error_is_at_most_half_a_step_per_group(seed, tokens, spread):
 
 
 def _cache(mode: str, blocks: int = 12, scales: KVScales | None = None, window: int = 0) -> PagedKVCache:
-    budget = LAYOUT.bytes_per_token(mode, TPB) * TPB * blocks
+    budget = bytes_per_token(LAYOUT, mode, TPB) * TPB * blocks
     if mode == "int4":
-        budget += LAYOUT.int4_window_bytes(TPB, window)
-    return PagedKVCache(LAYOUT, mode, budget, TPB, scales, int4_window=window)
+        budget += Int4KV.reserved_bytes(LAYOUT, TPB, window=window)
+    options = {"window": window} if mode == "int4" else {}
+    return PagedKVCache(LAYOUT, KvCacheConfig(mode, budget, TPB), scales, **options)
 
 
-def _write_dialogue(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, prefill: int) -> None:
-    """Prefill, then decode one token at a time, as generation does."""
-    cache.allocate(0, list(range(prefill)))
+def _write_dialogue(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, prefill: int) -> Sequence:
+    """Prefill, then decode one token at a time, as generation does; returns the sequence."""
+    seq = Sequence()
+    cache.allocate(seq, list(range(prefill)))
     for layer in range(LAYOUT.num_layers):
-        cache.write(layer, cache.slots(0, 0, prefill), k[:prefill] * (layer + 1), v[:prefill])
+        cache.storage.write(layer, cache.slots(seq, 0, prefill), k[:prefill] * (layer + 1), v[:prefill])
     for t in range(prefill, len(k)):
-        cache.append(0, [t])
+        cache.append(seq, [t])
         for layer in range(LAYOUT.num_layers):
-            cache.write(layer, cache.slots(0, t, t + 1), k[t:t + 1] * (layer + 1), v[t:t + 1])
+            cache.storage.write(layer, cache.slots(seq, t, t + 1), k[t:t + 1] * (layer + 1), v[t:t + 1])
+    return seq
 
 
-@pytest.mark.parametrize("mode", KV_MODES)
+@pytest.mark.parametrize("mode", REFERENCE_KV_MODES)
 def test_every_mode_reads_back_within_its_error_bound(mode):
     k, v = _kv(43, seed=7)
     k_amax, v_amax = [float(k.abs().max() * (layer + 1)) for layer in range(2)], [float(v.abs().max())] * 2
     scales = KVScales(k=[a / 127 for a in k_amax], v=[a / 127 for a in v_amax])
     cache = _cache(mode, scales=scales)
-    _write_dialogue(cache, k, v, prefill=13)
-    got_k, got_v = cache.read(1, cache.block_table(0), len(k))
+    seq = _write_dialogue(cache, k, v, prefill=13)
+    got_k, got_v = cache.read(1, seq)
     want_k = k * 2
     if mode == "fp32":
         k_bound, v_bound = torch.zeros(()), torch.zeros(())
@@ -96,49 +101,39 @@ def test_every_mode_reads_back_within_its_error_bound(mode):
 def test_int4_bytes_per_token_counts_codes_and_scales():
     # codes: 2 x 128 channels / 2; key scale+zero per block and channel; value scale+zero per token and group
     per_layer_block = TPB * 128 + 128 * 4 + TPB * (128 // VALUE_GROUP) * 4
-    assert LAYOUT.bytes_per_token("int4", TPB) == -(-per_layer_block * 2 // TPB)
+    assert bytes_per_token(LAYOUT, "int4", TPB) == -(-per_layer_block * 2 // TPB)
     cache = _cache("int4", blocks=5, window=20)
-    pool = cache._int4
+    pool = cache.storage
     stored = sum(t.numel() * t.element_size() for t in (pool.k_codes, pool.v_codes, pool.k_scale, pool.k_zero,
                                                         pool.v_scale, pool.v_zero))
     assert stored == cache.stats().blocks_total * TPB * cache.bytes_per_token()
     # a 20-token window touches up to 3 full blocks of 8, plus the partial block being written
     assert buffers_per_sequence(TPB, 20) == 4
-    assert cache.stats().window_bytes == LAYOUT.bytes_per_token("fp16") * TPB * 4
-    assert LAYOUT.bytes_per_token("int4", 32) * 3 < LAYOUT.bytes_per_token("fp16")
+    assert cache.stats().window_bytes == bytes_per_token(LAYOUT, "fp16", TPB) * TPB * 4
+    assert bytes_per_token(LAYOUT, "int4", 32) * 3 < bytes_per_token(LAYOUT, "fp16", 32)
     with pytest.raises(ValueError, match="head size divisible by 32"):
-        KVLayout(1, 1, 48).bytes_per_token("int4")
+        bytes_per_token(KVLayout(1, 1, 48), "int4", 32)
 
 
 def test_int4_windows_follow_partial_blocks_through_copy_and_free():
     k, v = _kv(20, seed=3)
     cache = _cache("int4", blocks=8)
-    _write_dialogue(cache, k, v, prefill=20)  # blocks: 8 + 8 quantized, 4 tokens in the window
-    assert len(cache._int4._buffers) == 1
-    before = cache.read(0, cache.block_table(0), 20)
+    first = _write_dialogue(cache, k, v, prefill=20)  # blocks: 8 + 8 quantized, 4 tokens in the window
+    assert len(cache.storage._buffers) == 1
+    before = cache.read(0, first)
     # A second sequence with the same prefix reuses the two full blocks; its own last block needs a window.
-    assert cache.allocate(1, list(range(20)) + [99]) == 16
+    second = Sequence()
+    assert cache.allocate(second, list(range(20)) + [99]) == 16
     for layer in range(LAYOUT.num_layers):
-        cache.write(layer, cache.slots(1, 16, 21), torch.cat([k[16:20] * (layer + 1), k[:1]]), torch.cat([v[16:], v[:1]]))
-    after = cache.read(0, cache.block_table(0), 20)
+        cache.storage.write(layer, cache.slots(second, 16, 21), torch.cat([k[16:20] * (layer + 1), k[:1]]),
+                            torch.cat([v[16:], v[:1]]))
+    after = cache.read(0, first)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    assert len(cache._int4._buffers) == 2 and cache.stats().window_bytes == 2 * LAYOUT.int4_window_bytes(TPB, 0)
-    cache.free(1)
-    cache.free(0)
-    assert not cache._int4._buffers and cache.stats().bytes_used == 0
-
-
-def test_int4_rewrites_a_quantized_block_after_truncation():
-    k, v = _kv(24, seed=5)
-    cache = _cache("int4", blocks=6)
-    _write_dialogue(cache, k, v, prefill=16)
-    cache.blocks.truncate(0, 12)  # what a session does when the history changes
-    cache.append(0, [7])
-    for layer in range(LAYOUT.num_layers):
-        cache.write(layer, cache.slots(0, 12, 13), k[20:21] * (layer + 1), v[20:21])
-    got_k, _ = cache.read(0, cache.block_table(0), 13)
-    assert torch.equal(got_k[12], k[20].half().float())
-    assert (got_k[8:12] - k[8:12]).abs().max() <= (k[8:16].amax(0) - k[8:16].amin(0)).max() / 30 * 1.01 + 1e-2
+    assert len(cache.storage._buffers) == 2
+    assert cache.stats().window_bytes == 2 * Int4KV.reserved_bytes(LAYOUT, TPB, window=0)
+    cache.free(second)
+    cache.free(first)
+    assert not cache.storage._buffers and cache.stats().bytes_used == 0
 
 
 @pytest.mark.parametrize("prefill", [3, 30])
@@ -146,32 +141,34 @@ def test_int4_window_keeps_the_newest_tokens_in_fp16(prefill):
     k, v = _kv(45, seed=11)
     window = 12
     cache = _cache("int4", blocks=8, window=window)
-    _write_dialogue(cache, k, v, prefill=prefill)
-    got_k, got_v = cache.read(0, cache.block_table(0), len(k))
+    seq = _write_dialogue(cache, k, v, prefill=prefill)
+    got_k, got_v = cache.read(0, seq)
     # tokens 32..44 share blocks with the newest 12 tokens (blocks 4 and 5): exact fp16
     assert torch.equal(got_k[32:], k[32:].half().float()) and torch.equal(got_v[32:], v[32:].half().float())
     # older blocks are 4-bit: within half a step of their key groups, and not exact
     older = k[:32].unflatten(0, (4, TPB))
     bound = ((older.amax(1) - older.amin(1)) / 30 * 1.01).repeat_interleave(TPB, 0) + 1e-6
     assert torch.all((got_k[:32] - k[:32]).abs() <= bound) and not torch.equal(got_k[:32], k[:32].half().float())
-    assert len(cache._int4._buffers) <= buffers_per_sequence(TPB, window)
+    assert len(cache.storage._buffers) <= buffers_per_sequence(TPB, window)
     # freed, the full window blocks are quantized and stay cached; a new sequence reuses them
-    cache.free(0)
-    assert not cache._int4._buffers
-    assert cache.allocate(1, list(range(40)) + [7]) == 40
-    reused_k, _ = cache.read(0, cache.block_table(1), 40)
+    cache.free(seq)
+    assert not cache.storage._buffers
+    reuser = Sequence()
+    assert cache.allocate(reuser, list(range(40)) + [7]) == 40
+    reused_k, _ = cache.storage.read(0, cache.block_table(reuser), 40)
     assert torch.all((reused_k[32:40] - k[32:40]).abs() <= (k[32:40].amax(0) - k[32:40].amin(0)) / 30 * 1.01 + 1e-6)
 
 
 def test_int4_window_of_a_shared_prefix_stays_fp16_while_one_sequence_needs_it():
     k, v = _kv(16, seed=2)
     cache = _cache("int4", blocks=10, window=16)
-    _write_dialogue(cache, k, v, prefill=16)
-    assert cache.allocate(1, list(range(16)) + list(range(100, 120))) == 16  # both blocks of sequence 0 reused
+    first = _write_dialogue(cache, k, v, prefill=16)
+    second = Sequence()
+    assert cache.allocate(second, list(range(16)) + list(range(100, 120))) == 16  # both blocks of the first reused
     for layer in range(LAYOUT.num_layers):
-        cache.write(layer, cache.slots(1, 16, 36), torch.randn(20, 2, 64), torch.randn(20, 2, 64))
-    got_k, _ = cache.read(0, cache.block_table(0), 16)
-    assert torch.equal(got_k[:8], k[:8].half().float())  # sequence 0 still has block 0 in its window
-    cache.free(0)
-    got_k, _ = cache.read(0, cache.block_table(1), 8)
+        cache.storage.write(layer, cache.slots(second, 16, 36), torch.randn(20, 2, 64), torch.randn(20, 2, 64))
+    got_k, _ = cache.read(0, first)
+    assert torch.equal(got_k[:8], k[:8].half().float())  # the first sequence still has block 0 in its window
+    cache.free(first)
+    got_k, _ = cache.storage.read(0, cache.block_table(second), 8)
     assert not torch.equal(got_k, k[:8].half().float())  # no window holds it any more: quantized

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from builders.hf_export import to_transformers
-from runtime.engine import CHECKPOINT_DIR
+from runtime.block_manager import Sequence
+from runtime.engine_folder import CHECKPOINT_DIR
 from runtime.generate import generate
 from runtime.sampling import SamplingParams
 
@@ -28,9 +29,10 @@ def prompt_256(default_engine):
 
 
 def test_logits_match_transformers_on_256_tokens(default_engine, hf_model, prompt_256):
-    cache = default_engine.new_cache("fp32", 32 << 20, tokens_per_block=16)
-    cache.allocate(0, prompt_256)
-    ours = default_engine.model.forward(prompt_256, 0, cache, 0, all_logits=True)
+    cache = default_engine.new_cache(default_engine.kv_cache_config("fp32", 32 << 20, tokens_per_block=16))
+    seq = Sequence()
+    cache.allocate(seq, prompt_256)
+    ours = default_engine.model.forward(prompt_256, 0, cache, seq, all_logits=True)
     with torch.no_grad():
         theirs = hf_model(torch.tensor([prompt_256])).logits[0]
     diff = (ours - theirs).abs().max().item()
@@ -39,9 +41,9 @@ def test_logits_match_transformers_on_256_tokens(default_engine, hf_model, promp
 
 def test_64_greedy_tokens_match_transformers(default_engine, hf_model, prompt_256):
     prompt = prompt_256[:100]
-    cache = default_engine.new_cache("fp32", 32 << 20)
+    cache = default_engine.new_cache(default_engine.kv_cache_config("fp32", 32 << 20))
     params = SamplingParams(max_new_tokens=64, temperature=0.0, stop_token_ids=[])
-    ours = generate(default_engine.model, cache, 0, prompt, params, default_engine.tokenizer.decode_reply)
+    ours = generate(default_engine.model, cache, Sequence(), prompt, params, default_engine.tokenizer.decode_reply)
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)

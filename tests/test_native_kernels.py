@@ -8,7 +8,10 @@ import torch.nn.functional as F
 
 from runtime import native_kernels
 from runtime.native_kernels import StoredKV
-from runtime.kv_cache import KVLayout, KVScales, PagedKVCache
+from runtime.block_manager import Sequence
+from runtime.kv_cache import KvCacheConfig, PagedKVCache
+from runtime.kv_modes import kv_mode
+from runtime.kv_storage import KVLayout, KVScales
 from runtime.model import grouped_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the kernels")
@@ -38,23 +41,24 @@ def test_decode_attention_equals_torch_path(mode, kv_heads, group, head_size, to
     layout = KVLayout(num_layers=2, num_kv_heads=kv_heads, head_size=head_size)
     scales = KVScales(k=[0.03, 0.05], v=[0.02, 0.04])
     blocks = math.ceil(context / tokens_per_block) + 4
-    budget = layout.bytes_per_token(mode, tokens_per_block) * tokens_per_block * blocks
-    if mode == "int4":
-        budget += layout.int4_window_bytes(tokens_per_block)
-    cache = PagedKVCache(layout, mode, budget, tokens_per_block, scales)
+    storage = kv_mode(mode)
+    budget = storage.bytes_per_token(layout, tokens_per_block) * tokens_per_block * blocks
+    budget += storage.reserved_bytes(layout, tokens_per_block)  # int4: the fp16 window; 0 for the others
+    cache = PagedKVCache(layout, KvCacheConfig(mode, budget, tokens_per_block), scales)
     # Another sequence first, freed, so this one's blocks are not in pool order.
-    cache.allocate(7, list(range(3 * tokens_per_block)))
-    cache.allocate(0, list(range(1000, 1000 + context)))
-    cache.free(7)
+    other, seq = Sequence(), Sequence()
+    cache.allocate(other, list(range(3 * tokens_per_block)))
+    cache.allocate(seq, list(range(1000, 1000 + context)))
+    cache.free(other)
     gen = torch.Generator().manual_seed(context)
     keys = torch.randn(context, kv_heads, head_size, generator=gen) * 2
     values = torch.randn(context, kv_heads, head_size, generator=gen)
-    cache.write(1, cache.slots(0, 0, context), keys, values)
+    cache.storage.write(1, cache.slots(seq, 0, context), keys, values)
     q = torch.randn(kv_heads * group, head_size, generator=gen)
-    table = cache.block_table(0)
-    k, v, k_scale, v_scale = cache.read_unscaled(1, table, context)
+    table = cache.block_table(seq)
+    k, v, k_scale, v_scale = cache.storage.read_unscaled(1, table, context)
     want = grouped_attention(q[None] * k_scale, k, v, context - 1) * v_scale
-    stored = cache.stored_kv(1, table, context)
+    stored = cache.storage.stored_kv(1, table, context)
     got = native_kernels.decode_attention(stored.k.dtype, head_size, group)(q, stored, context)
     assert torch.max(torch.abs(got - want)) <= 1e-5
 
@@ -121,14 +125,15 @@ def test_decode_on_native_kernels_matches_the_torch_path(default_engine, mode):
     runs = []
     for native in (True, False):
         model.native_kernels = native
-        cache = default_engine.new_cache(mode, 8 << 20)
-        cache.allocate(0, prompt)
-        logits = model.forward(prompt, 0, cache, 0)
+        cache = default_engine.new_cache(default_engine.kv_cache_config(mode, 8 << 20))
+        seq = Sequence()
+        cache.allocate(seq, prompt)
+        logits = model.forward(prompt, 0, cache, seq)
         tokens, steps = [], []
         for pos in range(len(prompt), len(prompt) + 12):
             tokens.append(int(logits.argmax()))
-            cache.append(0, tokens[-1:])
-            logits = model.forward(tokens[-1:], pos, cache, 0)
+            cache.append(seq, tokens[-1:])
+            logits = model.forward(tokens[-1:], pos, cache, seq)
             steps.append(logits)
         runs.append((tokens, torch.stack(steps)))
     model.native_kernels = True

@@ -1,6 +1,9 @@
 """Overflow policies on the default model: long dialogues under a small KV budget."""
+import dataclasses
+
 import pytest
 
+from runtime.kv_cache import sized_config
 from runtime.overflow import OverflowPolicy, drop_oldest_turns, sink_window
 from runtime.sampling import SamplingParams
 from runtime.session import DialogueSession
@@ -24,8 +27,9 @@ def test_drop_oldest_turns_keeps_system_and_whole_turns():
     assert drop_oldest_turns(messages, lambda m: False) is None
 
 
-def budgeted_session(engine, policy, tokens=192):
-    cache = engine.new_cache("int8", engine.model.kv_layout.bytes_per_token("int8") * tokens, tokens_per_block=16)
+def budgeted_session(engine, policy, tokens=192, sink_token_length=4):
+    config = sized_config(engine.model.kv_layout, "int8", tokens, tokens_per_block=16)
+    cache = engine.new_cache(dataclasses.replace(config, sink_token_length=sink_token_length))
     params = SamplingParams(max_new_tokens=16, stop_token_ids=engine.stop_token_ids())
     return DialogueSession(engine, cache, params, SYSTEM, OverflowPolicy(policy))
 
@@ -38,9 +42,20 @@ def test_every_turn_completes_under_a_small_budget(default_engine, policy):
     assert sum(t.evicted_tokens for t in turns) > 0
     assert all(t.kv_bytes_used <= t.kv_bytes_budget for t in turns)
     assert len(session.fed) + 1 <= 192
-    assert session.cache.blocks.num_tokens(session.seq_id) == len(session.fed)
+    session.cache.blocks.check_invariants()
+    assert session.cache.stats().blocks_in_use == len(session.seq.block_table) == -(-len(session.fed) // 16)
     if policy == "drop-turns":
         assert session.messages[0]["role"] == "system" and len(session.messages) < 2 * len(QUESTIONS) + 1
+
+
+def test_sink_window_keeps_the_system_prompt_and_the_configured_sink_tokens(default_engine):
+    session = budgeted_session(default_engine, "sink-window", sink_token_length=12)
+    tok, system = default_engine.tokenizer, {"role": "system", "content": SYSTEM}
+    first = tok.encode_prompt(tok.render([system, {"role": "user", "content": QUESTIONS[0]}]))
+    head = len(tok.encode_prompt(tok.render([system], add_generation_prompt=False))) + 12
+    turns = [session.chat(q) for q in QUESTIONS]
+    assert sum(t.evicted_tokens for t in turns) > 0
+    assert session.fed[:head] == first[:head] and session.fed[:head + 1] != first[:head + 1]
 
 
 def test_error_policy_refuses_and_stays_usable(default_engine):

@@ -5,7 +5,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.kv_cache import KVLayout, PagedKVCache
+from runtime.block_manager import Sequence
+from runtime.kv_cache import KvCacheConfig, PagedKVCache
+from runtime.kv_modes import bytes_per_token
+from runtime.kv_storage import KVLayout
 from runtime.model import grouped_attention
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=16)
@@ -35,17 +38,20 @@ def test_paged_fp16_attention_matches_dense(block_size, context, new, seed):
     values = torch.randn(context, 2, 16, generator=gen)
     q = torch.randn(new, HEADS, 16, generator=gen)
     blocks = math.ceil(context / block_size) + 3 * math.ceil(8 / block_size)
-    cache = PagedKVCache(LAYOUT, "fp16", LAYOUT.bytes_per_token("fp16") * block_size * blocks, block_size)
+    budget = bytes_per_token(LAYOUT, "fp16", block_size) * block_size * blocks
+    cache = PagedKVCache(LAYOUT, KvCacheConfig("fp16", budget, block_size))
     # A few other sequences first, so this one's blocks are scattered in the pool.
-    for other in range(3):
-        cache.allocate(100 + other, [1000 + other] * (seed % 7 + 1))
-    cache.free(101)
-    cache.allocate(0, [0])
+    others = [Sequence() for _ in range(3)]
+    for index, other in enumerate(others):
+        cache.allocate(other, [1000 + index] * (seed % 7 + 1))
+    cache.free(others[1])
+    seq = Sequence()
+    cache.allocate(seq, [0])
     if context > 1:
-        cache.append(0, list(range(1, context)))
-    slots = cache.slots(0, 0, context)
-    cache.write(1, slots, keys, values)
-    got_k, got_v = cache.read(1, cache.block_table(0), context)
+        cache.append(seq, list(range(1, context)))
+    slots = cache.slots(seq, 0, context)
+    cache.storage.write(1, slots, keys, values)
+    got_k, got_v = cache.read(1, seq)
     got = grouped_attention(q, got_k, got_v, start)
     want = dense_attention(q, keys.half().float(), values.half().float(), start)
     assert torch.max(torch.abs(got - want)) <= 1e-5

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from builders.dialogue_turns import TURNS_SOURCE, TYPICAL_TURN, measure_turn_tokens
-from builders.model_shapes import load_model_config
 from builders.plan_cli import main as cabin_plan
 from builders.planner import CHUNK_TOKENS, REPLY_TOKENS, PlanRequest, make_plan
 from builders.targets import GIB, get_target, load_targets
 from builders.trtllm import build_args, flag_set
+from runtime.model_source import load_model_config
 
 LLAMA3_8B = Path(__file__).parent / "data" / "llama3-8b" / "config.json"
 TARGETS = ("orin-nano-8gb", "orin-nx-16gb", "agx-orin-32gb", "agx-orin-64gb", "thor-128gb", "cpu")

@@ -1,6 +1,7 @@
 """Dialogue sessions on the default model: reuse across turns, shared prefixes, capacity, streaming."""
 import pytest
 
+from runtime.block_manager import Sequence
 from runtime.generate import generate
 from runtime.sampling import SamplingParams
 from runtime.session import DialogueSession
@@ -14,23 +15,27 @@ def params(engine, n=12):
     return SamplingParams(max_new_tokens=n, stop_token_ids=engine.stop_token_ids())
 
 
+def new_cache(engine, mode, max_bytes, tokens_per_block=None):
+    return engine.new_cache(engine.kv_cache_config(mode, max_bytes, tokens_per_block))
+
+
 @pytest.mark.parametrize("mode", ["fp16", "int8-dynamic"])
 def test_reusing_history_gives_the_same_reply_as_prefilling_it(default_engine, mode):
-    session = DialogueSession(default_engine, default_engine.new_cache(mode, 16 << 20), params(default_engine),
+    session = DialogueSession(default_engine, new_cache(default_engine, mode, 16 << 20), params(default_engine),
                               SYSTEM)
     for text in TURNS[:-1]:
         session.chat(text)
     last = session.chat(TURNS[-1])
     assert last.reused_tokens > 0 and last.prefill_tokens < last.reused_tokens
     history = session.fed[: last.reused_tokens + last.prefill_tokens]
-    fresh = generate(default_engine.model, default_engine.new_cache(mode, 16 << 20), 0, history,
+    fresh = generate(default_engine.model, new_cache(default_engine, mode, 16 << 20), Sequence(), history,
                      params(default_engine), default_engine.tokenizer.decode_reply)
     assert fresh.prefill_tokens == len(history)
     assert fresh.token_ids == last.token_ids
 
 
 def test_second_session_reuses_the_shared_system_prompt(default_engine):
-    cache = default_engine.new_cache("int8", 16 << 20, tokens_per_block=8)
+    cache = new_cache(default_engine, "int8", 16 << 20, tokens_per_block=8)
     first = DialogueSession(default_engine, cache, params(default_engine, 4), SYSTEM).chat(TURNS[0])
     second = DialogueSession(default_engine, cache, params(default_engine, 4), SYSTEM).chat(TURNS[1])
     assert first.reused_tokens == 0
@@ -39,7 +44,7 @@ def test_second_session_reuses_the_shared_system_prompt(default_engine):
 
 
 def test_turn_that_does_not_fit_ends_with_capacity_and_session_stays_usable(default_engine):
-    cache = default_engine.new_cache("fp16", 23040 * 64, tokens_per_block=16)  # 64 tokens
+    cache = new_cache(default_engine, "fp16", 23040 * 64, tokens_per_block=16)  # 64 tokens
     session = DialogueSession(default_engine, cache, params(default_engine, 8), SYSTEM)
     stats = session.chat("Tell me everything about the adaptive cruise control. " * 6)
     assert stats.finish_reason == "capacity" and "kv-budget-mb" in stats.error

@@ -3,17 +3,20 @@ import dataclasses
 import os
 
 import pytest
-from runtime.kv_cache import KVScales, PagedKVCache
+from runtime.dialogue import SessionFileError
+from runtime.kv_cache import KvCacheConfig, PagedKVCache
+from runtime.kv_storage import KVScales
 from runtime.sampling import SamplingParams
 from runtime.session import DialogueSession
-from runtime.session_store import SessionFileError
+from runtime.session_store import SESSION_FORMAT, read_session_file, write_session_file
 
 SYSTEM = "You are the in-car assistant. Answer in one sentence."
 
 
 def two_turn_session(engine, mode):
     params = SamplingParams(max_new_tokens=10, stop_token_ids=engine.stop_token_ids())
-    session = DialogueSession(engine, engine.new_cache(mode, 8 << 20, tokens_per_block=16), params, SYSTEM)
+    session = DialogueSession(engine, engine.new_cache(KvCacheConfig(mode, 8 << 20, tokens_per_block=16)), params,
+                              SYSTEM)
     session.chat("Where is the nearest charger?")
     session.chat("And how long will charging take?")
     return session
@@ -22,8 +25,12 @@ def two_turn_session(engine, mode):
 @pytest.mark.parametrize("mode", ["int8", "int8-dynamic"])
 def test_restored_session_gives_the_same_next_reply_without_reprefill(default_engine, tmp_path, mode):
     session = two_turn_session(default_engine, mode)
-    session.save(tmp_path / "s.cabin")
+    assert session.save(tmp_path / "s.cabin") == len(session.fed) > 0
+    header, _ = read_session_file(tmp_path / "s.cabin")
+    assert header["format"] == SESSION_FORMAT == "cabin-session/2"
+    assert header["kv_cache"] == session.cache.config.to_dict()
     restored = DialogueSession.restore(tmp_path / "s.cabin", default_engine)
+    assert restored.cache.config == session.cache.config  # the new cache is built from the saved config
     assert restored.messages == session.messages and restored.fed == session.fed
     want, got = session.chat("Thanks, play the news."), restored.chat("Thanks, play the news.")
     assert got.token_ids == want.token_ids
@@ -56,6 +63,20 @@ def test_other_model_or_other_scales_are_refused(default_engine, tmp_path):
         DialogueSession.restore(tmp_path / "s.cabin", other_model)
     scales = default_engine.scales
     other = KVScales(k=[s * 2 for s in scales.k], v=scales.v)
-    cache = PagedKVCache(default_engine.model.kv_layout, "int8", 8 << 20, 16, other)
+    cache = PagedKVCache(default_engine.model.kv_layout, KvCacheConfig("int8", 8 << 20, 16), other)
     with pytest.raises(SessionFileError, match="scales"):
         DialogueSession.restore(tmp_path / "s.cabin", default_engine, cache)
+
+
+def test_other_format_or_block_storage_is_refused(default_engine, tmp_path):
+    session = two_turn_session(default_engine, "int8")
+    session.save(tmp_path / "s.cabin")
+    header, tensors = read_session_file(tmp_path / "s.cabin")
+    write_session_file(tmp_path / "old.cabin", {**header, "format": "cabin-session/1"}, tensors)
+    with pytest.raises(SessionFileError, match="cabin-session/2"):
+        DialogueSession.restore(tmp_path / "old.cabin", default_engine)
+    int4 = DialogueSession(default_engine, default_engine.new_cache(KvCacheConfig("int4", 8 << 20, 16)),
+                           system_prompt=SYSTEM)
+    with pytest.raises(SessionFileError, match="per-token"):
+        int4.save(tmp_path / "int4.cabin")
+    assert not (tmp_path / "int4.cabin").exists()

@@ -5,9 +5,11 @@ import types
 import pytest
 import torch
 
+from runtime.engine_folder import TRT_ENGINE_DIR
+from runtime.kv_cache import KvCacheConfig
 from runtime.overflow import OverflowPolicy
 from runtime.sampling import SamplingParams
-from runtime.trtllm_session import TRT_ENGINE_DIR, TrtllmSession
+from runtime.trtllm_session import TrtllmSession
 
 SYSTEM = "You are the in-car assistant."
 
@@ -44,10 +46,17 @@ def fake_trtllm(monkeypatch, default_engine):
     return FakeRunner
 
 
-def open_session(engine, tmp_path, kv_mode, policy):
+def open_session(engine, tmp_path, kv_mode, policy, tokens_per_block=64):
     params = SamplingParams(max_new_tokens=32, stop_token_ids=engine.stop_token_ids())
-    return TrtllmSession(tmp_path, engine.tokenizer, engine.model.kv_layout, kv_mode, 8 << 20, params, SYSTEM,
-                         OverflowPolicy(policy))
+    return TrtllmSession(tmp_path, engine.tokenizer, engine.model.kv_layout,
+                         KvCacheConfig(kv_mode, 8 << 20, tokens_per_block), params, SYSTEM, OverflowPolicy(policy))
+
+
+def common_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def test_int8_engine_gets_budget_window_and_no_block_reuse(default_engine, fake_trtllm, tmp_path):
@@ -67,12 +76,18 @@ def test_int8_engine_gets_budget_window_and_no_block_reuse(default_engine, fake_
     assert call["end_id"] == default_engine.stop_token_ids()[0] and call["top_k"] == 1 and call["streaming"] is True
 
 
-def test_fp16_engine_asks_for_block_reuse_and_reports_it(default_engine, fake_trtllm, tmp_path):
-    session = open_session(default_engine, tmp_path, "fp16", "drop-turns")
+@pytest.mark.parametrize("tokens_per_block", [64, 32])  # Orin's and Thor's block size
+def test_fp16_engine_asks_for_block_reuse_and_reports_it(default_engine, fake_trtllm, tmp_path, tokens_per_block):
+    session = open_session(default_engine, tmp_path, "fp16", "drop-turns", tokens_per_block)
     kwargs = fake_trtllm.created[0]
     assert kwargs["kv_cache_enable_block_reuse"] is True and "max_attention_window_size" not in kwargs
     session.chat("Navigate home, but first stop at the pharmacy on Main Street and then at the dry cleaner "
-                 "next to the station; avoid toll roads and tell me the arrival time.")
+                 "next to the station; avoid toll roads and tell me the arrival time. Also set the seat heating "
+                 "to level two, keep the cabin at 21 degrees and read me the latest traffic news for the A9 motorway.")
     second = session.chat("Avoid the motorway, please, and tell me when we pass a bakery.")
-    assert second.reused_tokens > 0 and second.reused_tokens % 64 == 0
+    assert second.reused_tokens > 0 and second.reused_tokens % tokens_per_block == 0
     assert second.reused_tokens + second.prefill_tokens == len(fake_trtllm.calls[1]["input_ids"])
+    shared = common_prefix(fake_trtllm.calls[0]["input_ids"] + fake_trtllm.reply, fake_trtllm.calls[1]["input_ids"])
+    assert second.reused_tokens == shared // tokens_per_block * tokens_per_block  # every whole block of the prefix
+    if tokens_per_block == 32:
+        assert second.reused_tokens % 64 == 32  # one 32-token block more than 64-token blocks would give

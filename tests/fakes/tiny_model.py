@@ -16,12 +16,13 @@ SHAPE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "nu
          "num_key_value_heads": 2, "max_position_embeddings": 1024}
 
 
-def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
-    """Write the tiny model into ``folder`` and return it."""
+def write_tiny_llama(folder: Path, seed: int = 0, **shape: int) -> Path:
+    """Write the tiny model (``SHAPE``, with any key overridden by ``shape``) into ``folder`` and return it."""
     folder.mkdir(parents=True, exist_ok=True)
+    shape = {**SHAPE, **shape}
     vocab = {token: i for i, token in enumerate(SPECIAL + WORDS)}
     gen = torch.Generator().manual_seed(seed)
-    h, inter, heads, kv_heads = (SHAPE[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+    h, inter, heads, kv_heads = (shape[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                                     "num_key_value_heads"))
     d = h // heads
 
@@ -30,7 +31,7 @@ def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
 
     weights = {"model.embed_tokens.weight": rand(len(vocab), h), "model.norm.weight": 1 + rand(h),
                "lm_head.weight": rand(len(vocab), h)}
-    for layer in range(SHAPE["num_hidden_layers"]):
+    for layer in range(shape["num_hidden_layers"]):
         p = f"model.layers.{layer}"
         weights.update({
             f"{p}.input_layernorm.weight": 1 + rand(h), f"{p}.post_attention_layernorm.weight": 1 + rand(h),
@@ -41,7 +42,7 @@ def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
         })
     save_file(weights, str(folder / "model.safetensors"))
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": len(vocab), "rms_norm_eps": 1e-5,
-              "rope_theta": 10000.0, "tie_word_embeddings": False, **SHAPE}
+              "rope_theta": 10000.0, "tie_word_embeddings": False, **shape}
     (folder / "config.json").write_text(json.dumps(config))
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

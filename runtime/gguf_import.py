@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from builders.weight_plan import SourceModel, SourceNames, check_plan, weight_plan
+from runtime.weight_plan import SourceModel, SourceNames, check_plan, weight_plan
 from runtime.checkpoint import CheckpointError, ModelConfig
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # Mistral GGUFs say "llama"

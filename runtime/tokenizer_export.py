@@ -13,8 +13,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from builders.gguf_import import read_gguf
-from builders.hf_import import read_json
+from runtime.gguf_import import read_gguf
+from runtime.hf_import import read_json
 from runtime.checkpoint import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"

