@@ -20,10 +20,10 @@ from benchmarks.runner_transformers import transformers_runners
 from benchmarks.settings import BenchSettings
 from benchmarks.speed import measure_speed, speed_ratios, speed_rows
 from benchmarks.workload import long_sharegpt_dialogue, sharegpt_stream
-from runtime.model_source import DEFAULT_GGUF_NAME, default_gguf_path
 from builders.hf_export import to_transformers
 from runtime.engine import Engine
 from runtime.engine_folder import CHECKPOINT_DIR
+from runtime.model_source import DEFAULT_GGUF_NAME, default_gguf_path
 
 MIB = 1 << 20
 TURN_MODE = "int8"  # our mode in the dialogue test

@@ -6,10 +6,10 @@ import json
 import sys
 
 from builders.memory_model import WEIGHT_FORMATS
-from runtime.model_source import load_model_config
 from builders.planner import MIB, Plan, PlanRefused, PlanRequest, make_plan, nearest_working
 from builders.targets import GIB, TargetError, get_target, load_targets
 from runtime.checkpoint import CheckpointError
+from runtime.model_source import load_model_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -5,11 +5,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.model_source import LoadedModel
 from calibration.scales import DEFAULT_PERCENTILE, LayerClips, compute_clips, layer_ranges
 from calibration.selection import prepare_dialogues
 from calibration.stats import KVStats, collect_stats
 from runtime.kv_scales import ScalesFile, save_scales
+from runtime.model_source import LoadedModel
 
 
 @dataclass

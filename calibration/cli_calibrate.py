@@ -7,10 +7,10 @@ from pathlib import Path
 
 from calibration.calibrate import CalibrationRequest, calibrate, write_scales
 from calibration.dialogues import DataError
-from runtime.model_source import load_model
 from calibration.report import write_calibration_report
 from calibration.scales import DEFAULT_PERCENTILE, METHODS
 from runtime.checkpoint import CheckpointError
+from runtime.model_source import load_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -11,11 +11,11 @@ from calibration.calibrate import CalibrationRequest, calibrate
 from calibration.charts import plot_accuracy
 from calibration.dialogues import DataError
 from calibration.evaluate import EVAL_MODES, STATIC_MODES, ModeResult, evaluate, results_json
-from runtime.model_source import LoadedModel, load_model
 from calibration.selection import prepare_dialogues
 from runtime.atomic import atomic_write_text
 from runtime.checkpoint import CheckpointError
 from runtime.kv_scales import ScalesError, ScalesFile, load_scales_file
+from runtime.model_source import LoadedModel, load_model
 
 RESULTS_JSON = "eval.json"
 CHART_PNG = "accuracy.png"

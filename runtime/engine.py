@@ -13,7 +13,6 @@ from runtime.kv_storage import KVScales
 from runtime.model import Transformer
 from runtime.tokenizer import ChatTokenizer
 
-
 DEFAULT_KV_BUDGET = 64 << 20
 
 

@@ -8,8 +8,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from runtime.weight_plan import SourceModel, SourceNames, check_plan, weight_plan
 from runtime.checkpoint import CheckpointError, ModelConfig
+from runtime.weight_plan import SourceModel, SourceNames, check_plan, weight_plan
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # Mistral GGUFs say "llama"
 SUPPORTED_TYPES = tuple(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"))

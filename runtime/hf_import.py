@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
+from runtime.checkpoint import CheckpointError
 from runtime.hf_names import HF_NAMES, config_from_hf
 from runtime.weight_plan import SourceModel, check_plan, weight_plan
-from runtime.checkpoint import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 

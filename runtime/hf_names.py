@@ -1,8 +1,8 @@
 """HF Llama/Mistral/Qwen2 names and config.json -> the TensorRT-LLM checkpoint's."""
 from __future__ import annotations
 
-from runtime.weight_plan import SourceNames
 from runtime.checkpoint import SUPPORTED_ARCHITECTURES, CheckpointError, ModelConfig
+from runtime.weight_plan import SourceNames
 
 HF_NAMES = SourceNames(
     embedding="model.embed_tokens.weight",

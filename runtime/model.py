@@ -13,10 +13,10 @@ the torch path below (same math).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-
-from dataclasses import dataclass
 
 from runtime.block_manager import Sequence
 from runtime.checkpoint import ModelConfig, layer_prefix

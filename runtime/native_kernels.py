@@ -140,9 +140,9 @@ class Int4Dequantize:
                  block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K and V (blocks, tokens_per_block, kv_heads, head_size) of the blocks in block_table.
 
-        k, v: one layer's (codes, scale, zero) pools as runtime.kv_int4_pool holds them.
+        k, v: one layer's (codes, scale, zero) pools as runtime.kv_int4.Int4KV holds them.
         """
-        k_codes, v_codes = k[0], v[0]
+        k_codes = k[0]
         _blocks, tokens_per_block, kv_heads, half = k_codes.shape
         if (half * 2 != self.head_size or v[1].shape[-1] * self.value_group != self.head_size
                 or any(t.dtype != torch.float16 for t in (*k[1:], *v[1:]))
@@ -173,7 +173,10 @@ def matvec() -> MatVec | None:
 @functools.cache
 def decode_attention(dtype: torch.dtype, head_size: int, group: int) -> DecodeAttention | None:
     """The attention kernel for pools of this dtype (int8, float16, float32), head size and group,
-    built on first use; None (after a warning) if it cannot be."""
+    built on first use; None for another dtype (no kernel: the torch path) or, after a warning, if it
+    cannot be built."""
+    if dtype not in ELEMENT_DEFINES:
+        return None
     library = _load("decode_attention", {**ELEMENT_DEFINES[dtype], "HEAD_SIZE": head_size, "GROUP": group})
     return DecodeAttention(library, dtype, head_size, group) if library else None
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from runtime.checkpoint import CheckpointError
 from runtime.gguf_import import read_gguf
 from runtime.hf_import import read_json
-from runtime.checkpoint import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny random-weight engine for unit tests, and the embedded default model (135M),
-built once per test run. Every test that uses the default model is marked ``slow``:
-``scripts/test.sh -m "not slow"`` is the quick developer loop."""
+each built once per test run. Every test that uses the default model is marked ``slow``:
+``scripts/test.sh -m "not slow"`` is the quick developer loop. Tests of mechanics (cache, sessions,
+overflow, session files, kernels) take ``engine`` / ``engine_dir`` and run on both models."""
 from __future__ import annotations
 
 import pytest
@@ -49,3 +50,24 @@ def tiny_engine_dir(tmp_path_factory):
 def tiny_engine(tiny_engine_dir) -> Engine:
     """The tiny engine, loaded once."""
     return Engine.load(tiny_engine_dir)
+
+
+ENGINES = ["tiny", pytest.param("default", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="session", params=ENGINES)
+def model_name(request) -> str:
+    """Each model a mechanics test runs on: the tiny one always, the default one as slow."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def engine_dir(request, model_name):
+    """The engine folder of ``model_name``."""
+    return request.getfixturevalue(f"{model_name}_engine_dir")
+
+
+@pytest.fixture(scope="session")
+def engine(request, model_name) -> Engine:
+    """The loaded engine of ``model_name``."""
+    return request.getfixturevalue(f"{model_name}_engine")

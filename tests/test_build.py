@@ -125,10 +125,10 @@ def test_bad_input_leaves_nothing_half_written(tiny, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other_scales.json"]
 
 
-def test_default_engine_checkpoint_scales_equal_its_scales_file(default_engine_dir):
-    _, weights = load_checkpoint(default_engine_dir / "checkpoint")
-    doc = json.loads((default_engine_dir / "kv_scales.json").read_text())
-    assert len(doc["layers"]) == 30
+def test_built_engine_checkpoint_scales_equal_its_scales_file(engine_dir):
+    config, weights = load_checkpoint(engine_dir / "checkpoint")
+    doc = json.loads((engine_dir / "kv_scales.json").read_text())
+    assert len(doc["layers"]) == config.num_hidden_layers
     for entry in doc["layers"]:
         factor = weights[f"{layer_prefix(entry['layer'])}.{SCALE}"]
         assert factor.dtype == torch.float32 and factor.shape == (1,)

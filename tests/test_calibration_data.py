@@ -98,15 +98,27 @@ def test_split_never_overlaps_and_selection_is_seeded():
     assert set(first) <= {d.id for d in train}
 
 
-def test_dialogues_render_with_the_engine_chat_template(default_engine):
-    tok = default_engine.tokenizer
-    chosen, summary = prepare_dialogues("builtin", "heldout", 2, 0, tok, max_tokens=64)
+def test_dialogues_are_selected_and_cut_to_the_token_budget(engine):
+    tok = engine.tokenizer
+    # at least 64 tokens: the tiny model's word-level tokenizer makes a Chinese dialogue a few <unk> tokens
+    chosen, summary = prepare_dialogues("builtin", "heldout", 2, 0, tok, max_tokens=64, min_tokens=64)
     assert len(chosen) == 2 and all(len(d.token_ids) == 64 for d in chosen)
     assert summary["tokens"] == 128 and summary["split"] == "heldout"
     dialogue = next(d for d in open_source("builtin")[0] if d.id == chosen[0].id)
     full = tokenize_dialogue(dialogue, tok, 10_000)
-    assert full[:64] == chosen[0].token_ids
-    assert tok.decode(full) == tok.render(dialogue.messages, add_generation_prompt=False)
-    assert tok.decode(full).startswith("<|im_start|>system\n" + dialogue.messages[0]["content"])
+    assert len(full) > 64 and full[:64] == chosen[0].token_ids
     with pytest.raises(DataError, match="only .* dialogues of at least 100000 tokens"):
         prepare_dialogues("builtin", "train", 2, 0, tok, max_tokens=100_000, min_tokens=100_000)
+
+
+def test_dialogues_render_with_the_engine_chat_template(default_engine):
+    """The real tokenizer gives back every character of the rendered dialogue, Chinese ones included."""
+    tok = default_engine.tokenizer
+    chosen, _ = prepare_dialogues("builtin", "heldout", 2, 0, tok, max_tokens=64)
+    for chosen_dialogue in chosen:
+        dialogue = next(d for d in open_source("builtin")[0] if d.id == chosen_dialogue.id)
+        full = tokenize_dialogue(dialogue, tok, 10_000)
+        assert full[:64] == chosen_dialogue.token_ids
+        assert tok.decode(full) == tok.render(dialogue.messages, add_generation_prompt=False)
+        assert tok.decode(full).startswith("<|im_start|>system\n" + dialogue.messages[0]["content"])
+    assert {d.id.split("-")[1] for d in chosen} == {"en", "zh"}

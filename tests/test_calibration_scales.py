@@ -87,24 +87,25 @@ def test_compute_clips_by_method():
         compute_clips(empty, "max")
 
 
-def test_collect_stats_measures_what_the_cache_stores(default_engine):
-    dialogues, _ = prepare_dialogues("builtin", "train", 2, 0, default_engine.tokenizer, max_tokens=48)
-    stats = collect_stats(default_engine.model, dialogues, progress=False)
+def test_collect_stats_measures_what_the_cache_stores(engine):
+    dialogues, _ = prepare_dialogues("builtin", "train", 2, 0, engine.tokenizer, max_tokens=48)
+    stats = collect_stats(engine.model, dialogues, progress=False)
     assert (stats.dialogues, stats.tokens) == (2, 96)
-    layout = default_engine.model.kv_layout
+    layout = engine.model.kv_layout
     assert stats.k.channel_amax.shape == (layout.num_layers, layout.num_kv_heads, layout.head_size)
     assert torch.all(stats.k.layer_amax > 0) and torch.all(stats.v.layer_amax > 0)
     assert torch.all(stats.k.layer_hist.sum(1) == 96 * layout.num_kv_heads * layout.head_size)
-    # Same numbers as reading one layer back from an fp32 cache by hand.
-    cache = default_engine.new_cache(default_engine.kv_cache_config("fp32"))
+    # Same numbers as reading one layer (5; 1 of the tiny model's 3) back from an fp32 cache by hand.
+    layer = min(5, layout.num_layers - 2)
+    cache = engine.new_cache(engine.kv_cache_config("fp32"))
     amax = torch.zeros(layout.num_kv_heads, layout.head_size)
     for d in dialogues:
         seq = Sequence()
         cache.allocate(seq, d.token_ids)
-        default_engine.model.forward(d.token_ids, 0, cache, seq)
-        k, _ = cache.storage.read(5, cache.block_table(seq), len(d.token_ids))
+        engine.model.forward(d.token_ids, 0, cache, seq)
+        k, _ = cache.storage.read(layer, cache.block_table(seq), len(d.token_ids))
         amax = torch.maximum(amax, k.abs().amax(0))
-    assert torch.equal(stats.k.channel_amax[5], amax)
+    assert torch.equal(stats.k.channel_amax[layer], amax)
 
 
 # -- kv_scales.json ------------------------------------------------------------------

@@ -6,7 +6,7 @@ import sys
 import types
 
 from runtime.cli_chat import main
-from runtime.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, TRT_ENGINE_DIR
+from runtime.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, TRT_ENGINE_DIR, EngineFolder
 from runtime.session_store import read_session_file
 
 FIELDS = {"turn", "reply", "token_ids", "prefill_tokens", "reused_tokens", "ttft_s", "decode_tok_s",
@@ -18,11 +18,11 @@ def write_script(path, lines):
     return path
 
 
-def test_script_json_prints_one_object_per_turn(default_engine_dir, tmp_path, capsys):
+def test_script_json_prints_one_object_per_turn(engine_dir, tmp_path, capsys):
     script = write_script(tmp_path / "d.jsonl", [{"role": "system", "content": "Be brief."},
                                                  {"role": "user", "content": "Open the sunroof."},
                                                  {"role": "user", "content": "请把音量调低一点。"}])
-    code = main(["--engine", str(default_engine_dir), "--script", str(script), "--json",
+    code = main(["--engine", str(engine_dir), "--script", str(script), "--json",
                  "--max-new-tokens", "6", "--kv-budget-mb", "8"])
     assert code == 0
     turns = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -30,13 +30,15 @@ def test_script_json_prints_one_object_per_turn(default_engine_dir, tmp_path, ca
     assert all(FIELDS <= t.keys() for t in turns)
     assert turns[1]["reused_tokens"] > turns[0]["reused_tokens"]
     assert turns[0]["kv_bytes_budget"] <= 8 << 20 and 0 < turns[1]["kv_bytes_used"] <= turns[0]["kv_bytes_budget"]
-    assert turns[0]["kv_mode"] == "int8" and turns[0]["kv_bytes_per_token"] == 11520
+    config = EngineFolder(engine_dir).config()  # INT8 KV: one byte for each K and V element (11,520 B on the default)
+    int8_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_size
+    assert turns[0]["kv_mode"] == "int8" and turns[0]["kv_bytes_per_token"] == int8_bytes
 
 
-def test_invalid_utf8_script_is_a_clear_error(default_engine_dir, tmp_path, capsys):
+def test_invalid_utf8_script_is_a_clear_error(tiny_engine_dir, tmp_path, capsys):
     script = tmp_path / "bad.jsonl"
     script.write_bytes(b'{"role": "user", "content": "caf\xe9"}\n')
-    assert main(["--engine", str(default_engine_dir), "--script", str(script)]) == 2
+    assert main(["--engine", str(tiny_engine_dir), "--script", str(script)]) == 2
     assert "not valid UTF-8" in capsys.readouterr().err
 
 
@@ -63,17 +65,17 @@ class FakeRunner:
         return cls()
 
 
-def test_save_on_the_tensorrt_llm_backend_is_a_clear_message(default_engine_dir, tmp_path, monkeypatch, capsys):
+def test_save_on_the_tensorrt_llm_backend_is_a_clear_message(engine_dir, tmp_path, monkeypatch, capsys):
     module, runtime = types.ModuleType("tensorrt_llm"), types.ModuleType("tensorrt_llm.runtime")
     runtime.ModelRunnerCpp = FakeRunner
     module.runtime = runtime
     monkeypatch.setitem(sys.modules, "tensorrt_llm", module)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.runtime", runtime)
     FakeRunner.created = []
-    folder = tmp_path / "engine"  # the default engine plus a (fake) TensorRT engine
+    folder = tmp_path / "engine"  # the engine plus a (fake) TensorRT engine
     (folder / TRT_ENGINE_DIR).mkdir(parents=True)
-    (folder / CHECKPOINT_DIR).symlink_to(default_engine_dir / CHECKPOINT_DIR)
-    shutil.copy(default_engine_dir / MANIFEST_FILE, folder / MANIFEST_FILE)
+    (folder / CHECKPOINT_DIR).symlink_to(engine_dir / CHECKPOINT_DIR)
+    shutil.copy(engine_dir / MANIFEST_FILE, folder / MANIFEST_FILE)
     code = chat_interactively(monkeypatch, ["--engine", str(folder), "--backend", "tensorrt-llm"],
                               [f"/save {tmp_path / 's.cabin'}", "/stats", "/quit"])
     out = capsys.readouterr().out
@@ -83,9 +85,9 @@ def test_save_on_the_tensorrt_llm_backend_is_a_clear_message(default_engine_dir,
     assert "TensorRT-LLM KV settings" in out
 
 
-def test_save_on_the_reference_backend_reports_the_tokens_saved(default_engine_dir, tmp_path, monkeypatch, capsys):
+def test_save_on_the_reference_backend_reports_the_tokens_saved(engine_dir, tmp_path, monkeypatch, capsys):
     path = tmp_path / "s.cabin"
-    code = chat_interactively(monkeypatch, ["--engine", str(default_engine_dir), "--backend", "reference",
+    code = chat_interactively(monkeypatch, ["--engine", str(engine_dir), "--backend", "reference",
                                             "--system", "Be brief.", "--max-new-tokens", "4", "--kv-budget-mb", "8"],
                               ["Open the sunroof.", f"/save {path}", "/quit"])
     out = capsys.readouterr().out

@@ -1,5 +1,9 @@
-"""KV equalization keeps full-precision outputs and makes one shared INT8 scale per layer fit better."""
+"""KV equalization keeps full-precision outputs (on the tiny model and the default one) and makes one shared INT8
+scale per layer fit better (on the default model: a property of real weights)."""
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ from calibration.selection import prepare_dialogues
 from calibration.stats import collect_stats
 from runtime.block_manager import Sequence
 from runtime.checkpoint import load_checkpoint, layer_prefix
+from runtime.engine import Engine
 from runtime.engine_folder import CHECKPOINT_DIR
 from runtime.kv_cache import KvCacheConfig, PagedKVCache
 from runtime.kv_modes import bytes_per_token
@@ -18,14 +23,29 @@ from runtime.model import Transformer
 
 
 @pytest.fixture(scope="module")
-def calibrated(default_engine, default_engine_dir):
-    """The default model's weights and per-channel ranges from a few short train dialogues."""
-    config, weights = load_checkpoint(default_engine_dir / CHECKPOINT_DIR)
-    train, _ = prepare_dialogues("builtin", "train", 4, 0, default_engine.tokenizer, max_tokens=96)
-    stats = collect_stats(default_engine.model, train, progress=False)
-    clips = compute_clips(stats, "max")
-    held, _ = prepare_dialogues("builtin", "heldout", 1, 0, default_engine.tokenizer, max_tokens=96)
-    return config, weights, layer_ranges(stats, clips), clips.scales(), held[0].token_ids
+def calibrate() -> Callable[[Engine], tuple]:
+    """An engine's weights, per-channel ranges and scales from a few short train dialogues and the token ids of a
+    held-out one (96 tokens each: the tiny model's word-level tokenizer makes some dialogues shorter), computed
+    once per engine in this module."""
+    done: dict[Path, tuple] = {}
+
+    def get(engine: Engine) -> tuple:
+        if engine.folder not in done:
+            config, weights = load_checkpoint(engine.folder / CHECKPOINT_DIR)
+            train, _ = prepare_dialogues("builtin", "train", 4, 0, engine.tokenizer, max_tokens=96, min_tokens=96)
+            stats = collect_stats(engine.model, train, progress=False)
+            clips = compute_clips(stats, "max")
+            held, _ = prepare_dialogues("builtin", "heldout", 1, 0, engine.tokenizer, max_tokens=96, min_tokens=96)
+            done[engine.folder] = config, weights, layer_ranges(stats, clips), clips.scales(), held[0].token_ids
+        return done[engine.folder]
+
+    return get
+
+
+@pytest.fixture
+def calibrated(engine, calibrate) -> tuple:
+    """The engine's weights, per-channel ranges and scales, and held-out token ids."""
+    return calibrate(engine)
 
 
 def _logits(model: Transformer, ids: list[int], mode: str = "fp32", scales=None) -> torch.Tensor:
@@ -61,20 +81,24 @@ def test_factors_fit_the_calibrated_clips_when_the_file_has_them():
     assert eq.k_channel_amax[0][0] == pytest.approx(4 * eq.k_channel_clip[0][0])  # values above the clip saturate
 
 
-def test_equalization_leaves_full_precision_logits_unchanged(calibrated):
-    config, weights, ranges, _, ids = calibrated
+# Float rounding of the folded weights, as the network amplifies it: logits move by up to 7e-5 on the default model
+# (largest logit 38), by up to 2.4e-4 on the tiny random one (largest 12: its random weights make attention sharp).
+@pytest.mark.parametrize("model, tolerance", [("tiny", 5e-4), pytest.param("default", 1e-4, marks=pytest.mark.slow)])
+def test_equalization_leaves_full_precision_logits_unchanged(request, calibrate, model, tolerance):
+    config, weights, ranges, _, ids = calibrate(request.getfixturevalue(f"{model}_engine"))
     reference = _logits(Transformer(config, weights), ids)
-    exact, _ = equalize(config, weights, ranges)
-    assert float((_logits(Transformer(config, exact), ids) - reference).abs().max()) <= 1e-4
+    exact, eq_scales = equalize(config, weights, ranges)
+    assert float((_logits(Transformer(config, exact), ids) - reference).abs().max()) <= tolerance
+    assert eq_scales.k == pytest.approx(eq_scales.v)  # every channel of K and V now reaches the same range
     pow2, _ = equalize(config, weights, ranges, power_of_two=True)
     assert torch.equal(_logits(Transformer(config, pow2), ids), reference)
-    qkv = f"{layer_prefix(3)}.attention.qkv.weight"
+    qkv = f"{layer_prefix(min(3, config.num_hidden_layers - 1))}.attention.qkv.weight"
     assert exact[qkv].dtype == weights[qkv].dtype and not torch.equal(exact[qkv], weights[qkv])
     assert exact["lm_head.weight"] is weights["lm_head.weight"]
 
 
-def test_equalized_shared_int8_beats_plain_shared_int8(calibrated):
-    config, weights, ranges, scales, ids = calibrated
+def test_equalized_shared_int8_beats_plain_shared_int8(default_engine, calibrate):
+    config, weights, ranges, scales, ids = calibrate(default_engine)
     model = Transformer(config, weights)
     reference = _logits(model, ids).log_softmax(-1)
     eq_weights, eq_scales = equalize(config, weights, ranges)

@@ -1,8 +1,12 @@
-"""cabin-calibrate and cabin-eval end to end on the default model, on short dialogues."""
+"""cabin-calibrate and cabin-eval end to end on short dialogues: the mechanics on the tiny model and the default
+one, what only real weights show (a sane perplexity, which INT8 mode loses least) on the default model."""
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,19 +23,49 @@ from runtime.model_source import load_model
 
 
 @pytest.fixture(scope="module")
-def calibrated_scales(default_engine_dir, tmp_path_factory):
-    """kv_scales.json and report folder made by cabin-calibrate on three short builtin dialogues."""
-    folder = tmp_path_factory.mktemp("calibration")
-    code = cli_calibrate.main(["--model", str(default_engine_dir), "--data", "builtin", "--num-dialogues", "3",
-                               "--max-tokens", "64", "--method", "percentile", "--percentile", "99.9",
-                               "--output", str(folder / "kv_scales.json"), "--report", str(folder / "report")])
-    assert code == 0
-    return folder
+def calibrated(tmp_path_factory) -> Callable[[Path], Path]:
+    """cabin-calibrate on three short builtin dialogues (64 tokens each: the tiny model's word-level tokenizer
+    makes some dialogues shorter), run once per engine folder: the folder of its kv_scales.json and report."""
+
+    @functools.cache
+    def calibrate(engine_folder: Path) -> Path:
+        folder = tmp_path_factory.mktemp("calibration")
+        code = cli_calibrate.main(["--model", str(engine_folder), "--data", "builtin", "--num-dialogues", "3",
+                                   "--max-tokens", "64", "--min-tokens", "64", "--method", "percentile",
+                                   "--percentile", "99.9", "--output", str(folder / "kv_scales.json"),
+                                   "--report", str(folder / "report")])
+        assert code == 0
+        return folder
+
+    return calibrate
 
 
-def test_cabin_calibrate_writes_scales_with_ranges_and_a_report(calibrated_scales, default_engine):
-    config = default_engine.config
-    loaded = load_scales_file(calibrated_scales / "kv_scales.json", default_engine.fingerprint,
+@pytest.fixture
+def calibrated_scales(engine, calibrated) -> Path:
+    """The engine's kv_scales.json and report folder made by cabin-calibrate."""
+    return calibrated(engine.folder)
+
+
+@pytest.fixture(scope="module")
+def evaluated(calibrated) -> Callable[[Path], tuple]:
+    """``evaluate`` of every mode against fp32 on one held-out dialogue of 64 tokens with the calibrated scales,
+    run once per engine folder: the model, the dialogues and the results."""
+
+    @functools.cache
+    def run(engine_folder: Path) -> tuple:
+        model = load_model(str(engine_folder))
+        config = model.config
+        scales = load_scales_file(calibrated(engine_folder) / "kv_scales.json", model.fingerprint,
+                                  config.num_hidden_layers)
+        dialogues, _ = prepare_dialogues("builtin", "heldout", 1, 0, model.tokenizer, max_tokens=64, min_tokens=64)
+        return model, dialogues, evaluate(model, dialogues, list(EVAL_MODES), scales, progress=False)
+
+    return run
+
+
+def test_cabin_calibrate_writes_scales_with_ranges_and_a_report(calibrated_scales, engine):
+    config = engine.config
+    loaded = load_scales_file(calibrated_scales / "kv_scales.json", engine.fingerprint,
                               config.num_hidden_layers, (config.num_key_value_heads, config.head_size))
     assert loaded.method == "percentile-99.9" and loaded.ranges is not None
     assert loaded.data["dialogues"] == 3 and loaded.data["tokens"] == 192 and loaded.data["split"] == "train"
@@ -39,33 +73,28 @@ def test_cabin_calibrate_writes_scales_with_ranges_and_a_report(calibrated_scale
     for layer, r in enumerate(loaded.ranges):  # the percentile clip never exceeds the measured max
         assert loaded.scales.k[layer] * 127 <= max(max(h) for h in r.k_channel_amax) * (1 + 1e-9)
     summary = (calibrated_scales / "report" / "summary.md").read_text(encoding="utf-8")
-    assert "| 29 |" in summary and "K clipped %" in summary and "malformed skipped: 0" in summary
+    last_layer_row = f"| {config.num_hidden_layers - 1} |"
+    assert last_layer_row in summary and "K clipped %" in summary and "malformed skipped: 0" in summary
     assert (calibrated_scales / "report" / "ranges.png").stat().st_size > 10_000
 
 
-def test_cabin_calibrate_explains_bad_requests(default_engine_dir, tmp_path, capsys):
-    code = cli_calibrate.main(["--model", str(default_engine_dir), "--data", str(tmp_path / "none.jsonl"),
+def test_cabin_calibrate_explains_bad_requests(engine, tmp_path, capsys):
+    code = cli_calibrate.main(["--model", str(engine.folder), "--data", str(tmp_path / "none.jsonl"),
                                "--output", str(tmp_path / "s.json")])
     assert code == 2 and "no such file" in capsys.readouterr().err
     assert not (tmp_path / "s.json").exists()
 
 
-def test_evaluate_compares_every_mode_with_full_precision(default_engine_dir, calibrated_scales):
-    model = load_model(str(default_engine_dir))
-    config = model.config
-    scales = load_scales_file(calibrated_scales / "kv_scales.json", model.fingerprint, config.num_hidden_layers)
-    dialogues, _ = prepare_dialogues("builtin", "heldout", 1, 0, model.tokenizer, max_tokens=64)
+def test_evaluate_compares_every_mode_with_full_precision(engine, evaluated):
+    model, dialogues, results = evaluated(engine.folder)
     assert list(EVAL_MODES) == ["fp16", "int8-shared", "int8-shared-eq", "int8-separate", "int8-dynamic", "int4"]
-    results = evaluate(model, dialogues, list(EVAL_MODES), scales, progress=False)
     assert list(results) == ["fp32", *EVAL_MODES]
-    assert 1 < results["fp32"].ppl < 1000 and results["fp32"].kl == 0
+    assert 1 < results["fp32"].ppl < math.inf and results["fp32"].kl == 0
     for mode in EVAL_MODES:
         r = results[mode]
         assert math.isclose(r.ppl_delta_pct, 100 * (r.ppl / results["fp32"].ppl - 1))
         assert r.kl >= -1e-6 and 0 <= r.top1_agree <= 1
-    assert abs(results["fp16"].ppl_delta_pct) < 0.1 and results["fp16"].top1_agree > 0.98
-    assert results["int8-dynamic"].kl < results["int8-shared"].kl
-    assert results["int8-shared-eq"].kl < results["int8-shared"].kl
+    assert results["fp16"].top1_agree > 0.98
     # int4 counts its fp16 window: more than int8 on this short dialogue, less on a long one
     layout, tokens = model.transformer().kv_layout, len(dialogues[0].token_ids)
     window = Int4KV.reserved_bytes(layout, DEFAULT_TOKENS_PER_BLOCK)
@@ -75,11 +104,22 @@ def test_evaluate_compares_every_mode_with_full_precision(default_engine_dir, ca
         0.8 * stored_bytes_per_token(layout, kv_mode("int8"), 2048)
 
 
-def test_cabin_eval_prints_json_keyed_by_mode(default_engine_dir, calibrated_scales, tmp_path, capsys):
+def test_real_weights_keep_fp16_close_and_rank_the_int8_modes(default_engine, evaluated):
+    """What the default model's weights show and the tiny random ones need not: a sane perplexity, fp16 within
+    0.1 % of it, and per-token scales and equalization both beating one plain shared INT8 scale per layer."""
+    _, _, results = evaluated(default_engine.folder)
+    assert results["fp32"].ppl < 1000
+    assert abs(results["fp16"].ppl_delta_pct) < 0.1
+    assert results["int8-dynamic"].kl < results["int8-shared"].kl
+    assert results["int8-shared-eq"].kl < results["int8-shared"].kl
+
+
+def test_cabin_eval_prints_json_keyed_by_mode(engine, calibrated_scales, tmp_path, capsys):
     out = tmp_path / "eval"
-    code = cli_eval.main(["--model", str(default_engine_dir), "--data", "builtin", "--kv-cache",
+    code = cli_eval.main(["--model", str(engine.folder), "--data", "builtin", "--kv-cache",
                           "int8-shared,int8-shared-eq", "--scales", str(calibrated_scales / "kv_scales.json"),
-                          "--num-dialogues", "1", "--max-tokens", "48", "--json", "--output", str(out)])
+                          "--num-dialogues", "1", "--max-tokens", "48", "--min-tokens", "48", "--json",
+                          "--output", str(out)])
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
     assert list(printed) == ["fp32", "int8-shared", "int8-shared-eq"]
@@ -89,20 +129,20 @@ def test_cabin_eval_prints_json_keyed_by_mode(default_engine_dir, calibrated_sca
     assert (out / "accuracy.png").stat().st_size > 10_000
 
 
-def test_cabin_eval_rejects_unknown_modes_and_foreign_scales(default_engine_dir, tmp_path, capsys):
-    assert cli_eval.main(["--model", str(default_engine_dir), "--kv-cache", "int3"]) == 2
+def test_cabin_eval_rejects_unknown_modes_and_foreign_scales(engine, tmp_path, capsys):
+    assert cli_eval.main(["--model", str(engine.folder), "--kv-cache", "int3"]) == 2
     assert "unknown --kv-cache mode" in capsys.readouterr().err
     foreign = tmp_path / "foreign.json"
     foreign.write_text(json.dumps({"version": 2, "model_fingerprint": "0" * 16, "method": "max", "layers": []}))
-    assert cli_eval.main(["--model", str(default_engine_dir), "--kv-cache", "int8-shared",
+    assert cli_eval.main(["--model", str(engine.folder), "--kv-cache", "int8-shared",
                           "--scales", str(foreign), "--output", str(tmp_path / "e")]) == 2
     assert "calibrate this model instead" in capsys.readouterr().err
 
 
-def test_int8_ceiling_rounds_only_the_side_it_names(default_engine_dir, calibrated_scales, tmp_path):
+def test_int8_ceiling_rounds_only_the_side_it_names(engine, calibrated_scales, tmp_path):
     out = tmp_path / "ceiling.json"
-    code = int8_ceiling.main(["--model", str(default_engine_dir), "--scales", str(calibrated_scales / "kv_scales.json"),
-                              "--data", "builtin", "--num-dialogues", "1", "--max-tokens", "64", "--min-tokens", "0",
+    code = int8_ceiling.main(["--model", str(engine.folder), "--scales", str(calibrated_scales / "kv_scales.json"),
+                              "--data", "builtin", "--num-dialogues", "1", "--max-tokens", "64", "--min-tokens", "64",
                               "--json", str(out)])
     assert code == 0
     kl = {name: r["kl"] for name, r in json.loads(out.read_text())["variants"].items()}

@@ -1,4 +1,5 @@
-"""Model import: the default GGUF, tiny HF Llama/Qwen2 folders, tiny GGUF files, and bad input."""
+"""Model import: the default GGUF (slow: importing it takes seconds), tiny HF Llama/Qwen2 folders, tiny GGUF files,
+and bad input."""
 from __future__ import annotations
 
 import json
@@ -33,12 +34,14 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def default_ckpt(tmp_path_factory):
+    """The default GGUF imported as a float32 checkpoint; every test that uses it is marked slow."""
     out = tmp_path_factory.mktemp("smollm2")
     import_model(default_gguf_path(), out, dtype="float32")
     config, weights = load_checkpoint(out)
     return out, config, weights
 
 
+@pytest.mark.slow
 def test_default_config_matches_design(default_ckpt):
     _, config, weights = default_ckpt
     assert (config.architecture, config.num_hidden_layers, config.hidden_size) == ("LlamaForCausalLM", 30, 576)
@@ -50,6 +53,7 @@ def test_default_config_matches_design(default_ckpt):
     assert all(t.dtype == torch.float32 for t in weights.values())
 
 
+@pytest.mark.slow
 def test_default_tokenizer_files(default_ckpt):
     out, _, _ = default_ckpt
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -66,6 +70,7 @@ def test_default_tokenizer_files(default_ckpt):
     assert tokenizer.decode(ids, skip_special_tokens=False) == prompt
 
 
+@pytest.mark.slow
 def test_default_unpermute_round_trips(default_ckpt):
     """Re-applying llama.cpp's permutation to our q/k gives back the GGUF's rows exactly."""
     _, config, weights = default_ckpt
@@ -80,6 +85,7 @@ def test_default_unpermute_round_trips(default_ckpt):
             np.testing.assert_array_equal(llama_cpp_permute(ours, n_head), gguf_rows)
 
 
+@pytest.mark.slow
 def test_default_matches_transformers_gguf_loader(default_ckpt):
     pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate")
     from transformers import AutoModelForCausalLM

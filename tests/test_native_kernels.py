@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from runtime import native_kernels
-from runtime.native_kernels import StoredKV
 from runtime.block_manager import Sequence
 from runtime.kv_cache import KvCacheConfig, PagedKVCache
 from runtime.kv_modes import kv_mode
 from runtime.kv_storage import KVLayout, KVScales
 from runtime.model import grouped_attention
+from runtime.native_kernels import StoredKV
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the kernels")
 
@@ -110,22 +110,22 @@ def test_int4_dequantize_rejects_other_value_groups():
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp16", "int4", "int8-dynamic"])
-def test_decode_on_native_kernels_matches_the_torch_path(default_engine, mode):
+def test_decode_on_native_kernels_matches_the_torch_path(engine, mode):
     """Same prompt, greedy decode: the first step's logits agree to storage rounding, all tokens are identical.
 
     Each step stores K/V computed from hidden states that differ by float rounding (about 1e-5), so a
     stored element (or, in int8-dynamic, a token's fp16 scale) can land one step apart: 4e-4 in the
-    first step's logits with fp16 KV, and more as such tokens pile up (up to about 0.2 after 12 steps in
-    int8-dynamic, whichever of the two kernels is swapped for torch).
+    first step's logits with fp16 KV on the default model, and more as such tokens pile up (up to about
+    0.2 after 12 steps in int8-dynamic, whichever of the two kernels is swapped for torch).
     """
-    model = default_engine.model
-    tokenizer = default_engine.tokenizer
+    model = engine.model
+    tokenizer = engine.tokenizer
     messages = [{"role": "user", "content": "Name three things a car dashboard shows."}]
     prompt = tokenizer.encode_prompt(tokenizer.render(messages))
     runs = []
     for native in (True, False):
         model.native_kernels = native
-        cache = default_engine.new_cache(default_engine.kv_cache_config(mode, 8 << 20))
+        cache = engine.new_cache(engine.kv_cache_config(mode, 8 << 20))
         seq = Sequence()
         cache.allocate(seq, prompt)
         logits = model.forward(prompt, 0, cache, seq)

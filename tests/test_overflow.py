@@ -1,4 +1,4 @@
-"""Overflow policies on the default model: long dialogues under a small KV budget."""
+"""Overflow policies on the tiny and the default model: long dialogues under a small KV budget."""
 import dataclasses
 
 import pytest
@@ -9,9 +9,10 @@ from runtime.sampling import SamplingParams
 from runtime.session import DialogueSession
 
 SYSTEM = "You are the in-car assistant. Answer in one short sentence."
-QUESTIONS = ["What is the tyre pressure?", "Turn the music down.", "Find a parking garage near the station.",
-             "How does lane assist work?", "Call Anna.", "Is the trunk closed?", "What's the range left?",
-             "Set the temperature to 20 degrees."]
+QUESTIONS = ["navigate to the nearest charging station",  # in the tiny model's words too: distinct tokens on both
+             "Turn the music down.", "Find a parking garage near the station.", "How does lane assist work?",
+             "Call Anna.", "Is the trunk closed?", "What's the range left?", "Set the temperature to 20 degrees."]
+_DIALOGUE_TOKENS: dict[str, int] = {}  # engine fingerprint -> tokens the dialogue takes without a limit
 
 
 def test_sink_window_keeps_the_head_and_the_tail():
@@ -27,39 +28,53 @@ def test_drop_oldest_turns_keeps_system_and_whole_turns():
     assert drop_oldest_turns(messages, lambda m: False) is None
 
 
-def budgeted_session(engine, policy, tokens=192, sink_token_length=4):
-    config = sized_config(engine.model.kv_layout, "int8", tokens, tokens_per_block=16)
+def budgeted_session(engine, policy, tokens=None, sink_token_length=4):
+    """A session whose KV budget holds ``tokens`` tokens (default ``small_budget``)."""
+    config = sized_config(engine.model.kv_layout, "int8", tokens or small_budget(engine), tokens_per_block=16)
     cache = engine.new_cache(dataclasses.replace(config, sink_token_length=sink_token_length))
     params = SamplingParams(max_new_tokens=16, stop_token_ids=engine.stop_token_ids())
     return DialogueSession(engine, cache, params, SYSTEM, OverflowPolicy(policy))
 
 
+def small_budget(engine) -> int:
+    """Three quarters of the tokens the whole dialogue of QUESTIONS takes without a limit, in whole 16-token blocks
+    (192 on the default model): greedy decoding repeats that dialogue until it no longer fits, so it must overflow."""
+    if engine.fingerprint not in _DIALOGUE_TOKENS:
+        session = budgeted_session(engine, "error", tokens=4096)
+        turns = [session.chat(q) for q in QUESTIONS]
+        assert all(t.finish_reason in ("stop", "length") for t in turns)
+        _DIALOGUE_TOKENS[engine.fingerprint] = len(session.fed)
+    return _DIALOGUE_TOKENS[engine.fingerprint] * 3 // 4 // 16 * 16
+
+
 @pytest.mark.parametrize("policy", ["sink-window", "drop-turns"])
-def test_every_turn_completes_under_a_small_budget(default_engine, policy):
-    session = budgeted_session(default_engine, policy)
+def test_every_turn_completes_under_a_small_budget(engine, policy):
+    session, budget = budgeted_session(engine, policy), small_budget(engine)
     turns = [session.chat(q) for q in QUESTIONS]
     assert all(t.finish_reason in ("stop", "length") for t in turns), [t.error for t in turns]
     assert sum(t.evicted_tokens for t in turns) > 0
     assert all(t.kv_bytes_used <= t.kv_bytes_budget for t in turns)
-    assert len(session.fed) + 1 <= 192
+    assert len(session.fed) + 1 <= budget
     session.cache.blocks.check_invariants()
     assert session.cache.stats().blocks_in_use == len(session.seq.block_table) == -(-len(session.fed) // 16)
     if policy == "drop-turns":
         assert session.messages[0]["role"] == "system" and len(session.messages) < 2 * len(QUESTIONS) + 1
 
 
-def test_sink_window_keeps_the_system_prompt_and_the_configured_sink_tokens(default_engine):
-    session = budgeted_session(default_engine, "sink-window", sink_token_length=12)
-    tok, system = default_engine.tokenizer, {"role": "system", "content": SYSTEM}
+def test_sink_window_keeps_the_system_prompt_and_the_configured_sink_tokens(engine):
+    tok, system = engine.tokenizer, {"role": "system", "content": SYSTEM}
     first = tok.encode_prompt(tok.render([system, {"role": "user", "content": QUESTIONS[0]}]))
-    head = len(tok.encode_prompt(tok.render([system], add_generation_prompt=False))) + 12
+    system_tokens = len(tok.encode_prompt(tok.render([system], add_generation_prompt=False)))
+    sink = (len(first) - system_tokens) // 2  # sink tokens that end in the middle of the first question
+    session = budgeted_session(engine, "sink-window", sink_token_length=sink)
+    head = system_tokens + sink
     turns = [session.chat(q) for q in QUESTIONS]
     assert sum(t.evicted_tokens for t in turns) > 0
     assert session.fed[:head] == first[:head] and session.fed[:head + 1] != first[:head + 1]
 
 
-def test_error_policy_refuses_and_stays_usable(default_engine):
-    session = budgeted_session(default_engine, "error")
+def test_error_policy_refuses_and_stays_usable(engine):
+    session = budgeted_session(engine, "error")
     turns = [session.chat(q) for q in QUESTIONS]
     refused = [t for t in turns if t.finish_reason == "capacity"]
     assert refused and "kv-budget-mb" in refused[0].error and refused[0].evicted_tokens == 0
@@ -67,8 +82,8 @@ def test_error_policy_refuses_and_stays_usable(default_engine):
     assert session.chat(QUESTIONS[0]).finish_reason in ("stop", "length")
 
 
-def test_a_message_longer_than_the_budget_is_a_clear_error(default_engine):
-    session = budgeted_session(default_engine, "sink-window")
+def test_a_message_longer_than_the_budget_is_a_clear_error(engine):
+    session = budgeted_session(engine, "sink-window")
     stats = session.chat("Please read this out loud: " + "the quick brown fox jumps over the lazy dog " * 60)
     assert stats.finish_reason == "capacity" and "shorten the message" in stats.error
     assert session.chat(QUESTIONS[0]).finish_reason in ("stop", "length")

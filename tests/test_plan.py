@@ -1,8 +1,12 @@
-"""cabin-plan: every target profile, exact sizes, refusals with the nearest working config, bare HF config.json."""
+"""cabin-plan: every target profile, exact sizes, refusals with the nearest working config, bare HF config.json.
+
+Plans of the default model read its GGUF's metadata (seconds) and are marked slow; the same checks run on the tiny
+random Llama's HF folder."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -11,14 +15,36 @@ from builders.plan_cli import main as cabin_plan
 from builders.planner import CHUNK_TOKENS, REPLY_TOKENS, PlanRequest, make_plan
 from builders.targets import GIB, get_target, load_targets
 from builders.trtllm import build_args, flag_set
+from fakes.tiny_model import write_tiny_llama
 from runtime.model_source import load_model_config
 
 LLAMA3_8B = Path(__file__).parent / "data" / "llama3-8b" / "config.json"
 TARGETS = ("orin-nano-8gb", "orin-nx-16gb", "agx-orin-32gb", "agx-orin-64gb", "thor-128gb", "cpu")
 # SmolLM2-135M: 30 layers, hidden 576, q 9x64, kv 3x64, MLP 1536, vocab 49152; lm_head stored as its own copy.
 SMOL_PARAMS = 2 * 49152 * 576 + 576 + 30 * ((576 + 2 * 192) * 576 + 576 * 576 + 3 * 1536 * 576 + 2 * 576)
+# The tiny random Llama (fakes.tiny_model.SHAPE): 3 layers, hidden 32, q 4x8, kv 2x8, MLP 64, vocab 22, its own lm_head.
+TINY_PARAMS = 2 * 22 * 32 + 32 + 3 * ((32 + 2 * 16) * 32 + 32 * 32 + 3 * 64 * 32 + 2 * 32)
 # Llama-3-8B: 32 layers, hidden 4096, q 32x128, kv 8x128, MLP 14336, vocab 128256.
 LLAMA3_PARAMS = 2 * 128256 * 4096 + 4096 + 32 * ((4096 + 2 * 1024) * 4096 + 4096 * 4096 + 3 * 14336 * 4096 + 2 * 4096)
+
+
+class Planned(NamedTuple):
+    """A model's cabin-plan arguments, and what its plans must show."""
+
+    args: tuple[str, ...]  # --model PATH, or none for the default model
+    parameters: int
+    fp16_bytes_per_token: int  # and half of it for every one-byte KV dtype
+    context: int  # caps max_seq_len on every target
+    turns: int  # typical turns in the context
+
+
+@pytest.fixture(scope="module", params=["tiny", pytest.param("default", marks=pytest.mark.slow)])
+def planned(request, tmp_path_factory) -> Planned:
+    """The tiny random Llama's HF folder (a 1,024-token context), and the default model (its GGUF)."""
+    if request.param == "default":
+        return Planned((), SMOL_PARAMS, 23040, 8192, 135)  # DESIGN.md's fp16 KV bytes per token
+    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+    return Planned(("--model", str(folder)), TINY_PARAMS, 2 * 3 * 2 * 8 * 2, 1024, 15)  # K, V x 3 layers x 2x8
 
 
 def run_plan(capsys, *args: str) -> tuple[int, dict | None, str]:
@@ -28,40 +54,44 @@ def run_plan(capsys, *args: str) -> tuple[int, dict | None, str]:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_plan_json_for_every_target(capsys, target):
-    code, plan, _ = run_plan(capsys, "--target", target)
+def test_plan_json_for_every_target(capsys, planned, target):
+    code, plan, _ = run_plan(capsys, *planned.args, "--target", target)
     profile = get_target(target)
     assert code == 0 and plan["target"] == target
     assert set(plan["kv_dtypes"]) == set(profile.kv_dtypes)
     for key in ("weights_bytes", "kv_bytes_per_token", "max_kv_tokens", "est_turns", "trtllm_build_args", "warnings"):
         assert key in plan
     per_param = 4 if target == "cpu" else 2  # the reference runtime holds fp32 weights
-    assert plan["weights_bytes"] == SMOL_PARAMS * per_param
-    assert plan["kv_bytes_per_token"]["fp16"] == 23040  # DESIGN.md's figure
+    assert plan["weights_bytes"] == planned.parameters * per_param
+    assert plan["kv_bytes_per_token"]["fp16"] == planned.fp16_bytes_per_token
     one_byte = [d for d in ("int8", "fp8") if d in profile.kv_dtypes]
-    assert all(plan["kv_bytes_per_token"][d] == 11520 for d in one_byte)
-    for dtype in profile.kv_dtypes:  # the 8,192-token context caps it everywhere for a 135M model
-        assert plan["max_seq_len"][dtype] == 8192
-        assert plan["est_turns"][dtype] == (8192 - TYPICAL_TURN.system) // TYPICAL_TURN.per_turn == 135
-        assert plan["num_blocks"][dtype] == 8192 // profile.tokens_per_block
+    assert all(plan["kv_bytes_per_token"][d] == planned.fp16_bytes_per_token // 2 for d in one_byte)
+    context = planned.context
+    for dtype in profile.kv_dtypes:  # the model's context caps it everywhere for a model this small
+        assert plan["max_seq_len"][dtype] == context
+        assert plan["est_turns"][dtype] == (context - TYPICAL_TURN.system) // TYPICAL_TURN.per_turn == planned.turns
+        assert plan["num_blocks"][dtype] == context // profile.tokens_per_block
         assert plan["max_kv_tokens"][dtype] * plan["kv_bytes_per_token"][dtype] <= plan["memory_bytes"][
             "for_activations_and_kv"] - plan["activation_bytes"][dtype]
     assert (plan["trtllm_build_args"] is None) == (profile.backend == "reference")
 
 
-def test_orin_int8_plan_states_the_fmha_conflict(capsys):
-    _, plan, _ = run_plan(capsys, "--target", "orin-nano-8gb")
+def test_orin_int8_plan_states_the_fmha_conflict(capsys, planned):
+    _, plan, _ = run_plan(capsys, *planned.args, "--target", "orin-nano-8gb")
     assert plan["tokens_per_block"] == 64
     assert plan["block_reuse"] == {"fp16": True, "int8": False}
-    assert plan["max_num_tokens"] == {"fp16": CHUNK_TOKENS, "int8": 8192 - REPLY_TOKENS}
-    turns, t = 135, TYPICAL_TURN
-    assert plan["prefill_tokens_per_turn"]["int8"]["mean"] == t.system + t.user + t.per_turn * (turns - 1) // 2 == 4107
+    max_input = planned.context - REPLY_TOKENS  # 7936 for the default model
+    assert plan["max_num_tokens"] == {"fp16": min(CHUNK_TOKENS, max_input), "int8": max_input}
+    turns, t = planned.turns, TYPICAL_TURN
+    mean = t.system + t.user + t.per_turn * (turns - 1) // 2  # 4107 for the default model
+    assert plan["prefill_tokens_per_turn"]["int8"]["mean"] == mean
     assert plan["prefill_tokens_per_turn"]["fp16"]["mean"] == t.user + 64 // 2 == 49
-    assert any("re-prefills the whole history, 4107 tokens per turn" in w for w in plan["warnings"])
+    assert any(f"re-prefills the whole history, {mean} tokens per turn" in w for w in plan["warnings"])
     assert plan["trtllm_build_args"]["int8"] == [
         "--checkpoint_dir", "checkpoint", "--output_dir", "trt_engine", "--gemm_plugin", "float16",
         "--paged_kv_cache", "enable", "--tokens_per_block", "64", "--use_paged_context_fmha", "disable",
-        "--max_batch_size", "1", "--max_input_len", "7936", "--max_seq_len", "8192", "--max_num_tokens", "7936"]
+        "--max_batch_size", "1", "--max_input_len", str(max_input), "--max_seq_len", str(planned.context),
+        "--max_num_tokens", str(max_input)]
 
 
 def test_bare_hf_config_json_llama3_8b(capsys):
@@ -97,17 +127,17 @@ def test_refuses_model_that_does_not_fit_and_names_nearest(capsys):
     assert "nearest working config: --target orin-nx-16gb --weights int8" in err
 
 
-def test_refuses_kv_dtype_the_target_cannot_run(capsys):
-    code, out, _ = run_plan(capsys, "--target", "orin-nano-8gb", "--kv-cache", "fp8")
+def test_refuses_kv_dtype_the_target_cannot_run(capsys, planned):
+    code, out, _ = run_plan(capsys, *planned.args, "--target", "orin-nano-8gb", "--kv-cache", "fp8")
     assert code == 2 and "Orin (SM87) has no FP8" in out["refused"]["reason"]
     assert out["refused"]["nearest"]["kv_dtypes"] == ["int8"]
-    code, out, _ = run_plan(capsys, "--target", "thor-128gb", "--kv-cache", "int8")
+    code, out, _ = run_plan(capsys, *planned.args, "--target", "thor-128gb", "--kv-cache", "int8")
     assert code == 2 and "refuses INT8 (INT8 KV included) on SM100-119" in out["refused"]["reason"]
     assert out["refused"]["nearest"]["kv_dtypes"] == ["fp8"]
 
 
-def test_unknown_target_lists_known_ones(capsys):
-    assert cabin_plan(["--target", "orin-nano"]) == 2
+def test_unknown_target_lists_known_ones(capsys, planned):
+    assert cabin_plan([*planned.args, "--target", "orin-nano"]) == 2
     err = capsys.readouterr().err
     assert "unknown target 'orin-nano'; known targets: " + ", ".join(TARGETS) in err
 
