@@ -8,7 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from calibration.evaluate import ModeResult  # noqa: E402
+from calibration.evaluate import REFERENCE_MODE, ModeResult  # noqa: E402
 from calibration.scales import LayerClips  # noqa: E402
 from calibration.stats import KVStats  # noqa: E402
 
@@ -50,7 +50,7 @@ def plot_ranges(stats: KVStats, clips: LayerClips, path: Path) -> None:
 
 def plot_accuracy(results: dict[str, ModeResult], path: Path, title: str) -> None:
     """Perplexity change, KL and top-1 agreement of each KV mode against full precision."""
-    modes = [m for m in results if m != "fp32"]
+    modes = [m for m in results if m != REFERENCE_MODE]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.5))
     panels = [("perplexity vs full precision (%)", [results[m].ppl_delta_pct for m in modes]),
               ("mean KL(full || mode)", [results[m].kl for m in modes]),

@@ -10,7 +10,7 @@ from pathlib import Path
 from calibration.calibrate import CalibrationRequest, calibrate
 from calibration.charts import plot_accuracy
 from calibration.dialogues import DataError
-from calibration.evaluate import EVAL_MODES, STATIC_MODES, ModeResult, evaluate, results_json
+from calibration.evaluate import EVAL_MODES, REFERENCE_MODE, STATIC_MODES, ModeResult, evaluate, results_json
 from calibration.selection import prepare_dialogues
 from runtime.atomic import atomic_write_text
 from runtime.checkpoint import CheckpointError
@@ -71,7 +71,7 @@ def format_table(results: dict[str, ModeResult]) -> str:
     """The results as an aligned text table."""
     rows = [f"{'KV mode':<16}{'bytes/token':>12}{'perplexity':>12}{'vs fp32':>10}{'KL':>11}{'top-1 agree':>13}"]
     for mode, r in results.items():
-        delta = "-" if mode == "fp32" else f"{r.ppl_delta_pct:+.2f}%"
+        delta = "-" if mode == REFERENCE_MODE else f"{r.ppl_delta_pct:+.2f}%"
         rows.append(f"{mode:<16}{r.kv_bytes_per_token:>12}{r.ppl:>12.4f}{delta:>10}{r.kl:>11.5f}"
                     f"{100 * r.top1_agree:>12.2f}%")
     return "\n".join(rows)
