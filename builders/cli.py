@@ -10,6 +10,7 @@ from builders.planner import PlanRefused
 from builders.targets import TargetError
 from builders.trtllm import TrtllmError
 from runtime.checkpoint import CheckpointError
+from runtime.cli_args import os_error_message, reserve_gib
 from runtime.kv_modes import KV_MODES
 from runtime.kv_scales import ScalesError
 
@@ -35,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--equalize", action=argparse.BooleanOptionalAction, default=False,
                         help="fold KV equalization factors from the calibrated per-channel ranges into the "
                              "weights (default off)")
-    parser.add_argument("--reserve-gb", type=float, help="GiB held for co-resident models; default: the profile's")
+    parser.add_argument("--reserve-gb", type=reserve_gib,
+                        help="GiB held for co-resident models; default: the profile's")
     parser.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="stored weight dtype")
     parser.add_argument("--force", action="store_true", help="rebuild even when the output is up to date, or "
                         "replace an engine folder built from other inputs")
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         build_engine(request, log=lambda msg: print(msg, file=sys.stderr))
     except (CheckpointError, ScalesError, TargetError, PlanRefused, TrtllmError, FileExistsError, ValueError) as err:
         print(f"cabin-build: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"cabin-build: error: {os_error_message(err, args.output)}", file=sys.stderr)
         return 2
     return 0
 

@@ -22,7 +22,7 @@ from builders.progress import Steps
 from builders.scales_source import BuildScales, calibrated_scales, quick_scales, scales_from_file
 from builders.targets import Target, get_target, load_targets
 from builders.trtllm import TrtllmInstall, build_args, find_trtllm, flag_set, local_sm, run_trtllm_build
-from runtime.atomic import atomic_write_text, staging_folder
+from runtime.atomic import atomic_write_text, clean_leftovers, staging_folder
 from runtime.checkpoint import CheckpointError, ModelConfig, load_checkpoint, save_checkpoint
 from runtime.engine_folder import (CHECKPOINT_DIR, ENGINE_FORMAT, MANIFEST_FILE, SCALES_FILE, TRT_ENGINE_DIR,
                                    TRTLLM_LOG_FILE, read_manifest)
@@ -77,6 +77,7 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
     plan = checked_plan(request, target)
     trtllm = find_trtllm() if target.backend == "tensorrt" else None
     inputs = build_inputs(request, target, source, trtllm)
+    clean_leftovers(request.output)  # a killed build's staging folder; the old engine a killed replace moved aside
     if output_up_to_date(request.output, inputs, request.force):
         log(f"{request.output} is up to date (same inputs); pass --force to build it again")
         return request.output
@@ -91,7 +92,7 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
             config, weights = load_checkpoint(checkpoint)
             fingerprint = model_fingerprint(config, weights)
         with steps.step(scales_step_text(request)):
-            kv = build_scales(request, config, weights, checkpoint, fingerprint, tmp / SCALES_FILE)
+            kv = build_scales(request, config, weights, checkpoint, fingerprint, tmp / SCALES_FILE, log)
         with steps.step(f"writing the checkpoint with {quant_algo(request.kv_cache) or 'no'} KV cache quantization"):
             attach_kv_quant(config, kv.weights, kv.scales, request.kv_cache)
             save_checkpoint(checkpoint, config, kv.weights)
@@ -123,10 +124,10 @@ def check_scales_options(request: BuildRequest) -> None:
 
 
 def build_scales(request: BuildRequest, config: ModelConfig, weights: dict[str, torch.Tensor], checkpoint: Path,
-                 fingerprint: str, out: Path) -> BuildScales:
+                 fingerprint: str, out: Path, log: Log = print) -> BuildScales:
     """The build's KV scales (written to ``out``) from --scales, --calibrate or the quick measurement."""
     if request.scales:
-        return scales_from_file(request.scales, config, weights, fingerprint, request.equalize, out)
+        return scales_from_file(request.scales, config, weights, fingerprint, request.equalize, out, log)
     if request.calibrate:
         return calibrated_scales(request.calibrate, config, weights, checkpoint, fingerprint, request.equalize, out)
     return quick_scales(config, weights, checkpoint, fingerprint, out)
@@ -135,7 +136,7 @@ def build_scales(request: BuildRequest, config: ModelConfig, weights: dict[str, 
 def scales_step_text(request: BuildRequest) -> str:
     """What the KV scales step does, for the progress display."""
     if request.scales:
-        text = f"reading KV scales from {request.scales}"
+        text = f"reading KV scales from {request.scales} and checking them against the model's K/V range"
     elif request.calibrate:
         text = f"calibrating KV scales on {request.calibrate} dialogues"
     else:

@@ -9,6 +9,7 @@ from builders.memory_model import WEIGHT_FORMATS
 from builders.planner import MIB, Plan, PlanRefused, PlanRequest, make_plan, nearest_working
 from builders.targets import GIB, TargetError, get_target, load_targets
 from runtime.checkpoint import CheckpointError
+from runtime.cli_args import os_error_message, output_name, reserve_gib
 from runtime.model_source import load_model_config
 
 
@@ -20,7 +21,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="default",
                         help="'default', a .gguf file, an HF model folder, or a bare HF config.json")
     parser.add_argument("--target", required=True, help="target profile from engines/targets.toml, e.g. orin-nano-8gb")
-    parser.add_argument("--reserve-gb", type=float, help="GiB held for co-resident models (ASR, TTS, vision); "
+    parser.add_argument("--reserve-gb", type=reserve_gib, help="GiB held for co-resident models (ASR, TTS, vision); "
                         "default: the profile's")
     parser.add_argument("--weights", default="fp16", choices=WEIGHT_FORMATS, help="weight storage (default fp16)")
     parser.add_argument("--kv-cache", help="plan one KV dtype only (refused when the target cannot run it)")
@@ -100,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, TargetError, ValueError) as err:
         print(f"cabin-plan: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_json(), indent=2) if args.json else format_table(plan))
+    try:
+        print(json.dumps(plan.to_json(), indent=2) if args.json else format_table(plan), flush=True)
+    except OSError as err:  # a full disk under --json > FILE
+        print(f"cabin-plan: error: {os_error_message(err, output_name(sys.stdout))}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -10,6 +10,7 @@ from calibration.dialogues import DataError
 from calibration.report import write_calibration_report
 from calibration.scales import DEFAULT_PERCENTILE, METHODS
 from runtime.checkpoint import CheckpointError
+from runtime.cli_args import float_range, int_range, non_negative_int, os_error_message, positive_int
 from runtime.model_source import load_model
 
 
@@ -25,12 +26,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", default="builtin",
                         help="'builtin' (cockpit dialogues), 'sharegpt' (packaged ShareGPT V3), a .jsonl file "
                              "(OpenAI messages) or a ShareGPT .json file")
-    parser.add_argument("--num-dialogues", type=int, default=64, help="dialogues to calibrate on (default 64)")
-    parser.add_argument("--max-tokens", type=int, default=2048, help="tokens per dialogue at most (default 2048)")
-    parser.add_argument("--min-tokens", type=int, default=0,
+    parser.add_argument("--num-dialogues", type=positive_int, default=64, help="dialogues to calibrate on (default 64)")
+    parser.add_argument("--max-tokens", type=int_range(2), default=2048,
+                        help="tokens per dialogue at most (default 2048)")
+    parser.add_argument("--min-tokens", type=non_negative_int, default=0,
                         help="use only dialogues with at least this many tokens (default 0)")
     parser.add_argument("--method", default="max", choices=METHODS, help="how a layer's clip is chosen")
-    parser.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE,
+    parser.add_argument("--percentile", type=float_range(0, 100), default=DEFAULT_PERCENTILE,
                         help=f"percentile of |x| for --method percentile (default {DEFAULT_PERCENTILE})")
     parser.add_argument("--seed", type=int, default=0, help="selects which dialogues are used (default 0)")
     parser.add_argument("--output", type=Path, default=Path("kv_scales.json"), help="scales file to write")
@@ -49,13 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, DataError, ValueError) as err:
         print(f"cabin-calibrate: error: {err}", file=sys.stderr)
         return 2
-    write_scales(args.output, result.scales_file)
+    try:
+        write_scales(args.output, result.scales_file)
+    except OSError as err:
+        print(f"cabin-calibrate: error: {os_error_message(err, args.output)}", file=sys.stderr)
+        return 2
     data = result.scales_file.data
     print(f"calibrated {data['dialogues']} dialogues, {data['tokens']} tokens in {result.seconds:.1f} s "
           f"({data['records']} records read, {data['skipped_malformed']} malformed skipped"
           f"{', file cut off mid-record' if data['truncated_tail'] else ''}) -> {args.output}", file=sys.stderr)
     if args.report:
-        write_calibration_report(args.report, model.name, result, " ".join(["cabin-calibrate", *sys.argv[1:]]))
+        try:
+            write_calibration_report(args.report, model.name, result, " ".join(["cabin-calibrate", *sys.argv[1:]]))
+        except OSError as err:
+            print(f"cabin-calibrate: error: {os_error_message(err, args.report)}", file=sys.stderr)
+            return 2
         print(f"report written to {args.report}", file=sys.stderr)
     return 0
 

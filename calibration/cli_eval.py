@@ -14,6 +14,7 @@ from calibration.evaluate import EVAL_MODES, REFERENCE_MODE, STATIC_MODES, ModeR
 from calibration.selection import prepare_dialogues
 from runtime.atomic import atomic_write_text
 from runtime.checkpoint import CheckpointError
+from runtime.cli_args import int_range, non_negative_int, os_error_message, output_name, positive_int
 from runtime.kv_scales import ScalesError, ScalesFile, load_scales_file
 from runtime.model_source import LoadedModel, load_model
 
@@ -35,10 +36,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scales", type=Path,
                         help="kv_scales.json from cabin-calibrate; default: the engine's own if it has channel "
                              "ranges, else a calibration on the train split of --data")
-    parser.add_argument("--num-dialogues", type=int, default=8, help="held-out dialogues to evaluate (default 8)")
-    parser.add_argument("--max-tokens", type=int, default=2048, help="tokens per dialogue at most (default 2048)")
-    parser.add_argument("--min-tokens", type=int, default=0, help="use only dialogues with at least this many tokens")
-    parser.add_argument("--calib-dialogues", type=int, default=16,
+    parser.add_argument("--num-dialogues", type=positive_int, default=8,
+                        help="held-out dialogues to evaluate (default 8)")
+    parser.add_argument("--max-tokens", type=int_range(2), default=2048,
+                        help="tokens per dialogue at most (default 2048)")
+    parser.add_argument("--min-tokens", type=non_negative_int, default=0,
+                        help="use only dialogues with at least this many tokens")
+    parser.add_argument("--calib-dialogues", type=positive_int, default=16,
                         help="train dialogues for the calibration made when no scales are given (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="selects which dialogues are used (default 0)")
     parser.add_argument("--json", action="store_true", help="print the JSON object instead of the table")
@@ -98,15 +102,24 @@ def main(argv: list[str] | None = None) -> int:
     record = {"modes": results_json(results), "model": model.name, "scales": scales_source, "data": data,
               "seconds": round(time.perf_counter() - started, 1),
               "command": " ".join(["cabin-eval", *sys.argv[1:]] if argv is None else ["cabin-eval", *argv])}
-    args.output.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.output / RESULTS_JSON, json.dumps(record, indent=2))
-    plot_accuracy(results, args.output / CHART_PNG,
-                  f"{model.name} on {data['dialogues']} held-out {args.data} dialogues, {data['tokens']} tokens")
-    if args.json:
-        print(json.dumps(results_json(results), indent=2))
-    else:
-        print(f"{data['dialogues']} held-out dialogues of {args.data}, {data['tokens']} tokens; scales: {scales_source}")
-        print(table)
+    try:
+        args.output.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.output / RESULTS_JSON, json.dumps(record, indent=2))
+        plot_accuracy(results, args.output / CHART_PNG,
+                      f"{model.name} on {data['dialogues']} held-out {args.data} dialogues, {data['tokens']} tokens")
+    except OSError as err:
+        print(f"cabin-eval: error: {os_error_message(err, args.output)}", file=sys.stderr)
+        return 2
+    try:
+        if args.json:
+            print(json.dumps(results_json(results), indent=2), flush=True)
+        else:
+            print(f"{data['dialogues']} held-out dialogues of {args.data}, {data['tokens']} tokens; "
+                  f"scales: {scales_source}")
+            print(table, flush=True)
+    except OSError as err:  # a full disk under --json > FILE
+        print(f"cabin-eval: error: {os_error_message(err, output_name(sys.stdout))}", file=sys.stderr)
+        return 2
     print(f"results in {args.output / RESULTS_JSON} and {args.output / CHART_PNG}", file=sys.stderr)
     return 0
 

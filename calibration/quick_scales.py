@@ -6,6 +6,7 @@ layer's abs-max. Calibration on real dialogues (cabin-calibrate) gives better sc
 """
 from __future__ import annotations
 
+import math
 from importlib import resources
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from calibration.dialogues import LoadReport
 from calibration.jsonl import load_jsonl
 from runtime.generate import run_tokens
 from runtime.kv_quant import INT8_MAX
+from runtime.kv_scales import ScalesError
 from runtime.kv_storage import KVScales
 from runtime.model import Transformer
 from runtime.tokenizer import ChatTokenizer
@@ -28,7 +30,11 @@ def sample_exchanges_path() -> Path:
 
 
 def quick_kv_scales(model: Transformer, tokenizer: ChatTokenizer) -> KVScales:
-    """Per-layer K and V scales (amax / 127) measured on the built-in sample exchanges."""
+    """Per-layer K and V scales (amax / 127) measured on the built-in sample exchanges.
+
+    ScalesError when a layer's abs-max is 0 or not finite: INT8 would store every value of that layer as 0 (or
+    NaN), so the engine could not answer; the measurement names the layer and the cause instead.
+    """
     layout = model.kv_layout
     k_amax = torch.zeros(layout.num_layers)
     v_amax = torch.zeros(layout.num_layers)
@@ -36,6 +42,15 @@ def quick_kv_scales(model: Transformer, tokenizer: ChatTokenizer) -> KVScales:
         run = run_tokens(model, tokenizer.encode(tokenizer.render(dialogue.messages)))
         for layer in range(layout.num_layers):
             k, v = run.kv(layer)
-            k_amax[layer] = max(k_amax[layer], k.abs().max())
-            v_amax[layer] = max(v_amax[layer], v.abs().max())
+            k_amax[layer] = torch.maximum(k_amax[layer], k.abs().max())  # NaN propagates (max() would drop it)
+            v_amax[layer] = torch.maximum(v_amax[layer], v.abs().max())
+    for name, amax in (("K", k_amax), ("V", v_amax)):
+        for layer, value in enumerate(amax.tolist()):
+            if not math.isfinite(value):
+                raise ScalesError(f"layer {layer} {name} reaches {value} on the sample exchanges: the model's "
+                                  "activations overflow, so it cannot run; check its weights")
+            if value == 0:
+                raise ScalesError(f"layer {layer} {name} is 0 for every token of the sample exchanges (are its "
+                                  f"{name} projection weights zero?): a scale of 0 would turn every stored value "
+                                  "into NaN; check the model's weights")
     return KVScales(k=(k_amax / INT8_MAX).tolist(), v=(v_amax / INT8_MAX).tolist())

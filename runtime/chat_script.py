@@ -9,6 +9,16 @@ class ScriptError(ValueError):
     """A dialogue script is unreadable or malformed; the message names the line."""
 
 
+def text_problem(text: str) -> str | None:
+    """Why a message cannot be encoded (a lone UTF-16 surrogate, as a JSON escape like "\\ud800" makes), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (f"has a lone surrogate \\u{ord(text[err.start]):04x} at character {err.start + 1}, which is no "
+                "character (an unpaired \\uXXXX escape, or a byte that is not UTF-8); write the character itself")
+    return None
+
+
 def read_script(path: str | Path) -> tuple[str | None, list[str]]:
     """The optional system prompt (first line only) and the user turns of a script file."""
     path = Path(path)
@@ -29,6 +39,9 @@ def read_script(path: str | Path) -> tuple[str | None, list[str]]:
             raise ScriptError(f"{path}:{number}: expected {{\"role\": ..., \"content\": ...}} ({err})") from err
         if not isinstance(content, str):
             raise ScriptError(f"{path}:{number}: content must be a string")
+        problem = text_problem(content)
+        if problem:
+            raise ScriptError(f"{path}:{number}: content {problem}")
         if role == "system" and system is None and not users:
             system = content
         elif role == "user":

@@ -5,7 +5,10 @@ names and keys match what ``trtllm-build`` reads (see ARCHITECTURE.md, "Formats 
 """
 from __future__ import annotations
 
+import errno
 import json
+import math
+import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -14,6 +17,10 @@ import torch
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "rank0.safetensors"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+REBUILD = "rebuild the engine with cabin-build"
+_COUNT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_size", "intermediate_size", "max_position_embeddings")
+_ROPE_SCALINGS = ("default", "linear", "llama3")  # runtime.rope computes these
 
 
 class CheckpointError(ValueError):
@@ -53,9 +60,44 @@ class ModelConfig:
         """The JSON form, as written to ``config.json``."""
         return asdict(self)
 
+    def check(self, source: str, fix: str = REBUILD) -> None:
+        """CheckpointError naming the first value the reference engine cannot run with: its key, value and ``fix``."""
+        problem = self._problem()
+        if problem is not None:
+            key, need = problem
+            value = json.dumps(getattr(self, key), default=repr)
+            raise CheckpointError(f"{source}: {key} is {value}; it must be {need}; {fix}")
+
+    def _problem(self) -> tuple[str, str] | None:
+        """(key, what its value must be) of the first unusable value, or None."""
+        for key in _COUNT_KEYS:
+            if not _is_int(getattr(self, key)) or getattr(self, key) <= 0:
+                return key, "a positive integer"
+        if self.num_attention_heads % self.num_key_value_heads:
+            return "num_key_value_heads", f"a divisor of num_attention_heads ({self.num_attention_heads})"
+        if self.head_size % 2:
+            return "head_size", "even (RoPE rotates pairs of channels)"
+        for key in ("rotary_base", "norm_epsilon"):
+            if not _is_positive_number(getattr(self, key)):
+                return key, "a finite positive number"
+        for key in ("qkv_bias", "tie_word_embeddings"):
+            if not isinstance(getattr(self, key), bool):
+                return key, "true or false"
+        if self.hidden_act != "silu":
+            return "hidden_act", '"silu" (the activation of the Llama family)'
+        if self.position_embedding_type != "rope_gpt_neox":
+            return "position_embedding_type", '"rope_gpt_neox"'
+        for key in ("mapping", "quantization"):
+            if not isinstance(getattr(self, key), dict):
+                return key, "an object"
+        need = _rotary_scaling_problem(self.rotary_scaling)
+        return ("rotary_scaling", need) if need else None
+
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "ModelConfig":
-        """Parse a ``config.json`` dict; unknown keys are ignored, missing ones are an error."""
+        """Parse and check a ``config.json`` dict; unknown keys are ignored, missing or unusable ones are an error."""
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{source}: not a JSON object; {REBUILD}")
         arch = data.get("architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(
@@ -67,7 +109,41 @@ class ModelConfig:
         missing = [k for k in required if k not in kwargs]
         if missing:
             raise CheckpointError(f"{source}: missing config keys {missing}; re-run cabin-build to regenerate it")
-        return cls(**kwargs)
+        config = cls(**kwargs)
+        config.check(source)
+        return config
+
+
+def _rotary_scaling_problem(scaling: object) -> str | None:
+    """What a ``rotary_scaling`` value lacks for runtime.rope, or None when it is usable."""
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind not in _ROPE_SCALINGS:
+        return f"null or an object whose rope_type is one of {', '.join(_ROPE_SCALINGS)}"
+    if kind != "default" and not _is_positive_number(scaling.get("factor")):
+        return "an object with a finite positive factor"
+    original = scaling.get("original_max_position_embeddings")
+    if kind == "llama3" and not (_is_int(original) and original > 0):
+        return "an object with a positive integer original_max_position_embeddings"
+    return None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_positive_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+SOURCE_FIX = "the model's config is unusable; fix it or use another copy of the model"
+
+
+def default_head_size(hidden_size: object, heads: object) -> object:
+    """hidden_size // heads for positive integers; otherwise hidden_size, for ``ModelConfig.check`` to name."""
+    ok = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (hidden_size, heads))
+    return hidden_size // heads if ok else hidden_size
 
 
 def layer_prefix(layer: int) -> str:
@@ -102,13 +178,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def validate_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Raise CheckpointError naming the first missing or misshapen tensor."""
-    for name, shape in expected_shapes(config).items():
+    """Raise CheckpointError naming the first missing, misshapen or unexpected tensor."""
+    if config.num_hidden_layers > len(weights):  # before listing the tensors of that many layers
+        raise CheckpointError(f"{source}: the config says num_hidden_layers {config.num_hidden_layers} but there are "
+                              f"only {len(weights)} tensors; the config and the weights disagree, {REBUILD}")
+    expected = expected_shapes(config)
+    for name, shape in expected.items():
         if name not in weights:
             raise CheckpointError(f"{source}: tensor {name} is missing; the checkpoint is incomplete, rebuild it")
         actual = tuple(weights[name].shape)
         if actual != shape:
             raise CheckpointError(f"{source}: tensor {name} has shape {list(actual)}, expected {list(shape)}")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{source}: tensor {unexpected[0]} is not part of the model the config describes "
+                              f"({len(unexpected)} such tensors); the config and the weights disagree, {REBUILD}")
 
 
 def load_checkpoint(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -135,10 +219,16 @@ def load_checkpoint(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Te
 
 def save_checkpoint(folder: str | Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     """Write ``config.json`` and ``rank0.safetensors`` into an existing (temporary) folder."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     validate_weights(config, weights, str(folder))
     folder = Path(folder)
     (folder / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2), encoding="utf-8")
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / WEIGHTS_FILE))
-    (folder / WEIGHTS_FILE).chmod(0o644)  # readable by the runtime's user on the board
+    path = folder / WEIGHTS_FILE
+    try:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(path))
+    except SafetensorError as err:  # its I/O errors come as text: "... No space left on device (os error 28)"
+        code = re.search(r"os error (\d+)", str(err))
+        raise OSError(int(code.group(1)) if code else errno.EIO, str(err), str(path)) from err
+    path.chmod(0o644)  # readable by the runtime's user on the board

@@ -4,12 +4,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import signal
 import sys
 from pathlib import Path
 
-from runtime.chat_script import ScriptError, read_script
+from runtime.chat_script import ScriptError, read_script, text_problem
 from runtime.checkpoint import CheckpointError
+from runtime.cli_args import (float_range, int_range, non_negative_float, non_negative_int, os_error_message,
+                              output_name, positive_float, positive_int)
 from runtime.dialogue import Session, SessionFileError, TurnStats
 from runtime.engine import Engine, kv_cache_config
 from runtime.engine_folder import EngineFolder
@@ -17,7 +20,7 @@ from runtime.kv_modes import REFERENCE_KV_MODES
 from runtime.kv_scales import ScalesError
 from runtime.kv_storage import KVLayout
 from runtime.overflow import OVERFLOW_POLICIES, OverflowPolicy
-from runtime.sampling import SamplingParams
+from runtime.sampling import MAX_SEED, SamplingParams
 from runtime.session import DialogueSession
 from runtime.tokenizer import ChatTokenizer
 from runtime.trtllm_session import TrtllmSession
@@ -34,8 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--system", help="system prompt (a script's system line wins)")
     parser.add_argument("--kv-cache", choices=REFERENCE_KV_MODES, help="KV storage (default: what the engine was "
                         "built for); static int8 modes use the engine's kv_scales.json")
-    parser.add_argument("--kv-budget-mb", type=float, default=64.0, help="KV cache budget in MiB (default 64)")
-    parser.add_argument("--tokens-per-block", type=int, help="tokens per KV block (default: the engine's target's)")
+    parser.add_argument("--kv-budget-mb", type=positive_float, default=64.0,
+                        help="KV cache budget in MiB (default 64)")
+    parser.add_argument("--tokens-per-block", type=positive_int,
+                        help="tokens per KV block (default: the engine's target's)")
     parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="sink-window",
                         help="when a turn does not fit the budget: keep the system prompt and the most recent tokens "
                              "(sink-window, default), drop the oldest turns (drop-turns), or refuse the turn (error)")
@@ -43,11 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tensorrt-llm runs the engine's trt_engine/ through ModelRunnerCpp (needs tensorrt_llm); "
                              "reference runs the PyTorch engine; auto picks tensorrt-llm when both are present")
     parser.add_argument("--restore", type=Path, help="continue a session saved with /save")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="longest reply in tokens (default 128)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128,
+                        help="longest reply in tokens (default 128)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=non_negative_int, default=0,
+                        help="sample from the k most likely tokens (0 = all)")
+    parser.add_argument("--top-p", type=float_range(0, 1), default=1.0, help="nucleus sampling threshold, in (0, 1]")
+    parser.add_argument("--seed", type=int_range(0, MAX_SEED), default=None, help="random seed for sampling")
     return parser.parse_args(argv)
 
 
@@ -63,7 +70,26 @@ def open_session(args: argparse.Namespace, system: str | None) -> Session:
 
 
 def _budget(args: argparse.Namespace) -> int:
-    return int(args.kv_budget_mb * (1 << 20))
+    """The KV budget in bytes, refused before anything is allocated when this machine's memory cannot hold it."""
+    requested, available = args.kv_budget_mb * (1 << 20), available_memory()
+    if requested < 1:
+        raise ValueError(f"--kv-budget-mb {args.kv_budget_mb:g} is less than one byte; give a budget of some MiB")
+    if requested > available:
+        raise ValueError(f"--kv-budget-mb {args.kv_budget_mb:g} is more than the {available / 2**20:,.0f} MiB of "
+                         "memory this machine has available; choose a smaller --kv-budget-mb")
+    return int(requested)
+
+
+def available_memory() -> int:
+    """Bytes of memory the machine can still give (MemAvailable on Linux, else all of its physical memory)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _params(args: argparse.Namespace, stop_token_ids: list[int]) -> SamplingParams:
@@ -125,45 +151,66 @@ def save_command(session: Session, path: str) -> str:
     return f"saved {len(session.messages)} messages and {tokens} tokens of KV to {path}"
 
 
-def run_interactive(session: Session) -> None:
-    """A terminal chat with streaming replies."""
-    print(f"cabin-chat: {session.describe_kv()}\n{HELP_COMMANDS}")
-    interrupted = {"flag": False}
+def run_command(session: Session, command: str, argument: str) -> str:
+    """Run a slash command other than /quit and say what happened."""
+    if command == "/reset":
+        session.reset()
+        return "(conversation reset)"
+    if command == "/stats":
+        return session.describe_kv()
+    if command == "/save":
+        return save_command(session, argument)
+    return f"unknown command {command}; {HELP_COMMANDS}"
+
+
+def chat_turn(session: Session, text: str) -> None:
+    """Stream the reply to one message; Ctrl-C stops it and keeps the session."""
+    problem = text_problem(text)
+    if problem:
+        print(f"  error: the message {problem}")
+        return
+    interrupted = False
 
     def on_sigint(signum, frame):
-        interrupted["flag"] = True
+        nonlocal interrupted
+        interrupted = True
 
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    print("assistant> ", end="", flush=True)
+    try:
+        stats = session.chat(text, on_text=lambda piece: print(piece, end="", flush=True),
+                             should_stop=lambda: interrupted)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    print(f"\n  {format_stats(stats)}")
+    if stats.error:
+        print(f"  error: {stats.error}")
+
+
+def run_interactive(session: Session) -> None:
+    """A terminal chat with streaming replies; a command or turn that fails is one line and the session is kept."""
+    print(f"cabin-chat: {session.describe_kv()}\n{HELP_COMMANDS}")
     while True:
         try:
             text = input("you> ").strip()
         except (EOFError, KeyboardInterrupt):
             print()
             return
-        if text in ("/quit", "/exit"):
+        except UnicodeDecodeError:
+            print("  error: that line is not valid UTF-8 and was not sent; set the terminal to UTF-8")
+            continue
+        command, _, argument = text.partition(" ")
+        if command in ("/quit", "/exit"):
             return
-        if text == "/reset":
-            session.reset()
-            print("(conversation reset)")
-            continue
-        if text == "/stats":
-            print(session.describe_kv())
-            continue
-        if text.startswith("/save"):
-            print(save_command(session, text[len("/save"):].strip()))
-            continue
         if not text:
             continue
-        interrupted["flag"] = False
-        previous = signal.signal(signal.SIGINT, on_sigint)
-        print("assistant> ", end="", flush=True)
         try:
-            stats = session.chat(text, on_text=lambda piece: print(piece, end="", flush=True),
-                                 should_stop=lambda: interrupted["flag"])
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        print(f"\n  {format_stats(stats)}")
-        if stats.error:
-            print(f"  error: {stats.error}")
+            if command.startswith("/"):
+                print(run_command(session, command, argument.strip()))
+            else:
+                chat_turn(session, text)
+        except Exception as err:  # one failed command or turn never ends the chat
+            print(f"\n  error: {str(err) or type(err).__name__} (the conversation is kept)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,14 +218,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         system, turns = read_script(args.script) if args.script else (args.system, [])
+        if args.system and (problem := text_problem(args.system)):
+            raise ValueError(f"--system {problem}")
         session = open_session(args, system or args.system)
     except (CheckpointError, ScalesError, ScriptError, SessionFileError, ValueError) as err:
         print(f"cabin-chat: error: {err}", file=sys.stderr)
         return 2
-    if args.script:
-        run_script(session, turns, args.json)
-    else:
-        run_interactive(session)
+    try:
+        if args.script:
+            run_script(session, turns, args.json)
+        else:
+            run_interactive(session)
+    except OSError as err:  # the output: a full disk under --json > FILE
+        print(f"cabin-chat: error: {os_error_message(err, output_name(sys.stdout))}", file=sys.stderr)
+        return 2
     return 0
 
 

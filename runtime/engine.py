@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.checkpoint import CheckpointError, ModelConfig, load_checkpoint
+from runtime.checkpoint import CheckpointError, ModelConfig
 from runtime.engine_folder import SCALES_FILE, EngineFolder
 from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
 from runtime.kv_modes import KV_MODES
-from runtime.kv_scales import load_scales, model_fingerprint
+from runtime.kv_scales import load_scales
 from runtime.kv_storage import KVScales
 from runtime.model import Transformer
 from runtime.tokenizer import ChatTokenizer
@@ -43,11 +43,10 @@ class Engine:
 
     @classmethod
     def load(cls, folder: str | Path) -> "Engine":
-        """Load an engine folder written by cabin-build."""
+        """Load an engine folder written by cabin-build (its checkpoint checked against its manifest)."""
         folder = EngineFolder(Path(folder))
         manifest = folder.manifest()
-        config, weights = load_checkpoint(folder.checkpoint)
-        fingerprint = model_fingerprint(config, weights)
+        config, weights, fingerprint = folder.load_checkpoint()
         scales = load_scales(folder.scales, fingerprint, config.num_hidden_layers) if folder.scales.exists() else None
         tokenizer = ChatTokenizer(folder.checkpoint)
         return cls(folder.path, config, Transformer(config, weights), tokenizer, manifest, fingerprint, scales)

@@ -16,7 +16,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.checkpoint import CONFIG_FILE, CheckpointError, ModelConfig
+import torch
+
+from runtime.checkpoint import CONFIG_FILE, REBUILD, CheckpointError, ModelConfig, load_checkpoint
+from runtime.kv_scales import model_fingerprint
 
 ENGINE_FORMAT = "cabin-engine/2"
 MANIFEST_FILE = "manifest.json"
@@ -24,14 +27,24 @@ CHECKPOINT_DIR = "checkpoint"
 SCALES_FILE = "kv_scales.json"
 TRT_ENGINE_DIR = "trt_engine"
 TRTLLM_LOG_FILE = "trtllm-build.log"
+# the plan's record of the model in the manifest (builders.planner.Plan.to_json) -> ModelConfig keys
+_PLANNED_MODEL_KEYS = {"layers": "num_hidden_layers", "kv_heads": "num_key_value_heads", "head_size": "head_size",
+                       "context": "max_position_embeddings"}
 
 
 def read_manifest(folder: Path) -> dict | None:
     """The folder's manifest, or None when it has none or it is unreadable."""
     try:
-        return json.loads((Path(folder) / MANIFEST_FILE).read_text(encoding="utf-8"))
+        manifest = json.loads((Path(folder) / MANIFEST_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _section(manifest: dict, key: str) -> dict:
+    """One object of the manifest ({} when it is absent or not an object)."""
+    value = manifest.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -72,3 +85,24 @@ class EngineFolder:
             if isinstance(err, CheckpointError):
                 raise
             raise CheckpointError(f"{path}: unreadable ({err}); rebuild the engine with cabin-build") from err
+
+    def load_checkpoint(self) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+        """The checkpoint's config, weights and model fingerprint; CheckpointError naming what differs when they
+        are not the model the manifest says was built."""
+        manifest, config_path = self.manifest(), self.checkpoint / CONFIG_FILE
+        model, planned = _section(manifest, "model"), _section(_section(manifest, "plan"), "model")
+        config = self.config()
+        built = {"architecture": model.get("architecture"),
+                 **{key: planned.get(plan_key) for plan_key, key in _PLANNED_MODEL_KEYS.items()}}
+        for key, value in built.items():
+            if value is not None and value != getattr(config, key):
+                raise CheckpointError(f"{config_path}: {key} is {json.dumps(getattr(config, key))} but this engine "
+                                      f"was built with {json.dumps(value)} ({MANIFEST_FILE}); the folder was edited "
+                                      f"or mixed with another engine's files, {REBUILD}")
+        config, weights = load_checkpoint(self.checkpoint)
+        fingerprint = model_fingerprint(config, weights)
+        if fingerprint != model.get("fingerprint"):
+            raise CheckpointError(f"{self.checkpoint}: holds model {fingerprint} but {MANIFEST_FILE} says this engine "
+                                  f"was built from model {model.get('fingerprint')}; its config or weights were "
+                                  f"changed or come from another engine, {REBUILD}")
+        return config, weights, fingerprint

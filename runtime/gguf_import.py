@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from runtime.checkpoint import CheckpointError, ModelConfig
+from runtime.checkpoint import SOURCE_FIX, CheckpointError, ModelConfig, default_head_size
 from runtime.weight_plan import SourceModel, SourceNames, check_plan, weight_plan
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # Mistral GGUFs say "llama"
@@ -67,14 +67,14 @@ def config_from_gguf(reader: GGUFReader, path: Path) -> ModelConfig:
         )
     hidden = _meta(reader, f"{arch}.embedding_length", path)
     heads = _meta(reader, f"{arch}.attention.head_count", path)
-    return ModelConfig(
+    config = ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=len(_meta(reader, "tokenizer.ggml.tokens", path)),
         hidden_size=hidden,
         num_hidden_layers=_meta(reader, f"{arch}.block_count", path),
         num_attention_heads=heads,
         num_key_value_heads=_meta(reader, f"{arch}.attention.head_count_kv", path, heads),
-        head_size=_meta(reader, f"{arch}.attention.key_length", path, hidden // heads),
+        head_size=_meta(reader, f"{arch}.attention.key_length", path, default_head_size(hidden, heads)),
         intermediate_size=_meta(reader, f"{arch}.feed_forward_length", path),
         max_position_embeddings=_meta(reader, f"{arch}.context_length", path),
         rotary_base=float(_meta(reader, f"{arch}.rope.freq_base", path, 10000.0)),
@@ -82,6 +82,8 @@ def config_from_gguf(reader: GGUFReader, path: Path) -> ModelConfig:
         qkv_bias=arch == "qwen2",
         tie_word_embeddings="output.weight" not in tensor_names,
     )
+    config.check(str(path), SOURCE_FIX)
+    return config
 
 
 def unpermute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:

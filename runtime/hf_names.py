@@ -1,7 +1,7 @@
 """HF Llama/Mistral/Qwen2 names and config.json -> the TensorRT-LLM checkpoint's."""
 from __future__ import annotations
 
-from runtime.checkpoint import SUPPORTED_ARCHITECTURES, CheckpointError, ModelConfig
+from runtime.checkpoint import SOURCE_FIX, SUPPORTED_ARCHITECTURES, CheckpointError, ModelConfig, default_head_size
 from runtime.weight_plan import SourceNames
 
 HF_NAMES = SourceNames(
@@ -47,14 +47,14 @@ def config_from_hf(data: dict, source: str) -> ModelConfig:
     try:
         heads = data["num_attention_heads"]
         rotary_base, rotary_scaling = _rope(data)
-        return ModelConfig(
+        config = ModelConfig(
             architecture=architecture,
             vocab_size=data["vocab_size"],
             hidden_size=data["hidden_size"],
             num_hidden_layers=data["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=data.get("num_key_value_heads") or heads,
-            head_size=data.get("head_dim") or data["hidden_size"] // heads,
+            head_size=data.get("head_dim") or default_head_size(data["hidden_size"], heads),
             intermediate_size=data["intermediate_size"],
             max_position_embeddings=data["max_position_embeddings"],
             rotary_base=rotary_base,
@@ -66,3 +66,5 @@ def config_from_hf(data: dict, source: str) -> ModelConfig:
         )
     except KeyError as err:
         raise CheckpointError(f"{source}: missing key {err.args[0]!r}; is this an HF model config.json?") from err
+    config.check(source, SOURCE_FIX)
+    return config

@@ -87,9 +87,17 @@ def _layer_entry(index: int, k: float, v: float, ranges: LayerRanges | None) -> 
 
 def save_scales(path: str | Path, scales: KVScales, fingerprint: str, method: str, data_summary: dict,
                 ranges: list[LayerRanges] | None = None, equalized: bool = False) -> None:
-    """Write scales atomically; each layer carries K, V, the shared TensorRT-LLM scale and, if given, its ranges."""
+    """Write scales atomically; each layer carries K, V, the shared TensorRT-LLM scale and, if given, its ranges.
+
+    ScalesError, and nothing written, when a scale is 0, negative or not finite: INT8 divides by the scale, so
+    such a scale would store every K/V value of its layer as NaN, infinity or 0.
+    """
     if ranges is not None and len(ranges) != len(scales.k):
         raise ValueError(f"{len(ranges)} layer ranges for {len(scales.k)} layers of scales")
+    unusable = ("not written, as INT8 K/V with that scale would be NaN or 0: the layer's measured range is empty "
+                "or broken, check the model's weights and the calibration data")
+    _check_positive(path, "k", scales.k, unusable)
+    _check_positive(path, "v", scales.v, unusable)
     layers = [_layer_entry(i, k, v, ranges[i] if ranges else None)
               for i, (k, v) in enumerate(zip(scales.k, scales.v))]
     doc = {"version": SCALES_VERSION, "model_fingerprint": fingerprint, "method": method, "equalized": equalized,
@@ -123,14 +131,19 @@ def load_scales_file(path: str | Path, fingerprint: str, num_layers: int,
         raise ScalesError(f"{path}: needs one entry for each of layers 0..{num_layers - 1}"
                           + (f"; missing layer(s) {missing}" if missing else f"; found {found}")
                           + "; re-run calibration")
-    for name, values in (("k", k), ("v", v)):
-        bad = [i for i, s in enumerate(values) if not (math.isfinite(s) and s > 0)]
-        if bad:
-            raise ScalesError(f"{path}: layer {bad[0]} {name} scale {values[bad[0]]} is not a finite positive "
-                              "number; re-run calibration")
+    _check_positive(path, "k", k, "re-run calibration")
+    _check_positive(path, "v", v, "re-run calibration")
     ranges = _read_ranges(path, layers, kv_shape)
     return ScalesFile(KVScales(k=k, v=v), fingerprint, str(doc.get("method", "")), dict(doc.get("data") or {}),
                       ranges, bool(doc.get("equalized", False)))
+
+
+def _check_positive(path: str | Path, name: str, values: list[float], fix: str) -> None:
+    """ScalesError naming the first scale that is not a finite positive number."""
+    bad = [i for i, s in enumerate(values) if not (math.isfinite(s) and s > 0)]
+    if bad:
+        raise ScalesError(f"{path}: layer {bad[0]} {name} scale {values[bad[0]]} is not a finite positive number; "
+                          f"{fix}")
 
 
 def _channel_table(path: Path, entry: dict, key: str, shape: tuple[int, ...] | None) -> torch.Tensor:
@@ -158,10 +171,19 @@ def _read_ranges(path: Path, layers: list[dict], kv_shape: tuple[int, int] | Non
         k = _channel_table(path, entry, "k_channel_amax", tuple(kv_shape) if kv_shape else None)
         tables = {key: _channel_table(path, entry, key, tuple(k.shape)).tolist()
                   for key in ("v_channel_amax", "k_channel_clip", "v_channel_clip") if key in entry}
-        ranges.append(LayerRanges(k.tolist(), tables["v_channel_amax"], float(entry.get("k_clip_rate", 0.0)),
-                                  float(entry.get("v_clip_rate", 0.0)), tables.get("k_channel_clip"),
+        ranges.append(LayerRanges(k.tolist(), tables["v_channel_amax"], _clip_rate(path, entry, "k_clip_rate"),
+                                  _clip_rate(path, entry, "v_clip_rate"), tables.get("k_channel_clip"),
                                   tables.get("v_channel_clip")))
     return ranges
+
+
+def _clip_rate(path: Path, entry: dict, key: str) -> float:
+    """A layer's share of clipped values (0 when the file does not say), checked to lie in [0, 1]."""
+    rate = entry.get(key, 0.0)
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+        raise ScalesError(f"{path}: layer {entry['layer']} {key} is {rate!r}, not a share between 0 and 1; "
+                          "re-run calibration")
+    return float(rate)
 
 
 def load_scales(path: str | Path, fingerprint: str, num_layers: int) -> KVScales:

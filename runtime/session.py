@@ -16,9 +16,9 @@ from runtime.dialogue import SessionFileError, TurnStats
 from runtime.engine import Engine
 from runtime.generate import generate
 from runtime.kv_cache import KvCacheConfig, PagedKVCache
-from runtime.overflow import CAPACITY_HINT, CapacityError, OverflowPolicy, Room, TurnPlan, plan_overflow
+from runtime.overflow import CapacityError, OverflowPolicy, Room, TurnPlan, capacity_hint, plan_overflow
 from runtime.sampling import SamplingParams
-from runtime.session_store import read_session_file, write_session_file
+from runtime.session_store import check_fits, read_session_file, within_memory, write_session_file
 
 
 class DialogueSession:
@@ -53,7 +53,8 @@ class DialogueSession:
             result = generate(self.engine.model, self.cache, self.seq, plan.feed, self.params,
                               self.engine.tokenizer.decode_reply, on_text, should_stop)
         except CapacityError as err:
-            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, f"{err}; {CAPACITY_HINT}")
+            hint = capacity_hint(self.overflow, self.params.max_new_tokens, self._room().capacity)
+            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, f"{err}; {hint}")
         self.messages = plan.messages + [{"role": "assistant", "content": result.text}]
         self.pending = result.token_ids[-1:]
         self.transcript = plan.prompt + self.engine.tokenizer.decode(result.token_ids)
@@ -110,11 +111,16 @@ class DialogueSession:
             raise SessionFileError(f"{path}: saved with model {header['model_fingerprint']}, this engine runs "
                                    f"{engine.fingerprint}; restore it with the engine it was saved from")
         config = KvCacheConfig(**header["kv_cache"])
-        cache = cache or engine.new_cache(config)
+        try:
+            cache = cache or engine.new_cache(within_memory(config))
+        except ValueError as err:
+            raise SessionFileError(f"{path}: {err}") from err
         scales = cache.storage.scales_fingerprint()
         if cache.mode.name != config.kv_mode or scales != header["scales_fingerprint"]:
             raise SessionFileError(f"{path}: saved with {config.kv_mode} KV and scales "
                                    f"{header['scales_fingerprint']}, the cache uses {cache.mode.name} and {scales}")
+        check_fits(path, header, tensors, cache.storage.token_tensors(), engine.config.vocab_size,
+                   engine.config.max_position_embeddings)
         session = cls(engine, cache, SamplingParams(**header["params"]), header["system_prompt"],
                       OverflowPolicy(**header["overflow"]))
         fed = header["fed"]

@@ -1,10 +1,18 @@
-"""The engine's tokenizer and chat template, read from ``tokenizer.json`` and ``tokenizer_config.json``."""
+"""The engine's tokenizer and chat template, read from ``tokenizer.json`` and ``tokenizer_config.json``.
+
+Message content is always text: before the template renders a message, every control-token string
+in its content (``<|im_start|>``, ``<|endoftext|>``, ... : the tokenizer's special tokens) is broken
+by a zero-width space after its first character, so it is tokenized as text. Only the template's own
+structure produces control tokens, so a user cannot forge a system or assistant turn.
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 from runtime.checkpoint import CheckpointError
+
+CONTENT_ESCAPE = "\u200b"  # zero-width space, put inside control-token strings found in message content
 
 
 class ChatTokenizer:
@@ -29,6 +37,9 @@ class ChatTokenizer:
         self.eos_token: str = cfg.get("eos_token", "")
         self.add_bos_token: bool = bool(cfg.get("add_bos_token", False))
         self.stop_token_ids: list[int] = list(cfg.get("stop_token_ids", []))
+        special = {token.content for token in self._tok.get_added_tokens_decoder().values() if token.special}
+        self._control_strings = sorted(special | {t for t in (self.bos_token, self.eos_token) if t}, key=len,
+                                       reverse=True)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         self._template = env.from_string(template)
@@ -59,8 +70,16 @@ class ChatTokenizer:
         """Id of a token string, or None."""
         return self._tok.token_to_id(token)
 
+    def escape(self, text: str) -> str:
+        """Text in which no control-token string is left whole, so that it encodes as text."""
+        for control in self._control_strings:
+            while control in text:  # a self-overlapping string may reappear once: repeat until none is left
+                text = text.replace(control, control[0] + CONTENT_ESCAPE + control[1:])
+        return text
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation, as the model was trained to see it."""
+        """The prompt text of a conversation, as the model was trained to see it; message content escaped."""
+        messages = [{**m, "content": self.escape(m["content"])} for m in messages]
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token)
 

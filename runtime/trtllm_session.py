@@ -20,7 +20,7 @@ from runtime.dialogue import SessionFileError, TurnStats
 from runtime.engine_folder import TRT_ENGINE_DIR
 from runtime.kv_cache import KvCacheConfig
 from runtime.kv_storage import KVLayout
-from runtime.overflow import (CAPACITY_HINT, CapacityError, OverflowPolicy, Room, TurnPlan, plan_overflow,
+from runtime.overflow import (CapacityError, OverflowPolicy, Room, TurnPlan, capacity_hint, plan_overflow,
                               system_tokens)
 from runtime.sampling import SamplingParams
 from runtime.streaming import TextStream
@@ -83,7 +83,8 @@ class TrtllmSession:
         try:
             plan = self._plan(self.messages + [{"role": "user", "content": user_text}])
         except CapacityError as err:
-            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, f"{err}; {CAPACITY_HINT}")
+            hint = capacity_hint(self.overflow, self.params.max_new_tokens, self.settings.max_tokens_in_paged_kv_cache)
+            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, f"{err}; {hint}")
         ids = plan.feed
         stop_ids = self.params.stop_token_ids
         stream = TextStream(self.tokenizer.decode_reply)

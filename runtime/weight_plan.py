@@ -100,7 +100,25 @@ def check_plan(plan: dict[str, list[Part]], shapes: Mapping[str, tuple[int, ...]
                 )
 
 
-def iter_weights(model: SourceModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield each checkpoint tensor as a fresh tensor (sources concatenated on dim 0)."""
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True when the tensor holds no NaN and no infinite value."""
+    if tensor.numel() == 0 or not tensor.is_floating_point():
+        return True
+    low, high = torch.aminmax(tensor)  # NaN and inf reach the extremes; far cheaper than isfinite().all()
+    return bool(low.isfinite() and high.isfinite())
+
+
+def iter_weights(model: SourceModel, source: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield each checkpoint tensor as a fresh tensor (sources concatenated on dim 0); CheckpointError naming the
+    first source tensor with a NaN or infinite value (``source`` names the model in it)."""
     for name, parts in model.plan.items():
-        yield name, torch.cat([model.load(part.name) for part in parts], dim=0)
+        tensors = [model.load(part.name) for part in parts]
+        for part, tensor in zip(parts, tensors):
+            if not all_finite(tensor):
+                raise CheckpointError(
+                    f"{source}: tensor {part.name} has {int(tensor.isnan().sum())} NaN and "
+                    f"{int(tensor.isinf().sum())} infinite values (of {tensor.numel()}); a model with NaN or "
+                    "infinite weights cannot run: the file is damaged or the weights diverged in training, use "
+                    "another copy of the model"
+                )
+        yield name, torch.cat(tensors, dim=0)

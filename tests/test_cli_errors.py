@@ -1,0 +1,197 @@
+"""Bad values on every command line are one clear error line with exit code 2, never a traceback: numbers that are
+0, negative, nan or inf, a KV budget larger than the machine's memory, a lone surrogate in a script, a full disk.
+Interactively, a turn that fails is one line and the session is kept."""
+import builtins
+import errno
+import io
+import json
+import sys
+
+import pytest
+
+import builders.engine_build
+import calibration.cli_eval
+import runtime.cli_chat
+import runtime.session
+from builders import cli as build_cli, plan_cli
+from calibration import cli_calibrate, cli_eval
+from runtime.sampling import SamplingParams
+
+
+def run_cli(main, argv, capsys) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of a CLI's ``main`` (argparse exits through SystemExit)."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_error(code: int, err: str, *words: str) -> None:
+    """Exit code 2 and one ``error:`` line that names each of ``words``, and no traceback."""
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1, err
+    assert all(word in errors[0] for word in words), errors[0]
+    assert "Traceback" not in err
+
+
+@pytest.fixture
+def script(tmp_path):
+    """A one-turn dialogue script."""
+    path = tmp_path / "dialogue.jsonl"
+    path.write_text(json.dumps({"role": "user", "content": "navigate to the nearest charging station"}) + "\n")
+    return path
+
+
+class FullDisk(io.StringIO):
+    """A redirected stdout on a full disk."""
+
+    name = "/mnt/full/out.jsonl"
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+CHAT_FLAGS = [("--kv-budget-mb", "inf"), ("--kv-budget-mb", "nan"), ("--kv-budget-mb", "0"), ("--kv-budget-mb", "-8"),
+              ("--tokens-per-block", "0"), ("--tokens-per-block", "-16"), ("--temperature", "nan"),
+              ("--temperature", "inf"), ("--temperature", "-0.5"), ("--top-p", "nan"), ("--top-p", "0"),
+              ("--top-p", "1.5"), ("--top-k", "-1"), ("--max-new-tokens", "0"), ("--max-new-tokens", "-3"),
+              ("--seed", str(2**64))]
+
+
+@pytest.mark.parametrize("flag,value", CHAT_FLAGS)
+def test_chat_numbers_out_of_range_are_one_error_naming_the_flag(tiny_engine_dir, script, capsys, flag, value):
+    code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
+                                                   flag, value], capsys)
+    assert_one_error(code, err, flag, repr(value))
+
+
+def test_chat_budget_above_the_machines_memory_is_refused_before_allocating(tiny_engine_dir, script, capsys,
+                                                                             monkeypatch):
+    monkeypatch.setattr(runtime.cli_chat, "available_memory", lambda: 8 << 30)
+    code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
+                                                   "--kv-budget-mb", "1e6"], capsys)
+    assert_one_error(code, err, "--kv-budget-mb 1e+06", "8,192 MiB of memory this machine has available")
+
+
+def test_chat_budget_below_one_byte_is_one_error(tiny_engine_dir, script, capsys):
+    code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
+                                                   "--kv-budget-mb", "1e-9"], capsys)
+    assert_one_error(code, err, "--kv-budget-mb 1e-09 is less than one byte")
+
+
+def test_chat_budget_check_reads_this_machines_memory():
+    assert 0 < runtime.cli_chat.available_memory() < 1 << 60
+
+
+def test_lone_surrogate_in_a_script_is_refused_naming_the_line(tiny_engine_dir, tmp_path, capsys, monkeypatch):
+    script = tmp_path / "dialogue.jsonl"
+    script.write_text('{"role": "user", "content": "set cabin"}\n{"role": "user", "content": "jazz \\ud800"}\n')
+    monkeypatch.setattr(runtime.cli_chat.Engine, "load", lambda path: pytest.fail("the engine was loaded"))
+    code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script)], capsys)
+    assert_one_error(code, err, f"{script}:2", "lone surrogate \\ud800 at character 6")
+
+
+def test_lone_surrogate_in_the_system_prompt_is_refused(tiny_engine_dir, script, capsys):
+    code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
+                                                   "--system", "Be brief\udce9"], capsys)
+    assert_one_error(code, err, "--system has a lone surrogate \\udce9 at character 9")
+
+
+def test_chat_json_output_on_a_full_disk_is_one_error(tiny_engine_dir, script, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", FullDisk())
+    code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
+                                                   "--json", "--max-new-tokens", "2"], capsys)
+    assert_one_error(code, err, "/mnt/full/out.jsonl", "the disk is full")
+
+
+def test_interactive_failures_keep_the_session(tiny_engine_dir, capsys, monkeypatch):
+    real_generate, calls = runtime.session.generate, []
+
+    def generate_failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the kernel failed")
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.session, "generate", generate_failing_once)
+    typed = iter(["set cabin temperature", "/foo bar", "play \ud800 jazz", "/stats", "play some jazz", "/quit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(typed))
+    code, out, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--max-new-tokens", "3"],
+                             capsys)
+    assert code == 0 and "Traceback" not in out + err
+    assert "error: the kernel failed (the conversation is kept)" in out
+    assert f"unknown command /foo; {runtime.cli_chat.HELP_COMMANDS}" in out
+    assert "error: the message has a lone surrogate \\ud800" in out
+    assert len(calls) == 2 and out.count("prefill") == 1  # neither /foo nor the surrogate went to the model
+
+
+def test_build_on_a_full_disk_is_one_error_naming_the_file(tiny_engine_dir, tmp_path, capsys, monkeypatch):
+    weights = tmp_path / "out" / "checkpoint" / "rank0.safetensors"
+
+    def save_on_full_disk(folder, config, weights_):
+        raise OSError(errno.ENOSPC, "No space left on device", str(weights))
+
+    monkeypatch.setattr(builders.engine_build, "save_checkpoint", save_on_full_disk)
+    code, _, err = run_cli(build_cli.main, ["--model", str(tiny_engine_dir.parent / "model"), "--dtype", "float32",
+                                            "--output", str(tmp_path / "out")], capsys)
+    assert_one_error(code, err, str(weights), "the disk is full")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "1e300"])
+def test_reserve_out_of_range_is_one_error(tiny_engine_dir, tmp_path, capsys, value):
+    model = str(tiny_engine_dir.parent / "model")
+    code, _, err = run_cli(plan_cli.main, ["--model", model, "--target", "orin-nano-8gb", "--reserve-gb", value],
+                           capsys)
+    assert_one_error(code, err, "--reserve-gb", repr(value))
+    code, _, err = run_cli(build_cli.main, ["--model", model, "--output", str(tmp_path / "out"),
+                                            "--reserve-gb", value], capsys)
+    assert_one_error(code, err, "--reserve-gb", repr(value))
+
+
+def test_plan_json_on_a_full_disk_is_one_error(tiny_engine_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", FullDisk())
+    code, _, err = run_cli(plan_cli.main, ["--model", str(tiny_engine_dir.parent / "model"),
+                                           "--target", "orin-nano-8gb", "--json"], capsys)
+    assert_one_error(code, err, "/mnt/full/out.jsonl", "the disk is full")
+
+
+CALIBRATE_FLAGS = [("--num-dialogues", "0"), ("--num-dialogues", "-1"), ("--max-tokens", "0"), ("--max-tokens", "-5"),
+                   ("--min-tokens", "-1"), ("--percentile", "nan"), ("--percentile", "0"), ("--percentile", "inf"),
+                   ("--percentile", "100.5")]
+
+
+@pytest.mark.parametrize("flag,value", CALIBRATE_FLAGS)
+def test_calibrate_numbers_out_of_range_are_one_error(tiny_engine_dir, tmp_path, capsys, flag, value):
+    code, _, err = run_cli(cli_calibrate.main, ["--model", str(tiny_engine_dir), "--method", "percentile",
+                                                "--output", str(tmp_path / "k.json"), flag, value], capsys)
+    assert_one_error(code, err, flag, repr(value))
+
+
+@pytest.mark.parametrize("flag,value", [("--num-dialogues", "0"), ("--max-tokens", "-1"), ("--min-tokens", "-2"),
+                                        ("--calib-dialogues", "0"), ("--num-dialogues", "nan")])
+def test_eval_numbers_out_of_range_are_one_error(tiny_engine_dir, tmp_path, capsys, flag, value):
+    code, _, err = run_cli(cli_eval.main, ["--model", str(tiny_engine_dir), "--output", str(tmp_path / "eval"),
+                                           flag, value], capsys)
+    assert_one_error(code, err, flag, repr(value))
+
+
+def test_eval_results_on_a_full_disk_are_one_error(tiny_engine_dir, tmp_path, capsys, monkeypatch):
+    def write_on_full_disk(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(calibration.cli_eval, "atomic_write_text", write_on_full_disk)
+    code, _, err = run_cli(cli_eval.main, ["--model", str(tiny_engine_dir), "--output", str(tmp_path / "eval"),
+                                           "--kv-cache", "fp16", "--num-dialogues", "1", "--max-tokens", "16"], capsys)
+    assert_one_error(code, err, str(tmp_path / "eval"), "the disk is full")
+
+
+@pytest.mark.parametrize("field,value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                         ("temperature", -1.0), ("top_p", float("nan")), ("top_p", 0.0),
+                                         ("top_k", -1), ("max_new_tokens", 0), ("seed", 2**64),
+                                         ("temperature", "hot")])
+def test_sampling_params_refuse_values_that_fail_mid_turn(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
