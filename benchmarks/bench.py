@@ -23,7 +23,7 @@ from benchmarks.workload import long_sharegpt_dialogue, sharegpt_stream
 from builders.hf_export import to_transformers
 from runtime.engine import Engine
 from runtime.engine_folder import CHECKPOINT_DIR
-from runtime.model_source import DEFAULT_GGUF_NAME, default_gguf_path
+from runtime.model_source import DEFAULT_GGUF_NAME, default_gguf_path, source_label
 
 MIB = 1 << 20
 TURN_MODE = "int8"  # our mode in the dialogue test
@@ -87,7 +87,7 @@ def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unav
         "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "engine": str(engine.folder),
         "engine_build_command": engine.manifest.get("build_command"),
-        "model": f"{engine.manifest.get('model', {}).get('source', engine.folder)} "
+        "model": f"{source_label(engine.manifest.get('model', {}).get('source', engine.folder))} "
                  f"({engine.config.num_hidden_layers} layers, {engine.config.num_key_value_heads} KV heads of "
                  f"{engine.config.head_size}); KV scales: {engine.manifest.get('kv_scales', {}).get('method', '?')}",
         "settings": {**asdict(settings), "label": settings.label()},

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     engine = Engine.load(args.engine)
-    results: dict = {"engine": str(args.engine), "torch_threads": torch.get_num_threads()}
+    results: dict = {"engine": args.engine.name, "torch_threads": torch.get_num_threads()}
     for part in args.part:
         started = time.perf_counter()
         if part == "capacity":

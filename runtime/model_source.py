@@ -52,6 +52,13 @@ def default_gguf_path() -> Path:
     return path
 
 
+def source_label(source: str | Path) -> str:
+    """A model source named without this machine's paths: the default model's package and file, else the
+    file or folder name."""
+    name = Path(source).name
+    return f"{DEFAULT_MODEL_PACKAGE.replace('_', '-')} package, {name}" if name == DEFAULT_GGUF_NAME else name
+
+
 def resolve_model(model: str) -> Path:
     """The model source path; ``default`` is the embedded SmolLM2-135M-Instruct GGUF."""
     path = default_gguf_path() if model == DEFAULT_MODEL else Path(model)

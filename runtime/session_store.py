@@ -110,9 +110,12 @@ def read_session_file(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     path = Path(path)
     try:
         blob = path.read_bytes()
+    except OSError as err:
+        raise SessionFileError(f"{path}: cannot read it ({err.strerror}); give the file /save wrote") from err
+    try:
         tensors = load(blob)
         header = json.loads(_metadata(blob)["session"])
-    except (OSError, SafetensorError, ValueError, KeyError, TypeError, RecursionError) as err:
+    except (SafetensorError, ValueError, KeyError, TypeError, RecursionError) as err:
         raise SessionFileError(f"{path}: not a complete session file ({err}); it may have been cut short, "
                                "use an earlier save") from err
     if type(header) is not dict or header.get("format") != SESSION_FORMAT:

@@ -34,3 +34,6 @@ echo; echo "=== 5. quality of INT8 KV against full precision (held-out built-in 
 # Evaluated on the original weights: int8-shared-eq applies the same equalization the engine carries.
 "$BIN/cabin-eval" --model default --data builtin --kv-cache fp16,int8-shared,int8-shared-eq,int8-dynamic \
     --scales "$SCALES" --num-dialogues 6 --max-tokens 1024 --output "$OUT/eval"
+
+echo; echo "=== next: chat with the engine you built ==="
+echo "    $BIN/cabin-chat --engine $ENGINE --kv-cache int8 --system \"You are the in-car assistant.\""

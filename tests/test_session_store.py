@@ -174,3 +174,9 @@ def test_a_saved_budget_beyond_this_machine_restores_into_a_cache_given_to_it(ti
         DialogueSession.restore(path, tiny_engine)
     cache = tiny_engine.new_cache(KvCacheConfig("int8", 8 << 20, 16))
     assert DialogueSession.restore(path, tiny_engine, cache).fed == header["fed"]
+
+
+def test_a_missing_session_file_is_not_found_not_cut_short(tiny_engine, tmp_path):
+    with pytest.raises(SessionFileError, match="cannot read it") as caught:
+        DialogueSession.restore(tmp_path / "missing.cabin", tiny_engine)
+    assert "cut short" not in str(caught.value)
