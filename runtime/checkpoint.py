@@ -57,8 +57,9 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_size
 
     def to_dict(self) -> dict:
-        """The JSON form, as written to ``config.json``."""
-        return asdict(self)
+        """The JSON form, as written to ``config.json``: the fields, plus the extra keys the architecture's
+        TensorRT-LLM model reads (``architecture_extra``)."""
+        return {**asdict(self), **architecture_extra(self)}
 
     def check(self, source: str, fix: str = REBUILD) -> None:
         """CheckpointError naming the first value the reference engine cannot run with: its key, value and ``fix``."""
@@ -112,6 +113,19 @@ class ModelConfig:
         config = cls(**kwargs)
         config.check(source)
         return config
+
+
+def architecture_extra(config: ModelConfig) -> dict:
+    """Keys TensorRT-LLM reads for ``config.architecture`` that are not ModelConfig fields (``from_dict`` ignores them).
+
+    Qwen2ForCausalLM builds through TensorRT-LLM's QWenForCausalLM, whose layers read ``config.qwen_type`` with no
+    default (QWenConfig takes it only as an extra key, which PretrainedConfig.__init__ sets as an attribute; the
+    official converter writes it from the HF ``model_type``); ``attn_bias`` and ``mlp_bias`` are QWenConfig's own
+    keys, written so the build does not rest on its defaults (attn_bias=True, mlp_bias=False).
+    """
+    if config.architecture == "Qwen2ForCausalLM":
+        return {"qwen_type": "qwen2", "attn_bias": config.qkv_bias, "mlp_bias": False}
+    return {}
 
 
 def _rotary_scaling_problem(scaling: object) -> str | None:

@@ -6,11 +6,27 @@ arguments: the budget ``max_tokens_in_paged_kv_cache``, the sink-window policy
 ``max_attention_window_size`` + ``sink_token_length``; block reuse across turns is asked for
 only where the KV mode allows it: an INT8-KV engine has no paged context FMHA, so TensorRT-LLM
 cannot reuse blocks and each turn prefills the whole history. Overflow is planned as on the
-reference engine (runtime.overflow). Not yet run on hardware: tested against a fake module
-that checks the calls.
+reference engine (runtime.overflow).
+
+Two things ModelRunnerCpp does that the session must respect (tensorrt_llm/runtime/model_runner_cpp.py):
+
+- ``generate`` raises (``_check_inputs``) when a prompt exceeds the engine's ``max_input_len`` or
+  prompt + ``max_new_tokens`` exceed ``max_seq_len``; both come from the engine's
+  ``config.json`` (``build_config``, parsed by GptJsonConfig). A turn may therefore hold
+  ``min(KV budget, max_input_len + max_new_tokens, max_seq_len)`` tokens, its reply included, and
+  every overflow policy plans against that (sink-window by truncating the stream: the engine's own
+  attention window would not keep a prompt under ``max_input_len``).
+- A streaming ``generate`` reads every response of the executor's queue and looks each one up in
+  its own request ids (``_fill_output``: ``request_ids.index(response.request_id)``). A reply left
+  unfinished (interrupted) would leave responses that break the next turn, so the session cancels
+  the request through the executor and drains the generator to the request's final response,
+  without emitting text.
+
+Not yet run on hardware: tested against a fake module that copies those behaviours.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +70,53 @@ def kv_settings(config: KvCacheConfig, layout: KVLayout, overflow: OverflowPolic
                             sink_tokens if window else None)
 
 
+@dataclass
+class EngineLimits:
+    """The sequence limits a built engine enforces (``build_config`` of ``trt_engine/config.json``)."""
+
+    max_input_len: int
+    max_seq_len: int
+
+    @classmethod
+    def of(cls, runner, engine_dir: str | Path) -> "EngineLimits | None":
+        """The limits ModelRunnerCpp's ``_check_inputs`` compares against: its ``max_input_len`` and
+        ``max_seq_len`` (from_dir takes them from the engine's model config, which GptJsonConfig parses from
+        ``build_config`` of ``config.json``); that ``build_config`` itself when the runner lacks them; None
+        (the KV budget alone) when neither has them, which a real ModelRunnerCpp never does."""
+        limits = getattr(runner, "max_input_len", None), getattr(runner, "max_seq_len", None)
+        if all(isinstance(limit, int) for limit in limits):
+            return cls(*limits)
+        try:
+            build = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]
+            return cls(int(build["max_input_len"]), int(build["max_seq_len"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def capacity(self, budget_tokens: int, max_new_tokens: int) -> int:
+        """Tokens one turn may hold, its reply included: the KV budget, a prompt of at most max_input_len
+        with its reply, and max_seq_len, whichever is least (prompt limit = this - max_new_tokens)."""
+        return min(budget_tokens, self.max_input_len + max_new_tokens, self.max_seq_len)
+
+
+def _abandon(responses, runner) -> None:
+    """Finish a streaming ``generate`` whose reply is no longer wanted: cancel its request and read its
+    remaining responses (discarded), so that the next ``generate`` meets none of them.
+
+    ModelRunnerCpp does not hand out its request ids; they are the ``request_ids`` argument of its
+    ``_stream`` generator, kept in the suspended generator's frame. The executor is ``runner.executor``
+    (1.x) or ``runner.session`` (0.12). When neither is found the drain alone still empties the queue,
+    only after the engine has generated the rest of the reply.
+    """
+    frame = getattr(responses, "gi_frame", None)
+    request_ids = frame.f_locals.get("request_ids") if frame is not None else None
+    executor = getattr(runner, "executor", None) or getattr(runner, "session", None)
+    if request_ids and executor is not None and hasattr(executor, "cancel_request"):
+        for request_id in request_ids:
+            executor.cancel_request(request_id)
+    for _ in responses:  # up to the final (cancelled) response of each request
+        pass
+
+
 class TrtllmSession:
     """A multi-turn dialogue on a TensorRT-LLM engine; each turn sends the rendered history."""
 
@@ -69,8 +132,11 @@ class TrtllmSession:
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         sink = system_tokens(tokenizer, self.messages) + config.sink_token_length
         self.settings = kv_settings(config, layout, self.overflow, sink)
-        self.runner = ModelRunnerCpp.from_dir(engine_dir=str(Path(engine_folder) / TRT_ENGINE_DIR),
-                                              **self.settings.as_kwargs())
+        engine_dir = Path(engine_folder) / TRT_ENGINE_DIR
+        self.runner = ModelRunnerCpp.from_dir(engine_dir=str(engine_dir), **self.settings.as_kwargs())
+        self.limits = EngineLimits.of(self.runner, engine_dir)
+        budget = self.settings.max_tokens_in_paged_kv_cache
+        self.capacity = self.limits.capacity(budget, params.max_new_tokens) if self.limits else budget
         self.previous_ids: list[int] = []
         self.turns = 0
 
@@ -83,32 +149,46 @@ class TrtllmSession:
         try:
             plan = self._plan(self.messages + [{"role": "user", "content": user_text}])
         except CapacityError as err:
-            hint = capacity_hint(self.overflow, self.params.max_new_tokens, self.settings.max_tokens_in_paged_kv_cache)
+            hint = capacity_hint(self.overflow, self.params.max_new_tokens, self.capacity)
+            if self.limits and self.capacity < self.settings.max_tokens_in_paged_kv_cache:  # the engine's limits bind
+                hint += (f" (the engine takes prompts of at most {self.capacity - self.params.max_new_tokens} tokens: "
+                         f"max_input_len {self.limits.max_input_len}, max_seq_len {self.limits.max_seq_len} less "
+                         f"{self.params.max_new_tokens} for the reply)")
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, f"{err}; {hint}")
         ids = plan.feed
         stop_ids = self.params.stop_token_ids
         stream = TextStream(self.tokenizer.decode_reply)
         generated: list[int] = []
         start, ttft = time.perf_counter(), 0.0
-        for out in self.runner.generate(
-                batch_input_ids=[torch.tensor(ids, dtype=torch.int32)], max_new_tokens=self.params.max_new_tokens,
-                end_id=stop_ids[0], pad_id=stop_ids[0],
-                stop_words_list=[[[i] for i in stop_ids[1:]]] if stop_ids[1:] else None,
-                temperature=self.params.temperature or 1.0, top_k=1 if self.params.temperature == 0 else self.params.top_k,
-                top_p=self.params.top_p, random_seed=self.params.seed, streaming=True, return_dict=True,
-                output_sequence_lengths=True):
-            ttft = ttft or time.perf_counter() - start
-            length = int(out["sequence_lengths"][0][0])
-            generated = [int(t) for t in out["output_ids"][0][0][len(ids):length]]
-            for token in generated[len(stream.ids):]:
-                piece = "" if token in stop_ids else stream.push(token)
-                if on_text and piece:
-                    on_text(piece)
-            if should_stop and should_stop():
-                break
+        responses = self.runner.generate(
+            batch_input_ids=[torch.tensor(ids, dtype=torch.int32)], max_new_tokens=self.params.max_new_tokens,
+            end_id=stop_ids[0], pad_id=stop_ids[0],
+            stop_words_list=[[[i] for i in stop_ids[1:]]] if stop_ids[1:] else None,
+            temperature=self.params.temperature or 1.0, top_k=1 if self.params.temperature == 0 else self.params.top_k,
+            top_p=self.params.top_p, random_seed=self.params.seed, streaming=True, return_dict=True,
+            output_sequence_lengths=True)
+        interrupted = finished = False
+        try:
+            for out in responses:
+                ttft = ttft or time.perf_counter() - start
+                length = int(out["sequence_lengths"][0][0])
+                generated = [int(t) for t in out["output_ids"][0][0][len(ids):length]]
+                for token in generated[len(stream.ids):]:
+                    piece = "" if token in stop_ids else stream.push(token)
+                    if on_text and piece:
+                        on_text(piece)
+                if should_stop and should_stop():
+                    interrupted = True
+                    break
+            else:
+                finished = True
+        finally:
+            if not finished:  # interrupted, or on_text raised: leave no responses for the next turn
+                _abandon(responses, self.runner)
         decode_s = time.perf_counter() - start - ttft
         reply = stream.text
-        finish = "stop" if generated and generated[-1] in stop_ids else "length"
+        finish = ("interrupted" if interrupted else
+                  "stop" if generated and generated[-1] in stop_ids else "length")
         reused = self._reused_tokens(ids) if self.settings.kv_cache_enable_block_reuse else 0
         self.previous_ids = ids + generated
         self.messages = plan.messages + [{"role": "assistant", "content": reply}]
@@ -132,8 +212,10 @@ class TrtllmSession:
         """The whole rendered history, or what the overflow policy keeps of it."""
         prompt = self.tokenizer.render(messages)
         ids = self.tokenizer.encode_prompt(prompt)
-        capacity = self.settings.max_tokens_in_paged_kv_cache
-        room = Room(capacity, lambda n: n <= capacity, appends_turns=False, windows_attention=True)
+        capacity = self.capacity
+        # windows_attention=False: sink-window truncates the stream to the capacity, since max_input_len and
+        # max_seq_len bound the prompt whatever attention window the engine keeps.
+        room = Room(capacity, lambda n: n <= capacity, appends_turns=False, windows_attention=False)
         if room.fits(len(ids) + self.params.max_new_tokens):
             return TurnPlan(ids, messages, prompt)
         return plan_overflow(self.overflow, self.config.sink_token_length, messages, prompt, ids, room,
