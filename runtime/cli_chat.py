@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from runtime.chat_script import ScriptError, read_script, text_problem
 from runtime.checkpoint import CheckpointError
 from runtime.cli_args import (float_range, int_range, non_negative_float, non_negative_int, os_error_message,
                               output_name, positive_float, positive_int)
+from runtime.committed import available_memory
 from runtime.dialogue import Session, SessionFileError, TurnStats
 from runtime.engine import Engine, kv_cache_config
 from runtime.engine_folder import EngineFolder
@@ -78,18 +78,6 @@ def _budget(args: argparse.Namespace) -> int:
         raise ValueError(f"--kv-budget-mb {args.kv_budget_mb:g} is more than the {available / 2**20:,.0f} MiB of "
                          "memory this machine has available; choose a smaller --kv-budget-mb")
     return int(requested)
-
-
-def available_memory() -> int:
-    """Bytes of memory the machine can still give (MemAvailable on Linux, else all of its physical memory)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _params(args: argparse.Namespace, stop_token_ids: list[int]) -> SamplingParams:

@@ -1,7 +1,21 @@
-"""Tensors whose memory is taken from the system when they are created, not on first write."""
+"""Memory taken from the system when a tensor is created, not on first write, and how much there is to take."""
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def available_memory() -> int:
+    """Bytes of memory the machine can still give (MemAvailable on Linux, else all of its physical memory)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def committed_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:

@@ -80,11 +80,10 @@ class EngineFolder:
         """The checkpoint's config.json."""
         path = self.checkpoint / CONFIG_FILE
         try:
-            return ModelConfig.from_dict(json.loads(path.read_text(encoding="utf-8")), str(path))
+            data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
-            if isinstance(err, CheckpointError):
-                raise
             raise CheckpointError(f"{path}: unreadable ({err}); rebuild the engine with cabin-build") from err
+        return ModelConfig.from_dict(data, str(path))
 
     def load_checkpoint(self) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
         """The checkpoint's config, weights and model fingerprint; CheckpointError naming what differs when they

@@ -3,7 +3,6 @@
 - ``sink-window``: keep the first tokens (system prompt plus a few attention sinks, as in
   StreamingLLM) and the most recent tokens; the kept window is prefilled again at
   compacted positions, so RoPE positions stay contiguous and never pass the model's context.
-  A backend whose engine windows attention itself (TensorRT-LLM) gets the whole stream.
 - ``drop-turns``: drop the oldest whole user/assistant turns, keep the system prompt, and
   prefill what remains (the system prompt's blocks are found again by their hash).
 - ``error``: refuse the turn with ``finish_reason: "capacity"``; the session stays usable.
@@ -50,7 +49,6 @@ class Room:
     capacity: int  # tokens the conversation could hold, its reply included
     fits: Callable[[int], bool]  # whether a rebuilt sequence of this many tokens (reply included) fits
     appends_turns: bool  # the history stays cached and each turn appends to it
-    windows_attention: bool  # the engine applies the sink window itself
 
 
 @dataclass
@@ -120,8 +118,6 @@ def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict]
         raise CapacityError(f"the message is {message} tokens with its template headers, the system prompt {system} "
                             f"and the reply may take {max_new_tokens} more: {system + message + max_new_tokens} "
                             f"tokens, but the KV budget holds {capacity}; shorten the message")
-    if policy.name == "sink-window" and room.windows_attention:
-        return TurnPlan(stream, messages, prompt)
     if policy.name == "sink-window":
         window = max(target, system + message)
         head = min(system + sink_tokens, window - message)  # the system prompt always, the sink tokens if room

@@ -162,7 +162,7 @@ class DialogueSession:
         capacity = self.cache.capacity(self.seq)
         tpb = self.cache.tokens_per_block
         return Room(min(capacity, context), lambda n: n <= context and -(-n // tpb) * tpb <= capacity,
-                    appends_turns=True, windows_attention=False)
+                    appends_turns=True)
 
     def _fits_append(self, new: int) -> bool:
         """Whether ``new`` tokens plus a full reply fit after the tokens held now."""

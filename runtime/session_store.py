@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import Callable, Union
 
@@ -21,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from runtime.atomic import atomic_write_bytes
+from runtime.committed import available_memory
 from runtime.dialogue import SessionFileError
 from runtime.kv_cache import KvCacheConfig
 from runtime.kv_modes import KV_MODES
@@ -49,10 +49,6 @@ def _number(value: object) -> bool:
 
 def _ids(value: object) -> bool:
     return type(value) is list and all(_count(i) for i in value)
-
-
-def _stop_strings(value: object) -> bool:
-    return type(value) is list and all(isinstance(s, str) and s for s in value)
 
 
 def _messages(value: object) -> bool:
@@ -91,7 +87,7 @@ HEADER: Spec = {  # the types; the ranges of kv_cache, overflow and params are t
         "top_p": NUMBER,
         "seed": ("an integer or null", lambda v: v is None or _int(v)),
         "stop_token_ids": ("a list of token ids", _ids),
-        "stop_strings": ("a list of non-empty strings", _stop_strings),
+        "stop_strings": ("a list of strings", lambda v: type(v) is list and all(isinstance(s, str) for s in v)),
     },
 }
 CLASSES = {"kv_cache": KvCacheConfig, "overflow": OverflowPolicy, "params": SamplingParams}
@@ -188,11 +184,11 @@ def check_fits(path: str | Path, header: dict, tensors: dict[str, torch.Tensor],
 
 def within_memory(config: KvCacheConfig) -> KvCacheConfig:
     """config, when this machine's memory can hold its budget; ValueError otherwise."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = available_memory()
     if config.max_bytes > memory:
-        raise ValueError(f"the session's KV budget of {config.max_bytes / 2**20:.0f} MiB is more than this "
-                         f"machine's {memory / 2**20:.0f} MiB of memory; restore it into a smaller cache "
-                         "(cabin-chat --kv-budget-mb)")
+        raise ValueError(f"the session's KV budget of {config.max_bytes / 2**20:.0f} MiB is more than the "
+                         f"{memory / 2**20:.0f} MiB of memory this machine has available; restore it into a "
+                         "smaller cache (cabin-chat --kv-budget-mb)")
     return config
 
 

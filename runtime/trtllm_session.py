@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from runtime.checkpoint import CheckpointError
 from runtime.dialogue import SessionFileError, TurnStats
 from runtime.engine_folder import TRT_ENGINE_DIR
 from runtime.kv_cache import KvCacheConfig
@@ -78,19 +79,19 @@ class EngineLimits:
     max_seq_len: int
 
     @classmethod
-    def of(cls, runner, engine_dir: str | Path) -> "EngineLimits | None":
+    def of(cls, runner, engine_dir: str | Path) -> "EngineLimits":
         """The limits ModelRunnerCpp's ``_check_inputs`` compares against: its ``max_input_len`` and
         ``max_seq_len`` (from_dir takes them from the engine's model config, which GptJsonConfig parses from
-        ``build_config`` of ``config.json``); that ``build_config`` itself when the runner lacks them; None
-        (the KV budget alone) when neither has them, which a real ModelRunnerCpp never does."""
+        ``build_config`` of ``config.json``); that ``build_config`` itself when the runner lacks them."""
         limits = getattr(runner, "max_input_len", None), getattr(runner, "max_seq_len", None)
         if all(isinstance(limit, int) for limit in limits):
             return cls(*limits)
         try:
             build = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]
             return cls(int(build["max_input_len"]), int(build["max_seq_len"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{Path(engine_dir) / 'config.json'}: no build_config with max_input_len and "
+                                  f"max_seq_len ({err!r}); rebuild the TensorRT engine with trtllm-build") from err
 
     def capacity(self, budget_tokens: int, max_new_tokens: int) -> int:
         """Tokens one turn may hold, its reply included: the KV budget, a prompt of at most max_input_len
@@ -136,7 +137,7 @@ class TrtllmSession:
         self.runner = ModelRunnerCpp.from_dir(engine_dir=str(engine_dir), **self.settings.as_kwargs())
         self.limits = EngineLimits.of(self.runner, engine_dir)
         budget = self.settings.max_tokens_in_paged_kv_cache
-        self.capacity = self.limits.capacity(budget, params.max_new_tokens) if self.limits else budget
+        self.capacity = self.limits.capacity(budget, params.max_new_tokens)
         self.previous_ids: list[int] = []
         self.turns = 0
 
@@ -213,9 +214,9 @@ class TrtllmSession:
         prompt = self.tokenizer.render(messages)
         ids = self.tokenizer.encode_prompt(prompt)
         capacity = self.capacity
-        # windows_attention=False: sink-window truncates the stream to the capacity, since max_input_len and
-        # max_seq_len bound the prompt whatever attention window the engine keeps.
-        room = Room(capacity, lambda n: n <= capacity, appends_turns=False, windows_attention=False)
+        # sink-window truncates the stream here too: max_input_len and max_seq_len bound the prompt whatever
+        # attention window the engine keeps
+        room = Room(capacity, lambda n: n <= capacity, appends_turns=False)
         if room.fits(len(ids) + self.params.max_new_tokens):
             return TurnPlan(ids, messages, prompt)
         return plan_overflow(self.overflow, self.config.sink_token_length, messages, prompt, ids, room,

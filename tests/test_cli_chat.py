@@ -55,9 +55,10 @@ def chat_interactively(monkeypatch, argv, lines):
 
 
 class FakeRunner:
-    """Stands in for tensorrt_llm's ModelRunnerCpp: records from_dir's arguments."""
+    """Stands in for tensorrt_llm's ModelRunnerCpp: records from_dir's arguments; has the engine's limits."""
 
     created: list[dict] = []
+    max_input_len, max_seq_len = 1024, 2048
 
     @classmethod
     def from_dir(cls, engine_dir, **kwargs):
