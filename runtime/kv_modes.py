@@ -14,6 +14,7 @@ KVMode = type[KVStorage]
 KV_MODES: dict[str, KVMode] = {mode.name: mode for mode in (
     Fp32KV, Fp16KV, Int8KV, Int8SeparateKV, Int8DynamicKV, Int4KV, Fp8KV)}
 REFERENCE_KV_MODES = tuple(name for name, mode in KV_MODES.items() if mode.reference)
+ONNX_KV_MODES = tuple(name for name, mode in KV_MODES.items() if mode.onnx_graph)
 
 
 def kv_mode(name: str) -> KVMode:

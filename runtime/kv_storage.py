@@ -63,6 +63,7 @@ class KVStorage:
     recent_window: ClassVar[bool] = False  # keeps each sequence's newest tokens at higher precision
     trtllm_quant_algo: ClassVar[str | None] = None  # kv_cache_quant_algo in a TensorRT-LLM checkpoint
     trtllm_paged_context_fmha: ClassVar[bool] = True  # TensorRT-LLM can use paged context FMHA (block reuse)
+    onnx_graph: ClassVar[bool] = False  # cabin-export can build ONNX graphs that take and give K/V in this form
 
     def __init__(self, layout: KVLayout, num_blocks: int, tokens_per_block: int,
                  scales: KVScales | None = None) -> None:
@@ -151,6 +152,11 @@ class _PooledKV(KVStorage):
         self._flat(self.k_data, layer)[slots] = k.to(self.element)
         self._flat(self.v_data, layer)[slots] = v.to(self.element)
 
+    def write_stored(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V already in the element type (int8: codes), as a graph that quantized them hands them back."""
+        self._flat(self.k_data, layer)[slots] = k
+        self._flat(self.v_data, layer)[slots] = v
+
     def read(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K and V of a sequence's first num_tokens tokens."""
         return (gather(self.k_data[layer], block_table, num_tokens).float(),
@@ -164,13 +170,13 @@ class _PooledKV(KVStorage):
 class Fp32KV(_PooledKV):
     """float32: the exact reference."""
 
-    name, label, element = "fp32", "fp32", torch.float32
+    name, label, element, onnx_graph = "fp32", "fp32", torch.float32, True
 
 
 class Fp16KV(_PooledKV):
     """float16."""
 
-    name, label, element = "fp16", "fp16", torch.float16
+    name, label, element, onnx_graph = "fp16", "fp16", torch.float16, True
 
 
 class Int8KV(_PooledKV):
@@ -178,7 +184,7 @@ class Int8KV(_PooledKV):
 
     name, label, element = "int8", "int8, one static scale per layer shared by K and V", torch.int8
     eval_name = "int8-shared"
-    static_scales, shared_scale = True, True
+    static_scales, shared_scale, onnx_graph = True, True, True
     trtllm_quant_algo, trtllm_paged_context_fmha = "INT8", False
 
     def __init__(self, layout: KVLayout, num_blocks: int, tokens_per_block: int,
@@ -225,6 +231,7 @@ class Int8SeparateKV(Int8KV):
     """int8 with static per-layer scales, one for K and one for V."""
 
     name, label, eval_name, shared_scale = "int8-separate", "int8, static per-layer K and V scales", None, False
+    onnx_graph = False
 
     @staticmethod
     def _scales(scales: KVScales) -> tuple[list[float], list[float]]:

@@ -1,0 +1,300 @@
+"""Export an engine to two static-shape ONNX graphs (prompt of ``chunk`` tokens, token of 1) over a fixed KV
+window, for NPU toolchains and ONNX Runtime (the folder format is runtime.onnx_folder's).
+
+The graphs are written node by node with ``onnx.helper`` from the reference engine's weights (fp32), so every
+shape is static and every op is a chosen standard one: RMSNorm as ReduceMean/Sqrt/Reciprocal, RoPE as
+Gather of cos/sin rows + rotate-half, grouped-query attention as 5-D MatMuls (no K/V repeat), SiLU as
+Sigmoid * x. INT8 KV is QDQ with the engine's calibrated static scale of each layer (one for K and V, as
+TensorRT-LLM stores it): the past window comes in as codes and is dequantized; the new tokens' K/V are
+clamped to +-127 steps, quantized (the graph's outputs) and dequantized again for their own attention, so
+the graph sees exactly what the paged cache stores. Both graphs read one ``weights.bin`` (external data).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from builders.onnx_profiles import OnnxProfile, onnx_profile
+from runtime.atomic import atomic_write_text, staging_folder
+from runtime.checkpoint import CheckpointError
+from runtime.engine import Engine
+from runtime.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE, read_manifest
+from runtime.kv_modes import ONNX_KV_MODES, kv_mode
+from runtime.kv_storage import KVScales
+from runtime.model import Transformer
+from runtime.onnx_folder import (ONNX_FORMAT, PROMPT_GRAPH, TOKEN_GRAPH, TOKENIZER_DIR, WEIGHTS_FILE,
+                                 KvGraphType, graph_metadata, new_key, new_value, past_key, past_value)
+from runtime.tokenizer_export import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+
+Log = Callable[[str], None]
+_EXTERNAL_MIN_BYTES = 1024  # tensors at least this large go to weights.bin; small constants stay in the graph
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class OnnxExportRequest:
+    """What to export: the engine folder, the output folder, the fixed window and chunk, the KV mode, the profile."""
+
+    engine: Path
+    output: Path
+    context: int
+    chunk: int
+    kv_cache: str = "int8"
+    profile: str = "npu"
+
+
+def check_request(request: OnnxExportRequest) -> OnnxProfile:
+    """ValueError naming the flag when the request cannot be exported; the profile otherwise."""
+    profile = onnx_profile(request.profile)
+    kv_mode(request.kv_cache)
+    if request.kv_cache not in ONNX_KV_MODES:
+        raise ValueError(f"--kv-cache {request.kv_cache} has no ONNX graph form; choose one of "
+                         f"{', '.join(ONNX_KV_MODES)}")
+    if request.chunk < 1 or request.context < 1:
+        raise ValueError(f"need --context and --chunk >= 1, got {request.context} and {request.chunk}")
+    if request.context < request.chunk:
+        raise ValueError(f"--context {request.context} is smaller than --chunk {request.chunk}: a prompt chunk must "
+                         "fit the KV window; raise --context or lower --chunk")
+    existing = read_manifest(request.output)
+    if request.output.exists() and (existing is None or existing.get("format") != ONNX_FORMAT):
+        raise FileExistsError(f"{request.output} exists and is not an ONNX export; choose another --output")
+    return profile
+
+
+def kv_graph_type(mode: str, profile: OnnxProfile, scales: KVScales | None, source: Path) -> KvGraphType:
+    """How the graphs of a KV mode pass K/V under a profile; CheckpointError when INT8 has no scales."""
+    storage = kv_mode(mode)
+    if not storage.static_scales:
+        return KvGraphType(str(storage.element).removeprefix("torch."))  # fp32, fp16: the cache's element type
+    if scales is None:
+        raise CheckpointError(f"{source}: has no {SCALES_FILE}, and --kv-cache {mode} graphs quantize K/V with the "
+                              f"engine's calibrated static scales; rebuild it with cabin-build --kv-cache int8 "
+                              "(it calibrates), or export --kv-cache fp16")
+    shared = torch.tensor(scales.shared(), dtype=torch.float32).tolist()  # the values the int8 cache uses
+    return KvGraphType(profile.int8_dtype, profile.int8_zero_point, shared)
+
+
+def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
+    """Write the graph folder (atomically: an interrupted export leaves no folder) and return its manifest."""
+    import onnx
+
+    profile = check_request(request)
+    engine = Engine.load(request.engine)
+    config = engine.config
+    if request.context > config.max_position_embeddings:
+        raise ValueError(f"--context {request.context} exceeds the model's context of "
+                         f"{config.max_position_embeddings} tokens; lower --context")
+    kv = kv_graph_type(request.kv_cache, profile, engine.scales, request.engine)
+    manifest = {
+        "format": ONNX_FORMAT,
+        "model": {"fingerprint": engine.fingerprint, "architecture": config.architecture,
+                  "config": config.to_dict()},
+        "context": request.context, "chunk": request.chunk, "kv_cache": request.kv_cache,
+        "kv_graph": kv.to_dict(), "profile": profile.name, "opset": profile.opset,
+        "allow_list": profile.allow_list,
+        "graphs": {"prompt": PROMPT_GRAPH, "token": TOKEN_GRAPH}, "weights": WEIGHTS_FILE,
+        "plan": {"tokens_per_block": engine.kv_cache_config().tokens_per_block},
+    }
+    with staging_folder(request.output) as tmp:
+        weights = WeightsFile(tmp / WEIGHTS_FILE)
+        ops: set[str] = set()
+        for name, tokens in ((PROMPT_GRAPH, request.chunk), (TOKEN_GRAPH, 1)):
+            log(f"cabin-export: {name}: {tokens} token(s) over a window of {request.context}")
+            model = build_graph(engine.model, tokens, request.context, kv, profile.opset, weights)
+            onnx.helper.set_model_props(model, graph_metadata(manifest))
+            ops |= check_ops(model, profile, name)
+            onnx.save_model(model, str(tmp / name))
+            onnx.checker.check_model(str(tmp / name), full_check=True)
+        weights.close()
+        (tmp / TOKENIZER_DIR).mkdir()
+        for file in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+            shutil.copyfile(engine.folder / CHECKPOINT_DIR / file, tmp / TOKENIZER_DIR / file)
+        manifest["ops"] = sorted(ops)
+        atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
+    log(f"cabin-export: wrote {request.output} ({profile.name} profile, opset {profile.opset}, KV {request.kv_cache} "
+        f"as {kv.dtype}, ops: {', '.join(manifest['ops'])})")
+    return manifest
+
+
+def check_ops(model, profile: OnnxProfile, name: str) -> set[str]:
+    """The ops a graph uses; ValueError when the profile's allow-list lacks one."""
+    used = {node.op_type for node in model.graph.node}
+    allowed = profile.allowed_ops()
+    if allowed is not None and used - allowed:
+        raise ValueError(f"{name}: ops {sorted(used - allowed)} are not on the {profile.name} profile's allow-list "
+                         f"({profile.allow_list})")
+    return used
+
+
+class WeightsFile:
+    """``weights.bin``: tensors appended once, aligned, and referenced by every graph as ONNX external data."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.handle, self.offset = path, path.open("wb"), 0
+        self.tensors: dict[str, object] = {}
+
+    def tensor(self, name: str, array: np.ndarray):
+        """A TensorProto of ``array`` stored in the file (written on first use of the name)."""
+        import onnx
+
+        if name not in self.tensors:
+            data = np.ascontiguousarray(array).tobytes()
+            pad = -self.offset % _ALIGN
+            self.handle.write(b"\0" * pad)
+            self.offset += pad
+            proto = onnx.TensorProto(name=name, dims=list(array.shape),
+                                     data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype),
+                                     data_location=onnx.TensorProto.EXTERNAL)
+            for key, value in (("location", self.path.name), ("offset", self.offset), ("length", len(data))):
+                proto.external_data.add(key=key, value=str(value))
+            self.handle.write(data)
+            self.offset += len(data)
+            self.tensors[name] = proto
+        return self.tensors[name]
+
+    def close(self) -> None:
+        """Flush the file to disk."""
+        self.handle.flush()
+        self.handle.close()
+
+
+class _Graph:
+    """Nodes and initializers of one graph, with a helper per op."""
+
+    def __init__(self, weights: WeightsFile) -> None:
+        import onnx
+
+        self.onnx, self.weights = onnx, weights
+        self.nodes, self.initializers, self.names = [], {}, 0
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, name: str | None = None, **attrs) -> str | list[str]:
+        """Add a node; its output name(s)."""
+        self.names += 1
+        out = [name] if name else [f"{op_type.lower()}_{self.names}_{i}" for i in range(outputs)]
+        self.nodes.append(self.onnx.helper.make_node(op_type, list(inputs), out, **attrs))
+        return out if outputs > 1 else out[0]
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        """An initializer (large ones in weights.bin, shared by name across graphs)."""
+        if name not in self.initializers:
+            array = np.asarray(array)
+            if array.nbytes >= _EXTERNAL_MIN_BYTES:
+                self.initializers[name] = self.weights.tensor(name, array)
+            else:
+                self.initializers[name] = self.onnx.numpy_helper.from_array(array, name)
+        return name
+
+    def ints(self, *values: int) -> str:
+        """An int64 vector constant (shapes, axes, split sizes)."""
+        return self.const("i64_" + "_".join(str(v).replace("-", "m") for v in values),
+                          np.array(values, dtype=np.int64))
+
+    def scalar(self, name: str, value: float, dtype=np.float32) -> str:
+        """A scalar constant."""
+        return self.const(name, np.array(value, dtype=dtype))
+
+
+def _weight(t: torch.Tensor) -> np.ndarray:
+    """A checkpoint (out, in) linear weight as the (in, out) right operand of MatMul."""
+    return t.t().contiguous().numpy()
+
+
+def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, opset: int, weights: WeightsFile):
+    """The ModelProto of ``tokens`` new tokens attending to a window of ``context`` past tokens."""
+    import onnx
+
+    c = model.config
+    heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_size
+    group, keys = heads // kv_heads, context + tokens
+    g = _Graph(weights)
+    kv_elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(kv.dtype))
+    inputs = [onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, [1, tokens]),
+              onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, tokens]),
+              onnx.helper.make_tensor_value_info("attention_mask", onnx.TensorProto.FLOAT, [1, 1, tokens, keys])]
+    outputs = [onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, tokens, c.vocab_size])]
+    x = g.op("Gather", g.const("embedding", model.embedding.numpy()), "input_ids", axis=0)
+    cos = g.op("Unsqueeze", g.op("Gather", g.const("rope_cos", model.cos[:context].numpy()), "position_ids", axis=0),
+               g.ints(2))
+    sin = g.op("Unsqueeze", g.op("Gather", g.const("rope_sin", model.sin[:context].numpy()), "position_ids", axis=0),
+               g.ints(2))
+    mask = g.op("Unsqueeze", "attention_mask", g.ints(1))  # [1, 1, 1, T, keys]: every KV head, every group
+    q_scale = g.scalar("attention_scale", 1.0 / math.sqrt(d))
+    for index, layer in enumerate(model.layers):
+        for name in (past_key(index), past_value(index)):
+            inputs.append(onnx.helper.make_tensor_value_info(name, kv_elem, [1, context, kv_heads, d]))
+        for name in (new_key(index), new_value(index)):
+            outputs.append(onnx.helper.make_tensor_value_info(name, kv_elem, [1, tokens, kv_heads, d]))
+        p = f"layers.{index}"
+        h = _rms_norm(g, x, g.const(f"{p}.input_norm", layer["input_norm"].numpy()), c.norm_epsilon)
+        qkv = g.op("MatMul", h, g.const(f"{p}.qkv", _weight(layer["qkv"])))
+        if "qkv_bias" in layer:
+            qkv = g.op("Add", qkv, g.const(f"{p}.qkv_bias", layer["qkv_bias"].numpy()))
+        qk, v = g.op("Split", qkv, g.ints((heads + kv_heads) * d, kv_heads * d), axis=-1, outputs=2)
+        qk = _rope(g, g.op("Reshape", qk, g.ints(1, tokens, heads + kv_heads, d)), cos, sin, d)
+        q, k = g.op("Split", qk, g.ints(heads, kv_heads), axis=2, outputs=2)
+        v = g.op("Reshape", v, g.ints(1, tokens, kv_heads, d))
+        k_all = _kv_io(g, k, past_key(index), new_key(index), kv, index)
+        v_all = _kv_io(g, v, past_value(index), new_value(index), kv, index)
+        q = g.op("Transpose", g.op("Reshape", g.op("Mul", q, q_scale), g.ints(1, tokens, kv_heads, group, d)),
+                 perm=[0, 2, 3, 1, 4])  # [1, kv_heads, group, T, d]
+        k_t = g.op("Unsqueeze", g.op("Transpose", k_all, perm=[0, 2, 3, 1]), g.ints(2))  # [1, kv_heads, 1, d, keys]
+        v_t = g.op("Unsqueeze", g.op("Transpose", v_all, perm=[0, 2, 1, 3]), g.ints(2))  # [1, kv_heads, 1, keys, d]
+        probs = g.op("Softmax", g.op("Add", g.op("MatMul", q, k_t), mask), axis=-1)
+        attn = g.op("Reshape", g.op("Transpose", g.op("MatMul", probs, v_t), perm=[0, 3, 1, 2, 4]),
+                    g.ints(1, tokens, heads * d))
+        x = g.op("Add", x, g.op("MatMul", attn, g.const(f"{p}.dense", _weight(layer["dense"]))))
+        h = _rms_norm(g, x, g.const(f"{p}.post_norm", layer["post_norm"].numpy()), c.norm_epsilon)
+        fc, gate = g.op("Split", g.op("MatMul", h, g.const(f"{p}.fc_gate", _weight(layer["fc_gate"]))),
+                        g.ints(c.intermediate_size, c.intermediate_size), axis=-1, outputs=2)
+        act = g.op("Mul", g.op("Mul", fc, g.op("Sigmoid", fc)), gate)
+        x = g.op("Add", x, g.op("MatMul", act, g.const(f"{p}.proj", _weight(layer["proj"]))))
+    h = _rms_norm(g, x, g.const("final_norm", model.final_norm.numpy()), c.norm_epsilon)
+    g.op("MatMul", h, g.const("lm_head", _weight(model.lm_head)), name="logits")
+    graph = onnx.helper.make_graph(g.nodes, f"cabin_{tokens}_over_{context}", inputs, outputs,
+                                   list(g.initializers.values()))
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)],
+                                  producer_name="cabinllm")
+
+
+def _rms_norm(g: _Graph, x: str, weight: str, eps: float) -> str:
+    """x * 1 / sqrt(mean(x^2) + eps) * weight."""
+    mean = g.op("ReduceMean", g.op("Mul", x, x), axes=[-1], keepdims=1)
+    inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean, g.scalar(f"eps_{eps:g}", eps))))
+    return g.op("Mul", g.op("Mul", x, inv), weight)
+
+
+def _rope(g: _Graph, x: str, cos: str, sin: str, d: int) -> str:
+    """GPT-NeoX rotary embedding of x [1, T, heads, d] with cos/sin [1, T, 1, d]."""
+    half = d // 2
+    first = g.op("Slice", x, g.ints(0), g.ints(half), g.ints(3))
+    second = g.op("Slice", x, g.ints(half), g.ints(d), g.ints(3))
+    rotated = g.op("Concat", g.op("Neg", second), first, axis=3)
+    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+
+
+def _kv_io(g: _Graph, new: str, past: str, out: str, kv: KvGraphType, layer: int) -> str:
+    """Emit the new tokens' K (or V) as the graph output ``out`` in the KV form and return the full window
+    (past + new) as fp32 for attention, each element as the cache stores it."""
+    if kv.scales is not None:
+        scale = g.scalar(f"kv_scale.{layer}", kv.scales[layer])
+        zero = g.scalar(f"kv_zero_point_{kv.dtype}", kv.zero_point, np.dtype(kv.dtype))
+        limit = 127 * kv.scales[layer]
+        clipped = g.op("Clip", new, g.scalar(f"kv_min.{layer}", -limit), g.scalar(f"kv_max.{layer}", limit))
+        g.op("QuantizeLinear", clipped, scale, zero, name=out)
+        back = g.op("DequantizeLinear", out, scale, zero)
+        window = g.op("DequantizeLinear", past, scale, zero)
+    elif kv.dtype == "float16":
+        g.op("Cast", new, name=out, to=g.onnx.TensorProto.FLOAT16)
+        back = g.op("Cast", out, to=g.onnx.TensorProto.FLOAT)
+        window = g.op("Cast", past, to=g.onnx.TensorProto.FLOAT)
+    else:
+        back = g.op("Identity", new, name=out)
+        window = past
+    return g.op("Concat", window, back, axis=1)

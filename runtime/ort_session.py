@@ -1,0 +1,157 @@
+"""The ONNX Runtime backend: the exported static graphs (runtime.onnx_folder) run by ONNX Runtime, while our
+paged KV cache holds the dialogue.
+
+``OrtModel`` has the reference model's ``forward`` (tokens at positions [start, start + N) of a sequence
+whose slots are allocated): new tokens go through the prompt graph in chunks of ``chunk`` (the last one
+padded and masked), a single token through the token graph. The graphs see a fixed window of ``context``
+past tokens; the host keeps that window as one array per layer and per K/V, filled from the cache's blocks
+whenever it does not hold the sequence's first ``start`` tokens (a new turn after eviction, another
+sequence) and else only extended by the rows each step returns, which are also written into the cache's
+blocks in its own storage form (int8 codes with the same static scales). So the dialogue machinery of the
+reference engine (``runtime.session.DialogueSession``: reuse of earlier turns, block hashes, budget,
+overflow policies, session files) runs unchanged on it; the context it plans against is the graphs'
+``context``. onnxruntime is imported only here, only when used.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime.block_manager import Sequence
+from runtime.checkpoint import CheckpointError
+from runtime.engine import Engine
+from runtime.kv_cache import PagedKVCache
+from runtime.kv_storage import KVLayout, gather
+from runtime.onnx_folder import (EXPORT_AGAIN, MASKED, PROMPT_GRAPH, TOKEN_GRAPH, OnnxFolder, new_key, new_value,
+                                 past_key, past_value)
+from runtime.tokenizer import ChatTokenizer
+
+# --ort-provider name -> ONNX Runtime execution provider
+ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
+                 "tensorrt": "TensorrtExecutionProvider", "qnn": "QNNExecutionProvider"}
+
+
+class _Graph:
+    """One loaded graph: its session, its token count and the mask block of its new tokens."""
+
+    def __init__(self, session, tokens: int, layers: int) -> None:
+        self.session, self.tokens = session, tokens
+        self.outputs = ["logits"] + [name for i in range(layers) for name in (new_key(i), new_value(i))]
+        self.causal = np.triu(np.full((tokens, tokens), MASKED, dtype=np.float32), k=1)
+
+
+class OrtModel:
+    """The prompt and token graphs of an export, with the reference model's ``forward``."""
+
+    def __init__(self, folder: OnnxFolder, manifest: dict, provider: str = "cpu", threads: int | None = None) -> None:
+        config = folder.config(manifest)
+        self.context, self.chunk = int(manifest["context"]), int(manifest["chunk"])
+        self.config = replace(config, max_position_embeddings=min(config.max_position_embeddings, self.context))
+        self.kv = folder.kv_graph(manifest)
+        self.kv_dtype = np.dtype(self.kv.dtype)
+        layers = config.num_hidden_layers
+        self.graphs = {tokens: _Graph(_session(folder, manifest, name, provider, threads), tokens, layers)
+                       for name, tokens in ((PROMPT_GRAPH, self.chunk), (TOKEN_GRAPH, 1))}
+        shape = (1, self.context, config.num_key_value_heads, config.head_size)
+        self.window = [np.zeros(shape, self.kv_dtype) for _ in range(2 * layers)]  # K0, V0, K1, V1, ...
+        self.window_tokens: list[int] = []  # the tokens whose K/V the window holds, from position 0
+        self.window_cache: PagedKVCache | None = None
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Shape of this model's KV cache."""
+        c = self.config
+        return KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_size)
+
+    def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated; writes their
+        K/V into the cache and returns logits of the last token (vocab,) or of every token (N, vocab)."""
+        end = start_pos + len(token_ids)
+        if end > self.context:
+            raise ValueError(f"position {end} exceeds the graphs' KV window of {self.context} tokens")
+        self._fill_window(cache, seq, start_pos)
+        graph = self.graphs[1 if len(token_ids) == 1 else self.chunk]
+        logits = [self._run(graph, token_ids[i:i + graph.tokens], start_pos + i, cache, seq)
+                  for i in range(0, len(token_ids), graph.tokens)]
+        return torch.cat(logits) if all_logits else logits[-1][-1]
+
+    def _fill_window(self, cache: PagedKVCache, seq: Sequence, start: int) -> None:
+        """Make the window hold the K/V of the sequence's first ``start`` tokens, from the cache's blocks unless it
+        holds them already."""
+        if cache is self.window_cache and self.window_tokens[:start] == seq.token_ids[:start] \
+                and len(self.window_tokens) >= start:
+            return
+        block_table = cache.block_table(seq)
+        for layer in range(self.config.num_hidden_layers):
+            stored = cache.storage.stored_kv(layer, block_table, start)
+            for slot, pool in ((2 * layer, stored.k), (2 * layer + 1, stored.v)):
+                self.window[slot][0, :start] = self._to_graph(gather(pool, block_table, start).numpy())
+        self.window_cache, self.window_tokens = cache, list(seq.token_ids[:start])
+
+    def _run(self, graph: _Graph, piece: list[int], start: int, cache: PagedKVCache, seq: Sequence) -> torch.Tensor:
+        """One graph call for up to ``graph.tokens`` tokens at ``start``; their logits (n, vocab)."""
+        n, tokens = len(piece), graph.tokens
+        ids, positions = np.zeros((1, tokens), np.int64), np.zeros((1, tokens), np.int64)
+        ids[0, :n], positions[0, :n] = piece, np.arange(start, start + n)
+        mask = np.full((1, 1, tokens, self.context + tokens), MASKED, np.float32)
+        mask[0, 0, :n, :start] = 0.0
+        mask[0, 0, :, self.context:] = graph.causal
+        feeds = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
+        for layer in range(self.config.num_hidden_layers):
+            feeds[past_key(layer)], feeds[past_value(layer)] = self.window[2 * layer], self.window[2 * layer + 1]
+        logits, *kv = graph.session.run(graph.outputs, feeds)
+        slots = cache.slots(seq, start, start + n)
+        for layer in range(self.config.num_hidden_layers):
+            k, v = kv[2 * layer][0, :n], kv[2 * layer + 1][0, :n]
+            self.window[2 * layer][0, start:start + n], self.window[2 * layer + 1][0, start:start + n] = k, v
+            cache.storage.write_stored(layer, slots, self._to_cache(k), self._to_cache(v))
+        self.window_tokens[start:] = piece
+        return torch.from_numpy(logits[0, :n])
+
+    def _to_graph(self, stored: np.ndarray) -> np.ndarray:
+        """Cache elements as the graphs take them (int8 code q -> q + zero point)."""
+        if self.kv.zero_point:
+            return (stored.view(np.uint8) ^ np.uint8(self.kv.zero_point)).view(self.kv_dtype)
+        return stored
+
+    def _to_cache(self, rows: np.ndarray) -> torch.Tensor:
+        """Graph K/V rows as the cache stores them."""
+        if self.kv.zero_point:
+            rows = (rows.view(np.uint8) ^ np.uint8(self.kv.zero_point)).view(np.int8)
+        return torch.from_numpy(np.ascontiguousarray(rows))
+
+
+def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threads: int | None):
+    """An ONNX Runtime session of one graph, its metadata checked against the manifest."""
+    import onnxruntime as ort
+
+    if provider not in ORT_PROVIDERS:
+        raise ValueError(f"unknown ONNX Runtime provider {provider!r}; choose one of {', '.join(ORT_PROVIDERS)}")
+    available = ort.get_available_providers()
+    if ORT_PROVIDERS[provider] not in available:
+        raise ValueError(f"this ONNX Runtime has no {ORT_PROVIDERS[provider]} (it has {', '.join(available)}); "
+                         f"install the onnxruntime package built with it, or choose --ort-provider cpu")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or torch.get_num_threads()  # as many threads as the reference engine
+    path = folder.path / manifest["graphs"]["prompt" if name == PROMPT_GRAPH else "token"]
+    try:
+        session = ort.InferenceSession(str(path), options, providers=[ORT_PROVIDERS[provider]])
+    except Exception as err:  # onnxruntime raises its own exception types on a bad graph
+        raise CheckpointError(f"{path}: ONNX Runtime cannot load it ({str(err).splitlines()[0]}); "
+                              f"{EXPORT_AGAIN}") from err
+    folder.check_graph(path.name, session.get_modelmeta().custom_metadata_map, manifest)
+    return session
+
+
+def load_onnx_engine(folder: str | Path, provider: str = "cpu", threads: int | None = None) -> Engine:
+    """An exported graph folder as an ``Engine`` whose model runs on ONNX Runtime: sessions
+    (``runtime.session.DialogueSession``) and ``run_tokens`` use it as they use the reference engine."""
+    folder = OnnxFolder(Path(folder))
+    manifest = folder.manifest()
+    model = OrtModel(folder, manifest, provider, threads)
+    return Engine(folder.path, model.config, model, ChatTokenizer(folder.tokenizer), manifest,
+                  manifest["model"]["fingerprint"], folder.scales(manifest))
