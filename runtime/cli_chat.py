@@ -15,10 +15,12 @@ from runtime.cli_args import (float_range, int_range, non_negative_float, non_ne
 from runtime.committed import available_memory
 from runtime.dialogue import Session, SessionFileError, TurnStats
 from runtime.engine import Engine, kv_cache_config
-from runtime.engine_folder import EngineFolder
+from runtime.engine_folder import EngineFolder, read_manifest
 from runtime.kv_modes import REFERENCE_KV_MODES
 from runtime.kv_scales import ScalesError
 from runtime.kv_storage import KVLayout
+from runtime.onnx_folder import ONNX_FORMAT
+from runtime.ort_session import ORT_PROVIDERS, load_onnx_engine
 from runtime.overflow import OVERFLOW_POLICIES, OverflowPolicy
 from runtime.sampling import MAX_SEED, SamplingParams
 from runtime.session import DialogueSession
@@ -31,7 +33,8 @@ HELP_COMMANDS = "commands: /reset (new conversation), /stats (KV memory), /save 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of cabin-chat."""
     parser = argparse.ArgumentParser(prog="cabin-chat", description="Chat with a CabinLLM engine on a paged KV cache.")
-    parser.add_argument("--engine", required=True, type=Path, help="engine folder written by cabin-build")
+    parser.add_argument("--engine", required=True, type=Path,
+                        help="engine folder written by cabin-build, or graph folder written by cabin-export")
     parser.add_argument("--script", type=Path, help="JSONL dialogue: optional first system line, then user lines")
     parser.add_argument("--json", action="store_true", help="print one JSON object per turn")
     parser.add_argument("--system", help="system prompt (a script's system line wins)")
@@ -44,9 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="sink-window",
                         help="when a turn does not fit the budget: keep the system prompt and the most recent tokens "
                              "(sink-window, default), drop the oldest turns (drop-turns), or refuse the turn (error)")
-    parser.add_argument("--backend", choices=("auto", "reference", "tensorrt-llm"), default="auto",
+    parser.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
                         help="tensorrt-llm runs the engine's trt_engine/ through ModelRunnerCpp (needs tensorrt_llm); "
-                             "reference runs the PyTorch engine; auto picks tensorrt-llm when both are present")
+                             "onnxruntime runs the graphs of a cabin-export folder on our paged cache; reference runs "
+                             "the PyTorch engine; auto picks by the folder (tensorrt-llm when both are present)")
+    parser.add_argument("--ort-provider", choices=tuple(ORT_PROVIDERS), default="cpu",
+                        help="ONNX Runtime execution provider of --backend onnxruntime (default cpu)")
     parser.add_argument("--restore", type=Path, help="continue a session saved with /save")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128,
                         help="longest reply in tokens (default 128)")
@@ -60,9 +66,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def open_session(args: argparse.Namespace, system: str | None) -> Session:
     """Load the engine and start (or restore) a session on the chosen backend."""
-    if _use_trtllm(args):
-        return _open_trtllm_session(args, system)
-    engine = Engine.load(args.engine)
+    return BACKENDS[_backend(args)](args, system)
+
+
+def _open_reference(args: argparse.Namespace, system: str | None) -> Session:
+    return _open_dialogue(args, system, Engine.load(args.engine))
+
+
+def _open_onnxruntime(args: argparse.Namespace, system: str | None) -> Session:
+    engine = load_onnx_engine(args.engine, args.ort_provider)
+    if args.kv_cache not in (None, engine.default_kv_mode):
+        raise ValueError(f"--kv-cache {args.kv_cache}: the graphs in {args.engine} take {engine.default_kv_mode} K/V; "
+                         f"leave --kv-cache out or export them again with cabin-export --kv-cache {args.kv_cache}")
+    return _open_dialogue(args, system, engine)
+
+
+def _open_dialogue(args: argparse.Namespace, system: str | None, engine: Engine) -> DialogueSession:
+    """A session on our paged cache (restored from --restore if given) for an engine whose model runs anywhere."""
     cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, _budget(args), args.tokens_per_block))
     if args.restore:
         return DialogueSession.restore(args.restore, engine, cache)
@@ -85,23 +105,31 @@ def _params(args: argparse.Namespace, stop_token_ids: list[int]) -> SamplingPara
                           top_p=args.top_p, seed=args.seed, stop_token_ids=stop_token_ids)
 
 
-def _use_trtllm(args: argparse.Namespace) -> bool:
+def _backend(args: argparse.Namespace) -> str:
+    """The backend to run: the one asked for, or for auto the folder's kind (an ONNX export, a TensorRT engine where
+    tensorrt_llm is installed, else the reference engine)."""
+    if args.backend != "auto":
+        return args.backend
+    if (read_manifest(args.engine) or {}).get("format") == ONNX_FORMAT:
+        return "onnxruntime"
     trt_engine = EngineFolder(args.engine).trt_engine
-    if args.backend == "tensorrt-llm":
-        if not trt_engine.is_dir():
-            raise CheckpointError(f"{trt_engine}: no TensorRT engine; run the engine build on the device")
-        return True
-    return args.backend == "auto" and trt_engine.is_dir() and importlib.util.find_spec("tensorrt_llm") is not None
+    return "tensorrt-llm" if trt_engine.is_dir() and importlib.util.find_spec("tensorrt_llm") else "reference"
 
 
 def _open_trtllm_session(args: argparse.Namespace, system: str | None) -> TrtllmSession:
     folder = EngineFolder(args.engine)
+    if not folder.trt_engine.is_dir():
+        raise CheckpointError(f"{folder.trt_engine}: no TensorRT engine; run the engine build on the device")
     config = folder.config()
     layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_size)
     tokenizer = ChatTokenizer(folder.checkpoint)
     config = kv_cache_config(folder.manifest(), args.kv_cache, _budget(args), args.tokens_per_block)
     return TrtllmSession(folder.path, tokenizer, layout, config,
                          _params(args, tokenizer.stop_token_ids), system, OverflowPolicy(args.overflow))
+
+
+BACKENDS = {"reference": _open_reference, "tensorrt-llm": _open_trtllm_session,
+            "onnxruntime": _open_onnxruntime}  # --backend -> opener; auto picks one of them
 
 
 def format_stats(stats: TurnStats) -> str:
