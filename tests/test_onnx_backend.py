@@ -1,0 +1,173 @@
+"""The NPU path: cabin-export's static ONNX graphs and the ONNX Runtime backend on the tiny engine.
+
+The backend answers a scripted dialogue token for token as the reference engine does, reuses earlier turns,
+keeps the budget under every overflow policy; the npu profile's graphs are strict, static and on the
+allow-list; bad input is one clear error."""
+import json
+import shutil
+
+import onnx
+import pytest
+
+from builders.export_cli import main as export_main
+from builders.onnx_export import OnnxExportRequest, export_onnx
+from builders.onnx_profiles import onnx_profile
+from runtime.checkpoint import CheckpointError
+from runtime.cli_chat import main as chat_main
+from runtime.engine_folder import MANIFEST_FILE, SCALES_FILE
+from runtime.kv_cache import sized_config
+from runtime.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH
+from runtime.ort_session import load_onnx_engine
+from runtime.overflow import OverflowPolicy
+from runtime.sampling import SamplingParams
+from runtime.session import DialogueSession
+
+CONTEXT, CHUNK = 256, 16
+SYSTEM = "You are the in-car assistant."
+SCRIPT = ["navigate to the nearest charging station", "Turn the music down.", "Is the trunk closed?"]
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_engine_dir, tmp_path_factory):
+    """Graph folders of the tiny engine: fp32 KV (ort profile) and int8 KV (npu profile)."""
+    root = tmp_path_factory.mktemp("onnx")
+    folders = {}
+    for kv, profile in (("fp32", "ort"), ("int8", "npu")):
+        folders[kv] = root / f"tiny-{kv}"
+        export_onnx(OnnxExportRequest(tiny_engine_dir, folders[kv], CONTEXT, CHUNK, kv, profile), log=lambda _m: None)
+    return folders
+
+
+def session(engine, kv, policy="error", tokens=1024, max_new_tokens=12):
+    config = sized_config(engine.model.kv_layout, kv, tokens, tokens_per_block=16)
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=engine.stop_token_ids())
+    return DialogueSession(engine, engine.new_cache(config), params, SYSTEM, OverflowPolicy(policy))
+
+
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
+def test_greedy_replies_equal_the_reference_and_later_turns_prefill_only_new_tokens(tiny_engine, exports, kv):
+    onnx_engine = load_onnx_engine(exports[kv], threads=1)
+    fed = []
+    forward = onnx_engine.model.forward
+    onnx_engine.model.forward = lambda ids, *a, **k: fed.append(len(ids)) or forward(ids, *a, **k)
+    ours, reference = session(onnx_engine, kv), session(tiny_engine, kv)
+    for turn, text in enumerate(SCRIPT):
+        held, fed[:] = len(ours.fed), []
+        got, want = ours.chat(text), reference.chat(text)
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+        assert (got.prefill_tokens, got.reused_tokens) == (want.prefill_tokens, want.reused_tokens)
+        assert sum(fed) == got.prefill_tokens + len(got.token_ids) - 1  # only new tokens went through the graphs
+        if turn:
+            assert got.reused_tokens == held and got.prefill_tokens < held
+    assert ours.cache.stats().bytes_used == reference.cache.stats().bytes_used
+
+
+def test_npu_graphs_are_strict_static_on_the_allow_list_with_8_bit_kv(exports):
+    allowed = onnx_profile("npu").allowed_ops()
+    manifest = json.loads((exports["int8"] / MANIFEST_FILE).read_text())
+    assert manifest["opset"] == 17 and manifest["kv_graph"]["dtype"] == "uint8" and set(manifest["ops"]) <= allowed
+    for name in (PROMPT_GRAPH, TOKEN_GRAPH):
+        path = exports["int8"] / name
+        onnx.checker.check_model(str(path), full_check=True)
+        model = onnx.load(str(path), load_external_data=False)
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True).graph
+        assert model.opset_import[0].domain == "" and model.opset_import[0].version == 17
+        assert {node.op_type for node in model.graph.node} <= allowed
+        assert all(node.domain == "" for node in model.graph.node)
+        values = list(inferred.input) + list(inferred.output) + list(inferred.value_info)
+        produced = {out for node in model.graph.node for out in node.output}
+        assert produced <= {v.name for v in values}  # every tensor got a type and shape
+        for value in values:
+            dims = value.type.tensor_type.shape.dim
+            assert dims and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims), value.name
+        kv = [v for v in list(model.graph.input) + list(model.graph.output) if v.name.startswith(("past_", "new_"))]
+        assert len(kv) == 4 * 3
+        assert {v.type.tensor_type.elem_type for v in kv} == {onnx.TensorProto.UINT8}
+        assert {n.op_type for n in model.graph.node} >= {"QuantizeLinear", "DequantizeLinear"}
+
+
+@pytest.mark.parametrize("policy", ["sink-window", "drop-turns", "error"])
+def test_a_long_dialogue_at_a_small_int8_budget_finishes_under_each_policy(exports, policy):
+    engine = load_onnx_engine(exports["int8"], threads=1)
+    chat = session(engine, "int8", policy, tokens=128, max_new_tokens=8)
+    turns = [chat.chat(text) for text in SCRIPT * 5]
+    assert all(t.kv_bytes_used <= t.kv_bytes_budget for t in turns)
+    assert len(chat.fed) <= 128
+    if policy == "error":
+        assert "capacity" in {t.finish_reason for t in turns} and turns[0].finish_reason != "capacity"
+    else:
+        assert all(t.finish_reason in ("stop", "length") for t in turns), [t.error for t in turns]
+        assert sum(t.evicted_tokens for t in turns) > 0
+    chat.cache.blocks.check_invariants()
+
+
+def test_the_graphs_window_bounds_the_dialogue(exports, tiny_engine_dir, tmp_path):
+    """With a budget far above the window, overflow plans against the graphs' context."""
+    small = tmp_path / "small"
+    export_onnx(OnnxExportRequest(tiny_engine_dir, small, 64, CHUNK, "int8", "npu"), log=lambda _m: None)
+    engine = load_onnx_engine(small, threads=1)
+    chat = session(engine, "int8", "sink-window", tokens=4096, max_new_tokens=8)
+    turns = [chat.chat(text) for text in SCRIPT * 3]
+    assert all(t.finish_reason in ("stop", "length") for t in turns) and len(chat.fed) <= 64
+    assert sum(t.evicted_tokens for t in turns) > 0
+
+
+def test_int8_export_of_an_engine_without_scales_is_a_clear_error(tiny_engine_dir, tmp_path):
+    engine = tmp_path / "no-scales"
+    shutil.copytree(tiny_engine_dir, engine)
+    (engine / SCALES_FILE).unlink()
+    with pytest.raises(CheckpointError, match=f"has no {SCALES_FILE}.*calibrated static scales"):
+        export_onnx(OnnxExportRequest(engine, tmp_path / "out", CONTEXT, CHUNK, "int8"), log=lambda _m: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_export_flags_exit_2_with_one_line(tiny_engine_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert export_main(["--engine", str(tiny_engine_dir), "--output", str(out), "--context", "8", "--chunk", "16"]) == 2
+    assert "--context 8 is smaller than --chunk 16" in capsys.readouterr().err
+    assert export_main(["--engine", str(tiny_engine_dir), "--output", str(tiny_engine_dir), "--context", "64"]) == 2
+    assert "is not an ONNX export" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_graphs_from_another_export_are_refused(exports, tmp_path):
+    mixed = tmp_path / "mixed"
+    shutil.copytree(exports["int8"], mixed)
+    manifest = json.loads((mixed / MANIFEST_FILE).read_text())
+    manifest["model"]["fingerprint"] = "0123456789abcdef"  # the manifest of another model beside these graphs
+    (mixed / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="model_fingerprint.*another export"):
+        load_onnx_engine(mixed)
+    other = tmp_path / "other"
+    shutil.copytree(exports["int8"], other)
+    shutil.copyfile(exports["fp32"] / TOKEN_GRAPH, other / TOKEN_GRAPH)
+    with pytest.raises(CheckpointError, match="kv_cache"):
+        load_onnx_engine(other)
+
+
+def test_an_interrupted_export_leaves_no_folder(tiny_engine_dir, tmp_path, monkeypatch):
+    import builders.onnx_export as onnx_export
+
+    def interrupted(model, profile, name):
+        if name == TOKEN_GRAPH:
+            raise KeyboardInterrupt
+        return {node.op_type for node in model.graph.node}
+
+    monkeypatch.setattr(onnx_export, "check_ops", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_onnx(OnnxExportRequest(tiny_engine_dir, tmp_path / "out", 64, CHUNK), log=lambda _m: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cabin_chat_on_the_onnxruntime_backend(exports, tmp_path, capsys):
+    script = tmp_path / "d.jsonl"
+    script.write_text("\n".join(json.dumps({"role": "user", "content": t}) for t in SCRIPT), encoding="utf-8")
+    base = ["--engine", str(exports["int8"]), "--script", str(script), "--max-new-tokens", "6"]
+    assert chat_main(base + ["--json"]) == 0  # auto: the folder is an ONNX export
+    turns = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [t["turn"] for t in turns] == [1, 2, 3] and turns[0]["kv_mode"] == "int8"
+    assert turns[2]["reused_tokens"] > turns[1]["reused_tokens"] > 0
+    assert chat_main(base + ["--backend", "onnxruntime", "--kv-cache", "fp16"]) == 2
+    assert "take int8 K/V" in capsys.readouterr().err
+    assert chat_main(base + ["--backend", "onnxruntime", "--ort-provider", "qnn"]) == 2
+    assert "no QNNExecutionProvider" in capsys.readouterr().err
