@@ -227,8 +227,8 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
     mask = g.op("Unsqueeze", "attention_mask", g.ints(1))  # [1, 1, 1, T, keys]: every KV head, every group
     q_scale = g.scalar("attention_scale", 1.0 / math.sqrt(d))
     for index, layer in enumerate(model.layers):
-        for name in (past_key(index), past_value(index)):
-            inputs.append(onnx.helper.make_tensor_value_info(name, kv_elem, [1, context, kv_heads, d]))
+        inputs.append(onnx.helper.make_tensor_value_info(past_key(index), kv_elem, [1, kv_heads, d, context]))
+        inputs.append(onnx.helper.make_tensor_value_info(past_value(index), kv_elem, [1, kv_heads, context, d]))
         for name in (new_key(index), new_value(index)):
             outputs.append(onnx.helper.make_tensor_value_info(name, kv_elem, [1, tokens, kv_heads, d]))
         p = f"layers.{index}"
@@ -240,15 +240,19 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
         qk = _rope(g, g.op("Reshape", qk, g.ints(1, tokens, heads + kv_heads, d)), cos, sin, d)
         q, k = g.op("Split", qk, g.ints(heads, kv_heads), axis=2, outputs=2)
         v = g.op("Reshape", v, g.ints(1, tokens, kv_heads, d))
-        k_all = _kv_io(g, k, past_key(index), new_key(index), kv, index)
-        v_all = _kv_io(g, v, past_value(index), new_value(index), kv, index)
+        new_k, past_k = _kv_io(g, k, past_key(index), new_key(index), kv, index)
+        new_v, past_v = _kv_io(g, v, past_value(index), new_value(index), kv, index)
         q = g.op("Transpose", g.op("Reshape", g.op("Mul", q, q_scale), g.ints(1, tokens, kv_heads, group, d)),
                  perm=[0, 2, 3, 1, 4])  # [1, kv_heads, group, T, d]
-        k_t = g.op("Unsqueeze", g.op("Transpose", k_all, perm=[0, 2, 3, 1]), g.ints(2))  # [1, kv_heads, 1, d, keys]
-        v_t = g.op("Unsqueeze", g.op("Transpose", v_all, perm=[0, 2, 1, 3]), g.ints(2))  # [1, kv_heads, 1, keys, d]
-        probs = g.op("Softmax", g.op("Add", g.op("MatMul", q, k_t), mask), axis=-1)
-        attn = g.op("Reshape", g.op("Transpose", g.op("MatMul", probs, v_t), perm=[0, 3, 1, 2, 4]),
-                    g.ints(1, tokens, heads * d))
+        # scores over the window and over the new tokens, each against K as [1, kv_heads, 1, d, keys]
+        scores = g.op("Concat", g.op("MatMul", q, g.op("Unsqueeze", past_k, g.ints(2))),
+                      g.op("MatMul", q, g.op("Unsqueeze", g.op("Transpose", new_k, perm=[0, 2, 3, 1]), g.ints(2))),
+                      axis=-1)
+        probs = g.op("Softmax", g.op("Add", scores, mask), axis=-1)
+        p_past, p_new = g.op("Split", probs, g.ints(context, tokens), axis=-1, outputs=2)
+        out = g.op("Add", g.op("MatMul", p_past, g.op("Unsqueeze", past_v, g.ints(2))),
+                   g.op("MatMul", p_new, g.op("Unsqueeze", g.op("Transpose", new_v, perm=[0, 2, 1, 3]), g.ints(2))))
+        attn = g.op("Reshape", g.op("Transpose", out, perm=[0, 3, 1, 2, 4]), g.ints(1, tokens, heads * d))
         x = g.op("Add", x, g.op("MatMul", attn, g.const(f"{p}.dense", _weight(layer["dense"]))))
         h = _rms_norm(g, x, g.const(f"{p}.post_norm", layer["post_norm"].numpy()), c.norm_epsilon)
         fc, gate = g.op("Split", g.op("MatMul", h, g.const(f"{p}.fc_gate", _weight(layer["fc_gate"]))),
@@ -279,22 +283,17 @@ def _rope(g: _Graph, x: str, cos: str, sin: str, d: int) -> str:
     return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
 
 
-def _kv_io(g: _Graph, new: str, past: str, out: str, kv: KvGraphType, layer: int) -> str:
-    """Emit the new tokens' K (or V) as the graph output ``out`` in the KV form and return the full window
-    (past + new) as fp32 for attention, each element as the cache stores it."""
+def _kv_io(g: _Graph, new: str, past: str, out: str, kv: KvGraphType, layer: int) -> tuple[str, str]:
+    """Emit the new tokens' K (or V) as the graph output ``out`` in the KV form; return them and the past window
+    as fp32, each element as the cache stores it (the window is never copied into a longer tensor)."""
     if kv.scales is not None:
         scale = g.scalar(f"kv_scale.{layer}", kv.scales[layer])
         zero = g.scalar(f"kv_zero_point_{kv.dtype}", kv.zero_point, np.dtype(kv.dtype))
         limit = 127 * kv.scales[layer]
         clipped = g.op("Clip", new, g.scalar(f"kv_min.{layer}", -limit), g.scalar(f"kv_max.{layer}", limit))
         g.op("QuantizeLinear", clipped, scale, zero, name=out)
-        back = g.op("DequantizeLinear", out, scale, zero)
-        window = g.op("DequantizeLinear", past, scale, zero)
-    elif kv.dtype == "float16":
+        return g.op("DequantizeLinear", out, scale, zero), g.op("DequantizeLinear", past, scale, zero)
+    if kv.dtype == "float16":
         g.op("Cast", new, name=out, to=g.onnx.TensorProto.FLOAT16)
-        back = g.op("Cast", out, to=g.onnx.TensorProto.FLOAT)
-        window = g.op("Cast", past, to=g.onnx.TensorProto.FLOAT)
-    else:
-        back = g.op("Identity", new, name=out)
-        window = past
-    return g.op("Concat", window, back, axis=1)
+        return g.op("Cast", out, to=g.onnx.TensorProto.FLOAT), g.op("Cast", past, to=g.onnx.TensorProto.FLOAT)
+    return g.op("Identity", new, name=out), past

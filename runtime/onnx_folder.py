@@ -17,15 +17,15 @@ Both graphs have static shapes (batch 1)::
     position_ids    int64   [1, T]
     attention_mask  float32 [1, 1, T, context + T] 0 where a new token may attend, MASKED elsewhere:
                                                    the window's slots first, then the T new tokens
-    past_key.L      KV      [1, context, kv_heads, head_size]   one pair per layer, K after RoPE
-    past_value.L    KV      [1, context, kv_heads, head_size]
+    past_key.L      KV      [1, kv_heads, head_size, context]   one pair per layer, K after RoPE
+    past_value.L    KV      [1, kv_heads, context, head_size]
     ->
     logits          float32 [1, T, vocab]
     new_key.L       KV      [1, T, kv_heads, head_size]         the new tokens' K/V only
     new_value.L     KV      [1, T, kv_heads, head_size]
 
-The KV tensors are token-major, as the paged cache stores tokens, so the host copies rows without
-transposing. Each graph's metadata records the model fingerprint, context, chunk and KV mode it was
+The window comes in the layouts attention multiplies by (K transposed: q @ K, then probs @ V), so no
+graph copies or transposes it; the new rows go out token-major, as the paged cache stores them. Each graph's metadata records the model fingerprint, context, chunk and KV mode it was
 built for; loading checks them against the manifest. A folder is written whole (runtime.atomic).
 """
 from __future__ import annotations

@@ -55,8 +55,9 @@ class OrtModel:
         layers = config.num_hidden_layers
         self.graphs = {tokens: _Graph(_session(folder, manifest, name, provider, threads), tokens, layers)
                        for name, tokens in ((PROMPT_GRAPH, self.chunk), (TOKEN_GRAPH, 1))}
-        shape = (1, self.context, config.num_key_value_heads, config.head_size)
-        self.window = [np.zeros(shape, self.kv_dtype) for _ in range(2 * layers)]  # K0, V0, K1, V1, ...
+        heads, d = config.num_key_value_heads, config.head_size
+        self.window = [np.zeros(shape, self.kv_dtype) for _ in range(layers)  # K0, V0, K1, V1, ...
+                       for shape in ((1, heads, d, self.context), (1, heads, self.context, d))]
         self.window_tokens: list[int] = []  # the tokens whose K/V the window holds, from position 0
         self.window_cache: PagedKVCache | None = None
 
@@ -88,8 +89,8 @@ class OrtModel:
         block_table = cache.block_table(seq)
         for layer in range(self.config.num_hidden_layers):
             stored = cache.storage.stored_kv(layer, block_table, start)
-            for slot, pool in ((2 * layer, stored.k), (2 * layer + 1, stored.v)):
-                self.window[slot][0, :start] = self._to_graph(gather(pool, block_table, start).numpy())
+            k, v = (self._to_graph(gather(pool, block_table, start).numpy()) for pool in (stored.k, stored.v))
+            self._set_window(layer, 0, k, v)
         self.window_cache, self.window_tokens = cache, list(seq.token_ids[:start])
 
     def _run(self, graph: _Graph, piece: list[int], start: int, cache: PagedKVCache, seq: Sequence) -> torch.Tensor:
@@ -107,10 +108,16 @@ class OrtModel:
         slots = cache.slots(seq, start, start + n)
         for layer in range(self.config.num_hidden_layers):
             k, v = kv[2 * layer][0, :n], kv[2 * layer + 1][0, :n]
-            self.window[2 * layer][0, start:start + n], self.window[2 * layer + 1][0, start:start + n] = k, v
+            self._set_window(layer, start, k, v)
             cache.storage.write_stored(layer, slots, self._to_cache(k), self._to_cache(v))
         self.window_tokens[start:] = piece
         return torch.from_numpy(logits[0, :n])
+
+    def _set_window(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Put K/V rows (tokens, kv_heads, head_size) of positions from ``start`` into the layer's window."""
+        end = start + len(k)
+        self.window[2 * layer][0, :, :, start:end] = k.transpose(1, 2, 0)
+        self.window[2 * layer + 1][0, :, start:end] = v.transpose(1, 0, 2)
 
     def _to_graph(self, stored: np.ndarray) -> np.ndarray:
         """Cache elements as the graphs take them (int8 code q -> q + zero point)."""

@@ -1,0 +1,122 @@
+"""The ONNX Runtime backend beside the reference engine (and onnxruntime-genai where its model folder is given):
+teacher-forced perplexity in the same KV mode on held-out dialogues, decode speed with a full window, KV bytes
+per token. One JSON object on stdout.
+
+    python -m benchmarks.onnx_compare --engine ENGINE --onnx GRAPHS [--genai GENAI_MODEL_DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from calibration.selection import prepare_dialogues
+from runtime.block_manager import Sequence
+from runtime.cli_args import positive_int
+from runtime.engine import Engine
+from runtime.generate import generate, run_tokens
+from runtime.ort_session import load_onnx_engine
+from runtime.sampling import SamplingParams
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--engine", required=True, type=Path, help="engine folder (cabin-build)")
+    parser.add_argument("--onnx", required=True, type=Path, help="graph folder exported from it (cabin-export)")
+    parser.add_argument("--genai", type=Path, help="onnxruntime-genai model folder of the same model (its builder)")
+    parser.add_argument("--data", default="sharegpt", help="held-out dialogues: builtin, sharegpt or a file")
+    parser.add_argument("--num-dialogues", type=positive_int, default=4, help="dialogues for perplexity")
+    parser.add_argument("--max-tokens", type=positive_int, default=1024, help="tokens per dialogue at most")
+    parser.add_argument("--decode-tokens", type=positive_int, default=32, help="tokens decoded per speed run")
+    parser.add_argument("--skip-perplexity", action="store_true", help="measure speed and bytes only")
+    return parser.parse_args(argv)
+
+
+def perplexities(engines: dict[str, Engine], kv: str, ids_list: list[list[int]]) -> dict[str, float]:
+    """Teacher-forced perplexity of each engine over the dialogues, K/V stored in mode ``kv``."""
+    nll = {name: 0.0 for name in engines}
+    tokens = 0
+    for ids in tqdm(ids_list, desc="perplexity", file=sys.stderr):
+        targets = torch.tensor(ids[1:])
+        for name, engine in engines.items():
+            logits = run_tokens(engine.model, ids, kv, engine.scales, all_logits=True).logits[:-1]
+            nll[name] -= float(logits.log_softmax(-1).gather(1, targets[:, None]).sum())
+        tokens += len(targets)
+    return {name: math.exp(value / tokens) for name, value in nll.items()}
+
+
+def decode_speed(engine: Engine, kv: str, prompt: list[int], steps: int) -> float:
+    """Greedy decode tokens per second after prefilling ``prompt`` (no stop token ends it early)."""
+    cache = engine.new_cache(engine.kv_cache_config(kv, max_bytes=256 << 20))
+    params = SamplingParams(max_new_tokens=steps, stop_token_ids=[])
+    return generate(engine.model, cache, Sequence(), prompt, params, engine.tokenizer.decode).decode_tok_s
+
+
+def genai_decode_speed(folder: Path, prompt: list[int], steps: int) -> float:
+    """onnxruntime-genai's greedy decode tokens per second after ``prompt``."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    length = len(prompt) + steps
+    params.set_search_options(max_length=length, min_length=length, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    generator.generate_next_token()
+    start, done = time.perf_counter(), 0
+    while not generator.is_done() and done < steps - 1:
+        generator.generate_next_token()
+        done += 1
+    return done / (time.perf_counter() - start)
+
+
+def genai_kv_bytes_per_token(folder: Path) -> int:
+    """Bytes per token of an onnxruntime-genai decoder's KV cache (all layers, K and V), its element type read
+    from the graph's past K input."""
+    import onnx
+
+    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    graph = onnx.load(str(folder / config["filename"]), load_external_data=False).graph
+    past = next(v for v in graph.input if v.name.startswith("past_key_values."))
+    element = onnx.helper.tensor_dtype_to_np_dtype(past.type.tensor_type.elem_type).itemsize
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_size"] * element
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = parse_args(argv)
+    reference, ours = Engine.load(args.engine), load_onnx_engine(args.onnx)
+    kv = ours.default_kv_mode
+    context = ours.config.max_position_embeddings
+    layout = ours.model.kv_layout
+    result = {"kv_cache": kv, "context": context, "threads": torch.get_num_threads(),
+              "load_average": os.getloadavg(),
+              "kv_bytes_per_token": {"cabin": ours.kv_cache_config(kv).bytes_per_token(layout)}}
+    if not args.skip_perplexity:
+        dialogues, _ = prepare_dialogues(args.data, "heldout", args.num_dialogues, 0, reference.tokenizer,
+                                         min(args.max_tokens, context))
+        ppl = perplexities({"reference": reference, "onnxruntime": ours}, kv, [d.token_ids for d in dialogues])
+        result["perplexity"] = {**ppl, "delta_percent": 100 * (ppl["onnxruntime"] / ppl["reference"] - 1),
+                                "dialogues": len(dialogues), "tokens": sum(len(d.token_ids) for d in dialogues)}
+    prompt = [(7 * i) % 1000 + 100 for i in range(context - args.decode_tokens - 1)]
+    result["decode_tok_s"] = {"reference": decode_speed(reference, kv, prompt, args.decode_tokens),
+                              "onnxruntime": decode_speed(ours, kv, prompt, args.decode_tokens)}
+    if args.genai:
+        result["decode_tok_s"]["onnxruntime-genai"] = genai_decode_speed(args.genai, prompt, args.decode_tokens)
+        result["kv_bytes_per_token"]["onnxruntime-genai"] = genai_kv_bytes_per_token(args.genai)
+    result["load_average_after"] = os.getloadavg()
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
