@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-dialogues", type=positive_int, default=4, help="dialogues for perplexity")
     parser.add_argument("--max-tokens", type=positive_int, default=1024, help="tokens per dialogue at most")
     parser.add_argument("--decode-tokens", type=positive_int, default=32, help="tokens decoded per speed run")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="speed runs per backend, interleaved; the median is reported")
     parser.add_argument("--skip-perplexity", action="store_true", help="measure speed and bytes only")
     return parser.parse_args(argv)
 
@@ -62,10 +65,12 @@ def decode_speed(engine: Engine, kv: str, prompt: list[int], steps: int) -> floa
 
 
 def genai_decode_speed(folder: Path, prompt: list[int], steps: int) -> float:
-    """onnxruntime-genai's greedy decode tokens per second after ``prompt``."""
+    """onnxruntime-genai's greedy decode tokens per second after ``prompt``, on one thread as the others."""
     import onnxruntime_genai as og
 
-    model = og.Model(str(folder))
+    config = og.Config(str(folder))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": 1}}}}))
+    model = og.Model(config)
     params = og.GeneratorParams(model)
     length = len(prompt) + steps
     params.set_search_options(max_length=length, min_length=length, do_sample=False)
@@ -94,6 +99,7 @@ def genai_kv_bytes_per_token(folder: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
+    torch.set_num_threads(1)  # one thread for every backend (onnxruntime sessions take torch's count)
     reference, ours = Engine.load(args.engine), load_onnx_engine(args.onnx)
     kv = ours.default_kv_mode
     context = ours.config.max_position_embeddings
@@ -108,11 +114,17 @@ def main(argv: list[str] | None = None) -> int:
         result["perplexity"] = {**ppl, "delta_percent": 100 * (ppl["onnxruntime"] / ppl["reference"] - 1),
                                 "dialogues": len(dialogues), "tokens": sum(len(d.token_ids) for d in dialogues)}
     prompt = [(7 * i) % 1000 + 100 for i in range(context - args.decode_tokens - 1)]
-    result["decode_tok_s"] = {"reference": decode_speed(reference, kv, prompt, args.decode_tokens),
-                              "onnxruntime": decode_speed(ours, kv, prompt, args.decode_tokens)}
+    runs = {"reference": lambda: decode_speed(reference, kv, prompt, args.decode_tokens),
+            "onnxruntime": lambda: decode_speed(ours, kv, prompt, args.decode_tokens)}
     if args.genai:
-        result["decode_tok_s"]["onnxruntime-genai"] = genai_decode_speed(args.genai, prompt, args.decode_tokens)
+        runs["onnxruntime-genai"] = lambda: genai_decode_speed(args.genai, prompt, args.decode_tokens)
         result["kv_bytes_per_token"]["onnxruntime-genai"] = genai_kv_bytes_per_token(args.genai)
+    speeds = {name: [] for name in runs}
+    for _ in tqdm(range(args.rounds), desc="decode speed", file=sys.stderr):
+        for name, run in runs.items():
+            speeds[name].append(run())
+    result["decode_tok_s"] = {name: statistics.median(values) for name, values in speeds.items()}
+    result["decode_tok_s_runs"] = speeds
     result["load_average_after"] = os.getloadavg()
     print(json.dumps(result, indent=2))
     return 0

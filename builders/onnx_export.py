@@ -178,7 +178,8 @@ class _Graph:
         """Add a node; its output name(s)."""
         self.names += 1
         out = [name] if name else [f"{op_type.lower()}_{self.names}_{i}" for i in range(outputs)]
-        self.nodes.append(self.onnx.helper.make_node(op_type, list(inputs), out, **attrs))
+        self.nodes.append(self.onnx.helper.make_node(op_type, list(inputs), out, name=f"{op_type}_{self.names}",
+                                                     **attrs))
         return out if outputs > 1 else out[0]
 
     def const(self, name: str, array: np.ndarray) -> str:
