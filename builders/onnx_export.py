@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from builders.onnx_profiles import OnnxProfile, onnx_profile
+from builders.progress import Steps
 from runtime.atomic import atomic_write_text, staging_folder
 from runtime.checkpoint import CheckpointError
 from runtime.engine import Engine
@@ -86,7 +87,9 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
     import onnx
 
     profile = check_request(request)
-    engine = Engine.load(request.engine)
+    steps = Steps(4, log)
+    with steps.step(f"loading {request.engine}"):
+        engine = Engine.load(request.engine)
     config = engine.config
     if request.context > config.max_position_embeddings:
         raise ValueError(f"--context {request.context} exceeds the model's context of "
@@ -106,18 +109,19 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
         weights = WeightsFile(tmp / WEIGHTS_FILE)
         ops: set[str] = set()
         for name, tokens in ((PROMPT_GRAPH, request.chunk), (TOKEN_GRAPH, 1)):
-            log(f"cabin-export: {name}: {tokens} token(s) over a window of {request.context}")
-            model = build_graph(engine.model, tokens, request.context, kv, profile.opset, weights)
-            onnx.helper.set_model_props(model, graph_metadata(manifest))
-            ops |= check_ops(model, profile, name)
-            onnx.save_model(model, str(tmp / name))
-            onnx.checker.check_model(str(tmp / name), full_check=True)
-        weights.close()
-        (tmp / TOKENIZER_DIR).mkdir()
-        for file in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
-            shutil.copyfile(engine.folder / CHECKPOINT_DIR / file, tmp / TOKENIZER_DIR / file)
-        manifest["ops"] = sorted(ops)
-        atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
+            with steps.step(f"{name}: {tokens} token(s) over a window of {request.context}, checked"):
+                model = build_graph(engine.model, tokens, request.context, kv, profile.opset, weights)
+                onnx.helper.set_model_props(model, graph_metadata(manifest))
+                ops |= check_ops(model, profile, name)
+                onnx.save_model(model, str(tmp / name))
+                onnx.checker.check_model(str(tmp / name), full_check=True)
+        with steps.step("weights, tokenizer and manifest.json"):
+            weights.close()
+            (tmp / TOKENIZER_DIR).mkdir()
+            for file in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+                shutil.copyfile(engine.folder / CHECKPOINT_DIR / file, tmp / TOKENIZER_DIR / file)
+            manifest["ops"] = sorted(ops)
+            atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
     log(f"cabin-export: wrote {request.output} ({profile.name} profile, opset {profile.opset}, KV {request.kv_cache} "
         f"as {kv.dtype}, ops: {', '.join(manifest['ops'])})")
     return manifest

@@ -72,7 +72,7 @@ class OrtModel:
         """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated; writes their
         K/V into the cache and returns logits of the last token (vocab,) or of every token (N, vocab)."""
         end = start_pos + len(token_ids)
-        if end > self.context:
+        if end > self.context:  # the session plans against config.max_position_embeddings = context
             raise ValueError(f"position {end} exceeds the graphs' KV window of {self.context} tokens")
         self._fill_window(cache, seq, start_pos)
         graph = self.graphs[1 if len(token_ids) == 1 else self.chunk]
