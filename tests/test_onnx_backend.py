@@ -172,3 +172,13 @@ def test_cabin_chat_on_the_onnxruntime_backend(exports, tmp_path, capsys):
     assert "take int8 K/V" in capsys.readouterr().err
     assert chat_main(base + ["--backend", "onnxruntime", "--ort-provider", "qnn"]) == 2
     assert "no QNNExecutionProvider" in capsys.readouterr().err
+
+
+def test_a_session_saved_on_the_reference_continues_on_the_onnx_backend(tiny_engine, exports, tmp_path):
+    reference = session(tiny_engine, "int8")
+    reference.chat(SCRIPT[0])
+    reference.save(tmp_path / "s.cabin")
+    onnx_engine = load_onnx_engine(exports["int8"], threads=1)
+    restored = DialogueSession.restore(tmp_path / "s.cabin", onnx_engine)
+    got, want = restored.chat(SCRIPT[1]), reference.chat(SCRIPT[1])
+    assert got.token_ids == want.token_ids and got.reused_tokens == want.reused_tokens > 0
