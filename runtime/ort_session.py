@@ -29,6 +29,7 @@ from runtime.onnx_folder import (EXPORT_AGAIN, MASKED, PROMPT_GRAPH, TOKEN_GRAPH
                                  past_key, past_value)
 from runtime.tokenizer import ChatTokenizer
 
+_UINT8_ZERO_POINT = 128  # int8 codes passed as uint8
 # --ort-provider name -> ONNX Runtime execution provider
 ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
                  "tensorrt": "TensorrtExecutionProvider", "qnn": "QNNExecutionProvider"}
@@ -52,6 +53,9 @@ class OrtModel:
         self.config = replace(config, max_position_embeddings=min(config.max_position_embeddings, self.context))
         self.kv = folder.kv_graph(manifest)
         self.kv_dtype = np.dtype(self.kv.dtype)
+        if self.kv.zero_point not in (None, 0, _UINT8_ZERO_POINT):
+            raise CheckpointError(f"{folder.path}: KV zero point {self.kv.zero_point}; the runtime passes int8 codes as "
+                                  f"int8 (zero point 0) or uint8 (zero point {_UINT8_ZERO_POINT}); {EXPORT_AGAIN}")
         layers = config.num_hidden_layers
         self.graphs = {tokens: _Graph(_session(folder, manifest, name, provider, threads), tokens, layers)
                        for name, tokens in ((PROMPT_GRAPH, self.chunk), (TOKEN_GRAPH, 1))}
@@ -120,15 +124,16 @@ class OrtModel:
         self.window[2 * layer + 1][0, :, start:end] = v.transpose(1, 0, 2)
 
     def _to_graph(self, stored: np.ndarray) -> np.ndarray:
-        """Cache elements as the graphs take them (int8 code q -> q + zero point)."""
-        if self.kv.zero_point:
-            return (stored.view(np.uint8) ^ np.uint8(self.kv.zero_point)).view(self.kv_dtype)
+        """Cache elements as the graphs take them: an int8 code q as the uint8 q + 128 (q's byte with its top bit
+        flipped) where the graphs take uint8."""
+        if self.kv.zero_point == _UINT8_ZERO_POINT:
+            return (stored.view(np.uint8) ^ np.uint8(_UINT8_ZERO_POINT)).view(self.kv_dtype)
         return stored
 
     def _to_cache(self, rows: np.ndarray) -> torch.Tensor:
-        """Graph K/V rows as the cache stores them."""
-        if self.kv.zero_point:
-            rows = (rows.view(np.uint8) ^ np.uint8(self.kv.zero_point)).view(np.int8)
+        """Graph K/V rows as the cache stores them (uint8 q + 128 back to the int8 code q)."""
+        if self.kv.zero_point == _UINT8_ZERO_POINT:
+            rows = (rows.view(np.uint8) ^ np.uint8(_UINT8_ZERO_POINT)).view(np.int8)
         return torch.from_numpy(np.ascontiguousarray(rows))
 
 
