@@ -29,12 +29,13 @@ SCRIPT = ["navigate to the nearest charging station", "Turn the music down.", "I
 
 @pytest.fixture(scope="module")
 def exports(tiny_engine_dir, tmp_path_factory):
-    """Graph folders of the tiny engine: fp32 KV (ort profile) and int8 KV (npu profile)."""
+    """Graph folders of the tiny engine: fp32 KV (ort profile), int8 KV (npu profile: uint8 codes; ort: int8)."""
     root = tmp_path_factory.mktemp("onnx")
     folders = {}
-    for kv, profile in (("fp32", "ort"), ("int8", "npu")):
-        folders[kv] = root / f"tiny-{kv}"
-        export_onnx(OnnxExportRequest(tiny_engine_dir, folders[kv], CONTEXT, CHUNK, kv, profile), log=lambda _m: None)
+    for name, kv, profile in (("fp32", "fp32", "ort"), ("int8", "int8", "npu"), ("int8-ort", "int8", "ort")):
+        folders[name] = root / f"tiny-{name}"
+        export_onnx(OnnxExportRequest(tiny_engine_dir, folders[name], CONTEXT, CHUNK, kv, profile),
+                    log=lambda _m: None)
     return folders
 
 
@@ -44,9 +45,9 @@ def session(engine, kv, policy="error", tokens=1024, max_new_tokens=12):
     return DialogueSession(engine, engine.new_cache(config), params, SYSTEM, OverflowPolicy(policy))
 
 
-@pytest.mark.parametrize("kv", ["fp32", "int8"])
-def test_greedy_replies_equal_the_reference_and_later_turns_prefill_only_new_tokens(tiny_engine, exports, kv):
-    onnx_engine = load_onnx_engine(exports[kv], threads=1)
+@pytest.mark.parametrize("export", ["fp32", "int8", "int8-ort"])
+def test_greedy_replies_equal_the_reference_and_later_turns_prefill_only_new_tokens(tiny_engine, exports, export):
+    onnx_engine, kv = load_onnx_engine(exports[export], threads=1), export.split("-")[0]
     fed = []
     forward = onnx_engine.model.forward
     onnx_engine.model.forward = lambda ids, *a, **k: fed.append(len(ids)) or forward(ids, *a, **k)
