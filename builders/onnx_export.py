@@ -3,7 +3,8 @@ window, for NPU toolchains and ONNX Runtime (the folder format is runtime.onnx_f
 
 The graphs are written node by node with ``onnx.helper`` from the reference engine's weights (fp32), so every
 shape is static and every op is a chosen standard one: RMSNorm as ReduceMean/Sqrt/Reciprocal, RoPE as
-Gather of cos/sin rows + rotate-half, grouped-query attention as 5-D MatMuls (no K/V repeat), SiLU as
+Gather of cos/sin rows + rotate-half, grouped-query attention as 5-D MatMuls over the window and over the new
+tokens apart (no K/V repeated, the window never copied), SiLU as
 Sigmoid * x. INT8 KV is QDQ with the engine's calibrated static scale of each layer (one for K and V, as
 TensorRT-LLM stores it): the past window comes in as codes and is dequantized; the new tokens' K/V are
 clamped to +-127 steps, quantized (the graph's outputs) and dequantized again for their own attention, so
