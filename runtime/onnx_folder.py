@@ -109,8 +109,10 @@ class OnnxFolder:
                                   "write one with cabin-export --format onnx")
         try:
             context, chunk = int(manifest["context"]), int(manifest["chunk"])
-            ModelConfig.from_dict(manifest["model"]["config"], str(self.path / MANIFEST_FILE))
-            str(manifest["model"]["fingerprint"]), KvGraphType(**manifest["kv_graph"])
+            self.config(manifest)
+            self.kv_graph(manifest)
+            if not isinstance(manifest["model"]["fingerprint"], str):
+                raise ValueError("the model fingerprint is not a string")
             graphs = [self.path / manifest["graphs"][name] for name in ("prompt", "token")]
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{self.path / MANIFEST_FILE}: incomplete or malformed ({err!r}); "

@@ -139,8 +139,11 @@ class OrtModel:
 
 def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threads: int | None):
     """An ONNX Runtime session of one graph, its metadata checked against the manifest."""
-    import onnxruntime as ort
-
+    try:
+        import onnxruntime as ort
+    except ModuleNotFoundError as err:
+        raise CheckpointError(f"{folder.path}: running ONNX graphs needs onnxruntime, which is not installed; "
+                              "pip install 'cabinllm[onnx]'") from err
     if provider not in ORT_PROVIDERS:
         raise ValueError(f"unknown ONNX Runtime provider {provider!r}; choose one of {', '.join(ORT_PROVIDERS)}")
     available = ort.get_available_providers()
