@@ -2,7 +2,7 @@
 window, for NPU toolchains and ONNX Runtime (the folder format is runtime.onnx_folder's).
 
 The graphs are written node by node with ``onnx.helper`` from the reference engine's weights (fp32), so every
-shape is static and every op is a chosen standard one: RMSNorm as ReduceMean/Sqrt/Reciprocal, RoPE as
+shape is static and every op is a chosen standard one: RMSNorm as Pow/ReduceMean/Sqrt/Div, RoPE as
 Gather of cos/sin rows + rotate-half, grouped-query attention as 5-D MatMuls over the window and over the new
 tokens apart (no K/V repeated, the window never copied), SiLU as
 Sigmoid * x. INT8 KV is QDQ with the engine's calibrated static scale of each layer (one for K and V, as
@@ -274,10 +274,10 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
 
 
 def _rms_norm(g: _Graph, x: str, weight: str, eps: float) -> str:
-    """x * 1 / sqrt(mean(x^2) + eps) * weight."""
-    mean = g.op("ReduceMean", g.op("Mul", x, x), axes=[-1], keepdims=1)
-    inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean, g.scalar(f"eps_{eps:g}", eps))))
-    return g.op("Mul", g.op("Mul", x, inv), weight)
+    """x / sqrt(mean(x^2) + eps) * weight, in the op pattern ONNX Runtime fuses into one RMSNorm kernel."""
+    mean = g.op("ReduceMean", g.op("Pow", x, g.scalar("two", 2.0)), axes=[-1], keepdims=1)
+    root = g.op("Sqrt", g.op("Add", mean, g.scalar(f"eps_{eps:g}", eps)))
+    return g.op("Mul", g.op("Div", x, root), weight)
 
 
 def _rope(g: _Graph, x: str, cos: str, sin: str, d: int) -> str:
