@@ -29,10 +29,11 @@ SCRIPT = ["navigate to the nearest charging station", "Turn the music down.", "I
 
 @pytest.fixture(scope="module")
 def exports(tiny_engine_dir, tmp_path_factory):
-    """Graph folders of the tiny engine: fp32 KV (ort profile), int8 KV (npu profile: uint8 codes; ort: int8)."""
+    """Graph folders of the tiny engine: fp32 and fp16 KV, int8 KV (npu profile: uint8 codes; ort: int8)."""
     root = tmp_path_factory.mktemp("onnx")
     folders = {}
-    for name, kv, profile in (("fp32", "fp32", "ort"), ("int8", "int8", "npu"), ("int8-ort", "int8", "ort")):
+    for name, kv, profile in (("fp32", "fp32", "ort"), ("fp16", "fp16", "npu"), ("int8", "int8", "npu"),
+                              ("int8-ort", "int8", "ort")):
         folders[name] = root / f"tiny-{name}"
         export_onnx(OnnxExportRequest(tiny_engine_dir, folders[name], CONTEXT, CHUNK, kv, profile),
                     log=lambda _m: None)
@@ -45,7 +46,7 @@ def session(engine, kv, policy="error", tokens=1024, max_new_tokens=12):
     return DialogueSession(engine, engine.new_cache(config), params, SYSTEM, OverflowPolicy(policy))
 
 
-@pytest.mark.parametrize("export", ["fp32", "int8", "int8-ort"])
+@pytest.mark.parametrize("export", ["fp32", "fp16", "int8", "int8-ort"])
 def test_greedy_replies_equal_the_reference_and_later_turns_prefill_only_new_tokens(tiny_engine, exports, export):
     onnx_engine, kv = load_onnx_engine(exports[export], threads=1), export.split("-")[0]
     fed = []
