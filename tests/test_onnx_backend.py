@@ -184,3 +184,14 @@ def test_a_session_saved_on_the_reference_continues_on_the_onnx_backend(tiny_eng
     restored = DialogueSession.restore(tmp_path / "s.cabin", onnx_engine)
     got, want = restored.chat(SCRIPT[1]), reference.chat(SCRIPT[1])
     assert got.token_ids == want.token_ids and got.reused_tokens == want.reused_tokens > 0
+
+
+def test_the_default_model_answers_as_the_reference_with_fp32_kv(default_engine, default_engine_dir, tmp_path):
+    """The 135M model's greedy replies, token for token, on 3 turns (slow: the default model)."""
+    folder = tmp_path / "smollm2-fp32"
+    export_onnx(OnnxExportRequest(default_engine_dir, folder, 512, 64, "fp32", "npu"), log=lambda _m: None)
+    ours, reference = session(load_onnx_engine(folder), "fp32"), session(default_engine, "fp32")
+    for text in SCRIPT:
+        got, want = ours.chat(text), reference.chat(text)
+        assert got.token_ids == want.token_ids and (got.prefill_tokens, got.reused_tokens) == \
+            (want.prefill_tokens, want.reused_tokens)
