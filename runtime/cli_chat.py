@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", required=True, type=Path, help="engine folder written by cabin-build")
     parser.add_argument("--script", type=Path, help="JSONL dialogue: optional first system line, then user lines")
     parser.add_argument("--json", action="store_true", help="print one JSON object per turn")
-    parser.add_argument("--system", help="system prompt (a script's system line wins)")
+    parser.add_argument("--system", help="system prompt (default: the engine's, recorded by cabin-build; \"\" for "
+                        "none; a script's system line wins)")
     parser.add_argument("--kv-cache", choices=REFERENCE_KV_MODES, help="KV storage (default: what the engine was "
                         "built for); static int8 modes use the engine's kv_scales.json")
     parser.add_argument("--kv-budget-mb", type=positive_float, default=64.0,
@@ -65,7 +66,10 @@ def open_session(args: argparse.Namespace, system: str | None) -> Session:
     engine = Engine.load(args.engine)
     cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, _budget(args), args.tokens_per_block))
     if args.restore:
-        return DialogueSession.restore(args.restore, engine, cache)
+        session = DialogueSession.restore(args.restore, engine, cache)
+        print(f"cabin-chat: restored {args.restore}: {session.turns} turns ({len(session.messages)} messages), "
+              f"{len(session.seq)} tokens of KV, no re-prefill", file=sys.stderr)
+        return session
     return DialogueSession(engine, cache, _params(args, engine.stop_token_ids()), system, OverflowPolicy(args.overflow))
 
 
@@ -177,7 +181,8 @@ def chat_turn(session: Session, text: str) -> None:
 
 def run_interactive(session: Session) -> None:
     """A terminal chat with streaming replies; a command or turn that fails is one line and the session is kept."""
-    print(f"cabin-chat: {session.describe_kv()}\n{HELP_COMMANDS}")
+    system = session.messages[0]["content"] if session.messages and session.messages[0]["role"] == "system" else None
+    print(f"cabin-chat: {session.describe_kv()}\nsystem prompt: {system or '(none)'}\n{HELP_COMMANDS}")
     while True:
         try:
             text = input("you> ").strip()
@@ -205,10 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     try:
-        system, turns = read_script(args.script) if args.script else (args.system, [])
+        system, turns = read_script(args.script) if args.script else (None, [])
         if args.system and (problem := text_problem(args.system)):
             raise ValueError(f"--system {problem}")
-        session = open_session(args, system or args.system)
+        if system is None:
+            system = args.system if args.system is not None else EngineFolder(args.engine).system_prompt()
+        session = open_session(args, system or None)
     except (CheckpointError, ScalesError, ScriptError, SessionFileError, ValueError) as err:
         print(f"cabin-chat: error: {err}", file=sys.stderr)
         return 2
