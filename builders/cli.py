@@ -25,7 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "record it as the step to run on the device) and write an engine folder with manifest.json.",
     )
     parser.add_argument("--model", default="default",
-                        help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file or an HF model folder")
+                        help="'default' (embedded SmolLM2-135M-Instruct, the default), a .gguf file or an HF model folder")
     parser.add_argument("--target", default="cpu", help="target profile from engines/targets.toml (default cpu)")
     parser.add_argument("--output", required=True, type=Path, help="engine folder to write, e.g. engines/smollm2-int8")
     parser.add_argument("--kv-cache", default="int8", choices=tuple(KV_MODES),
@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "weights (default off)")
     parser.add_argument("--reserve-gb", type=reserve_gib,
                         help="GiB held for co-resident models; default: the profile's")
-    parser.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="stored weight dtype")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "float32"),
+                        help="stored weight dtype (default float16)")
     parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT,
                         help="the engine's default system prompt, recorded in manifest.json (cabin-chat --system "
                              "overrides it; \"\" for none); default: %(default)r")

@@ -48,14 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=("auto", "reference", "tensorrt-llm"), default="auto",
                         help="tensorrt-llm runs the engine's trt_engine/ through ModelRunnerCpp (needs tensorrt_llm); "
                              "reference runs the PyTorch engine; auto picks tensorrt-llm when both are present")
-    parser.add_argument("--restore", type=Path, help="continue a session saved with /save")
+    parser.add_argument("--restore", type=Path, help="continue a session saved with /save (default: a new one)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128,
                         help="longest reply in tokens (default 128)")
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
     parser.add_argument("--top-k", type=non_negative_int, default=0,
-                        help="sample from the k most likely tokens (0 = all)")
-    parser.add_argument("--top-p", type=float_range(0, 1), default=1.0, help="nucleus sampling threshold, in (0, 1]")
-    parser.add_argument("--seed", type=int_range(0, MAX_SEED), default=None, help="random seed for sampling")
+                        help="sample from the k most likely tokens (default 0 = all)")
+    parser.add_argument("--top-p", type=float_range(0, 1), default=1.0, help="nucleus sampling threshold, in (0, 1] (default 1.0)")
+    parser.add_argument("--seed", type=int_range(0, MAX_SEED), default=None, help="random seed for sampling (default: none, a fresh "
+                        "one each run)")
     return parser.parse_args(argv)
 
 
