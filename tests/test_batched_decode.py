@@ -3,8 +3,7 @@ chunk of one sequence in the same step as the decode of others."""
 import pytest
 import torch
 
-from runtime.block_manager import Sequence
-from runtime.block_manager import OutOfBlocks
+from runtime.block_manager import OutOfBlocks, Sequence
 from runtime.generate import decode_batch, prefill
 from runtime.model import Span
 
