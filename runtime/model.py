@@ -7,12 +7,13 @@ blocks. Prefill of N tokens and decode of 1 are the same call; batched decode is
 step of several one-token spans.
 
 Linear weights keep the checkpoint's (out, in) layout; the MLP's fc and gate
-weights are one (2 * inter, in) matrix, applied in one call. Decoding one token
-is bound by reading those weights and the KV history, so that case runs on the
-native kernels of runtime.native_kernels: a matrix-vector product per linear
-layer and attention that reads the cache's elements in their blocks (int4 is
-dequantized first). Prefill and machines where the kernels cannot be built run
-the torch path below (same math).
+weights are one (2 * inter, in) matrix, applied in one call. A decode step is
+bound by reading those weights and the KV history, so a step of a few tokens runs
+on the native kernels of runtime.native_kernels: a product of the step's tokens
+with each linear layer's weights, read once, and, per one-token span, attention
+that reads the cache's elements in their blocks (int4 is dequantized first). Each
+token's row is computed exactly as it would be alone. Longer prefill and machines
+where the kernels cannot be built run the torch path below (same math).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from runtime.block_manager import Sequence
 from runtime.checkpoint import ModelConfig, layer_prefix
 from runtime.kv_cache import PagedKVCache
 from runtime.kv_storage import KVLayout, KVStorage
-from runtime.native_kernels import MatVec, decode_attention, matvec, native_kernels_enabled
+from runtime.native_kernels import MATVEC_MAX_TOKENS, MatVec, decode_attention, matvec, native_kernels_enabled
 from runtime.rope import apply_rope, rope_table
 
 
@@ -52,7 +53,7 @@ class StepContext:
     block_tables: list[torch.Tensor]  # each span's sequence's blocks
     storage: KVStorage
     native: bool  # one-token spans run attention on the native kernels
-    matvec: MatVec | None  # the one-token linear kernel, for a step of one token where it could be built
+    matvec: MatVec | None  # the linear kernel, for a step of a few tokens where it could be built
 
 
 class Transformer:
@@ -101,7 +102,7 @@ class Transformer:
         positions = torch.cat([torch.arange(span.start_pos, span.end) for span in spans])
         x = self.embedding[torch.tensor(ids, dtype=torch.long)]
         cos, sin = self.cos[positions], self.sin[positions]
-        mv = matvec() if self.native_kernels and len(ids) == 1 else None
+        mv = matvec() if self.native_kernels and len(ids) <= MATVEC_MAX_TOKENS else None
         ctx = StepContext(spans, torch.cat([cache.slots(s.seq, s.start_pos, s.end) for s in spans]),
                           [cache.block_table(s.seq) for s in spans], cache.storage, self.native_kernels, mv)
         for index, layer in enumerate(self.layers):
@@ -184,8 +185,8 @@ def _layer_weights(w: dict[str, torch.Tensor], layer: int, qkv_bias: bool) -> di
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, mv: MatVec | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, on the native kernel for one token where there is one."""
-    return mv(x, weight, bias) if mv is not None and x.shape[0] == 1 else F.linear(x, weight, bias)
+    """x @ weight.T + bias, on the native kernel for a step of a few tokens where there is one."""
+    return mv(x, weight, bias) if mv is not None else F.linear(x, weight, bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

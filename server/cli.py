@@ -30,6 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "shared by every conversation")
     parser.add_argument("--kv-cache", choices=REFERENCE_KV_MODES, default=None,
                         help="KV storage (None: what the engine was built for)")
+    parser.add_argument("--tokens-per-block", type=positive_int, default=None,
+                        help="tokens per KV block, the unit of prefix reuse (None: the engine's target's)")
     parser.add_argument("--max-sessions", type=positive_int, default=4, help="requests decoding together")
     parser.add_argument("--max-queue", type=positive_int, default=16,
                         help="requests waiting for a session or KV blocks before new ones get 429")
@@ -59,7 +61,7 @@ def build(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.load(args.engine)
-    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, int(budget)))
+    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, int(budget), args.tokens_per_block))
     scheduler = Scheduler(engine, cache, SchedulerConfig(args.max_sessions, args.max_queue, args.prefill_chunk,
                                                          args.queue_timeout))
     config = ServeConfig(args.model_name or Path(args.engine).resolve().name, OverflowPolicy(args.overflow),
