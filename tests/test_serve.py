@@ -7,10 +7,14 @@ import threading
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
+from runtime.overflow import OverflowPolicy
 from runtime.sampling import SamplingParams
 from runtime.session import DialogueSession
 from serve_helpers import metrics, running_server
+from server.app import ServeConfig, create_app
+from server.scheduler import Request, Scheduler, SchedulerConfig
 
 SYSTEM = " ".join(["what does the light mean"] * 8)  # longer than a KV block: shared by conversations
 TURNS = ["navigate to the nearest charging station", "set cabin temperature", "play some jazz"]
@@ -177,3 +181,14 @@ def test_a_conversation_over_the_budget_follows_the_overflow_policy(tiny_engine_
         else:
             reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
             assert 0 < reply.usage.prompt_tokens + 8 <= 128
+
+
+def test_a_full_queue_is_a_429_with_retry_after(tiny_engine):
+    """No engine thread runs (the app's lifespan is not started), so one queued request fills a queue of one."""
+    scheduler = Scheduler(tiny_engine, tiny_engine.new_cache(tiny_engine.kv_cache_config("int8", 1 << 20)),
+                          SchedulerConfig(max_queue=1))
+    scheduler.submit(Request([1, 2, 3], SamplingParams(4), lambda *_: None))
+    app = create_app(tiny_engine, scheduler, ServeConfig("tiny", OverflowPolicy("error")))
+    response = TestClient(app).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "play"}]})
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "rate_limit_exceeded" and "--max-queue 1" in response.json()["error"]["message"]
