@@ -8,6 +8,7 @@ cancels its request, which frees its KV blocks at the next step.
 import asyncio
 import threading
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from runtime.engine import Engine
@@ -31,8 +32,6 @@ class ServeConfig:
 
 def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig):
     """The FastAPI app; starts the scheduler's thread on startup and stops it on shutdown."""
-    from contextlib import asynccontextmanager
-
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -83,6 +82,9 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig):
             raise ApiError(503, f"the server stayed full for {scheduler.config.queue_timeout_s:g} s (every session "
                                 f"or the KV budget in use); retry in {RETRY_AFTER_S} s", kind="server_error",
                            code="server_busy", retry_after_s=RETRY_AFTER_S)
+        if first[1] and request.finish_reason == "cancelled":
+            raise ApiError(503, "the server is shutting down; retry on its next start", kind="server_error",
+                           code="server_stopping", retry_after_s=RETRY_AFTER_S)
         if chat.stream:
             return StreamingResponse(_stream(request, outputs, first, request_id, config.model_name, chat),
                                      media_type="text/event-stream")

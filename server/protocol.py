@@ -11,6 +11,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from runtime.sampling import MAX_SEED
+
 ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 
@@ -79,8 +81,8 @@ def parse_chat_request(body: bytes) -> ChatRequest:
     if request.top_p == 0:
         raise ApiError(400, "top_p must be > 0 and <= 1, got 0", param="top_p")
     request.seed = _typed(data, "seed", int)
-    if request.seed is not None and request.seed < 0:
-        raise ApiError(400, f"seed must be an integer >= 0, got {request.seed}", param="seed")
+    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
+        raise ApiError(400, f"seed must be an integer from 0 to {MAX_SEED}, got {request.seed}", param="seed")
     request.stop = _stop(data.get("stop"))
     for name in ("frequency_penalty", "presence_penalty"):
         _number(data, name, -2.0, 2.0, 0.0)

@@ -87,6 +87,8 @@ BAD = [
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "play"}], "temperature": "hot"}).encode(),
      "temperature must be a number"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "play"}], "n": 2}).encode(), "n must be 1"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "play"}], "seed": 2**70}).encode(),
+     "seed must be an integer from 0"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "play"}], "max_tokens": 0}).encode(),
      "max_tokens must be an integer >= 1"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "lone surrogate"),
