@@ -29,8 +29,9 @@ def single_decode(engine, kv_mode, prompt):
 
 
 # The native linear kernel computes each token's row as it would alone: identical logits. On the torch path
-# one-row and many-row products round differently in fp32 (logits of about 10 differ by up to 2e-4), and fp16 storage may then round a stored K/V
-# element to the neighbouring fp16 value (a relative step of 1e-3), hence its wider tolerance.
+# one-row and many-row products round differently in fp32 (logits of about 10 differ by up to 2e-4), and
+# fp16 storage may then round a stored K/V element to the neighbouring fp16 value (a relative step of
+# 1e-3), hence its wider tolerance.
 @pytest.mark.parametrize("kv_mode, torch_tolerance", [("fp32", 1e-3), ("int8", 1e-3), ("fp16", 5e-3)])
 def test_batched_decode_equals_single_sequence_decodes(tiny_engine, kv_mode, torch_tolerance):
     native = tiny_engine.model.native_kernels and matvec() is not None
