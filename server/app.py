@@ -6,6 +6,7 @@ cancels its request, which frees its KV blocks at the next step.
 """
 
 import asyncio
+import json
 import threading
 import uuid
 from contextlib import asynccontextmanager
@@ -82,6 +83,8 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig):
             raise ApiError(503, f"the server stayed full for {scheduler.config.queue_timeout_s:g} s (every session "
                                 f"or the KV budget in use); retry in {RETRY_AFTER_S} s", kind="server_error",
                            code="server_busy", retry_after_s=RETRY_AFTER_S)
+        if first[1] and request.finish_reason == "error":
+            raise _internal_error(request)
         if first[1] and request.finish_reason == "cancelled":
             raise ApiError(503, "the server is shutting down; retry on its next start", kind="server_error",
                            code="server_stopping", retry_after_s=RETRY_AFTER_S)
@@ -93,6 +96,8 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig):
             if await http.is_disconnected():
                 request.cancel()
             _, finished = await outputs.get()
+        if request.finish_reason == "error":
+            raise _internal_error(request)
         return completion(request_id, config.model_name, request.text, request.finish_reason, _usage(request))
 
     return app
@@ -145,6 +150,9 @@ async def _stream(request: Request, outputs: asyncio.Queue, first: tuple[str, bo
             if finished:
                 break
             piece, finished = await outputs.get()
+        if request.finish_reason == "error":
+            yield f"data: {json.dumps(_internal_error(request).body())}\n\n"
+            return
         yield chunk(request_id, model, {}, request.finish_reason)
         if chat.include_usage:
             yield chunk(request_id, model, {}, usage_block=_usage(request))
@@ -152,6 +160,11 @@ async def _stream(request: Request, outputs: asyncio.Queue, first: tuple[str, bo
     finally:
         if request.finish_reason is None:
             request.cancel()
+
+
+def _internal_error(request: Request) -> ApiError:
+    return ApiError(500, f"the model step failed ({request.error}); the server goes on, retry the request",
+                    kind="server_error", code="internal_error")
 
 
 def _usage(request: Request) -> dict:

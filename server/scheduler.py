@@ -18,6 +18,7 @@ that runs ``step``.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -32,6 +33,8 @@ from runtime.kv_cache import CacheStats, PagedKVCache
 from runtime.model import Span
 from runtime.sampling import SamplingParams, make_generator, sample
 from runtime.streaming import TextStream
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
@@ -58,8 +61,8 @@ class Request:
     """One completion: its prompt tokens, sampling, and what it produced so far.
 
     ``on_output(request, text, finished)`` receives each new piece of reply text; the last call has
-    ``finished`` True and ``finish_reason`` set: "stop", "length", "cancelled", or "expired" (never admitted
-    within ``queue_timeout_s``).
+    ``finished`` True and ``finish_reason`` set: "stop", "length", "cancelled", "expired" (never admitted
+    within ``queue_timeout_s``) or "error" (the model step failed).
     """
 
     prompt_ids: list[int]
@@ -72,6 +75,7 @@ class Request:
     queued_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     cancelled: bool = False
+    error: str | None = None  # what failed, for finish_reason "error"
 
     def cancel(self) -> None:
         """Ask the scheduler to stop this request and free its blocks (safe from any thread)."""
@@ -147,7 +151,12 @@ class Scheduler:
     def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
         """Step until ``stop`` is set, sleeping while there is nothing to do; cancels what is left at the end."""
         while not stop.is_set():
-            if not self.step():
+            try:
+                worked = self.step()
+            except Exception as err:  # one failed step must not stop the server
+                self.fail_running(err)
+                worked = True
+            if not worked:
                 with self._lock:
                     if not self._waiting:
                         self._wake.wait(idle_wait_s)
@@ -163,6 +172,17 @@ class Scheduler:
         self._drop_cancelled()
 
     # -- the stepping thread ---------------------------------------------------------------
+    def fail_running(self, error: Exception) -> None:
+        """End every running request with finish_reason "error" after a failed step, on a fresh cache: the
+        failed step may have hashed blocks whose K/V it never wrote, so no cached prefix is trusted."""
+        log.error("model step failed; ending %d running requests: %r", len(self._running), error)
+        for running in list(self._running):
+            running.request.error = f"{type(error).__name__}: {error}"
+            self._finish(running, "error")
+        self.cache = self.engine.new_cache(self.cache.config)
+        with self._lock:
+            self._cache_stats = self.cache.stats()
+
     def step(self) -> bool:
         """Admit, prefill and decode once; returns whether there was anything to run."""
         self._drop_cancelled()
@@ -285,8 +305,10 @@ class Scheduler:
         for s in request.params.stop_strings:
             text = text.split(s)[0]
         request.text, request.finish_reason = text, reason
+        stats = self.cache.stats()
         with self._lock:
             self._stats.requests_done += 1
+            self._cache_stats = stats  # a client told it is done finds its blocks freed in the metrics
         request.on_output(request, text[running.sent:] if reason != "cancelled" else "", True)
 
     def _finish_unstarted(self, request: Request, reason: str) -> None:

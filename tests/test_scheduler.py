@@ -1,6 +1,7 @@
 """The serving scheduler without HTTP: chunked prefill and batched decode give the single-sequence tokens,
 prefixes are reused across requests, the queue is bounded, waits expire, cancellation frees blocks."""
 import asyncio
+import threading
 import time
 
 import pytest
@@ -112,3 +113,32 @@ def test_a_stream_closed_by_its_client_cancels_the_request():
 
     asyncio.run(read_one_then_close())
     assert request.cancelled
+
+
+def test_a_failed_step_ends_the_running_requests_and_serving_goes_on(tiny_engine, monkeypatch):
+    scheduler = new_scheduler(tiny_engine)
+    _, on_output = collect()
+    failed = Request(PROMPTS[0], params(), on_output)
+    scheduler.submit(failed)
+    monkeypatch.setattr(tiny_engine.model, "step", lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+    stop = threading.Event()
+    thread = threading.Thread(target=scheduler.run, args=(stop,))
+    thread.start()
+    try:
+        for _ in range(200):
+            if failed.finish_reason:
+                break
+            time.sleep(0.01)
+        monkeypatch.undo()
+        assert failed.finish_reason == "error" and "boom" in failed.error
+        served = Request(PROMPTS[1], params(), on_output)
+        scheduler.submit(served)
+        for _ in range(200):
+            if served.finish_reason:
+                break
+            time.sleep(0.01)
+        assert served.finish_reason == "length"
+        assert scheduler.cache.stats().blocks_in_use == 0
+    finally:
+        stop.set()
+        thread.join()
