@@ -28,7 +28,7 @@ class ServeConfig:
 
     model_name: str
     overflow: OverflowPolicy
-    max_tokens: int = 256  # reply limit of a request that gives none
+    max_tokens: int = 256  # reply limit of a request that gives none (at most half of what a sequence holds)
 
 
 def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig):
@@ -106,8 +106,8 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig):
 def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: ChatRequest,
             loop: asyncio.AbstractEventLoop) -> tuple[Request, asyncio.Queue]:
     """Plan the prompt and queue it; outputs arrive on the returned queue as (text, finished)."""
-    max_tokens = chat.max_tokens or config.max_tokens
     capacity = scheduler.capacity_tokens()
+    max_tokens = chat.max_tokens or min(config.max_tokens, capacity // 2)  # a small budget keeps room for the prompt
     if max_tokens >= capacity:
         raise ApiError(400, f"max_tokens {max_tokens} leaves no room for the prompt: one conversation holds "
                             f"{capacity} tokens here; ask for fewer", param="max_tokens")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from runtime.checkpoint import CheckpointError
-from runtime.cli_args import positive_float, positive_int
+from runtime.cli_args import int_range, positive_float, positive_int
 from runtime.committed import available_memory
 from runtime.engine import Engine
 from runtime.kv_modes import REFERENCE_KV_MODES
@@ -25,7 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                  "batched decode of all clients, prefix reuse across requests.")
     parser.add_argument("--engine", required=True, type=Path, help="engine folder written by cabin-build")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port")
+    parser.add_argument("--port", type=int_range(1, 65535), default=8000, help="TCP port")
     parser.add_argument("--kv-budget-mb", type=positive_float, default=64.0, help="KV cache budget in MiB, "
                         "shared by every conversation")
     parser.add_argument("--kv-cache", choices=REFERENCE_KV_MODES, default=None,
@@ -56,8 +56,6 @@ def build(args: argparse.Namespace):
     if budget > available_memory():
         raise ValueError(f"--kv-budget-mb {args.kv_budget_mb:g} is more than the {available_memory() / 2**20:,.0f} "
                          "MiB of memory this machine has available; choose a smaller --kv-budget-mb")
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be from 1 to 65535, got {args.port}")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.load(args.engine)

@@ -14,6 +14,7 @@ from runtime.sampling import SamplingParams
 from runtime.session import DialogueSession
 from serve_helpers import metrics, running_server
 from server.app import ServeConfig, create_app
+from server.cli import main
 from server.scheduler import Request, Scheduler, SchedulerConfig
 
 SYSTEM = " ".join(["what does the light mean"] * 8)  # longer than a KV block: shared by conversations
@@ -194,3 +195,12 @@ def test_a_full_queue_is_a_429_with_retry_after(tiny_engine):
     response = TestClient(app).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "play"}]})
     assert response.status_code == 429 and response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "rate_limit_exceeded" and "--max-queue 1" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("argv, problem", [(["--engine", "missing-engine"], "build an engine first"),
+                                           (["--engine", "x", "--port", "70000"], "--port"),
+                                           (["--engine", "x", "--kv-budget-mb", "1e12"], "--kv-budget-mb")])
+def test_cabin_serve_bad_flags_are_one_line_and_exit_2(argv, problem, capsys):
+    with pytest.raises(SystemExit) as leaving:
+        raise SystemExit(main(argv))
+    assert leaving.value.code == 2 and problem in capsys.readouterr().err
