@@ -10,9 +10,8 @@ from pathlib import Path
 
 from runtime.chat_script import ScriptError, read_script, text_problem
 from runtime.checkpoint import CheckpointError
-from runtime.cli_args import (float_range, int_range, non_negative_float, non_negative_int, os_error_message,
-                              output_name, positive_float, positive_int)
-from runtime.committed import available_memory
+from runtime.cli_args import (float_range, int_range, kv_budget_bytes, non_negative_float, non_negative_int,
+                              os_error_message, output_name, positive_float, positive_int)
 from runtime.dialogue import Session, SessionFileError, TurnStats
 from runtime.engine import Engine, kv_cache_config
 from runtime.engine_folder import EngineFolder
@@ -65,24 +64,14 @@ def open_session(args: argparse.Namespace, system: str | None) -> Session:
     if _use_trtllm(args):
         return _open_trtllm_session(args, system)
     engine = Engine.load(args.engine)
-    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, _budget(args), args.tokens_per_block))
+    budget = kv_budget_bytes(args.kv_budget_mb)
+    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, budget, args.tokens_per_block))
     if args.restore:
         session = DialogueSession.restore(args.restore, engine, cache)
         print(f"cabin-chat: restored {args.restore}: {session.turns} turns ({len(session.messages)} messages), "
               f"{len(session.seq)} tokens of KV, no re-prefill", file=sys.stderr)
         return session
     return DialogueSession(engine, cache, _params(args, engine.stop_token_ids()), system, OverflowPolicy(args.overflow))
-
-
-def _budget(args: argparse.Namespace) -> int:
-    """The KV budget in bytes, refused before anything is allocated when this machine's memory cannot hold it."""
-    requested, available = args.kv_budget_mb * (1 << 20), available_memory()
-    if requested < 1:
-        raise ValueError(f"--kv-budget-mb {args.kv_budget_mb:g} is less than one byte; give a budget of some MiB")
-    if requested > available:
-        raise ValueError(f"--kv-budget-mb {args.kv_budget_mb:g} is more than the {available / 2**20:,.0f} MiB of "
-                         "memory this machine has available; choose a smaller --kv-budget-mb")
-    return int(requested)
 
 
 def _params(args: argparse.Namespace, stop_token_ids: list[int]) -> SamplingParams:
@@ -104,7 +93,8 @@ def _open_trtllm_session(args: argparse.Namespace, system: str | None) -> Trtllm
     config = folder.config()
     layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_size)
     tokenizer = ChatTokenizer(folder.checkpoint)
-    config = kv_cache_config(folder.manifest(), args.kv_cache, _budget(args), args.tokens_per_block)
+    budget = kv_budget_bytes(args.kv_budget_mb)
+    config = kv_cache_config(folder.manifest(), args.kv_cache, budget, args.tokens_per_block)
     return TrtllmSession(folder.path, tokenizer, layout, config,
                          _params(args, tokenizer.stop_token_ids), system, OverflowPolicy(args.overflow))
 

@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 
 from runtime.checkpoint import CheckpointError
-from runtime.cli_args import int_range, positive_float, positive_int
-from runtime.committed import available_memory
+from runtime.cli_args import int_range, kv_budget_bytes, positive_float, positive_int
 from runtime.engine import Engine
 from runtime.kv_modes import REFERENCE_KV_MODES
 from runtime.kv_scales import ScalesError
@@ -52,14 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build(args: argparse.Namespace):
     """The engine, scheduler and app for these options; ValueError and engine errors on bad ones."""
-    budget = args.kv_budget_mb * (1 << 20)
-    if budget > available_memory():
-        raise ValueError(f"--kv-budget-mb {args.kv_budget_mb:g} is more than the {available_memory() / 2**20:,.0f} "
-                         "MiB of memory this machine has available; choose a smaller --kv-budget-mb")
+    budget = kv_budget_bytes(args.kv_budget_mb)
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.load(args.engine)
-    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, int(budget), args.tokens_per_block))
+    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, budget, args.tokens_per_block))
     scheduler = Scheduler(engine, cache, SchedulerConfig(args.max_sessions, args.max_queue, args.prefill_chunk,
                                                          args.queue_timeout))
     config = ServeConfig(args.model_name or Path(args.engine).resolve().name, OverflowPolicy(args.overflow),
