@@ -22,6 +22,7 @@ from runtime.engine import Engine
 RESULTS_MD = "RESULTS.md"
 RESULTS_JSON = "cabin_bench.json"
 FIGURES_DIR = "figures"
+DEFAULTS = BenchSettings()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,11 +44,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                     f"now {torch.get_num_threads()})")
     parser.add_argument("--peers", default=",".join(PEER_FAMILIES),
                         help=f"comma-separated peer families, or 'none' (default {','.join(PEER_FAMILIES)})")
-    parser.add_argument("--contexts", type=int, nargs="+", help="context lengths of the speed test")
-    parser.add_argument("--repeats", type=int, help="repeats of the speed test")
-    parser.add_argument("--decode-steps", type=int, help="greedy decode tokens per run")
-    parser.add_argument("--turns", type=int, help="dialogue turns (0: no multi-turn test)")
-    parser.add_argument("--modes", nargs="+", help="our KV modes to measure")
+    parser.add_argument("--contexts", type=int, nargs="+", help="context lengths of the speed test (default: "
+                        f"{' '.join(map(str, DEFAULTS.contexts))})")
+    parser.add_argument("--repeats", type=int, help=f"repeats of the speed test (default {DEFAULTS.repeats}, "
+                        "2 with --quick)")
+    parser.add_argument("--decode-steps", type=int, help="greedy decode tokens per run (default "
+                        f"{DEFAULTS.decode_steps}, 32 with --quick)")
+    parser.add_argument("--turns", type=int, help="dialogue turns, 0 for no multi-turn test "
+                        f"(default {DEFAULTS.turns})")
+    parser.add_argument("--modes", nargs="+", help=f"our KV modes to measure (default: {' '.join(DEFAULTS.modes)})")
     return parser.parse_args(argv)
 
 

@@ -5,10 +5,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from builders.engine_build import BuildRequest, build_engine
+from builders.engine_build import DEFAULT_SYSTEM_PROMPT, BuildRequest, build_engine
 from builders.planner import PlanRefused
 from builders.targets import TargetError
 from builders.trtllm import TrtllmError
+from runtime.chat_script import text_problem
 from runtime.checkpoint import CheckpointError
 from runtime.cli_args import os_error_message, reserve_gib
 from runtime.kv_modes import KV_MODES
@@ -24,7 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "record it as the step to run on the device) and write an engine folder with manifest.json.",
     )
     parser.add_argument("--model", default="default",
-                        help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file or an HF model folder")
+                        help="'default' (embedded SmolLM2-135M-Instruct, the default), a .gguf file or an HF model folder")
     parser.add_argument("--target", default="cpu", help="target profile from engines/targets.toml (default cpu)")
     parser.add_argument("--output", required=True, type=Path, help="engine folder to write, e.g. engines/smollm2-int8")
     parser.add_argument("--kv-cache", default="int8", choices=tuple(KV_MODES),
@@ -38,7 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "weights (default off)")
     parser.add_argument("--reserve-gb", type=reserve_gib,
                         help="GiB held for co-resident models; default: the profile's")
-    parser.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="stored weight dtype")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "float32"),
+                        help="stored weight dtype (default float16)")
+    parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT,
+                        help="the engine's default system prompt, recorded in manifest.json (cabin-chat --system "
+                             "overrides it; \"\" for none); default: %(default)r")
     parser.add_argument("--force", action="store_true", help="rebuild even when the output is up to date, or "
                         "replace an engine folder built from other inputs")
     return parser.parse_args(argv)
@@ -48,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     request = BuildRequest(args.model, args.output, args.kv_cache, args.dtype, args.force, args.target, args.scales,
-                           args.equalize, args.reserve_gb, args.calibrate)
+                           args.equalize, args.reserve_gb, args.calibrate, args.system_prompt)
     try:
+        if problem := text_problem(args.system_prompt):
+            raise ValueError(f"--system-prompt {problem}")
         build_engine(request, log=lambda msg: print(msg, file=sys.stderr))
     except (CheckpointError, ScalesError, TargetError, PlanRefused, TrtllmError, FileExistsError, ValueError) as err:
         print(f"cabin-build: error: {err}", file=sys.stderr)

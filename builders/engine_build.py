@@ -30,6 +30,7 @@ from runtime.kv_scales import ScalesError, model_fingerprint
 from runtime.model_source import import_model, load_model_config, resolve_model
 
 Log = Callable[[str], None]
+DEFAULT_SYSTEM_PROMPT = (Path(__file__).parent / "data" / "system_prompt.txt").read_text(encoding="utf-8").strip()
 
 
 @dataclass
@@ -46,6 +47,7 @@ class BuildRequest:
     equalize: bool = False
     reserve_gb: float | None = None
     calibrate: str | None = None  # dialogue data to calibrate on now: builtin, sharegpt or a file
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT  # the engine's default system prompt; "" for none
 
     def command(self) -> str:
         """The cabin-build command line that makes this request."""
@@ -55,6 +57,7 @@ class BuildRequest:
         args += ["--calibrate", self.calibrate] if self.calibrate else []
         args += ["--equalize"] if self.equalize else []
         args += ["--reserve-gb", str(self.reserve_gb)] if self.reserve_gb is not None else []
+        args += ["--system-prompt", self.system_prompt] if self.system_prompt != DEFAULT_SYSTEM_PROMPT else []
         return shlex.join(args)
 
 
@@ -166,6 +169,7 @@ def build_inputs(request: BuildRequest, target: Target, source: Path, trtllm: Tr
         "scales_sha256": file_sha256(request.scales) if request.scales else None,
         "equalize": request.equalize,
         "calibrate": request.calibrate,
+        "system_prompt": request.system_prompt,
         "trtllm": [trtllm.executable, trtllm.version] if trtllm else None,
         "cabinllm": tool_versions(None)["cabinllm"],
     }
@@ -223,6 +227,7 @@ def make_manifest(request: BuildRequest, target: Target, plan: Plan, source: Pat
         "kv_cache": request.kv_cache,
         "kv_cache_quant_algo": quant_algo(request.kv_cache),
         "weights_dtype": request.dtype,
+        "system_prompt": request.system_prompt or None,
         "kv_scales": {"file": SCALES_FILE, "method": kv.method, "source": kv.source,
                       "input_sha256": inputs["scales_sha256"], "sha256": scales_sha256},
         "equalization": {"enabled": kv.equalized},

@@ -105,6 +105,7 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
         "allow_list": profile.allow_list,
         "graphs": {"prompt": PROMPT_GRAPH, "token": TOKEN_GRAPH}, "weights": WEIGHTS_FILE,
         "plan": {"tokens_per_block": engine.kv_cache_config().tokens_per_block},
+        "system_prompt": engine.manifest.get("system_prompt"),  # the engine's default, which cabin-chat reads
     }
     with staging_folder(request.output) as tmp:
         weights = WeightsFile(tmp / WEIGHTS_FILE)

@@ -19,7 +19,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Plan a model's memory on a target: weights, KV bytes per token for each KV dtype the target "
         "allows, activations, KV pool, dialogue turns and the trtllm-build limits."))
     parser.add_argument("--model", default="default",
-                        help="'default', a .gguf file, an HF model folder, or a bare HF config.json")
+                        help="'default' (the embedded SmolLM2-135M-Instruct, the default), a .gguf file, an HF model "
+                             "folder, or a bare HF config.json")
     parser.add_argument("--target", required=True, help="target profile from engines/targets.toml, e.g. orin-nano-8gb")
     parser.add_argument("--reserve-gb", type=reserve_gib, help="GiB held for co-resident models (ASR, TTS, vision); "
                         "default: the profile's")

@@ -89,12 +89,7 @@ class BlockManager:
         token_ids = list(token_ids)
         bs = self.block_size
         hashes = self._full_block_hashes(b"", token_ids, 0)
-        hits: list[int] = []
-        for h in hashes[: (len(token_ids) - 1) // bs] if self.enable_block_reuse else []:  # leave >= 1 to compute
-            block_id = self._hash_to_block.get(h)
-            if block_id is None:
-                break
-            hits.append(block_id)
+        hits = self._prefix_hits(hashes, len(token_ids))
         num_new = _cdiv(len(token_ids), bs) - len(hits)
         available = self.num_free_blocks() - sum(self._blocks[b].ref_count == 0 for b in hits)
         self._check_available(num_new, available)
@@ -144,6 +139,13 @@ class BlockManager:
             raise ValueError(f"positions [{start}, {end}) outside the sequence's [0, {len(seq.token_ids)})")
         bs = self.block_size
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def blocks_to_admit(self, token_ids: list[int], reserve_tokens: int) -> tuple[int, int]:
+        """For a new sequence of ``token_ids`` that may grow by ``reserve_tokens``: the free or evictable blocks
+        it would take (new blocks plus reused cached ones that leave the LRU) and the tokens reused."""
+        hits = self._prefix_hits(self._full_block_hashes(b"", token_ids, 0), len(token_ids))
+        new = _cdiv(len(token_ids) + reserve_tokens, self.block_size) - len(hits)
+        return new + sum(self._blocks[b].ref_count == 0 for b in hits), len(hits) * self.block_size
 
     def num_free_blocks(self) -> int:
         """Blocks available for new tokens: free plus evictable cached ones."""
@@ -203,6 +205,16 @@ class BlockManager:
             prev = _chain_hash(prev, token_ids[i * bs : (i + 1) * bs])
             hashes.append(prev)
         return hashes
+
+    def _prefix_hits(self, hashes: list[bytes], num_tokens: int) -> list[int]:
+        """Cached blocks holding the leading full blocks of a new sequence; its last token is always left to compute."""
+        hits: list[int] = []
+        for h in hashes[: (num_tokens - 1) // self.block_size] if self.enable_block_reuse else []:
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
 
     def _check_available(self, needed: int, available: int) -> None:
         if needed > available:

@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Callable, TextIO
 
+from runtime.committed import available_memory
+
 
 def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer from ``low`` to ``high`` (no upper end when None)."""
@@ -64,3 +66,15 @@ def output_name(stream: TextIO) -> str:
         return os.readlink(f"/proc/self/fd/{stream.fileno()}")
     except (OSError, ValueError):
         return getattr(stream, "name", "standard output")
+
+
+def kv_budget_bytes(megabytes: float) -> int:
+    """``--kv-budget-mb`` in bytes, refused (ValueError naming the flag) before anything is allocated when it is
+    under one byte or more than this machine's available memory."""
+    requested, available = megabytes * (1 << 20), available_memory()
+    if requested < 1:
+        raise ValueError(f"--kv-budget-mb {megabytes:g} is less than one byte; give a budget of some MiB")
+    if requested > available:
+        raise ValueError(f"--kv-budget-mb {megabytes:g} is more than the {available / 2**20:,.0f} MiB of "
+                         "memory this machine has available; choose a smaller --kv-budget-mb")
+    return int(requested)

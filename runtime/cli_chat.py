@@ -10,9 +10,8 @@ from pathlib import Path
 
 from runtime.chat_script import ScriptError, read_script, text_problem
 from runtime.checkpoint import CheckpointError
-from runtime.cli_args import (float_range, int_range, non_negative_float, non_negative_int, os_error_message,
-                              output_name, positive_float, positive_int)
-from runtime.committed import available_memory
+from runtime.cli_args import (float_range, int_range, kv_budget_bytes, non_negative_float, non_negative_int,
+                              os_error_message, output_name, positive_float, positive_int)
 from runtime.dialogue import Session, SessionFileError, TurnStats
 from runtime.engine import Engine, kv_cache_config
 from runtime.engine_folder import EngineFolder, read_manifest
@@ -37,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="engine folder written by cabin-build, or graph folder written by cabin-export")
     parser.add_argument("--script", type=Path, help="JSONL dialogue: optional first system line, then user lines")
     parser.add_argument("--json", action="store_true", help="print one JSON object per turn")
-    parser.add_argument("--system", help="system prompt (a script's system line wins)")
+    parser.add_argument("--system", help="system prompt (default: the engine's, recorded by cabin-build; \"\" for "
+                        "none; a script's system line wins)")
     parser.add_argument("--kv-cache", choices=REFERENCE_KV_MODES, help="KV storage (default: what the engine was "
                         "built for); static int8 modes use the engine's kv_scales.json")
     parser.add_argument("--kv-budget-mb", type=positive_float, default=64.0,
@@ -53,14 +53,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "the PyTorch engine; auto picks by the folder (tensorrt-llm when both are present)")
     parser.add_argument("--ort-provider", choices=tuple(ORT_PROVIDERS), default="cpu",
                         help="ONNX Runtime execution provider of --backend onnxruntime (default cpu)")
-    parser.add_argument("--restore", type=Path, help="continue a session saved with /save")
+    parser.add_argument("--restore", type=Path, help="continue a session saved with /save (default: a new one)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128,
                         help="longest reply in tokens (default 128)")
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
     parser.add_argument("--top-k", type=non_negative_int, default=0,
-                        help="sample from the k most likely tokens (0 = all)")
-    parser.add_argument("--top-p", type=float_range(0, 1), default=1.0, help="nucleus sampling threshold, in (0, 1]")
-    parser.add_argument("--seed", type=int_range(0, MAX_SEED), default=None, help="random seed for sampling")
+                        help="sample from the k most likely tokens (default 0 = all)")
+    parser.add_argument("--top-p", type=float_range(0, 1), default=1.0, help="nucleus sampling threshold, in (0, 1] (default 1.0)")
+    parser.add_argument("--seed", type=int_range(0, MAX_SEED), default=None, help="random seed for sampling (default: none, a fresh "
+                        "one each run)")
     return parser.parse_args(argv)
 
 
@@ -83,21 +84,14 @@ def _open_onnxruntime(args: argparse.Namespace, system: str | None) -> Session:
 
 def _open_dialogue(args: argparse.Namespace, system: str | None, engine: Engine) -> DialogueSession:
     """A session on our paged cache (restored from --restore if given) for an engine whose model runs anywhere."""
-    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, _budget(args), args.tokens_per_block))
+    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, kv_budget_bytes(args.kv_budget_mb),
+                                                      args.tokens_per_block))
     if args.restore:
-        return DialogueSession.restore(args.restore, engine, cache)
+        session = DialogueSession.restore(args.restore, engine, cache)
+        print(f"cabin-chat: restored {args.restore}: {session.turns} turns ({len(session.messages)} messages), "
+              f"{len(session.seq)} tokens of KV, no re-prefill", file=sys.stderr)
+        return session
     return DialogueSession(engine, cache, _params(args, engine.stop_token_ids()), system, OverflowPolicy(args.overflow))
-
-
-def _budget(args: argparse.Namespace) -> int:
-    """The KV budget in bytes, refused before anything is allocated when this machine's memory cannot hold it."""
-    requested, available = args.kv_budget_mb * (1 << 20), available_memory()
-    if requested < 1:
-        raise ValueError(f"--kv-budget-mb {args.kv_budget_mb:g} is less than one byte; give a budget of some MiB")
-    if requested > available:
-        raise ValueError(f"--kv-budget-mb {args.kv_budget_mb:g} is more than the {available / 2**20:,.0f} MiB of "
-                         "memory this machine has available; choose a smaller --kv-budget-mb")
-    return int(requested)
 
 
 def _params(args: argparse.Namespace, stop_token_ids: list[int]) -> SamplingParams:
@@ -123,7 +117,8 @@ def _open_trtllm_session(args: argparse.Namespace, system: str | None) -> Trtllm
     config = folder.config()
     layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_size)
     tokenizer = ChatTokenizer(folder.checkpoint)
-    config = kv_cache_config(folder.manifest(), args.kv_cache, _budget(args), args.tokens_per_block)
+    budget = kv_budget_bytes(args.kv_budget_mb)
+    config = kv_cache_config(folder.manifest(), args.kv_cache, budget, args.tokens_per_block)
     return TrtllmSession(folder.path, tokenizer, layout, config,
                          _params(args, tokenizer.stop_token_ids), system, OverflowPolicy(args.overflow))
 
@@ -205,7 +200,8 @@ def chat_turn(session: Session, text: str) -> None:
 
 def run_interactive(session: Session) -> None:
     """A terminal chat with streaming replies; a command or turn that fails is one line and the session is kept."""
-    print(f"cabin-chat: {session.describe_kv()}\n{HELP_COMMANDS}")
+    system = session.messages[0]["content"] if session.messages and session.messages[0]["role"] == "system" else None
+    print(f"cabin-chat: {session.describe_kv()}\nsystem prompt: {system or '(none)'}\n{HELP_COMMANDS}")
     while True:
         try:
             text = input("you> ").strip()
@@ -233,10 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     try:
-        system, turns = read_script(args.script) if args.script else (args.system, [])
+        system, turns = read_script(args.script) if args.script else (None, [])
         if args.system and (problem := text_problem(args.system)):
             raise ValueError(f"--system {problem}")
-        session = open_session(args, system or args.system)
+        if system is None:
+            system = args.system if args.system is not None else EngineFolder(args.engine).system_prompt()
+        session = open_session(args, system or None)
     except (CheckpointError, ScalesError, ScriptError, SessionFileError, ValueError) as err:
         print(f"cabin-chat: error: {err}", file=sys.stderr)
         return 2

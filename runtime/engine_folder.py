@@ -76,6 +76,13 @@ class EngineFolder:
                                   "with cabin-build")
         return manifest
 
+    def system_prompt(self) -> str | None:
+        """The default system prompt the engine was built with, or None."""
+        prompt = self.manifest().get("system_prompt")
+        if prompt is not None and not isinstance(prompt, str):
+            raise CheckpointError(f"{self.path / MANIFEST_FILE}: system_prompt is not text; {REBUILD}")
+        return prompt or None
+
     def config(self) -> ModelConfig:
         """The checkpoint's config.json."""
         path = self.checkpoint / CONFIG_FILE

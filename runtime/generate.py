@@ -10,7 +10,7 @@ import torch
 from runtime.block_manager import OutOfBlocks, Sequence
 from runtime.kv_cache import PagedKVCache, sized_config
 from runtime.kv_storage import KVScales
-from runtime.model import Transformer
+from runtime.model import Span, Transformer
 from runtime.overflow import CapacityError
 from runtime.sampling import SamplingParams, make_generator, sample
 from runtime.streaming import TextStream
@@ -104,6 +104,22 @@ def generate(model: Transformer, cache: PagedKVCache, seq: Sequence, new_ids: li
         text = text.split(s)[0] if s in text else text
     return GenerationResult(stream.ids, text, finish, computed, reused, ttft,
                             time.perf_counter() - t_first)
+
+
+def decode_batch(model: Transformer, cache: PagedKVCache, seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
+    """Append one token to each sequence and run them all in one model step (the weights read once).
+
+    Returns the next-token logits of each sequence, shape (len(seqs), vocab). Raises OutOfBlocks, with
+    no sequence extended, when the pool cannot take the new tokens.
+    """
+    positions = [len(seq) for seq in seqs]
+    needed = sum(cache.blocks.blocks_needed(seq, 1) for seq in seqs)
+    if needed > cache.blocks.num_free_blocks():
+        raise OutOfBlocks(f"need {needed} KV blocks for one more token of {len(seqs)} sequences but only "
+                          f"{cache.blocks.num_free_blocks()} are free or evictable")
+    for seq, token in zip(seqs, tokens):
+        cache.append(seq, [token])
+    return model.step([Span([token], position, seq) for seq, token, position in zip(seqs, tokens, positions)], cache)
 
 
 def _try_append(cache: PagedKVCache, seq: Sequence, token: int) -> bool:

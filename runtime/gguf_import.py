@@ -1,6 +1,7 @@
 """Open a llama.cpp GGUF file for import: config from metadata, dequantized weights."""
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +32,16 @@ _REQUIRED = object()
 
 
 def read_gguf(path: Path) -> GGUFReader:
-    """Open a GGUF file (memory-mapped); CheckpointError naming it when it is not GGUF or is truncated."""
+    """Open a GGUF file (memory-mapped, parsed once per process while the file is unchanged);
+    CheckpointError naming it when it is not GGUF or is truncated."""
     if not path.is_file():
         raise CheckpointError(f"{path}: not found; pass a .gguf file or an HF model folder")
+    stat = path.stat()
+    return _parse(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _parse(path: Path, size: int, mtime_ns: int) -> GGUFReader:
     try:
         return GGUFReader(path)
     except (ValueError, IndexError, OSError) as err:

@@ -1,15 +1,19 @@
 """The reference forward pass of a Llama-family decoder over a paged KV cache.
 
-Computes in fp32 on the CPU whatever dtype the checkpoint stores. One sequence
-at a time: prefill of N tokens and decode of 1 are the same call.
+Computes in fp32 on the CPU whatever dtype the checkpoint stores. A step runs the
+new tokens of one or more sequences (``Span``s) together: each linear layer reads
+its weights once for all of them, and each span attends over its own sequence's
+blocks. Prefill of N tokens and decode of 1 are the same call; batched decode is a
+step of several one-token spans.
 
 Linear weights keep the checkpoint's (out, in) layout; the MLP's fc and gate
-weights are one (2 * inter, in) matrix, applied in one call. Decoding one token
-is bound by reading those weights and the KV history, so that case runs on the
-native kernels of runtime.native_kernels: a matrix-vector product per linear
-layer and attention that reads the cache's elements in their blocks (int4 is
-dequantized first). Prefill and machines where the kernels cannot be built run
-the torch path below (same math).
+weights are one (2 * inter, in) matrix, applied in one call. A decode step is
+bound by reading those weights and the KV history, so a step of a few tokens runs
+on the native kernels of runtime.native_kernels: a product of the step's tokens
+with each linear layer's weights, read once, and, per one-token span, attention
+that reads the cache's elements in their blocks (int4 is dequantized first). Each
+token's row is computed exactly as it would be alone. Longer prefill and machines
+where the kernels cannot be built run the torch path below (same math).
 """
 from __future__ import annotations
 
@@ -22,26 +26,34 @@ from runtime.block_manager import Sequence
 from runtime.checkpoint import ModelConfig, layer_prefix
 from runtime.kv_cache import PagedKVCache
 from runtime.kv_storage import KVLayout, KVStorage
-from runtime.native_kernels import MatVec, decode_attention, matvec, native_kernels_enabled
+from runtime.native_kernels import MATVEC_MAX_TOKENS, MatVec, decode_attention, matvec, native_kernels_enabled
 from runtime.rope import apply_rope, rope_table
 
 
 @dataclass
-class StepContext:
-    """What every layer of one forward step reads: where the new tokens go and what they attend to."""
+class Span:
+    """New tokens of one sequence in a step: ``token_ids`` at positions [start_pos, start_pos + N)."""
 
+    token_ids: list[int]
     start_pos: int
-    num_tokens: int
-    slots: torch.Tensor  # flat KV slot of each new token
-    block_table: torch.Tensor  # the sequence's blocks
-    storage: KVStorage
-    native: bool  # a one-token step on the native kernels
-    matvec: MatVec | None  # the one-token linear kernel, where it could be built
+    seq: Sequence
 
     @property
-    def context(self) -> int:
-        """Tokens attended to by the last new token, itself included."""
-        return self.start_pos + self.num_tokens
+    def end(self) -> int:
+        """Tokens attended to by the span's last new token, itself included."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class StepContext:
+    """What every layer of one forward step reads: where the new tokens go and what each span attends to."""
+
+    spans: list[Span]
+    slots: torch.Tensor  # flat KV slot of each new token, spans in order
+    block_tables: list[torch.Tensor]  # each span's sequence's blocks
+    storage: KVStorage
+    native: bool  # one-token spans run attention on the native kernels
+    matvec: MatVec | None  # the linear kernel, for a step of a few tokens where it could be built
 
 
 class Transformer:
@@ -64,7 +76,6 @@ class Transformer:
         c = self.config
         return KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_size)
 
-    @torch.inference_mode()
     def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
                 all_logits: bool = False) -> torch.Tensor:
         """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated.
@@ -72,17 +83,28 @@ class Transformer:
         Writes their K/V into the cache and returns logits of the last token
         (shape (vocab,)) or of every token (shape (N, vocab)).
         """
+        logits = self.step([Span(token_ids, start_pos, seq)], cache, all_logits)
+        return logits if all_logits else logits[0]
+
+    @torch.inference_mode()
+    def step(self, spans: list[Span], cache: PagedKVCache, all_logits: bool = False) -> torch.Tensor:
+        """Run the new tokens of several sequences (slots allocated) in one pass over the weights.
+
+        Writes their K/V into the cache and returns the logits of each span's last token (shape
+        (spans, vocab)), or of every token (shape (tokens, vocab)).
+        """
         c = self.config
-        n = len(token_ids)
-        end = start_pos + n
-        if end > c.max_position_embeddings:
-            raise ValueError(f"position {end} exceeds the model's context of {c.max_position_embeddings} tokens")
-        x = self.embedding[torch.tensor(token_ids, dtype=torch.long)]
-        cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
-        native = n == 1 and self.native_kernels
-        mv = matvec() if native else None
-        ctx = StepContext(start_pos, n, cache.slots(seq, start_pos, end), cache.block_table(seq), cache.storage,
-                          native, mv)
+        for span in spans:
+            if span.end > c.max_position_embeddings:
+                raise ValueError(f"position {span.end} exceeds the model's context of {c.max_position_embeddings} "
+                                 "tokens")
+        ids = [t for span in spans for t in span.token_ids]
+        positions = torch.cat([torch.arange(span.start_pos, span.end) for span in spans])
+        x = self.embedding[torch.tensor(ids, dtype=torch.long)]
+        cos, sin = self.cos[positions], self.sin[positions]
+        mv = matvec() if self.native_kernels and len(ids) <= MATVEC_MAX_TOKENS else None
+        ctx = StepContext(spans, torch.cat([cache.slots(s.seq, s.start_pos, s.end) for s in spans]),
+                          [cache.block_table(s.seq) for s in spans], cache.storage, self.native_kernels, mv)
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["input_norm"], c.norm_epsilon)
             x = x + self._attention(index, layer, h, cos, sin, ctx)
@@ -90,28 +112,35 @@ class Transformer:
             fc, gate = _linear(h, layer["fc_gate"], mv).chunk(2, dim=-1)
             x = x + _linear(F.silu(fc) * gate, layer["proj"], mv)
         if not all_logits:
-            x = x[-1:]
-        logits = _linear(_rms_norm(x, self.final_norm, c.norm_epsilon), self.lm_head, mv)
-        return logits if all_logits else logits[0]
+            x = x[torch.tensor([span.end - span.start_pos for span in spans]).cumsum(0) - 1]
+        return _linear(_rms_norm(x, self.final_norm, c.norm_epsilon), self.lm_head, mv)
 
     def _attention(self, index: int, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    ctx: StepContext) -> torch.Tensor:
         c = self.config
         n, heads, kv_heads, d = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_size
-        mv = ctx.matvec
-        qkv = _linear(h, layer["qkv"], mv, layer.get("qkv_bias"))
+        qkv = _linear(h, layer["qkv"], ctx.matvec, layer.get("qkv_bias"))
         qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
         q, k = apply_rope(qk.view(n, heads + kv_heads, d), cos, sin).split([heads, kv_heads], dim=1)
         ctx.storage.write(index, ctx.slots, k, v.view(n, kv_heads, d))
-        stored = ctx.storage.stored_kv(index, ctx.block_table, ctx.context) if ctx.native else None
-        kernel = decode_attention(stored.k.dtype, d, heads // kv_heads) if stored is not None else None
+        outs, first = [], 0
+        for span, block_table in zip(ctx.spans, ctx.block_tables):
+            count = len(span.token_ids)
+            outs.append(self._span_attention(index, q[first:first + count], span, block_table, ctx))
+            first += count
+        return _linear(outs[0] if len(outs) == 1 else torch.cat(outs), layer["dense"], ctx.matvec)
+
+    def _span_attention(self, index: int, q: torch.Tensor, span: Span, block_table: torch.Tensor,
+                        ctx: StepContext) -> torch.Tensor:
+        """One span's queries (n, heads, d) over its sequence's cached K/V; returns (n, heads * d)."""
+        heads, d = q.shape[1], q.shape[2]
+        stored = ctx.storage.stored_kv(index, block_table, span.end) if ctx.native and q.shape[0] == 1 else None
+        kernel = None if stored is None else decode_attention(stored.k.dtype, d, heads // self.config.num_key_value_heads)
         if kernel is not None:
-            out = kernel(q[0], stored, ctx.context)
-        else:
-            keys, values, k_scale, v_scale = ctx.storage.read_unscaled(index, ctx.block_table, ctx.context)
-            out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, ctx.start_pos)
-            out = out * v_scale if v_scale != 1.0 else out
-        return _linear(out, layer["dense"], mv)
+            return kernel(q[0], stored, span.end)
+        keys, values, k_scale, v_scale = ctx.storage.read_unscaled(index, block_table, span.end)
+        out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, span.start_pos)
+        return out * v_scale if v_scale != 1.0 else out
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -156,8 +185,8 @@ def _layer_weights(w: dict[str, torch.Tensor], layer: int, qkv_bias: bool) -> di
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, mv: MatVec | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, on the native kernel for one token where there is one."""
-    return mv(x, weight, bias) if mv is not None and x.shape[0] == 1 else F.linear(x, weight, bias)
+    """x @ weight.T + bias, on the native kernel for a step of a few tokens where there is one."""
+    return mv(x, weight, bias) if mv is not None else F.linear(x, weight, bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

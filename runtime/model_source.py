@@ -4,14 +4,17 @@ engine folder made by cabin-build.
 
 ``load_model_config`` reads only the shapes (planning needs no weights); ``import_model`` converts a
 GGUF file or HF folder into a TensorRT-LLM checkpoint with its tokenizer; ``load_model`` gives config,
-weights and tokenizer of any source (imported in float32 into a temporary folder where needed).
+weights and tokenizer of any source (imported in float32 where needed: a GGUF once per machine, into the
+user cache, an HF folder into a temporary folder).
 """
 from __future__ import annotations
 
 import copy
 import importlib.util
+import shutil
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from runtime.engine_folder import EngineFolder, read_manifest
 from runtime.gguf_import import config_from_gguf, open_gguf, read_gguf
 from runtime.hf_import import open_hf_folder, read_json
 from runtime.hf_names import config_from_hf
+from runtime.import_cache import cached_import, cached_import_folder, is_complete
 from runtime.kv_scales import model_fingerprint
 from runtime.model import Transformer
 from runtime.tokenizer import ChatTokenizer
@@ -87,29 +91,62 @@ def load_model_config(model: str) -> ModelConfig:
         return config_from_json(path / CONFIG_FILE)
     if path.suffix == ".json":
         return config_from_json(path)
-    return config_from_gguf(read_gguf(path), path)
+    return _gguf_config(path)
 
 
 @lru_cache(maxsize=1)
 def _default_config() -> ModelConfig:
-    """The packaged default model's config, read once (parsing its GGUF metadata takes seconds)."""
-    path = default_gguf_path()
+    """The packaged default model's config, read once per process."""
+    return _gguf_config(default_gguf_path())
+
+
+def _gguf_config(path: Path) -> ModelConfig:
+    """A GGUF file's config: from its cached import when there is one (parsing the metadata takes seconds)."""
+    cached = cached_import_folder(path)
+    if is_complete(cached):
+        return replace(config_from_json(cached / CONFIG_FILE), dtype=ModelConfig.dtype)
     return config_from_gguf(read_gguf(path), path)
 
 
 def import_model(source: str | Path, output_dir: Path, dtype: str = "float16") -> ModelConfig:
-    """Write config.json, rank0.safetensors and tokenizer files for a .gguf file or HF folder into ``output_dir``."""
+    """Write config.json, rank0.safetensors and tokenizer files for a .gguf file or HF folder into ``output_dir``.
+
+    A GGUF file is imported once per machine into the user cache (``runtime.import_cache``) and copied
+    from there in the asked dtype."""
     source, output_dir = Path(source), Path(output_dir)
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if not source.exists():
         raise CheckpointError(f"{source}: not found; pass a .gguf file or an HF model folder")
+    if source.is_dir():
+        return _convert(source, output_dir, dtype)
+    cached = imported_gguf(source)
+    for item in cached.iterdir():
+        if item.name not in (CONFIG_FILE, WEIGHTS_FILE):
+            shutil.copy2(item, output_dir / item.name)
+    config, weights = load_checkpoint(cached)
+    config.dtype = dtype
+    save_checkpoint(output_dir, config, _cast(weights.items(), len(weights), source, dtype))
+    return config
+
+
+def imported_gguf(source: Path) -> Path:
+    """The float32 checkpoint folder of a GGUF file in the user cache, imported on first use."""
+    return cached_import(source, lambda folder: _convert(source, folder, "float32"))
+
+
+def _convert(source: Path, output_dir: Path, dtype: str) -> ModelConfig:
     model = open_hf_folder(source) if source.is_dir() else open_gguf(source)
     model.config.dtype = dtype
     model.config.check(str(source), "the model's config is unusable; fix it or use another copy of the model")
     export_tokenizer(source, output_dir)  # before the long conversion, so a bad tokenizer fails fast
-    tensors = iter_weights(model, str(source))
-    progress = tqdm(tensors, total=len(model.plan), desc=f"importing {source.name}", unit="tensor", disable=None)
+    save_checkpoint(output_dir, model.config, _cast(iter_weights(model, str(source)), len(model.plan), source, dtype))
+    return model.config
+
+
+def _cast(tensors: Iterable[tuple[str, torch.Tensor]], total: int, source: Path, dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors in ``dtype`` with a progress bar; CheckpointError naming one that overflows it."""
+    progress = tqdm(tensors, total=total, desc=f"importing {source.name}", unit="tensor", disable=None)
     weights = {}
     for name, tensor in progress:
         weights[name] = tensor.to(DTYPES[dtype])
@@ -117,8 +154,7 @@ def import_model(source: str | Path, output_dir: Path, dtype: str = "float16") -
             largest = float(tensor.abs().max())
             raise CheckpointError(f"{source}: tensor {name} holds a value of magnitude {largest:.4g}, beyond {dtype}'s "
                                   "range; import it as float32 (cabin-build --dtype float32)")
-    save_checkpoint(output_dir, model.config, weights)
-    return model.config
+    return weights
 
 
 @dataclass
@@ -144,8 +180,8 @@ def _from_checkpoint(name: str, folder: Path, scales_path: Path | None) -> Loade
 
 
 def load_model(spec: str) -> LoadedModel:
-    """Load ``default`` (imported in float32), an engine folder made by cabin-build, a TensorRT-LLM
-    checkpoint folder, or a .gguf file / HF folder (imported in float32)."""
+    """Load ``default``, an engine folder made by cabin-build, a TensorRT-LLM checkpoint folder, or a .gguf
+    file / HF folder (imported in float32; a GGUF from the user cache after its first import)."""
     path = Path(spec)
     if spec != DEFAULT_MODEL and read_manifest(path) is not None:
         folder = EngineFolder(path)
@@ -156,6 +192,8 @@ def load_model(spec: str) -> LoadedModel:
             and (path / WEIGHTS_FILE).is_file():
         return _from_checkpoint(spec, path, None)
     source = resolve_model(spec)
+    if not source.is_dir():
+        return _from_checkpoint(spec, imported_gguf(source), None)
     with tempfile.TemporaryDirectory(prefix="cabin-import-") as tmp:
         import_model(source, Path(tmp), dtype="float32")
         return _from_checkpoint(spec, Path(tmp), None)

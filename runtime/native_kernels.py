@@ -1,7 +1,8 @@
 """Native decode kernels, compiled from C with the system's compiler at first use and cached on disk.
 
-Decoding one token is bound by memory reads. Three kernels in runtime/kernels/ serve that case:
-- ``matvec.c``: a linear layer for one token over the checkpoint's (out, in) fp32 weights;
+Decoding is bound by memory reads. Three kernels in runtime/kernels/ serve that case:
+- ``matvec.c``: a linear layer for the tokens of a decode step (one per sequence) over the checkpoint's
+  (out, in) fp32 weights, read once for all of them;
 - ``decode_attention.c``: the attention of one token straight from a paged cache of int8
   (static or per-token scales), fp16 or fp32 elements, with no gather and no converted copy of
   the history (built per element type, head size and group);
@@ -34,6 +35,7 @@ KERNEL_SOURCES = Path(__file__).with_name("kernels")
 # flushing subnormal floats to zero when it is loaded.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]
 _POINTER, _SIZE, _REAL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+MATVEC_MAX_TOKENS = 16  # tokens of a step the linear kernel takes (one per decoding sequence); more: BLAS
 ELEMENT_DEFINES = {torch.int8: {"ELEMENT": "int8_t"}, torch.float32: {"ELEMENT": "float"},
                    torch.float16: {"ELEMENT": "uint16_t", "HALF_ELEMENTS": 1}}
 
@@ -75,22 +77,25 @@ def native_kernels_enabled() -> bool:
 
 
 class MatVec:
-    """``F.linear`` for a single token, over contiguous fp32 (out, in) weights."""
+    """``F.linear`` for up to ``MATVEC_MAX_TOKENS`` tokens (a decode step), over contiguous fp32 (out, in) weights."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._fn = _bind(library, "matvec", [_POINTER] * 4 + [_SIZE, _SIZE])
+        self._fn = _bind(library, "matvec", [_POINTER] * 4 + [_SIZE, _SIZE, _SIZE])
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (1, in) times weight (out, in) transposed, plus bias (out,); returns (1, out)."""
+        """x (n, in) times weight (out, in) transposed, plus bias (out,); returns (n, out). Each token's row is
+        computed as it would be alone."""
         rows, cols = weight.shape
-        if (x.shape != (1, cols) or x.dtype != torch.float32 or weight.dtype != torch.float32
+        if (x.dim() != 2 or not 1 <= x.shape[0] <= MATVEC_MAX_TOKENS or x.shape[1] != cols
+                or x.dtype != torch.float32 or weight.dtype != torch.float32
                 or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous())):
-            raise ValueError(f"matvec needs fp32 x of shape (1, {cols}) and contiguous fp32 weights, got "
-                             f"{x.dtype} {tuple(x.shape)} against {weight.dtype} weights {tuple(weight.shape)}")
+            raise ValueError(f"matvec needs fp32 x of shape (n, {cols}) with 1 <= n <= {MATVEC_MAX_TOKENS} and "
+                             f"contiguous fp32 weights, got {x.dtype} {tuple(x.shape)} against {weight.dtype} "
+                             f"weights {tuple(weight.shape)}")
         x = x.contiguous()
-        out = torch.empty(1, rows)
+        out = torch.empty(x.shape[0], rows)
         self._fn(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                 rows, cols)
+                 x.shape[0], rows, cols)
         return out
 
 

@@ -2,11 +2,20 @@
 
 It runs the engine folder's ``trt_engine/`` through ``tensorrt_llm.runtime.ModelRunnerCpp``
 (imported only here, only when used). The KV cache config becomes ModelRunnerCpp's KV
-arguments: the budget ``max_tokens_in_paged_kv_cache``, the sink-window policy
-``max_attention_window_size`` + ``sink_token_length``; block reuse across turns is asked for
+arguments: the budget ``max_tokens_in_paged_kv_cache``; block reuse across turns is asked for
 only where the KV mode allows it: an INT8-KV engine has no paged context FMHA, so TensorRT-LLM
 cannot reuse blocks and each turn prefills the whole history. Overflow is planned as on the
-reference engine (runtime.overflow).
+reference engine (runtime.overflow), on the prompt, before it is sent.
+
+Sink-window on this backend, on both TensorRT-LLM lines, is the reference engine's: the prompt keeps the
+system prompt, ``sink_token_length`` sink tokens and the most recent tokens, prefilled at compacted
+positions. TensorRT-LLM's own StreamingLLM (``max_attention_window_size`` + ``sink_token_length``) is not
+used: on 0.12 its position shift needs an engine built with ``--streamingllm enable``, which turns paged
+context FMHA off (``tensorrt_llm/builder.py``, ``build``: "Paged Context FMHA is disabled because
+StreamingLLM is not supported when enabling paged KV context FMHA") and with it block reuse of fp16-KV
+engines; 1.x no longer supports StreamingLLM (``sink_token_length`` is deprecated and ignored, and its
+attention kernels fall back or refuse). A window kept by the engine would not keep a prompt under
+``max_input_len`` either. So no engine flag is needed and nothing is refused for this policy.
 
 Two things ModelRunnerCpp does that the session must respect (tensorrt_llm/runtime/model_runner_cpp.py):
 
@@ -37,8 +46,7 @@ from runtime.dialogue import SessionFileError, TurnStats
 from runtime.engine_folder import TRT_ENGINE_DIR
 from runtime.kv_cache import KvCacheConfig
 from runtime.kv_storage import KVLayout
-from runtime.overflow import (CapacityError, OverflowPolicy, Room, TurnPlan, capacity_hint, plan_overflow,
-                              system_tokens)
+from runtime.overflow import CapacityError, OverflowPolicy, Room, TurnPlan, capacity_hint, plan_overflow
 from runtime.sampling import SamplingParams
 from runtime.streaming import TextStream
 from runtime.tokenizer import ChatTokenizer
@@ -50,25 +58,18 @@ class TrtllmKvSettings:
 
     max_tokens_in_paged_kv_cache: int
     kv_cache_enable_block_reuse: bool
-    max_attention_window_size: list[int] | None
-    sink_token_length: int | None
 
     def as_kwargs(self) -> dict:
-        """Keyword arguments for ``from_dir`` (window and sink only when set)."""
-        kwargs = {"max_tokens_in_paged_kv_cache": self.max_tokens_in_paged_kv_cache,
-                  "kv_cache_enable_block_reuse": self.kv_cache_enable_block_reuse}
-        if self.max_attention_window_size is not None:
-            kwargs["max_attention_window_size"] = self.max_attention_window_size
-            kwargs["sink_token_length"] = self.sink_token_length
-        return kwargs
+        """Keyword arguments for ``from_dir``."""
+        return {"max_tokens_in_paged_kv_cache": self.max_tokens_in_paged_kv_cache,
+                "kv_cache_enable_block_reuse": self.kv_cache_enable_block_reuse}
 
 
-def kv_settings(config: KvCacheConfig, layout: KVLayout, overflow: OverflowPolicy, sink_tokens: int) -> TrtllmKvSettings:
-    """Map our KV cache config and overflow policy onto TensorRT-LLM's KV cache knobs."""
-    max_tokens = config.max_tokens(layout)
-    window = [max_tokens] if overflow.name == "sink-window" else None
-    return TrtllmKvSettings(max_tokens, config.enable_block_reuse and config.mode.trtllm_paged_context_fmha, window,
-                            sink_tokens if window else None)
+def kv_settings(config: KvCacheConfig, layout: KVLayout) -> TrtllmKvSettings:
+    """Map our KV cache config onto TensorRT-LLM's KV cache knobs. No attention window or sink tokens: every
+    overflow policy, sink-window included, is applied to the prompt before it is sent (see the module notes)."""
+    reuse = config.enable_block_reuse and config.mode.trtllm_paged_context_fmha
+    return TrtllmKvSettings(config.max_tokens(layout), reuse)
 
 
 @dataclass
@@ -131,8 +132,7 @@ class TrtllmSession:
         self.system_prompt = system_prompt
         self.bytes_per_token = config.bytes_per_token(layout)
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        sink = system_tokens(tokenizer, self.messages) + config.sink_token_length
-        self.settings = kv_settings(config, layout, self.overflow, sink)
+        self.settings = kv_settings(config, layout)
         engine_dir = Path(engine_folder) / TRT_ENGINE_DIR
         self.runner = ModelRunnerCpp.from_dir(engine_dir=str(engine_dir), **self.settings.as_kwargs())
         self.limits = EngineLimits.of(self.runner, engine_dir)

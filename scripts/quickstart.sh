@@ -36,4 +36,4 @@ echo; echo "=== 5. quality of INT8 KV against full precision (held-out built-in 
     --scales "$SCALES" --num-dialogues 6 --max-tokens 1024 --output "$OUT/eval"
 
 echo; echo "=== next: chat with the engine you built ==="
-echo "    $BIN/cabin-chat --engine $ENGINE --kv-cache int8 --system \"You are the in-car assistant.\""
+echo "    $BIN/cabin-chat --engine $ENGINE"

@@ -9,6 +9,7 @@ import pytest
 from builders.engine_build import BuildRequest, build_engine
 from fakes.tiny_model import write_tiny_llama
 from runtime.engine import Engine
+from runtime.import_cache import CACHE_ENV
 
 DEFAULT_MODEL_FIXTURES = {"default_engine", "default_engine_dir"}
 # head size 32: every KV mode works (int4 needs head sizes divisible by its value groups of 32)
@@ -20,6 +21,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def import_cache(tmp_path_factory):
+    """A user cache of this test run's own, so tests neither read nor fill the user's (imports once per run)."""
+    folder = tmp_path_factory.mktemp("cabin-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(folder))
+        yield folder
 
 
 @pytest.fixture(scope="session")

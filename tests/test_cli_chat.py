@@ -5,6 +5,8 @@ import shutil
 import sys
 import types
 
+from builders.engine_build import DEFAULT_SYSTEM_PROMPT, BuildRequest, build_engine
+from fakes.tiny_model import write_tiny_llama
 from runtime.cli_chat import main
 from runtime.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, TRT_ENGINE_DIR, EngineFolder
 from runtime.session_store import read_session_file
@@ -95,3 +97,32 @@ def test_save_on_the_reference_backend_reports_the_tokens_saved(engine_dir, tmp_
     header, _ = read_session_file(path)
     assert code == 0 and header["kv_cache"]["kv_mode"] == "int8" and header["kv_cache"]["max_bytes"] == 8 << 20
     assert f"saved 3 messages and {len(header['fed'])} tokens of KV to {path}" in out and header["fed"]
+
+
+def test_the_engine_s_system_prompt_is_the_default_and_can_be_replaced(tiny_engine_dir, monkeypatch, capsys):
+    assert DEFAULT_SYSTEM_PROMPT.startswith("You are the in-car assistant")
+    assert json.loads((tiny_engine_dir / MANIFEST_FILE).read_text())["system_prompt"] == DEFAULT_SYSTEM_PROMPT
+    argv = ["--engine", str(tiny_engine_dir), "--max-new-tokens", "2"]
+    for extra, shown in (([], DEFAULT_SYSTEM_PROMPT), (["--system", "Be brief."], "Be brief."),
+                         (["--system", ""], "(none)")):
+        assert chat_interactively(monkeypatch, argv + extra, ["/quit"]) == 0
+        assert f"system prompt: {shown}\n" in capsys.readouterr().out
+
+
+def test_build_records_another_system_prompt_or_none(tmp_path):
+    model = write_tiny_llama(tmp_path / "model")
+    for prompt, recorded in (("Answer in German.", "Answer in German."), ("", None)):
+        folder = build_engine(BuildRequest(str(model), tmp_path / "e", kv_cache="fp16", dtype="float32",
+                                           force=True, system_prompt=prompt), log=lambda _msg: None)
+        assert EngineFolder(folder).system_prompt() == recorded
+
+
+def test_restore_says_what_it_restored(tiny_engine_dir, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "s.cabin"
+    argv = ["--engine", str(tiny_engine_dir), "--max-new-tokens", "3", "--kv-budget-mb", "8"]
+    assert chat_interactively(monkeypatch, argv, ["Open the sunroof.", f"/save {path}", "/quit"]) == 0
+    header, _ = read_session_file(path)
+    capsys.readouterr()
+    assert chat_interactively(monkeypatch, argv + ["--restore", str(path)], ["/quit"]) == 0
+    assert (f"restored {path}: 1 turns (3 messages), {len(header['fed'])} tokens of KV, no re-prefill"
+            in capsys.readouterr().err)

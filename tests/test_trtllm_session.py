@@ -189,15 +189,14 @@ def common_prefix(a, b):
     return n
 
 
-def test_int8_engine_gets_budget_window_and_no_block_reuse(engine, fake_trtllm, tmp_path):
+def test_int8_engine_gets_budget_and_no_block_reuse_nor_engine_window(engine, fake_trtllm, tmp_path):
     session = open_session(engine, tmp_path, "int8", "sink-window")
     kwargs = fake_trtllm.created[0]
-    system_tokens = len(engine.tokenizer.encode(
-        engine.tokenizer.render([{"role": "system", "content": SYSTEM}], add_generation_prompt=False)))
     max_tokens = (8 << 20) // int8_bytes_per_token(engine)  # 728 on the default model (11,520 B/token)
+    # sink-window is applied to the prompt: TensorRT-LLM's StreamingLLM window is never asked for (1.x dropped
+    # it; on 0.12 it needs --streamingllm enable, which turns paged context FMHA off)
     assert kwargs == {"engine_dir": str(tmp_path / TRT_ENGINE_DIR), "max_tokens_in_paged_kv_cache": max_tokens,
-                      "kv_cache_enable_block_reuse": False, "max_attention_window_size": [max_tokens],
-                      "sink_token_length": system_tokens + 4}
+                      "kv_cache_enable_block_reuse": False}
     first, second = session.chat("It is warm in here."), session.chat("Thanks!")
     assert first.reply == REPLY and first.finish_reason == "stop"
     assert second.reused_tokens == 0 and second.prefill_tokens == len(fake_trtllm.calls[1]["input_ids"])
@@ -205,6 +204,13 @@ def test_int8_engine_gets_budget_window_and_no_block_reuse(engine, fake_trtllm, 
     assert fake_trtllm.calls[1]["input_ids"][: len(history)] == history  # the whole history is sent again
     call = fake_trtllm.calls[0]
     assert call["end_id"] == engine.stop_token_ids()[0] and call["top_k"] == 1 and call["streaming"] is True
+
+
+@pytest.mark.parametrize("policy", ["sink-window", "drop-turns", "error"])
+def test_every_policy_keeps_block_reuse_of_an_fp16_engine(engine, fake_trtllm, tmp_path, policy):
+    open_session(engine, tmp_path, "fp16", policy)
+    assert fake_trtllm.created[0] == {"engine_dir": str(tmp_path / TRT_ENGINE_DIR), "kv_cache_enable_block_reuse": True,
+                                      "max_tokens_in_paged_kv_cache": (8 << 20) // (2 * int8_bytes_per_token(engine))}
 
 
 @pytest.mark.parametrize("tokens_per_block", [64, 32])  # Orin's and Thor's block size

@@ -1,0 +1,201 @@
+"""The HTTP face of the scheduler: OpenAI's chat completions, models, health and Prometheus metrics.
+
+Each request renders and plans its prompt (server.conversation), queues on the scheduler and waits for
+its output; the scheduler runs in one engine thread started with the app. A client that disconnects
+cancels its request, which frees its KV blocks at the next step.
+"""
+
+import asyncio
+import json
+import threading
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from runtime.engine import Engine
+from runtime.overflow import CapacityError, OverflowPolicy, capacity_hint
+from runtime.sampling import SamplingParams
+from server.conversation import plan_prompt
+from server.protocol import ApiError, ChatRequest, chunk, completion, parse_chat_request, usage
+from server.scheduler import QueueFull, Request, Scheduler
+
+RETRY_AFTER_S = 1  # what a client told to come back later waits
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What the server answers with beyond the scheduler's limits."""
+
+    model_name: str
+    overflow: OverflowPolicy
+    max_tokens: int = 256  # reply limit of a request that gives none (at most half of what a sequence holds)
+
+
+def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig):
+    """The FastAPI app; starts the scheduler's thread on startup and stops it on shutdown."""
+    from fastapi import FastAPI, Request as HttpRequest
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    stop = threading.Event()
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        thread = threading.Thread(target=scheduler.run, args=(stop,), name="cabin-serve-engine", daemon=True)
+        thread.start()
+        yield
+        stop.set()
+        thread.join()
+
+    app = FastAPI(title="cabin-serve", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+    @app.get("/health")
+    async def health():
+        stats, _ = scheduler.stats()
+        return {"status": "ok", "model": config.model_name, "running": stats.running, "waiting": stats.waiting}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "cabinllm"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(scheduler), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        chat = parse_chat_request(await http.body())
+        if chat.model is not None and chat.model != config.model_name:
+            raise ApiError(404, f"model {chat.model!r} is not served here; GET /v1/models lists "
+                                f"{config.model_name!r}", param="model", code="model_not_found")
+        request, outputs = _submit(engine, scheduler, config, chat, asyncio.get_running_loop())
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            first = await outputs.get()
+        except asyncio.CancelledError:
+            request.cancel()
+            raise
+        if first[1] and request.finish_reason == "expired":
+            raise ApiError(503, f"the server stayed full for {scheduler.config.queue_timeout_s:g} s (every session "
+                                f"or the KV budget in use); retry in {RETRY_AFTER_S} s", kind="server_error",
+                           code="server_busy", retry_after_s=RETRY_AFTER_S)
+        if first[1] and request.finish_reason == "error":
+            raise _internal_error(request)
+        if first[1] and request.finish_reason == "cancelled":
+            raise ApiError(503, "the server is shutting down; retry on its next start", kind="server_error",
+                           code="server_stopping", retry_after_s=RETRY_AFTER_S)
+        if chat.stream:
+            return StreamingResponse(_stream(request, outputs, first, request_id, config.model_name, chat),
+                                     media_type="text/event-stream")
+        finished = first[1]
+        while not finished:
+            if await http.is_disconnected():
+                request.cancel()
+            _, finished = await outputs.get()
+        if request.finish_reason == "error":
+            raise _internal_error(request)
+        return completion(request_id, config.model_name, request.text, request.finish_reason, _usage(request))
+
+    return app
+
+
+def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: ChatRequest,
+            loop: asyncio.AbstractEventLoop) -> tuple[Request, asyncio.Queue]:
+    """Plan the prompt and queue it; outputs arrive on the returned queue as (text, finished)."""
+    capacity = scheduler.capacity_tokens()
+    max_tokens = chat.max_tokens or min(config.max_tokens, capacity // 2)  # a small budget keeps room for the prompt
+    if max_tokens >= capacity:
+        raise ApiError(400, f"max_tokens {max_tokens} leaves no room for the prompt: one conversation holds "
+                            f"{capacity} tokens here; ask for fewer", param="max_tokens")
+    try:
+        plan = plan_prompt(engine.tokenizer, chat.messages, max_tokens, capacity, scheduler.cache.tokens_per_block,
+                           config.overflow, scheduler.cache.config.sink_token_length)
+    except CapacityError as err:
+        hint = capacity_hint(config.overflow, max_tokens, capacity).replace(" (/reset)", "")
+        raise ApiError(400, f"{err}; {hint}", param="messages", code="context_length_exceeded") from err
+    except ValueError as err:  # the chat template refused the messages
+        raise ApiError(400, str(err), param="messages") from err
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=chat.temperature, top_p=chat.top_p,
+                            seed=chat.seed, stop_token_ids=engine.stop_token_ids(), stop_strings=chat.stop)
+    outputs: asyncio.Queue = asyncio.Queue()
+
+    def on_output(_request: Request, text: str, finished: bool) -> None:
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, (text, finished))
+        except RuntimeError:  # the event loop is gone: nobody waits for this output any more
+            pass
+
+    request = Request(plan.feed, params, on_output)
+    try:
+        scheduler.submit(request)
+    except QueueFull as err:
+        raise ApiError(429, f"too many requests: {err}; retry in {RETRY_AFTER_S} s", kind="rate_limit_error",
+                       code="rate_limit_exceeded", retry_after_s=RETRY_AFTER_S) from err
+    return request, outputs
+
+
+async def _stream(request: Request, outputs: asyncio.Queue, first: tuple[str, bool], request_id: str, model: str,
+                  chat: ChatRequest):
+    """Server-sent events in OpenAI's chunk format; the request is cancelled if the client goes away."""
+    try:
+        yield chunk(request_id, model, {"role": "assistant", "content": ""})
+        piece, finished = first
+        while True:
+            if piece:
+                yield chunk(request_id, model, {"content": piece})
+            if finished:
+                break
+            piece, finished = await outputs.get()
+        if request.finish_reason == "error":
+            yield f"data: {json.dumps(_internal_error(request).body())}\n\n"
+            return
+        yield chunk(request_id, model, {}, request.finish_reason)
+        if chat.include_usage:
+            yield chunk(request_id, model, {}, usage_block=_usage(request))
+        yield "data: [DONE]\n\n"
+    finally:
+        if request.finish_reason is None:
+            request.cancel()
+
+
+def _internal_error(request: Request) -> ApiError:
+    return ApiError(500, f"the model step failed ({request.error}); the server goes on, retry the request",
+                    kind="server_error", code="internal_error")
+
+
+def _usage(request: Request) -> dict:
+    return usage(len(request.prompt_ids), len(request.token_ids), request.cached_tokens)
+
+
+def prometheus_text(scheduler: Scheduler) -> str:
+    """The scheduler's and the KV cache's gauges and counters in Prometheus' text format."""
+    stats, cache = scheduler.stats()
+    rows = [
+        ("cabin_kv_bytes_budget", "gauge", "KV cache budget in bytes", scheduler.cache.config.max_bytes),
+        ("cabin_kv_bytes_reserved", "gauge", "bytes of the preallocated KV block pool", cache.bytes_reserved),
+        ("cabin_kv_bytes_used", "gauge", "bytes of KV blocks held by sequences", cache.bytes_used),
+        ("cabin_kv_bytes_used_peak", "gauge", "most bytes of KV blocks held at once", stats.kv_bytes_used_peak),
+        ("cabin_kv_blocks_total", "gauge", "KV blocks in the pool", cache.blocks_total),
+        ("cabin_kv_blocks_free", "gauge", "KV blocks holding nothing", cache.blocks_free),
+        ("cabin_kv_blocks_cached", "gauge", "KV blocks kept for prefix reuse, evictable", cache.blocks_cached),
+        ("cabin_kv_blocks_in_use", "gauge", "KV blocks held by sequences", cache.blocks_in_use),
+        ("cabin_prefix_hit_blocks_total", "counter", "KV blocks served from the prefix cache", cache.reuse_hits),
+        ("cabin_prompt_tokens_total", "counter", "prompt tokens of admitted requests", stats.prompt_tokens),
+        ("cabin_cached_tokens_total", "counter", "prompt tokens served from the prefix cache", stats.cached_tokens),
+        ("cabin_generated_tokens_total", "counter", "tokens sampled", stats.generated_tokens),
+        ("cabin_requests_finished_total", "counter", "requests finished or cancelled", stats.requests_done),
+        ("cabin_engine_steps_total", "counter", "model steps run", stats.steps),
+        ("cabin_generated_tokens_per_second", "gauge", "tokens sampled per second of model steps",
+         stats.generated_tokens / stats.busy_s if stats.busy_s else 0.0),
+        ("cabin_queue_length", "gauge", "requests waiting for a session or KV blocks", stats.waiting),
+        ("cabin_active_sequences", "gauge", "sequences prefilling or decoding", stats.running),
+    ]
+    lines = []
+    for name, kind, description, value in rows:
+        lines += [f"# HELP {name} {description}", f"# TYPE {name} {kind}", f"{name} {value:g}" if isinstance(value, float)
+                  else f"{name} {value}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,25 @@
+"""From a conversation re-sent in full to the tokens to prefill: the chat template, then the overflow policy.
+
+The whole conversation is rendered every request (the API is stateless); the cache finds its already
+computed prefix by block hash. A conversation longer than one sequence can hold is cut by the server's
+overflow policy (runtime.overflow), the same policies a dialogue session uses.
+"""
+from __future__ import annotations
+
+from runtime.overflow import OverflowPolicy, Room, TurnPlan, plan_overflow
+from runtime.tokenizer import ChatTokenizer
+
+
+def plan_prompt(tokenizer: ChatTokenizer, messages: list[dict], max_new_tokens: int, capacity: int,
+                tokens_per_block: int, policy: OverflowPolicy, sink_tokens: int) -> TurnPlan:
+    """The tokens to prefill for ``messages`` (message content escaped by the template rendering).
+
+    ``capacity`` is what one sequence may hold in tokens, its reply included; CapacityError when the
+    policy cannot make the conversation fit (always under ``error`` once it does not fit).
+    """
+    prompt = tokenizer.render(messages)
+    stream = tokenizer.encode_prompt(prompt)
+    room = Room(capacity, lambda n: -(-n // tokens_per_block) * tokens_per_block <= capacity, appends_turns=False)
+    if room.fits(len(stream) + max_new_tokens):
+        return TurnPlan(stream, messages, prompt)
+    return plan_overflow(policy, sink_tokens, messages, prompt, stream, room, tokenizer, max_new_tokens)

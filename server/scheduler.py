@@ -1,0 +1,316 @@
+"""Continuous batching of many conversations on one reference engine and one paged KV cache.
+
+Data structures: a bounded FIFO ``waiting`` queue of requests and a ``running`` list of at most
+``max_sessions`` sequences. Each ``step`` (one model call):
+
+1. drops cancelled requests, freeing their blocks (their computed full blocks stay cached);
+2. admits waiting requests in arrival order while a session slot is free and the pool can hold the
+   prompt plus its whole reply next to what every running sequence may still grow to, so a running
+   sequence never runs out of blocks; a request that cannot be admitted blocks those behind it (fair);
+3. runs one decode token of every running sequence past its prompt plus, within ``prefill_chunk``
+   tokens, the next prompt chunks of sequences still prefilling, oldest first: one pass over the weights.
+
+A new request's prompt starts from the longest prefix of full blocks the cache already holds (block
+hashes, runtime.block_manager): a conversation re-sent with one more turn prefills only the new tokens.
+A block is allocated and hashed in the step that computes its K/V, so a prefix hit always finds K/V.
+Nothing here knows HTTP; results go to each request's ``on_output`` callback, called from the thread
+that runs ``step``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from runtime.block_manager import Sequence
+from runtime.engine import Engine
+from runtime.kv_cache import CacheStats, PagedKVCache
+from runtime.model import Span
+from runtime.sampling import SamplingParams, make_generator, sample
+from runtime.streaming import TextStream
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue holds ``max_queue`` requests already."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of the scheduler."""
+
+    max_sessions: int = 4  # sequences decoding together
+    max_queue: int = 16  # requests waiting for a session slot or KV blocks
+    prefill_chunk: int = 256  # prompt tokens computed per step, over all prefilling sequences
+    queue_timeout_s: float = 60.0  # a request waiting longer is dropped with finish_reason "expired"
+
+    def __post_init__(self) -> None:
+        if min(self.max_sessions, self.max_queue, self.prefill_chunk) < 1 or not self.queue_timeout_s > 0:
+            raise ValueError(f"max_sessions, max_queue and prefill_chunk must be >= 1 and queue_timeout_s > 0, got "
+                             f"{self.max_sessions}, {self.max_queue}, {self.prefill_chunk} and {self.queue_timeout_s}")
+
+
+@dataclass(eq=False)
+class Request:
+    """One completion: its prompt tokens, sampling, and what it produced so far.
+
+    ``on_output(request, text, finished)`` receives each new piece of reply text; the last call has
+    ``finished`` True and ``finish_reason`` set: "stop", "length", "cancelled", "expired" (never admitted
+    within ``queue_timeout_s``) or "error" (the model step failed).
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[["Request", str, bool], None]
+    cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    queued_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    cancelled: bool = False
+    error: str | None = None  # what failed, for finish_reason "error"
+
+    def cancel(self) -> None:
+        """Ask the scheduler to stop this request and free its blocks (safe from any thread)."""
+        self.cancelled = True
+
+
+@dataclass(eq=False)
+class _Running:
+    request: Request
+    seq: Sequence
+    stream: TextStream
+    generator: torch.Generator
+    sent: int = 0  # characters of reply text handed to on_output
+
+    @property
+    def prefilling(self) -> bool:
+        return len(self.seq) < len(self.request.prompt_ids)
+
+    def target_tokens(self) -> int:
+        """Tokens the sequence may hold at most: the prompt and a full reply (its last token is never fed)."""
+        return len(self.request.prompt_ids) + self.request.params.max_new_tokens - 1
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start and gauges now."""
+
+    waiting: int
+    running: int
+    requests_done: int
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    steps: int
+    busy_s: float
+    kv_bytes_used_peak: int
+
+
+class Scheduler:
+    """Runs every admitted request one model step at a time; see the module docstring."""
+
+    def __init__(self, engine: Engine, cache: PagedKVCache, config: SchedulerConfig | None = None) -> None:
+        self.engine, self.cache = engine, cache
+        self.config = config or SchedulerConfig()
+        self._waiting: deque[Request] = deque()
+        self._running: list[_Running] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stats = SchedulerStats(0, 0, 0, 0, 0, 0, 0, 0.0, 0)
+        self._cache_stats = cache.stats()
+
+    # -- any thread ------------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Queue a request; QueueFull when ``max_queue`` are waiting already."""
+        with self._lock:
+            if len(self._waiting) >= self.config.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting already (--max-queue "
+                                f"{self.config.max_queue})")
+            self._waiting.append(request)
+            self._wake.notify()
+
+    def stats(self) -> tuple[SchedulerStats, CacheStats]:
+        """A snapshot of the counters and of the cache as the last step left it."""
+        with self._lock:
+            return SchedulerStats(**{**vars(self._stats), "waiting": len(self._waiting),
+                                     "running": len(self._running)}), self._cache_stats
+
+    def capacity_tokens(self) -> int:
+        """Tokens one conversation can hold at most: the whole pool, within the model's context."""
+        pool = self.cache.blocks.num_blocks * self.cache.tokens_per_block
+        return min(pool, self.engine.config.max_position_embeddings)
+
+    def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
+        """Step until ``stop`` is set, sleeping while there is nothing to do; cancels what is left at the end."""
+        while not stop.is_set():
+            try:
+                worked = self.step()
+            except Exception as err:  # one failed step must not stop the server
+                self.fail_running(err)
+                worked = True
+            if not worked:
+                with self._lock:
+                    if not self._waiting:
+                        self._wake.wait(idle_wait_s)
+        with self._lock:
+            for request in self._waiting:
+                request.cancel()
+            left = list(self._waiting)
+            self._waiting.clear()
+        for request in left:
+            self._finish_unstarted(request, "cancelled")
+        for running in list(self._running):
+            running.request.cancel()
+        self._drop_cancelled()
+
+    # -- the stepping thread ---------------------------------------------------------------
+    def fail_running(self, error: Exception) -> None:
+        """End every running request with finish_reason "error" after a failed step, on a fresh cache: the
+        failed step may have hashed blocks whose K/V it never wrote, so no cached prefix is trusted."""
+        log.error("model step failed; ending %d running requests: %r", len(self._running), error)
+        for running in list(self._running):
+            running.request.error = f"{type(error).__name__}: {error}"
+            self._finish(running, "error")
+        self.cache = self.engine.new_cache(self.cache.config)
+        with self._lock:
+            self._cache_stats = self.cache.stats()
+
+    def step(self) -> bool:
+        """Admit, prefill and decode once; returns whether there was anything to run."""
+        self._drop_cancelled()
+        self._admit()
+        spans, owners = self._plan_step()
+        if not spans:
+            with self._lock:
+                self._cache_stats = self.cache.stats()
+            return False
+        t0 = time.perf_counter()
+        logits = self.engine.model.step(spans, self.cache)
+        peak = self.cache.stats()  # the most this step holds: before any sequence finishes
+        for running, row in zip(owners, logits):
+            if running is not None:
+                self._sample(running, row)
+        with self._lock:
+            self._stats.steps += 1
+            self._stats.busy_s += time.perf_counter() - t0
+            self._stats.kv_bytes_used_peak = max(self._stats.kv_bytes_used_peak, peak.bytes_used)
+            self._cache_stats = self.cache.stats()
+        return True
+
+    def _drop_cancelled(self) -> None:
+        """Finish cancelled requests and those that waited past ``queue_timeout_s``."""
+        deadline = time.perf_counter() - self.config.queue_timeout_s
+        with self._lock:
+            dropped = [r for r in self._waiting if r.cancelled or r.queued_at < deadline]
+            for request in dropped:
+                self._waiting.remove(request)
+        for request in dropped:
+            self._finish_unstarted(request, "cancelled" if request.cancelled else "expired")
+        for running in [r for r in self._running if r.request.cancelled]:
+            self._finish(running, "cancelled")
+
+    def _admit(self) -> None:
+        blocks = self.cache.blocks
+        while len(self._running) < self.config.max_sessions:
+            with self._lock:
+                if not self._waiting:
+                    return
+                request = self._waiting[0]
+            reserved = sum(blocks.blocks_needed(r.seq, r.target_tokens() - len(r.seq)) for r in self._running)
+            prompt = request.prompt_ids
+            needed, cached = blocks.blocks_to_admit(prompt, request.params.max_new_tokens - 1)
+            if needed > blocks.num_free_blocks() - reserved:
+                return  # waits for running sequences to finish; those behind it wait too (FIFO)
+            with self._lock:
+                self._waiting.popleft()
+            request.cached_tokens = cached
+            self._running.append(_Running(request, Sequence(), TextStream(self.engine.tokenizer.decode_reply),
+                                          make_generator(request.params.seed)))
+            with self._lock:
+                self._stats.prompt_tokens += len(prompt)
+                self._stats.cached_tokens += cached
+
+    def _plan_step(self) -> tuple[list[Span], list[_Running | None]]:
+        """One decode token per decoding sequence, then prompt chunks within the prefill budget.
+
+        ``owners[i]`` is the sequence that samples from span i's logits (None: a prompt chunk that is not
+        the last one)."""
+        spans: list[Span] = []
+        owners: list[_Running | None] = []
+        for running in self._running:
+            if not running.prefilling:
+                token, position = running.request.token_ids[-1], len(running.seq)
+                self.cache.append(running.seq, [token])
+                spans.append(Span([token], position, running.seq))
+                owners.append(running)
+        budget = self.config.prefill_chunk
+        for running in self._running:
+            if budget == 0:
+                break
+            if not running.prefilling:
+                continue
+            prompt, start = running.request.prompt_ids, len(running.seq)
+            if start == 0:
+                end = min(len(prompt), running.request.cached_tokens + budget)
+                start = self.cache.allocate(running.seq, prompt[:end])
+            else:
+                end = min(len(prompt), start + budget)
+                self.cache.append(running.seq, prompt[start:end])
+            spans.append(Span(prompt[start:end], start, running.seq))
+            owners.append(running if end == len(prompt) else None)
+            budget -= end - start
+        return spans, owners
+
+    def _sample(self, running: _Running, logits: torch.Tensor) -> None:
+        request, params = running.request, running.request.params
+        token = sample(logits, params, running.generator)
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+        request.token_ids.append(token)
+        with self._lock:
+            self._stats.generated_tokens += 1
+        finish = None
+        if token in params.stop_token_ids:
+            finish = "stop"
+        else:
+            running.stream.push(token)
+            if any(s in running.stream.text for s in params.stop_strings):
+                finish = "stop"
+            elif len(request.token_ids) >= params.max_new_tokens:
+                finish = "length"
+        if finish:
+            self._finish(running, finish)
+            return
+        held = max((len(s) - 1 for s in params.stop_strings), default=0)  # a stop string may be starting
+        safe = running.stream.text[:len(running.stream.text) - held]
+        if len(safe) > running.sent:
+            request.text = safe
+            request.on_output(request, safe[running.sent:], False)
+            running.sent = len(safe)
+
+    def _finish(self, running: _Running, reason: str) -> None:
+        """Free the sequence, hand over the rest of the text (cut at a stop string) and the finish reason."""
+        self._running.remove(running)
+        if running.seq:
+            self.cache.free(running.seq)
+        request, text = running.request, running.stream.text
+        for s in request.params.stop_strings:
+            text = text.split(s)[0]
+        request.text, request.finish_reason = text, reason
+        stats = self.cache.stats()
+        with self._lock:
+            self._stats.requests_done += 1
+            self._cache_stats = stats  # a client told it is done finds its blocks freed in the metrics
+        request.on_output(request, text[running.sent:] if reason != "cancelled" else "", True)
+
+    def _finish_unstarted(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        request.on_output(request, "", True)

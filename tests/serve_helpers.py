@@ -1,0 +1,43 @@
+"""A cabin-serve app run by uvicorn on a free loopback port in a thread of the test process."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import uvicorn
+
+from server.cli import build, parse_args
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(engine_dir, *flags: str):
+    """Start cabin-serve with these flags; yields its base URL and stops it at the end."""
+    port = free_port()
+    app = build(parse_args(["--engine", str(engine_dir), "--port", str(port), "--model-name", "tiny", *flags]))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def metrics(client, base: str) -> dict[str, float]:
+    """The /metrics gauges and counters by name."""
+    text = client.get(f"{base}/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
