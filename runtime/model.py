@@ -23,6 +23,7 @@ from runtime.checkpoint import ModelConfig, layer_prefix
 from runtime.kv_cache import PagedKVCache
 from runtime.kv_storage import KVLayout, KVStorage
 from runtime.native_kernels import MatVec, decode_attention, matvec, native_kernels_enabled
+from runtime.quant_linear import Linear, linear, stack
 from runtime.rope import apply_rope, rope_table
 
 
@@ -49,11 +50,11 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         self.config = config
-        w = {k: v.float() for k, v in weights.items() if not k.endswith("kv_cache_scaling_factor")}
-        self.embedding = w["transformer.vocab_embedding.weight"]
-        self.final_norm = w["transformer.ln_f.weight"]
-        self.lm_head = w.pop("lm_head.weight").contiguous()
-        self.layers = [_layer_weights(w, i, config.qkv_bias) for i in range(config.num_hidden_layers)]
+        w = {k: v for k, v in weights.items() if not k.endswith("cache_scaling_factor")}
+        self.embedding = w["transformer.vocab_embedding.weight"].float()
+        self.final_norm = w["transformer.ln_f.weight"].float()
+        self.lm_head = w.pop("lm_head.weight").float().contiguous()
+        self.layers = [_layer_weights(w, i, config) for i in range(config.num_hidden_layers)]
         self.cos, self.sin = rope_table(config.head_size, config.max_position_embeddings,
                                         config.rotary_base, config.rotary_scaling)
         self.native_kernels = native_kernels_enabled()
@@ -139,25 +140,30 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out[0].transpose(0, 1).reshape(n, heads * d)
 
 
-def _layer_weights(w: dict[str, torch.Tensor], layer: int, qkv_bias: bool) -> dict[str, torch.Tensor]:
-    """One layer's norms and contiguous (out, in) linear weights; fc and gate stacked in one matrix."""
-    p = layer_prefix(layer)
+def _layer_weights(w: dict[str, torch.Tensor], layer: int, config: ModelConfig) -> dict[str, torch.Tensor | Linear]:
+    """One layer's norms and linear ops in the checkpoint's weight format (runtime.weight_formats); fc and gate
+    stacked in one op."""
+    p, fmt = layer_prefix(layer), config.weight_format
+
+    def op(name: str) -> Linear:
+        return fmt.linear({s: w.pop(f"{p}.{name}.{s}") for s in fmt.tensors}, config.quantization)
+
     out = {
-        "input_norm": w[f"{p}.input_layernorm.weight"],
-        "qkv": w.pop(f"{p}.attention.qkv.weight").contiguous(),
-        "dense": w.pop(f"{p}.attention.dense.weight").contiguous(),
-        "post_norm": w[f"{p}.post_layernorm.weight"],
-        "fc_gate": torch.cat([w.pop(f"{p}.mlp.fc.weight"), w.pop(f"{p}.mlp.gate.weight")]),
-        "proj": w.pop(f"{p}.mlp.proj.weight").contiguous(),
+        "input_norm": w[f"{p}.input_layernorm.weight"].float(),
+        "qkv": op("attention.qkv"),
+        "dense": op("attention.dense"),
+        "post_norm": w[f"{p}.post_layernorm.weight"].float(),
+        "fc_gate": stack(op("mlp.fc"), op("mlp.gate")),
+        "proj": op("mlp.proj"),
     }
-    if qkv_bias:
-        out["qkv_bias"] = w[f"{p}.attention.qkv.bias"]
+    if config.qkv_bias:
+        out["qkv_bias"] = w[f"{p}.attention.qkv.bias"].float()
     return out
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, mv: MatVec | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, on the native kernel for one token where there is one."""
-    return mv(x, weight, bias) if mv is not None and x.shape[0] == 1 else F.linear(x, weight, bias)
+def _linear(x: torch.Tensor, weight: Linear, mv: MatVec | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias in the weight's format (runtime.quant_linear)."""
+    return linear(x, weight, mv, bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

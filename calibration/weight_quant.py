@@ -1,0 +1,113 @@
+"""Weight-only quantization of a checkpoint through NVIDIA ModelOpt, calibrated on dialogues.
+
+The checkpoint's weights go into a transformers LlamaForCausalLM (calibration.hf_model);
+``modelopt.torch.quantization.quantize`` with ``INT8_WEIGHT_ONLY_CFG`` (W8A16) or ``INT4_AWQ_CFG`` (W4A16_AWQ,
+group size set per model) runs the calibration forward passes, and ``modelopt.torch.export.
+export_tensorrt_llm_checkpoint`` writes the TensorRT-LLM checkpoint, read back as it was written: tensor names,
+dtypes, shapes and the ``quantization`` block are ModelOpt's own. ``round_to_nearest`` is the AWQ baseline:
+the same int4 groups and format with scales amax / 7 and a prequant scale of 1.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from calibration.hf_model import transformers_model
+from calibration.selection import prepare_dialogues
+from runtime.checkpoint import CONFIG_FILE, WEIGHTS_FILE, ModelConfig, layer_prefix, linear_inputs
+from runtime.quant_linear import INT4_MAX, INT4_MIN, pack_int4
+from runtime.tokenizer import ChatTokenizer
+from runtime.weight_formats import PREQUANT, SCALE, W4A16Awq, W8A16, WeightFormat, awq_group_size
+
+DEFAULT_CALIB_DIALOGUES = 8
+DEFAULT_CALIB_TOKENS = 256
+_EXPORT_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def calibration_tokens(data: str, tokenizer: ChatTokenizer, count: int = DEFAULT_CALIB_DIALOGUES,
+                       max_tokens: int = DEFAULT_CALIB_TOKENS, seed: int = 0) -> list[list[int]]:
+    """Token ids of ``count`` train dialogues of ``data`` (builtin, sharegpt or a file), as cabin-calibrate reads
+    them."""
+    dialogues, _ = prepare_dialogues(data, "train", count, seed, tokenizer, max_tokens)
+    return [d.token_ids for d in dialogues]
+
+
+def modelopt_config(fmt: WeightFormat, group_size: int | None) -> dict:
+    """ModelOpt's quantization config for a weight format (AWQ with ``group_size`` inputs per scale)."""
+    import modelopt.torch.quantization as mtq
+
+    if isinstance(fmt, W8A16):
+        return copy.deepcopy(mtq.INT8_WEIGHT_ONLY_CFG)
+    if not isinstance(fmt, W4A16Awq):
+        raise ValueError(f"{fmt.name} weights are not quantized; nothing to calibrate")
+    config = copy.deepcopy(mtq.INT4_AWQ_CFG)
+    for entry in config["quant_cfg"]:
+        if entry.get("quantizer_name") == "*weight_quantizer" and isinstance(entry.get("cfg"), dict):
+            entry["cfg"]["block_sizes"] = {**entry["cfg"]["block_sizes"], -1: group_size}
+    return config
+
+
+def quantize_weights(config: ModelConfig, weights: dict[str, torch.Tensor], fmt: WeightFormat,
+                     calibration: list[list[int]], progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The TensorRT-LLM checkpoint (config, weights) ModelOpt exports for full-precision ``config``/``weights``
+    quantized to ``fmt``, calibrated on the token sequences of ``calibration``."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    if config.weight_format.quant_algo is not None:
+        raise ValueError(f"the weights are already quantized ({config.weight_format.quant_algo}); quantize a "
+                         "full-precision model")
+    group = awq_group_size(list(linear_inputs(config).values())) if isinstance(fmt, W4A16Awq) else None
+    try:
+        model = transformers_model(config, weights)
+    except ValueError as err:
+        raise ValueError(f"{err}; --weights {fmt.name} quantizes Llama-family models without biases") from None
+
+    def forward_loop(model) -> None:
+        for ids in tqdm(calibration, desc=f"calibrating {fmt.name} weights", unit="dialogue", file=sys.stderr,
+                        disable=not progress):
+            model(torch.tensor([ids]))
+
+    with torch.no_grad():
+        mtq.quantize(model, modelopt_config(fmt, group), forward_loop)
+    with tempfile.TemporaryDirectory(prefix="cabin-modelopt-") as tmp:
+        export_tensorrt_llm_checkpoint(model, "llama", torch.float16, export_dir=tmp,
+                                       inference_tensor_parallel=1)
+        return read_export(Path(tmp))
+
+
+def read_export(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and tensors of a ModelOpt export folder (``config.json`` + ``rank0.safetensors``) as written."""
+    from safetensors.torch import load_file
+
+    data = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    return ModelConfig.from_dict(data, str(folder / CONFIG_FILE)), load_file(str(folder / WEIGHTS_FILE))
+
+
+def round_to_nearest(config: ModelConfig, weights: dict[str, torch.Tensor],
+                     group_size: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """W4A16 by round-to-nearest on AWQ's groups (scale amax / 7 per group, prequant scale 1), in the
+    W4A16_AWQ checkpoint format; float tensors keep their dtype."""
+    group = group_size or awq_group_size(list(linear_inputs(config).values()))
+    out = dict(weights)
+    for layer in range(config.num_hidden_layers):
+        for name in linear_inputs(config):
+            base = f"{layer_prefix(layer)}.{name}"
+            w = out.pop(f"{base}.weight").float()
+            rows, inputs = w.shape
+            amax = w.view(rows, inputs // group, group).abs().amax(-1).clamp(min=1e-8)
+            scale = amax / INT4_MAX
+            q = (w / scale.repeat_interleave(group, dim=1)).round().clamp(INT4_MIN, INT4_MAX)
+            out[f"{base}.weight"] = pack_int4(q)
+            out[f"{base}.{SCALE}"] = scale
+            out[f"{base}.{PREQUANT}"] = torch.ones(inputs, dtype=_EXPORT_DTYPES[config.dtype])
+    quantization = {**config.quantization, "quant_algo": W4A16Awq.quant_algo, "group_size": group,
+                    "has_zero_point": False, "pre_quant_scale": True, "exclude_modules": ["lm_head"]}
+    return replace(config, quantization=quantization), out
