@@ -13,6 +13,7 @@ from runtime.checkpoint import CheckpointError
 from runtime.cli_args import os_error_message, reserve_gib
 from runtime.kv_modes import KV_MODES
 from runtime.kv_scales import ScalesError
+from runtime.weight_formats import WEIGHT_FORMATS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,7 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "record it as the step to run on the device) and write an engine folder with manifest.json.",
     )
     parser.add_argument("--model", default="default",
-                        help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file or an HF model folder")
+                        help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file, an HF model folder or a "
+                             "TensorRT-LLM checkpoint folder (with its tokenizer files)")
     parser.add_argument("--target", default="cpu", help="target profile from engines/targets.toml (default cpu)")
     parser.add_argument("--output", required=True, type=Path, help="engine folder to write, e.g. engines/smollm2-int8")
     parser.add_argument("--kv-cache", default="int8", choices=tuple(KV_MODES),
@@ -38,7 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "weights (default off)")
     parser.add_argument("--reserve-gb", type=reserve_gib,
                         help="GiB held for co-resident models; default: the profile's")
-    parser.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="stored weight dtype")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "float32"),
+                        help="stored dtype of full-precision weights (default float16)")
+    parser.add_argument("--weights", default="fp16", choices=tuple(WEIGHT_FORMATS),
+                        help="weight format: fp16 (full precision, as --dtype), int8 (W8A16) or int4-awq (W4A16_AWQ, "
+                             "group 128 where the input sizes allow, else 64), quantized with ModelOpt on the "
+                             "--calibrate dialogues (default builtin); a TensorRT-LLM checkpoint given as --model "
+                             "keeps its own (default fp16)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the output is up to date, or "
                         "replace an engine folder built from other inputs")
     return parser.parse_args(argv)
@@ -48,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     request = BuildRequest(args.model, args.output, args.kv_cache, args.dtype, args.force, args.target, args.scales,
-                           args.equalize, args.reserve_gb, args.calibrate)
+                           args.equalize, args.reserve_gb, args.calibrate, args.weights)
     try:
         build_engine(request, log=lambda msg: print(msg, file=sys.stderr))
     except (CheckpointError, ScalesError, TargetError, PlanRefused, TrtllmError, FileExistsError, ValueError) as err:
