@@ -9,6 +9,7 @@ the same int4 groups and format with scales amax / 7 and a prequant scale of 1.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -24,8 +25,10 @@ from calibration.selection import prepare_dialogues
 from runtime.checkpoint import CONFIG_FILE, WEIGHTS_FILE, ModelConfig, layer_prefix, linear_inputs
 from runtime.quant_linear import INT4_MAX, INT4_MIN, pack_int4
 from runtime.tokenizer import ChatTokenizer
-from runtime.weight_formats import PREQUANT, SCALE, W4A16Awq, W8A16, WeightFormat, awq_group_size
+from runtime.weight_formats import PREQUANT, SCALE, WEIGHT_FORMATS, W4A16Awq, W8A16, WeightFormat, awq_group_size
 
+EVAL_WEIGHTS = ("fp32", "int8", "int4-awq", "int4-rtn")  # cabin-eval's weights axis: fp32 is the model as loaded
+RTN = "int4-rtn"
 DEFAULT_CALIB_DIALOGUES = 8
 DEFAULT_CALIB_TOKENS = 256
 _EXPORT_DTYPES = {"float16": torch.float16, "float32": torch.float32}
@@ -75,12 +78,13 @@ def quantize_weights(config: ModelConfig, weights: dict[str, torch.Tensor], fmt:
                         disable=not progress):
             model(torch.tensor([ids]))
 
-    with torch.no_grad():
+    # ModelOpt prints its progress; stdout is kept for the tools' own output (cabin-eval --json)
+    with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):
         mtq.quantize(model, modelopt_config(fmt, group), forward_loop)
-    with tempfile.TemporaryDirectory(prefix="cabin-modelopt-") as tmp:
-        export_tensorrt_llm_checkpoint(model, "llama", torch.float16, export_dir=tmp,
-                                       inference_tensor_parallel=1)
-        return read_export(Path(tmp))
+        with tempfile.TemporaryDirectory(prefix="cabin-modelopt-") as tmp:
+            export_tensorrt_llm_checkpoint(model, "llama", torch.float16, export_dir=tmp,
+                                           inference_tensor_parallel=1)
+            return read_export(Path(tmp))
 
 
 def read_export(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -111,3 +115,27 @@ def round_to_nearest(config: ModelConfig, weights: dict[str, torch.Tensor],
     quantization = {**config.quantization, "quant_algo": W4A16Awq.quant_algo, "group_size": group,
                     "has_zero_point": False, "pre_quant_scale": True, "exclude_modules": ["lm_head"]}
     return replace(config, quantization=quantization), out
+
+
+def eval_weights(name: str, config: ModelConfig, weights: dict[str, torch.Tensor], calibration: list[list[int]],
+                 progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The checkpoint cabin-eval measures for one entry of EVAL_WEIGHTS, made from full-precision weights:
+    fp32 as given, int8 and int4-awq quantized by ModelOpt on ``calibration``, int4-rtn by round to nearest on
+    AWQ's groups."""
+    if name not in EVAL_WEIGHTS:
+        raise ValueError(f"unknown weights {name!r}; choose from {', '.join(EVAL_WEIGHTS)}")
+    if name == EVAL_WEIGHTS[0]:
+        return config, weights
+    if name == RTN:
+        return round_to_nearest(config, weights)
+    return quantize_weights(config, weights, WEIGHT_FORMATS[name], calibration, progress)
+
+
+def stored_bytes(weights: dict[str, torch.Tensor]) -> int:
+    """Bytes of a checkpoint's tensors as an fp16 checkpoint stores them: weights, norms and prequant scales in
+    fp16, int8 tensors and the float32 weight scales as they are; KV scaling factors left out."""
+    def size(name: str, t: torch.Tensor) -> int:
+        keep = not t.is_floating_point() or name.endswith(SCALE)
+        return t.numel() * (t.element_size() if keep else 2)
+
+    return sum(size(name, t) for name, t in weights.items() if not name.endswith("cache_scaling_factor"))
