@@ -1,4 +1,5 @@
-"""The linear op of every stored weight format: full precision, W8A16 and W4A16-AWQ, dequantized on the fly.
+"""The linear op of every stored weight format: full precision, W8A16 and W4A16-AWQ, dequantized on the fly
+(one token of a native decode step: dequantized in registers by runtime/kernels/quant_matvec.c).
 
 Layouts are those of a TensorRT-LLM checkpoint as ModelOpt exports it (modelopt/torch/export/quant_utils.py,
 ``to_quantized_weight`` and ``pack_int4_in_uint8``; read by TensorRT-LLM's ``WeightOnlyQuantLinear`` and
@@ -17,7 +18,7 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
-from runtime.native_kernels import MatVec
+from runtime.native_kernels import MatVec, quant_matvec
 
 INT4_MIN, INT4_MAX = -8, 7
 
@@ -46,7 +47,10 @@ class Int8Linear:
         """The fp32 (out, in) weight."""
         return self.weight.float() * self.scale.float()[:, None]
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, native: bool = False) -> torch.Tensor:
+        kernel = quant_matvec() if native and x.shape[0] == 1 else None
+        if kernel is not None:
+            return kernel.int8(x, self.weight, self.scale, bias)
         return F.linear(x, self.dequantize(), bias)
 
     def full_precision(self) -> torch.Tensor:
@@ -67,8 +71,11 @@ class Int4AwqLinear:
         """The fp32 (out, in) weight the prequant-scaled input is multiplied by."""
         return unpack_int4(self.packed).float() * self.scale.float().repeat_interleave(self.group_size, dim=1)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x * self.prequant.float(), self.dequantize(), bias)
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, native: bool = False) -> torch.Tensor:
+        kernel = quant_matvec() if native and x.shape[0] == 1 else None
+        if kernel is not None:
+            return kernel.int4(x * self.prequant, self.packed, self.scale, self.group_size, bias)
+        return F.linear(x * self.prequant, self.dequantize(), bias)
 
     def full_precision(self) -> torch.Tensor:
         """The fp32 (out, in) weight of the same op on the unscaled input (prequant scale folded in)."""
@@ -82,8 +89,8 @@ class Stacked:
 
     parts: tuple[Linear, Linear]
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.cat([linear(x, part, None) for part in self.parts], dim=-1)
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, native: bool = False) -> torch.Tensor:
+        return torch.cat([part(x, None, native) for part in self.parts], dim=-1)
 
     def full_precision(self) -> torch.Tensor:
         """The fp32 weight of both parts, stacked."""
@@ -103,9 +110,9 @@ def stack(first: Linear, second: Linear) -> Linear:
 
 
 def linear(x: torch.Tensor, weight: Linear, mv: MatVec | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias; full-precision weights of one token on the native kernel where there is one."""
+    """x @ weight.T + bias; one token on the native kernels where there are (``mv`` given: a native decode step)."""
     if not isinstance(weight, torch.Tensor):
-        return weight(x, bias)
+        return weight(x, bias, mv is not None)
     return mv(x, weight, bias) if mv is not None and x.shape[0] == 1 else F.linear(x, weight, bias)
 
 

@@ -71,7 +71,7 @@ class W8A16(WeightFormat):
         return {"weight": Stored((out, inp), (torch.int8,)), SCALE: Stored((out,), (torch.float32,) + _FLOATS)}
 
     def linear(self, tensors: dict[str, torch.Tensor], quantization: dict) -> Linear:
-        return Int8Linear(tensors["weight"].contiguous(), tensors[SCALE].float())
+        return Int8Linear(tensors["weight"].contiguous(), tensors[SCALE].float().contiguous())
 
     def weight_bytes(self, out: int, inp: int, quantization: dict, float_bytes: int = 2) -> int:
         return out * inp + 4 * out
@@ -96,8 +96,8 @@ class W4A16Awq(WeightFormat):
                 PREQUANT: Stored((inp,), _FLOATS)}
 
     def linear(self, tensors: dict[str, torch.Tensor], quantization: dict) -> Linear:
-        return Int4AwqLinear(tensors["weight"].contiguous(), tensors[SCALE].float(), tensors[PREQUANT].float(),
-                             self.group_size(quantization))
+        return Int4AwqLinear(tensors["weight"].contiguous(), tensors[SCALE].float().contiguous(),
+                             tensors[PREQUANT].float(), self.group_size(quantization))
 
     def weight_bytes(self, out: int, inp: int, quantization: dict, float_bytes: int = 2) -> int:
         return out * inp // 2 + 4 * out * (inp // self.group_size(quantization)) + float_bytes * inp

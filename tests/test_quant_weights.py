@@ -8,12 +8,13 @@ import torch
 from fakes.tiny_model import write_tiny_llama
 
 from calibration.hf_model import transformers_model
-from calibration.weight_quant import quantize_weights, round_to_nearest
+from calibration.weight_quant import calibration_tokens, quantize_weights, round_to_nearest
 from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from runtime.generate import run_tokens
 from runtime.model import Transformer
 from runtime.model_source import import_model
 from runtime.quant_linear import pack_int4, unpack_int4
+from runtime.tokenizer import ChatTokenizer
 from runtime.weight_formats import WEIGHT_FORMATS
 
 SHAPE = {"hidden_size": 128, "intermediate_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -114,3 +115,20 @@ def test_bad_quantized_checkpoint_is_one_clear_error(fp_checkpoint, tmp_path, ch
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
         load_checkpoint(tmp_path)
     assert "again" in str(err.value) or "rebuild" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4-awq"])
+def test_default_model_exported_by_modelopt_matches_transformers(default_engine_dir, name):
+    """The default model quantized and exported by ModelOpt (one short calibration dialogue) runs on the reference
+    engine; its logits match transformers' forward on the dequantized weights within 1e-3."""
+    config, weights = load_checkpoint(default_engine_dir / "checkpoint")
+    tokenizer_ids = calibration_tokens("builtin", ChatTokenizer(default_engine_dir / "checkpoint"), count=1,
+                                       max_tokens=64)
+    config, weights = quantize_weights(config, weights, WEIGHT_FORMATS[name], tokenizer_ids, progress=False)
+    assert config.quantization["quant_algo"] == {"int8": "W8A16", "int4-awq": "W4A16_AWQ"}[name]
+    assert config.quantization.get("group_size", 64) == 64  # hidden size 576 is not a multiple of 128
+    ids = tokenizer_ids[0][:32]
+    ours = logits(config, weights, ids)
+    with torch.no_grad():
+        reference = transformers_model(config, weights)(torch.tensor([ids])).logits[0]
+    assert (ours - reference).abs().max() < 1e-3
