@@ -3,12 +3,10 @@
 Order of a quantized build: KV equalization is folded into the full-precision weights first (scales_source),
 then the linear weights are quantized (calibration.weight_quant: ModelOpt, calibrated on dialogues), then the
 KV scales are attached (kv_attach). The checkpoint's tensors and ``quantization`` block are what ModelOpt's
-export wrote; the other config keys stay the imported model's (ModelOpt's export leaves ``rotary_base`` out
-where it equals TensorRT-LLM's default).
+export wrote; the other config keys stay the imported model's (calibration.weight_quant.quantize_weights).
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -62,11 +60,7 @@ def quantized_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor], 
     """Full-precision ``config``/``weights`` (KV equalization already folded in) quantized to ``fmt`` by ModelOpt,
     calibrated on ``data`` (default builtin) read with the tokenizer in ``checkpoint``."""
     tokens = calibration_tokens(data or DEFAULT_DATA, ChatTokenizer(checkpoint))
-    exported, quantized = quantize_weights(config, weights, fmt, tokens)
-    new = replace(config, quantization={**exported.quantization,
-                                        "kv_cache_quant_algo": config.quantization.get("kv_cache_quant_algo")},
-                  vocab_size=exported.vocab_size, dtype=exported.dtype)
-    return new, quantized
+    return quantize_weights(config, weights, fmt, tokens)
 
 
 def refingerprint_scales(path: Path, old: str, new: str, config: ModelConfig) -> None:

@@ -60,7 +60,8 @@ def modelopt_config(fmt: WeightFormat, group_size: int | None) -> dict:
 def quantize_weights(config: ModelConfig, weights: dict[str, torch.Tensor], fmt: WeightFormat,
                      calibration: list[list[int]], progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The TensorRT-LLM checkpoint (config, weights) ModelOpt exports for full-precision ``config``/``weights``
-    quantized to ``fmt``, calibrated on the token sequences of ``calibration``."""
+    quantized to ``fmt``, calibrated on the token sequences of ``calibration`` (config keys other than the
+    quantization block, dtype and vocabulary size kept from ``config``)."""
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
@@ -84,7 +85,12 @@ def quantize_weights(config: ModelConfig, weights: dict[str, torch.Tensor], fmt:
         with tempfile.TemporaryDirectory(prefix="cabin-modelopt-") as tmp:
             export_tensorrt_llm_checkpoint(model, "llama", torch.float16, export_dir=tmp,
                                            inference_tensor_parallel=1)
-            return read_export(Path(tmp))
+            exported, tensors = read_export(Path(tmp))
+    # The tensors, quantization block, dtype and (padded) vocabulary are the export's; the other keys stay the
+    # model's: ModelOpt 0.47 reads rope_theta where transformers 4.x kept it, and under transformers 5 leaves
+    # rotary_base out, which TensorRT-LLM then takes as 10000.
+    return replace(config, quantization=exported.quantization, vocab_size=exported.vocab_size,
+                   dtype=exported.dtype), tensors
 
 
 def read_export(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

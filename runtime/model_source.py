@@ -111,6 +111,9 @@ def import_checkpoint(source: Path, output_dir: Path) -> ModelConfig:
     if not (source / "tokenizer.json").is_file():
         raise CheckpointError(f"{source}: a TensorRT-LLM checkpoint folder needs the model's tokenizer beside it; "
                               "copy tokenizer.json and tokenizer_config.json of the HF model into it")
+    if "rotary_base" not in read_json(source / CONFIG_FILE):
+        raise CheckpointError(f"{source / CONFIG_FILE}: no rotary_base, so TensorRT-LLM would use 10000 (ModelOpt "
+                              "0.47 under transformers 5 leaves it out); add the model's rope_theta as rotary_base")
     export_tokenizer(source, output_dir)
     config, weights = load_checkpoint(source)
     save_checkpoint(output_dir, config, weights)

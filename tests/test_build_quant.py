@@ -99,6 +99,15 @@ def test_imports_a_modelopt_checkpoint_folder(built, tmp_path, capsys):
     assert build_main(["--model", str(folder / CHECKPOINT_DIR), "--output", str(out), "--kv-cache", "fp16"]) == 0
     assert Engine.load(out).config.weight_format.name == name
     other = "int8" if name == "int4-awq" else "int4-awq"
+    bare = tmp_path / "bare"  # as ModelOpt 0.47 exports under transformers 5: no rotary_base
+    bare.mkdir()
+    for f in (folder / CHECKPOINT_DIR).iterdir():
+        (bare / f.name).write_bytes(f.read_bytes())
+    data = json.loads((bare / "config.json").read_text())
+    del data["rotary_base"]
+    (bare / "config.json").write_text(json.dumps(data))
+    assert build_main(["--model", str(bare), "--output", str(tmp_path / "y")]) == 2
+    assert "no rotary_base" in capsys.readouterr().err
     assert build_main(["--model", str(folder / CHECKPOINT_DIR), "--output", str(tmp_path / "x"),
                        "--weights", other]) == 2
     assert f"build it with --weights {name}" in capsys.readouterr().err

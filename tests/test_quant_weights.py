@@ -17,7 +17,8 @@ from runtime.quant_linear import pack_int4, unpack_int4
 from runtime.tokenizer import ChatTokenizer
 from runtime.weight_formats import WEIGHT_FORMATS
 
-SHAPE = {"hidden_size": 128, "intermediate_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2}
+SHAPE = {"hidden_size": 128, "intermediate_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "rope_theta": 100000.0}  # not TensorRT-LLM's default rotary_base: it must survive the export
 IDS = [1, 4, 7, 9, 3, 12, 15, 8, 6, 20, 2, 11, 13, 5, 17, 19, 10, 14, 16, 18, 21, 7, 8, 9]
 
 
@@ -64,6 +65,7 @@ def test_exported_checkpoint_matches_transformers_on_dequantized_weights(exporte
     config, weights = load_checkpoint(folder)
     algo = {"int8": "W8A16", "int4-awq": "W4A16_AWQ"}[name]
     assert config.quantization["quant_algo"] == algo
+    assert config.rotary_base == fp_checkpoint[0].rotary_base == 100000.0
     assert weights["transformer.layers.0.attention.qkv.weight"].dtype == torch.int8
     ours = logits(config, weights)
     with torch.no_grad():
