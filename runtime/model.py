@@ -3,8 +3,9 @@
 Computes in fp32 on the CPU whatever dtype the checkpoint stores. One sequence
 at a time: prefill of N tokens and decode of 1 are the same call.
 
-Linear weights keep the checkpoint's (out, in) layout; the MLP's fc and gate
-weights are one (2 * inter, in) matrix, applied in one call. Decoding one token
+Linear weights keep the checkpoint's (out, in) layout and weight format (runtime.weight_formats;
+int8 / int4 ones are dequantized on the fly by runtime.quant_linear); the MLP's fc and gate
+weights are one (2 * inter, in) matrix where the format allows, applied in one call. Decoding one token
 is bound by reading those weights and the KV history, so that case runs on the
 native kernels of runtime.native_kernels: a matrix-vector product per linear
 layer and attention that reads the cache's elements in their blocks (int4 is
@@ -23,7 +24,7 @@ from runtime.checkpoint import ModelConfig, layer_prefix
 from runtime.kv_cache import PagedKVCache
 from runtime.kv_storage import KVLayout, KVStorage
 from runtime.native_kernels import MatVec, decode_attention, matvec, native_kernels_enabled
-from runtime.quant_linear import Linear, linear, stack
+from runtime.quant_linear import Linear, linear as _linear, stack
 from runtime.rope import apply_rope, rope_table
 
 
@@ -159,11 +160,6 @@ def _layer_weights(w: dict[str, torch.Tensor], layer: int, config: ModelConfig) 
     if config.qkv_bias:
         out["qkv_bias"] = w[f"{p}.attention.qkv.bias"].float()
     return out
-
-
-def _linear(x: torch.Tensor, weight: Linear, mv: MatVec | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias in the weight's format (runtime.quant_linear)."""
-    return linear(x, weight, mv, bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
