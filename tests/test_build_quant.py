@@ -9,6 +9,7 @@ from conftest import TINY_ENGINE_SHAPE
 from fakes.tiny_model import write_tiny_llama
 from safetensors.torch import load_file
 
+from benchmarks.runner_cabin import weights_note
 from builders.cli import main as build_main
 from builders.engine_build import BuildRequest, build_engine
 from calibration.hf_model import transformers_model
@@ -89,6 +90,7 @@ def test_built_engine_runs_and_records_its_weights(built):
     ids = engine.tokenizer.encode_prompt(engine.tokenizer.render([{"role": "user", "content": "play some jazz"}]))
     logits = run_tokens(engine.model, ids, "int8", engine.scales, all_logits=True).logits
     assert torch.isfinite(logits).all()
+    assert weights_note(engine, "int8").startswith(engine.config.weight_format.label)  # cabin-bench's row says so
 
 
 def test_imports_a_modelopt_checkpoint_folder(built, tmp_path, capsys):
