@@ -250,7 +250,8 @@ def plan_warnings(plan: Plan) -> list[str]:
     """The known conflicts and costs of this plan, stated with numbers."""
     t, out = plan.target, []
     if t.weights_in_memory:
-        out.append(f"the {t.name} runtime holds weights in {t.weights_in_memory}: "
+        kept = "" if plan.request.weights == "fp16" else f" (the {plan.request.weights} linear layers stay quantized)"
+        out.append(f"the {t.name} runtime holds float weights in {t.weights_in_memory}{kept}: "
                    f"{plan.weights_bytes / GIB:.2f} GiB counted")
     if plan.config.tie_word_embeddings:
         lm_head = plan.config.vocab_size * plan.config.hidden_size * (4 if t.weights_in_memory else 2)
