@@ -52,7 +52,8 @@ def needs_quantizing(fmt: WeightFormat, config: ModelConfig) -> bool:
 
 def quantize_step_text(fmt: WeightFormat, data: str | None) -> str:
     """What the weight step does, for the progress display."""
-    return f"quantizing weights to {fmt.name} ({fmt.quant_algo}, ModelOpt) calibrated on {data or DEFAULT_DATA} dialogues"
+    return (f"quantizing weights to {fmt.name} ({fmt.quant_algo}, ModelOpt) calibrated on {data or DEFAULT_DATA} "
+            "dialogues")
 
 
 def quantized_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor], fmt: WeightFormat,

@@ -58,7 +58,8 @@ def modelopt_config(fmt: WeightFormat, group_size: int | None) -> dict:
 
 
 def quantize_weights(config: ModelConfig, weights: dict[str, torch.Tensor], fmt: WeightFormat,
-                     calibration: list[list[int]], progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+                     calibration: list[list[int]],
+                     progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The TensorRT-LLM checkpoint (config, weights) ModelOpt exports for full-precision ``config``/``weights``
     quantized to ``fmt``, calibrated on the token sequences of ``calibration`` (config keys other than the
     quantization block, dtype and vocabulary size kept from ``config``)."""

@@ -199,7 +199,7 @@ def stored_tensors(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tupl
     out: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...] | None]] = {}
     for name, shape in shapes.items():
         base = name.rsplit(".weight", 1)[0] if name.endswith(".weight") else None
-        if base is None or not base.endswith(LINEAR_LAYERS) or base.startswith("lm_head"):
+        if base is None or not base.endswith(LINEAR_LAYERS):
             out[name] = (shape, None)
             continue
         for suffix, stored in fmt.stored(shape[0], shape[1], config.quantization).items():
@@ -252,8 +252,8 @@ def validate_weights(config: ModelConfig, weights: dict[str, torch.Tensor], sour
         if actual != shape:
             raise CheckpointError(f"{source}: tensor {name} has shape {list(actual)}, expected {list(shape)}")
         if dtypes is not None and weights[name].dtype not in dtypes:
-            raise CheckpointError(f"{source}: tensor {name} is {weights[name].dtype}, a {algo} checkpoint stores it "
-                                  f"as {dtypes[0]}; export the checkpoint again")
+            raise CheckpointError(f"{source}: tensor {name} is {weights[name].dtype}, a {algo or 'full-precision'} "
+                                  f"checkpoint stores it as {dtypes[0]}; export the checkpoint again")
     unexpected = sorted(name for name in set(weights) - set(expected) if not name.endswith(_OPTIONAL))
     if unexpected:
         raise CheckpointError(f"{source}: tensor {unexpected[0]} is not part of the model the config describes "

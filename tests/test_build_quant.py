@@ -1,4 +1,5 @@
-"""cabin-build --weights int8|int4-awq: ModelOpt-quantized checkpoints with KV scales, equal to ModelOpt's own export."""
+"""cabin-build --weights int8|int4-awq: ModelOpt-quantized checkpoints with KV scales, equal to ModelOpt's own
+export."""
 from __future__ import annotations
 
 import json
@@ -120,7 +121,8 @@ def test_decoding_on_the_quantized_kernels_matches_prefill(built):
     of one prefill over the same tokens (torch path on dequantized weights), to float rounding."""
     _, folder = built
     engine = Engine.load(folder)
-    ids = engine.tokenizer.encode_prompt(engine.tokenizer.render([{"role": "user", "content": "set cabin temperature"}]))
+    message = {"role": "user", "content": "set cabin temperature"}
+    ids = engine.tokenizer.encode_prompt(engine.tokenizer.render([message]))
     prefill = run_tokens(engine.model, ids, "fp32", all_logits=True)
     prefilled = run_tokens(engine.model, ids[:1], "fp32", cache=engine.new_cache(engine.kv_cache_config("fp32")))
     cache, seq = prefilled.cache, prefilled.seq

@@ -12,7 +12,8 @@ def test_weights_axis_measures_each_format_alone_and_with_int8_kv(tiny_engine_di
                           "--output", str(tmp_path)])
     assert code == 0
     rows = json.loads((tmp_path / "eval.json").read_text())["modes"]
-    names = ["fp32", "int8-shared"] + [f"{w}/{kv}" for w in ("int8", "int4-awq", "int4-rtn") for kv in ("fp32", "int8-shared")]
+    names = ["fp32", "int8-shared"] + [f"{w}/{kv}" for w in ("int8", "int4-awq", "int4-rtn")
+                                       for kv in ("fp32", "int8-shared")]
     assert list(rows) == names
     size = {w: rows[f"{w}/fp32"]["weight_bytes"] for w in ("int8", "int4-awq", "int4-rtn")}
     assert size["int4-rtn"] < size["int8"] < rows["fp32"]["weight_bytes"]
