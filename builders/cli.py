@@ -20,7 +20,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of cabin-build."""
     parser = argparse.ArgumentParser(
         prog="cabin-build",
-        description="Import a model (GGUF file or Hugging Face folder) into a TensorRT-LLM checkpoint with KV cache "
+        description="Import a model (GGUF file, Hugging Face folder or TensorRT-LLM checkpoint folder) into a "
+                    "TensorRT-LLM checkpoint (weights full precision, W8A16 or W4A16_AWQ) with KV cache "
                     "quantization, plan its memory on the target, run trtllm-build where it is installed (else "
                     "record it as the step to run on the device) and write an engine folder with manifest.json.",
     )

@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated weights to measure, each alone (fp32 KV) and with each --kv-cache mode: "
                              f"{', '.join(EVAL_WEIGHTS)}; int8 and int4-awq are quantized with ModelOpt on "
                              f"{DEFAULT_CALIB_DIALOGUES} train dialogues of --data ({DEFAULT_CALIB_TOKENS} tokens "
-                             "each), int4-rtn rounds to nearest on the same groups (default fp32: weights as loaded)")
+                             "each), int4-rtn rounds to nearest on the same groups; the -eq modes run on fp32 "
+                             "weights only (default fp32: weights as loaded)")
     parser.add_argument("--scales", type=Path,
                         help="kv_scales.json from cabin-calibrate; default: the engine's own if it has channel "
                              "ranges, else a calibration on the train split of --data")
