@@ -184,10 +184,11 @@ def build_inputs(request: BuildRequest, target: Target, source: Path, trtllm: Tr
         "scales_sha256": file_sha256(request.scales) if request.scales else None,
         "equalize": request.equalize,
         "calibrate": request.calibrate,
-        "weights": request.weights,
         "trtllm": [trtllm.executable, trtllm.version] if trtllm else None,
         "cabinllm": tool_versions(None)["cabinllm"],
     }
+    if request.weights != "fp16":  # recorded only when asked, so engines built before the option stay up to date
+        record["weights"] = request.weights
     return json.loads(json.dumps(record))
 
 
