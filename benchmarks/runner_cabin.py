@@ -33,12 +33,18 @@ def cabin_runner(engine: Engine, mode: str) -> Runner:
                            f"runtime block accounting (PagedKVCache.stats), blocks of {config.tokens_per_block} "
                            "tokens")
 
-    return Runner(f"cabin {mode}", "cabin", kv_mode(mode).label, weights_note(mode), run, footprint, mode=mode)
+    return Runner(f"cabin {mode}", "cabin", kv_mode(mode).label, weights_note(engine, mode), run, footprint,
+                  mode=mode)
 
 
-def weights_note(mode: str) -> str:
+def weights_note(engine: Engine, mode: str) -> str:
     """The weights and which code runs a decode step in this mode: native kernels or the torch fallback."""
+    fmt = engine.config.weight_format
+    if fmt.quant_algo is None:
+        weights, kernel = "fp32 (the engine's checkpoint, upcast)", "matvec"
+    else:
+        weights, kernel = f"{fmt.label} (the engine's checkpoint; lm_head and embedding fp32)", "quant_matvec"
     if not native_kernels_enabled() or matvec() is None:
-        return "fp32 (the engine's checkpoint, upcast); decode steps on the torch path (native kernels off)"
+        return f"{weights}; decode steps on the torch path (native kernels off)"
     attention = "attention in the blocks" if kv_mode(mode).per_token else "attention over natively dequantized blocks"
-    return f"fp32 (the engine's checkpoint, upcast); decode steps on native kernels (matvec, {attention})"
+    return f"{weights}; decode steps on native kernels ({kernel}, {attention})"

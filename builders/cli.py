@@ -14,18 +14,21 @@ from runtime.checkpoint import CheckpointError
 from runtime.cli_args import os_error_message, reserve_gib
 from runtime.kv_modes import KV_MODES
 from runtime.kv_scales import ScalesError
+from runtime.weight_formats import WEIGHT_FORMATS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of cabin-build."""
     parser = argparse.ArgumentParser(
         prog="cabin-build",
-        description="Import a model (GGUF file or Hugging Face folder) into a TensorRT-LLM checkpoint with KV cache "
+        description="Import a model (GGUF file, Hugging Face folder or TensorRT-LLM checkpoint folder) into a "
+                    "TensorRT-LLM checkpoint (weights full precision, W8A16 or W4A16_AWQ) with KV cache "
                     "quantization, plan its memory on the target, run trtllm-build where it is installed (else "
                     "record it as the step to run on the device) and write an engine folder with manifest.json.",
     )
     parser.add_argument("--model", default="default",
-                        help="'default' (embedded SmolLM2-135M-Instruct, the default), a .gguf file or an HF model folder")
+                        help="'default' (embedded SmolLM2-135M-Instruct, the default), a .gguf file, an HF model "
+                             "folder or a TensorRT-LLM checkpoint folder (with its tokenizer files)")
     parser.add_argument("--target", default="cpu", help="target profile from engines/targets.toml (default cpu)")
     parser.add_argument("--output", required=True, type=Path, help="engine folder to write, e.g. engines/smollm2-int8")
     parser.add_argument("--kv-cache", default="int8", choices=tuple(KV_MODES),
@@ -40,7 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reserve-gb", type=reserve_gib,
                         help="GiB held for co-resident models; default: the profile's")
     parser.add_argument("--dtype", default="float16", choices=("float16", "float32"),
-                        help="stored weight dtype (default float16)")
+                        help="stored dtype of full-precision weights (default float16)")
+    parser.add_argument("--weights", default="fp16", choices=tuple(WEIGHT_FORMATS),
+                        help="weight format: fp16 (full precision, as --dtype), int8 (W8A16) or int4-awq (W4A16_AWQ, "
+                             "group 128 where the input sizes allow, else 64), quantized with ModelOpt on the "
+                             "--calibrate dialogues (default builtin); a TensorRT-LLM checkpoint given as --model "
+                             "keeps its own (default fp16)")
     parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT,
                         help="the engine's default system prompt, recorded in manifest.json (cabin-chat --system "
                              "overrides it; \"\" for none); default: %(default)r")
@@ -53,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     request = BuildRequest(args.model, args.output, args.kv_cache, args.dtype, args.force, args.target, args.scales,
-                           args.equalize, args.reserve_gb, args.calibrate, args.system_prompt)
+                           args.equalize, args.reserve_gb, args.calibrate, args.system_prompt, args.weights)
     try:
         if problem := text_problem(args.system_prompt):
             raise ValueError(f"--system-prompt {problem}")

@@ -22,6 +22,8 @@ from builders.progress import Steps
 from builders.scales_source import BuildScales, calibrated_scales, quick_scales, scales_from_file
 from builders.targets import Target, get_target, load_targets
 from builders.trtllm import TrtllmInstall, build_args, find_trtllm, flag_set, local_sm, run_trtllm_build
+from builders.weight_build import (build_weight_format, check_equalize, needs_quantizing, quantize_step_text,
+                                   quantized_checkpoint, refingerprint_scales, weights_record)
 from runtime.atomic import atomic_write_text, clean_leftovers, staging_folder
 from runtime.checkpoint import CheckpointError, ModelConfig, load_checkpoint, save_checkpoint
 from runtime.engine_folder import (CHECKPOINT_DIR, ENGINE_FORMAT, MANIFEST_FILE, SCALES_FILE, TRT_ENGINE_DIR,
@@ -48,11 +50,13 @@ class BuildRequest:
     reserve_gb: float | None = None
     calibrate: str | None = None  # dialogue data to calibrate on now: builtin, sharegpt or a file
     system_prompt: str = DEFAULT_SYSTEM_PROMPT  # the engine's default system prompt; "" for none
+    weights: str = "fp16"  # weight format (runtime.weight_formats): fp16 (as --dtype), int8, int4-awq
 
     def command(self) -> str:
         """The cabin-build command line that makes this request."""
         args = ["cabin-build", "--model", self.model, "--target", self.target, "--kv-cache", self.kv_cache,
                 "--dtype", self.dtype, "--output", str(self.output)]
+        args += ["--weights", self.weights] if self.weights != "fp16" else []
         args += ["--scales", str(self.scales)] if self.scales else []
         args += ["--calibrate", self.calibrate] if self.calibrate else []
         args += ["--equalize"] if self.equalize else []
@@ -77,7 +81,10 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
     check_scales_options(request)
     if request.dtype not in ("float16", "float32"):
         raise CheckpointError(f"unknown --dtype {request.dtype!r}; choose float16 or float32")
-    plan = checked_plan(request, target)
+    source_config = load_model_config(request.model)
+    fmt = build_weight_format(request.weights, source_config)
+    check_equalize(fmt, source_config, request.equalize)
+    plan = checked_plan(request, target, fmt.name)
     trtllm = find_trtllm() if target.backend == "tensorrt" else None
     inputs = build_inputs(request, target, source, trtllm)
     clean_leftovers(request.output)  # a killed build's staging folder; the old engine a killed replace moved aside
@@ -85,7 +92,8 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
         log(f"{request.output} is up to date (same inputs); pass --force to build it again")
         return request.output
     device = device_step(target, trtllm)
-    steps = Steps(5 if device.status == "run here" else 4, log)
+    quantize = needs_quantizing(fmt, source_config)
+    steps = Steps((5 if device.status == "run here" else 4) + quantize, log)
     started = time.perf_counter()
     with staging_folder(request.output) as tmp:
         checkpoint = tmp / CHECKPOINT_DIR
@@ -96,9 +104,17 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
             fingerprint = model_fingerprint(config, weights)
         with steps.step(scales_step_text(request)):
             kv = build_scales(request, config, weights, checkpoint, fingerprint, tmp / SCALES_FILE, log)
-        with steps.step(f"writing the checkpoint with {quant_algo(request.kv_cache) or 'no'} KV cache quantization"):
-            attach_kv_quant(config, kv.weights, kv.scales, request.kv_cache)
-            save_checkpoint(checkpoint, config, kv.weights)
+        weights = kv.weights
+        if quantize:
+            with steps.step(quantize_step_text(fmt, request.calibrate)):
+                config, weights = quantized_checkpoint(config, weights, fmt, checkpoint, request.calibrate)
+        with steps.step(f"writing the checkpoint with {fmt.quant_algo or config.dtype} weights and "
+                        f"{quant_algo(request.kv_cache) or 'no'} KV cache quantization"):
+            attach_kv_quant(config, weights, kv.scales, request.kv_cache)
+            save_checkpoint(checkpoint, config, weights)
+            if quantize:
+                imported, fingerprint = fingerprint, model_fingerprint(config, weights)
+                refingerprint_scales(tmp / SCALES_FILE, imported, fingerprint, config)
         trt_command = None
         failed_log = request.output.parent / f"{request.output.name}.{TRTLLM_LOG_FILE}"
         if device.status == "run here":
@@ -109,6 +125,7 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
             scales_sha256 = file_sha256(tmp / SCALES_FILE)
             manifest = make_manifest(request, target, plan, source, fingerprint, kv, scales_sha256, device, trtllm,
                                      trt_command, inputs, time.perf_counter() - started)
+            manifest["weights"] = weights_record(fmt, config, request.calibrate, quantize)
             atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2))
     failed_log.unlink(missing_ok=True)  # a failed earlier attempt's log is stale now
     log(f"engine written to {request.output} ({manifest['backend']} backend; device step: {device.status})")
@@ -147,14 +164,15 @@ def scales_step_text(request: BuildRequest) -> str:
     return text + (" and folding KV equalization into the weights" if request.equalize else "")
 
 
-def checked_plan(request: BuildRequest, target: Target) -> Plan:
-    """The memory plan for the requested KV dtype; PlanRefused (with the nearest working config) if it cannot work."""
+def checked_plan(request: BuildRequest, target: Target, weights: str = "fp16") -> Plan:
+    """The memory plan for the requested KV dtype and weight format; PlanRefused (with the nearest working config)
+    if it cannot work."""
     config = load_model_config(request.model)
-    plan_request = PlanRequest(request.model, target, "fp16", request.reserve_gb, request.kv_cache)
+    plan_request = PlanRequest(request.model, target, weights, request.reserve_gb, request.kv_cache)
     plan = make_plan(plan_request, config)
     reason = plan.refusal()
     if reason:
-        raise PlanRefused(reason, nearest_working(plan_request, config, load_targets(), ("fp16",)))
+        raise PlanRefused(reason, nearest_working(plan_request, config, load_targets()))
     return plan
 
 
@@ -173,6 +191,8 @@ def build_inputs(request: BuildRequest, target: Target, source: Path, trtllm: Tr
         "trtllm": [trtllm.executable, trtllm.version] if trtllm else None,
         "cabinllm": tool_versions(None)["cabinllm"],
     }
+    if request.weights != "fp16":  # recorded only when asked, so engines built before the option stay up to date
+        record["weights"] = request.weights
     return json.loads(json.dumps(record))
 
 

@@ -3,20 +3,20 @@
 Weights are counted from the TensorRT-LLM checkpoint's tensor shapes, so a tied
 ``lm_head`` counts twice: the checkpoint (and the engine) holds its own copy.
 Weight-only int8/int4 quantize the linear layers only (embedding, lm_head and norms
-stay fp16, as TensorRT-LLM's weight-only modes do); int8 adds one fp16 scale per
-output channel, int4 one per group of 128 inputs.
+stay fp16, as TensorRT-LLM's weight-only modes do); int8 adds one float32 scale per
+output channel, int4-awq one per group of 128 (or 64) inputs and an fp16 prequant scale per input,
+as ModelOpt exports them.
 """
 from __future__ import annotations
 
 import math
 
-from runtime.checkpoint import ModelConfig, expected_shapes
+from runtime.checkpoint import ModelConfig, expected_shapes, linear_shapes
 from runtime.kv_modes import bytes_per_token
 from runtime.kv_storage import KVLayout
+from runtime.weight_formats import WEIGHT_FORMATS as FORMATS, awq_group_size, weight_format as weight_format_of
 
-WEIGHT_FORMATS = ("fp16", "int8", "int4")
-INT4_GROUP = 128
-_LINEAR = ("attention.qkv.weight", "attention.dense.weight", "mlp.fc.weight", "mlp.gate.weight", "mlp.proj.weight")
+WEIGHT_FORMATS = tuple(FORMATS)  # fp16, int8 (W8A16), int4-awq (W4A16_AWQ)
 _BYTES = {"fp32": 4, "fp16": 2}
 
 
@@ -26,20 +26,19 @@ def parameter_count(config: ModelConfig) -> int:
 
 
 def weights_bytes(config: ModelConfig, weight_format: str, in_memory: str | None = None) -> int:
-    """Bytes of the weights stored as ``weight_format`` (fp16, int8, int4), or held as ``in_memory`` (fp32)."""
-    if in_memory is not None:
-        return parameter_count(config) * _BYTES[in_memory]
-    if weight_format not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    """Bytes of the weights stored as ``weight_format`` (runtime.weight_formats: the checkpoint's tensors, scales
+    included; AWQ with the group size cabin-build picks), float tensors held as ``in_memory`` (fp32) when given."""
+    fmt = weight_format_of(weight_format)
+    float_bytes = _BYTES[in_memory] if in_memory is not None else 2
+    linears = linear_shapes(config)
+    quantization = {"group_size": awq_group_size([s[1] for s in linears.values()])} if fmt.group_size({}) else {}
     total = 0
     for name, shape in _weight_shapes(config).items():
-        params = math.prod(shape)
-        if weight_format == "fp16" or not name.endswith(_LINEAR):
-            total += 2 * params
-        elif weight_format == "int8":
-            total += params + 2 * shape[0]
+        suffix = ".".join(name.split(".")[3:-1])
+        if suffix in linears:
+            total += fmt.weight_bytes(shape[0], shape[1], quantization, float_bytes)
         else:
-            total += params // 2 + 2 * shape[0] * math.ceil(shape[1] / INT4_GROUP)
+            total += math.prod(shape) * float_bytes
     return total
 
 

@@ -249,11 +249,9 @@ def prefill_per_turn(turn: TurnTokens, turns: int, tokens_per_block: int, reuse:
 def plan_warnings(plan: Plan) -> list[str]:
     """The known conflicts and costs of this plan, stated with numbers."""
     t, out = plan.target, []
-    if plan.request.weights != "fp16":
-        out.append(f"cabin-build writes fp16 checkpoints: {plan.request.weights} weight-only storage is planned "
-                   "here but not built yet")
     if t.weights_in_memory:
-        out.append(f"the {t.name} runtime holds weights in {t.weights_in_memory}: "
+        kept = "" if plan.request.weights == "fp16" else f" (the {plan.request.weights} linear layers stay quantized)"
+        out.append(f"the {t.name} runtime holds float weights in {t.weights_in_memory}{kept}: "
                    f"{plan.weights_bytes / GIB:.2f} GiB counted")
     if plan.config.tie_word_embeddings:
         lm_head = plan.config.vocab_size * plan.config.hidden_size * (4 if t.weights_in_memory else 2)
@@ -293,7 +291,7 @@ def nearest_working(request: PlanRequest, config: ModelConfig, targets: dict[str
                     weight_formats: tuple[str, ...] = WEIGHT_FORMATS, turn: TurnTokens = TYPICAL_TURN) -> Plan | None:
     """The closest plan that works: another KV dtype here, lighter weights here, then larger targets.
 
-    ``weight_formats`` limits the weights tried (cabin-build writes fp16 only).
+    ``weight_formats`` limits the weights tried.
     """
     here = request.target
     lighter = [w for w in weight_formats if w in here.weight_formats]

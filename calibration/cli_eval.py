@@ -1,4 +1,4 @@
-"""``cabin-eval``: perplexity, KL and top-1 agreement of KV cache modes on held-out dialogues."""
+"""``cabin-eval``: perplexity, KL and top-1 agreement of KV cache modes and weight formats on held-out dialogues."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,10 @@ from pathlib import Path
 from calibration.calibrate import CalibrationRequest, calibrate
 from calibration.charts import plot_accuracy
 from calibration.dialogues import DataError
-from calibration.evaluate import EVAL_MODES, REFERENCE_MODE, STATIC_MODES, ModeResult, evaluate, results_json
+from calibration.evaluate import (EVAL_MODES, REFERENCE_MODE, REFERENCE_WEIGHTS, STATIC_MODES, WEIGHTS_SEPARATOR,
+                                  ModeResult, evaluate, results_json)
+from calibration.weight_quant import (DEFAULT_CALIB_DIALOGUES, DEFAULT_CALIB_TOKENS, EVAL_WEIGHTS, RTN,
+                                      calibration_tokens, eval_weights)
 from calibration.selection import prepare_dialogues
 from runtime.atomic import atomic_write_text
 from runtime.checkpoint import CheckpointError
@@ -33,6 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", default="builtin", help="'builtin', 'sharegpt', a .jsonl or a ShareGPT .json file")
     parser.add_argument("--kv-cache", default=",".join(EVAL_MODES),
                         help=f"comma-separated modes (default all: {','.join(EVAL_MODES)})")
+    parser.add_argument("--weights", default=REFERENCE_WEIGHTS,
+                        help=f"comma-separated weights to measure, each alone (fp32 KV) and with each --kv-cache mode: "
+                             f"{', '.join(EVAL_WEIGHTS)}; int8 and int4-awq are quantized with ModelOpt on "
+                             f"{DEFAULT_CALIB_DIALOGUES} train dialogues of --data ({DEFAULT_CALIB_TOKENS} tokens "
+                             "each), int4-rtn rounds to nearest on the same groups; the -eq modes run on fp32 "
+                             "weights only (default fp32: weights as loaded)")
     parser.add_argument("--scales", type=Path,
                         help="kv_scales.json from cabin-calibrate; default: the engine's own if it has channel "
                              "ranges, else a calibration on the train split of --data")
@@ -73,12 +82,26 @@ def resolve_scales(args: argparse.Namespace, model: LoadedModel, modes: list[str
 
 def format_table(results: dict[str, ModeResult]) -> str:
     """The results as an aligned text table."""
-    rows = [f"{'KV mode':<16}{'bytes/token':>12}{'perplexity':>12}{'vs fp32':>10}{'KL':>11}{'top-1 agree':>13}"]
+    rows = [f"{'weights':<10}{'weight MB':>10}  {'KV mode':<16}{'bytes/token':>12}{'perplexity':>12}{'vs fp32':>10}"
+            f"{'KL':>11}{'top-1 agree':>13}"]
     for mode, r in results.items():
         delta = "-" if mode == REFERENCE_MODE else f"{r.ppl_delta_pct:+.2f}%"
-        rows.append(f"{mode:<16}{r.kv_bytes_per_token:>12}{r.ppl:>12.4f}{delta:>10}{r.kl:>11.5f}"
-                    f"{100 * r.top1_agree:>12.2f}%")
+        kv = mode.split(WEIGHTS_SEPARATOR)[-1]
+        rows.append(f"{r.weights:<10}{r.weight_bytes / 1e6:>10.1f}  {kv:<16}{r.kv_bytes_per_token:>12}"
+                    f"{r.ppl:>12.4f}{delta:>10}{r.kl:>11.5f}{100 * r.top1_agree:>12.2f}%")
     return "\n".join(rows)
+
+
+def quantized_weights(names: list[str], model: LoadedModel, data: str, seed: int) -> dict:
+    """Each requested weights entry other than fp32, made from the model's full-precision weights."""
+    names = [n for n in names if n != REFERENCE_WEIGHTS]
+    if not names:
+        return {}
+    if model.config.weight_format.quant_algo is not None:
+        raise ValueError(f"--weights {','.join(names)} quantizes full-precision weights, and {model.name} is "
+                         f"{model.config.weight_format.quant_algo}; give the full-precision model")
+    tokens = calibration_tokens(data, model.tokenizer, seed=seed) if set(names) - {RTN} else []
+    return {name: eval_weights(name, model.config, model.weights, tokens) for name in names}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,11 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in modes if m not in EVAL_MODES]
         if unknown or not modes:
             raise ValueError(f"unknown --kv-cache mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
+        weight_names = [w.strip() for w in args.weights.split(",") if w.strip()]
+        unknown = [w for w in weight_names if w not in EVAL_WEIGHTS]
+        if unknown or not weight_names:
+            raise ValueError(f"unknown --weights {unknown}; choose from {', '.join(EVAL_WEIGHTS)}")
         model = load_model(args.model)
         scales, scales_source = resolve_scales(args, model, modes)
         dialogues, data = prepare_dialogues(args.data, "heldout", args.num_dialogues, args.seed, model.tokenizer,
                                             args.max_tokens, args.min_tokens)
-        results = evaluate(model, dialogues, modes, scales)
+        weights = quantized_weights(weight_names, model, args.data, args.seed)
+        results = evaluate(model, dialogues, modes, scales, weights=weights)
     except (CheckpointError, DataError, ScalesError, ValueError) as err:
         print(f"cabin-eval: error: {err}", file=sys.stderr)
         return 2

@@ -10,7 +10,9 @@ window), as in decode, where it sees 127 or more. The modes measured are the
 reference engine's KV modes (runtime.kv_modes) under their eval names, plus each
 shared-scale mode on weights with KV equalization folded in (``-eq``).
 Per mode: perplexity of the dialogue's next tokens, mean KL(reference || mode)
-of the next-token distributions, and how often the top-1 token agrees.
+of the next-token distributions, and how often the top-1 token agrees. Quantized weights
+(calibration.weight_quant) are measured the same way against the same reference (fp32 weights, fp32 KV),
+alone (fp32 KV) and with each KV mode.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from tqdm import tqdm
 
 from calibration.equalize import equalize
 from calibration.selection import TokenizedDialogue
+from calibration.weight_quant import stored_bytes
+from runtime.checkpoint import ModelConfig
 from runtime.generate import run_tokens
 from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK
 from runtime.kv_modes import KV_MODES, KVMode, kv_mode
@@ -32,7 +36,9 @@ from runtime.model import Transformer
 from runtime.model_source import LoadedModel
 
 REFERENCE_MODE = "fp32"
+REFERENCE_WEIGHTS = "fp32"
 EQUALIZED_SUFFIX = "-eq"
+WEIGHTS_SEPARATOR = "/"  # a row of quantized weights is named "<weights>/<KV mode>", e.g. "int4-awq/int8"
 _CHUNK = 256  # rows of logits compared at a time, to bound memory
 
 
@@ -67,6 +73,8 @@ class ModeResult:
     kl: float
     top1_agree: float
     kv_bytes_per_token: int  # at the mean dialogue length; int4 includes its fp16 window
+    weights: str = REFERENCE_WEIGHTS  # the weights the row ran on (calibration.weight_quant.EVAL_WEIGHTS)
+    weight_bytes: int = 0  # their checkpoint bytes, floats as fp16 (calibration.weight_quant.stored_bytes)
 
 
 @dataclass
@@ -76,6 +84,8 @@ class ModeRunner:
     model: Transformer
     kv_mode: KVMode
     scales: KVScales | None
+    weights: str = REFERENCE_WEIGHTS
+    weight_bytes: int = 0
 
 
 def build_runners(model: LoadedModel, modes: list[str], scales_file: ScalesFile | None) -> dict[str, ModeRunner]:
@@ -101,6 +111,20 @@ def build_runners(model: LoadedModel, modes: list[str], scales_file: ScalesFile 
         else:
             scales = scales_file.scales if mode.kv_mode.static_scales else None
             runners[name] = ModeRunner(base, mode.kv_mode, scales)
+    return runners
+
+
+def weight_runners(weights: dict[str, tuple[ModelConfig, dict[str, torch.Tensor]]], modes: list[str],
+                   scales_file: ScalesFile | None) -> dict[str, ModeRunner]:
+    """A runner per quantized checkpoint and KV mode (fp32 KV, then each requested mode that runs on unequalized
+    weights), named ``<weights>/<KV mode>``."""
+    runners = {}
+    for name, (config, tensors) in weights.items():
+        model, size = Transformer(config, tensors), stored_bytes(tensors)
+        for kv in [REFERENCE_MODE] + [m for m in modes if not EVAL_MODES[m].equalized]:
+            mode = kv_mode(REFERENCE_MODE) if kv == REFERENCE_MODE else EVAL_MODES[kv].kv_mode
+            scales = scales_file.scales if mode.static_scales else None
+            runners[f"{name}{WEIGHTS_SEPARATOR}{kv}"] = ModeRunner(model, mode, scales, name, size)
     return runners
 
 
@@ -138,12 +162,19 @@ def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, tar
 
 
 def evaluate(model: LoadedModel, dialogues: list[TokenizedDialogue], modes: list[str],
-             scales_file: ScalesFile | None, progress: bool = True) -> dict[str, ModeResult]:
-    """Accuracy of each mode over the dialogues, after the ``fp32`` reference itself."""
+             scales_file: ScalesFile | None, progress: bool = True,
+             weights: dict[str, tuple[ModelConfig, dict[str, torch.Tensor]]] | None = None) -> dict[str, ModeResult]:
+    """Accuracy of each mode over the dialogues, after the ``fp32`` reference itself; with ``weights`` (name ->
+    quantized checkpoint of the same model), also of each of them with fp32 KV and with each mode."""
     runners = build_runners(model, modes, scales_file)
+    full_bytes = stored_bytes(model.weights)
+    for runner in runners.values():
+        runner.weight_bytes = full_bytes
+    runners.update(weight_runners(weights or {}, modes, scales_file))
+    vocab = model.config.vocab_size  # an AWQ export pads the vocabulary: its extra logits are left out
     reference = model.transformer()
-    ref_totals, totals = Totals(), {mode: Totals() for mode in modes}
-    steps = len(dialogues) * (len(modes) + 1)
+    ref_totals, totals = Totals(), {mode: Totals() for mode in runners}
+    steps = len(dialogues) * (len(runners) + 1)
     with tqdm(total=steps, desc="evaluating KV modes", unit="run", file=sys.stderr, disable=not progress) as bar:
         for dialogue in dialogues:
             ids = dialogue.token_ids
@@ -153,17 +184,18 @@ def evaluate(model: LoadedModel, dialogues: list[TokenizedDialogue], modes: list
             bar.update()
             for mode, runner in runners.items():
                 bar.set_postfix_str(mode)
-                logits = run_logits(runner.model, ids, runner.kv_mode, runner.scales)[:-1]
+                logits = run_logits(runner.model, ids, runner.kv_mode, runner.scales)[:-1, :vocab]
                 accumulate(totals[mode], ref_logp, logits, targets)
                 bar.update()
     ref_ppl = math.exp(ref_totals.nll / ref_totals.tokens)
     reference_bytes = stored_bytes_per_token(reference.kv_layout, kv_mode(REFERENCE_MODE), 1)
-    results = {REFERENCE_MODE: ModeResult(ref_ppl, 0.0, 0.0, 1.0, reference_bytes)}
+    results = {REFERENCE_MODE: ModeResult(ref_ppl, 0.0, 0.0, 1.0, reference_bytes, REFERENCE_WEIGHTS, full_bytes)}
     mean_tokens = round(sum(len(d.token_ids) for d in dialogues) / len(dialogues))
     for mode, t in totals.items():
         ppl = math.exp(t.nll / t.tokens)
         stored = stored_bytes_per_token(runners[mode].model.kv_layout, runners[mode].kv_mode, mean_tokens)
-        results[mode] = ModeResult(ppl, 100 * (ppl / ref_ppl - 1), t.kl / t.tokens, t.agree / t.tokens, stored)
+        results[mode] = ModeResult(ppl, 100 * (ppl / ref_ppl - 1), t.kl / t.tokens, t.agree / t.tokens, stored,
+                                   runners[mode].weights, runners[mode].weight_bytes)
     return results
 
 

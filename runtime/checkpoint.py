@@ -14,12 +14,16 @@ from pathlib import Path
 
 import torch
 
+from runtime.weight_formats import LINEAR_LAYERS, WeightFormat, WeightFormatError, checkpoint_format
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "rank0.safetensors"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 REBUILD = "rebuild the engine with cabin-build"
 _COUNT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "head_size", "intermediate_size", "max_position_embeddings")
+# ModelOpt writes separate K and V scales beside TensorRT-LLM's shared kv_cache_scaling_factor; nothing reads them
+_OPTIONAL = ("attention.k_cache_scaling_factor", "attention.v_cache_scaling_factor")
 _ROPE_SCALINGS = ("default", "linear", "llama3")  # runtime.rope computes these
 
 
@@ -50,6 +54,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     mapping: dict = field(default_factory=lambda: {"world_size": 1, "tp_size": 1, "pp_size": 1})
     quantization: dict = field(default_factory=lambda: {"quant_algo": None, "kv_cache_quant_algo": None})
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        """The stored format of the linear weights, from ``quantization`` (runtime.weight_formats)."""
+        return checkpoint_format(self.quantization, linear_inputs(self), "config")
 
     @property
     def kv_channels(self) -> int:
@@ -112,6 +121,10 @@ class ModelConfig:
             raise CheckpointError(f"{source}: missing config keys {missing}; re-run cabin-build to regenerate it")
         config = cls(**kwargs)
         config.check(source)
+        try:
+            checkpoint_format(config.quantization, linear_inputs(config), source)
+        except WeightFormatError as err:
+            raise CheckpointError(str(err)) from None
         return config
 
 
@@ -165,6 +178,35 @@ def layer_prefix(layer: int) -> str:
     return f"transformer.layers.{layer}"
 
 
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each linear layer of one decoder layer, by its name suffix (``attention.qkv``, ...)."""
+    h, inter = config.hidden_size, config.intermediate_size
+    q_out = config.num_attention_heads * config.head_size
+    return {"attention.qkv": (q_out + 2 * config.kv_channels, h), "attention.dense": (h, q_out),
+            "mlp.fc": (inter, h), "mlp.gate": (inter, h), "mlp.proj": (h, inter)}
+
+
+def linear_inputs(config: ModelConfig) -> dict[str, int]:
+    """Input size of each linear layer, by name suffix (what a group size must divide)."""
+    return {layer: shape[1] for layer, shape in linear_shapes(config).items()}
+
+
+def stored_tensors(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...] | None]]:
+    """Every tensor the checkpoint stores in its weight format: name -> (shape, allowed dtypes or None for any
+    float dtype)."""
+    fmt = config.weight_format
+    shapes = expected_shapes(config)
+    out: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...] | None]] = {}
+    for name, shape in shapes.items():
+        base = name.rsplit(".weight", 1)[0] if name.endswith(".weight") else None
+        if base is None or not base.endswith(LINEAR_LAYERS):
+            out[name] = (shape, None)
+            continue
+        for suffix, stored in fmt.stored(shape[0], shape[1], config.quantization).items():
+            out[f"{base}.{suffix}"] = (stored.shape, stored.dtypes)
+    return out
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight the checkpoint must hold, with its shape (linear weights are (out, in))."""
     h, inter = config.hidden_size, config.intermediate_size
@@ -196,14 +238,23 @@ def validate_weights(config: ModelConfig, weights: dict[str, torch.Tensor], sour
     if config.num_hidden_layers > len(weights):  # before listing the tensors of that many layers
         raise CheckpointError(f"{source}: the config says num_hidden_layers {config.num_hidden_layers} but there are "
                               f"only {len(weights)} tensors; the config and the weights disagree, {REBUILD}")
-    expected = expected_shapes(config)
-    for name, shape in expected.items():
+    try:
+        expected = stored_tensors(config)
+    except WeightFormatError as err:
+        raise CheckpointError(str(err)) from None
+    algo = config.quantization.get("quant_algo")
+    for name, (shape, dtypes) in expected.items():
         if name not in weights:
-            raise CheckpointError(f"{source}: tensor {name} is missing; the checkpoint is incomplete, rebuild it")
+            what = f"the {algo} checkpoint has no {name.rsplit('.', 1)[-1]} for it" if algo else "it is missing"
+            raise CheckpointError(f"{source}: tensor {name} is missing ({what}); the checkpoint is incomplete, "
+                                  "export or rebuild it")
         actual = tuple(weights[name].shape)
         if actual != shape:
             raise CheckpointError(f"{source}: tensor {name} has shape {list(actual)}, expected {list(shape)}")
-    unexpected = sorted(set(weights) - set(expected))
+        if dtypes is not None and weights[name].dtype not in dtypes:
+            raise CheckpointError(f"{source}: tensor {name} is {weights[name].dtype}, a {algo or 'full-precision'} "
+                                  f"checkpoint stores it as {dtypes[0]}; export the checkpoint again")
+    unexpected = sorted(name for name in set(weights) - set(expected) if not name.endswith(_OPTIONAL))
     if unexpected:
         raise CheckpointError(f"{source}: tensor {unexpected[0]} is not part of the model the config describes "
                               f"({len(unexpected)} such tensors); the config and the weights disagree, {REBUILD}")

@@ -6,14 +6,15 @@ its weights once for all of them, and each span attends over its own sequence's
 blocks. Prefill of N tokens and decode of 1 are the same call; batched decode is a
 step of several one-token spans.
 
-Linear weights keep the checkpoint's (out, in) layout; the MLP's fc and gate
-weights are one (2 * inter, in) matrix, applied in one call. A decode step is
+Linear weights keep the checkpoint's (out, in) layout and weight format (runtime.weight_formats;
+int8 / int4 ones are dequantized on the fly by runtime.quant_linear); the MLP's fc and gate
+weights are one (2 * inter, in) matrix where the format allows, applied in one call. A decode step is
 bound by reading those weights and the KV history, so a step of a few tokens runs
 on the native kernels of runtime.native_kernels: a product of the step's tokens
-with each linear layer's weights, read once, and, per one-token span, attention
-that reads the cache's elements in their blocks (int4 is dequantized first). Each
-token's row is computed exactly as it would be alone. Longer prefill and machines
-where the kernels cannot be built run the torch path below (same math).
+with each linear layer's weights, read once (int8 / int4 weights: one-token steps, dequantized in
+registers), and, per one-token span, attention that reads the cache's elements in their blocks (int4
+is dequantized first). Each token's row is computed exactly as it would be alone. Longer prefill and
+machines where the kernels cannot be built run the torch path below (same math).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from runtime.checkpoint import ModelConfig, layer_prefix
 from runtime.kv_cache import PagedKVCache
 from runtime.kv_storage import KVLayout, KVStorage
 from runtime.native_kernels import MATVEC_MAX_TOKENS, MatVec, decode_attention, matvec, native_kernels_enabled
+from runtime.quant_linear import Linear, linear as _linear, stack
 from runtime.rope import apply_rope, rope_table
 
 
@@ -61,11 +63,11 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         self.config = config
-        w = {k: v.float() for k, v in weights.items() if not k.endswith("kv_cache_scaling_factor")}
-        self.embedding = w["transformer.vocab_embedding.weight"]
-        self.final_norm = w["transformer.ln_f.weight"]
-        self.lm_head = w.pop("lm_head.weight").contiguous()
-        self.layers = [_layer_weights(w, i, config.qkv_bias) for i in range(config.num_hidden_layers)]
+        w = {k: v for k, v in weights.items() if not k.endswith("cache_scaling_factor")}
+        self.embedding = w["transformer.vocab_embedding.weight"].float()
+        self.final_norm = w["transformer.ln_f.weight"].float()
+        self.lm_head = w.pop("lm_head.weight").float().contiguous()
+        self.layers = [_layer_weights(w, i, config) for i in range(config.num_hidden_layers)]
         self.cos, self.sin = rope_table(config.head_size, config.max_position_embeddings,
                                         config.rotary_base, config.rotary_scaling)
         self.native_kernels = native_kernels_enabled()
@@ -168,25 +170,25 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out[0].transpose(0, 1).reshape(n, heads * d)
 
 
-def _layer_weights(w: dict[str, torch.Tensor], layer: int, qkv_bias: bool) -> dict[str, torch.Tensor]:
-    """One layer's norms and contiguous (out, in) linear weights; fc and gate stacked in one matrix."""
-    p = layer_prefix(layer)
+def _layer_weights(w: dict[str, torch.Tensor], layer: int, config: ModelConfig) -> dict[str, torch.Tensor | Linear]:
+    """One layer's norms and linear ops in the checkpoint's weight format (runtime.weight_formats); fc and gate
+    stacked in one op."""
+    p, fmt = layer_prefix(layer), config.weight_format
+
+    def op(name: str) -> Linear:
+        return fmt.linear({s: w.pop(f"{p}.{name}.{s}") for s in fmt.tensors}, config.quantization)
+
     out = {
-        "input_norm": w[f"{p}.input_layernorm.weight"],
-        "qkv": w.pop(f"{p}.attention.qkv.weight").contiguous(),
-        "dense": w.pop(f"{p}.attention.dense.weight").contiguous(),
-        "post_norm": w[f"{p}.post_layernorm.weight"],
-        "fc_gate": torch.cat([w.pop(f"{p}.mlp.fc.weight"), w.pop(f"{p}.mlp.gate.weight")]),
-        "proj": w.pop(f"{p}.mlp.proj.weight").contiguous(),
+        "input_norm": w[f"{p}.input_layernorm.weight"].float(),
+        "qkv": op("attention.qkv"),
+        "dense": op("attention.dense"),
+        "post_norm": w[f"{p}.post_layernorm.weight"].float(),
+        "fc_gate": stack(op("mlp.fc"), op("mlp.gate")),
+        "proj": op("mlp.proj"),
     }
-    if qkv_bias:
-        out["qkv_bias"] = w[f"{p}.attention.qkv.bias"]
+    if config.qkv_bias:
+        out["qkv_bias"] = w[f"{p}.attention.qkv.bias"].float()
     return out
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, mv: MatVec | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, on the native kernel for a step of a few tokens where there is one."""
-    return mv(x, weight, bias) if mv is not None else F.linear(x, weight, bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

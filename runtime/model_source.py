@@ -108,8 +108,32 @@ def _gguf_config(path: Path) -> ModelConfig:
     return config_from_gguf(read_gguf(path), path)
 
 
+def is_checkpoint_folder(path: Path) -> bool:
+    """Whether ``path`` is a TensorRT-LLM checkpoint folder (its config.json names an ``architecture``)."""
+    try:
+        return path.is_dir() and "architecture" in read_json(path / CONFIG_FILE)
+    except CheckpointError:
+        return False
+
+
+def import_checkpoint(source: Path, output_dir: Path) -> ModelConfig:
+    """Copy a TensorRT-LLM checkpoint folder (any weight format of runtime.weight_formats, e.g. one ModelOpt
+    exported) into ``output_dir`` after checking it, with the tokenizer files that must sit beside it."""
+    if not (source / "tokenizer.json").is_file():
+        raise CheckpointError(f"{source}: a TensorRT-LLM checkpoint folder needs the model's tokenizer beside it; "
+                              "copy tokenizer.json and tokenizer_config.json of the HF model into it")
+    if "rotary_base" not in read_json(source / CONFIG_FILE):
+        raise CheckpointError(f"{source / CONFIG_FILE}: no rotary_base, so TensorRT-LLM would use 10000 (ModelOpt "
+                              "0.47 under transformers 5 leaves it out); add the model's rope_theta as rotary_base")
+    export_tokenizer(source, output_dir)
+    config, weights = load_checkpoint(source)
+    save_checkpoint(output_dir, config, weights)
+    return config
+
+
 def import_model(source: str | Path, output_dir: Path, dtype: str = "float16") -> ModelConfig:
-    """Write config.json, rank0.safetensors and tokenizer files for a .gguf file or HF folder into ``output_dir``.
+    """Write config.json, rank0.safetensors and tokenizer files for a .gguf file, an HF folder or a TensorRT-LLM
+    checkpoint folder (copied as stored, ``dtype`` aside) into ``output_dir``.
 
     A GGUF file is imported once per machine into the user cache (``runtime.import_cache``) and copied
     from there in the asked dtype."""
@@ -118,6 +142,8 @@ def import_model(source: str | Path, output_dir: Path, dtype: str = "float16") -
         raise CheckpointError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if not source.exists():
         raise CheckpointError(f"{source}: not found; pass a .gguf file or an HF model folder")
+    if is_checkpoint_folder(source):
+        return import_checkpoint(source, output_dir)
     if source.is_dir():
         return _convert(source, output_dir, dtype)
     cached = imported_gguf(source)

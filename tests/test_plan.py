@@ -107,13 +107,14 @@ def test_bare_hf_config_json_llama3_8b(capsys):
 def test_weight_only_formats_shrink_the_linear_layers():
     config = load_model_config(str(LLAMA3_8B))
     target = get_target("agx-orin-64gb")
-    sizes = {w: make_plan(PlanRequest("llama3", target, w), config).weights_bytes for w in ("fp16", "int8", "int4")}
+    sizes = {w: make_plan(PlanRequest("llama3", target, w), config).weights_bytes for w in ("fp16", "int8", "int4-awq")}
     embeddings = 2 * 128256 * 4096 * 2 + (65 * 4096) * 2  # embedding + lm_head + norms stay fp16
     linear = LLAMA3_PARAMS - 2 * 128256 * 4096 - 65 * 4096
     out_channels = 32 * (6144 + 4096 + 2 * 14336 + 4096)
-    assert sizes["int8"] == embeddings + linear + 2 * out_channels
+    assert sizes["int8"] == embeddings + linear + 4 * out_channels  # float32 scales, as ModelOpt exports them
     groups = 32 * (6144 * 32 + 4096 * 32 + 2 * 14336 * 32 + 4096 * 112)  # in/128 groups per output row
-    assert sizes["int4"] == embeddings + linear // 2 + 2 * groups
+    prequant = 32 * (4096 + 4096 + 2 * 4096 + 14336)  # one fp16 AWQ prequant scale per input of each linear
+    assert sizes["int4-awq"] == embeddings + linear // 2 + 4 * groups + 2 * prequant
 
 
 def test_refuses_model_that_does_not_fit_and_names_nearest(capsys):
@@ -162,7 +163,7 @@ def test_int8_never_asks_for_paged_context_fmha():
     config = load_model_config(str(LLAMA3_8B))
     for target in load_targets().values():
         for dtype in target.kv_dtypes:
-            kv = make_plan(PlanRequest("llama3", target, "int4", kv_dtype=dtype), config).kv[dtype]
+            kv = make_plan(PlanRequest("llama3", target, "int4-awq", kv_dtype=dtype), config).kv[dtype]
             for flags in ("v0.12", "1.x"):
                 args = build_args(kv.shape, flags)
                 fmha = args[args.index("--use_paged_context_fmha") + 1]

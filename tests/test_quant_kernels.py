@@ -1,0 +1,55 @@
+"""The one-token kernels over int8 and int4 weights compute what the torch path computes on dequantized weights."""
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from runtime import native_kernels
+from runtime.quant_linear import Int4AwqLinear, Int8Linear, pack_int4, stack
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the kernels")
+
+
+def int8_linear(rows: int, cols: int, gen: torch.Generator) -> Int8Linear:
+    return Int8Linear(torch.randint(-128, 128, (rows, cols), generator=gen, dtype=torch.int8),
+                      torch.rand(rows, generator=gen) / 100)
+
+
+def int4_linear(rows: int, cols: int, group: int, gen: torch.Generator) -> Int4AwqLinear:
+    q = torch.randint(-8, 8, (rows, cols), generator=gen)
+    return Int4AwqLinear(pack_int4(q), torch.rand(rows, cols // group, generator=gen) / 10,
+                         0.5 + torch.rand(cols, generator=gen), group)
+
+
+@pytest.mark.parametrize("rows, cols, group, with_bias", [(192, 576, 64, False), (1536, 576, 64, True),
+                                                          (6, 128, 128, False), (2, 64, 64, True)])
+def test_quantized_matvec_equals_dequantized_linear(rows, cols, group, with_bias):
+    gen = torch.Generator().manual_seed(rows + cols)
+    x = torch.randn(1, cols, generator=gen)
+    bias = torch.randn(rows, generator=gen) if with_bias else None
+    for op in (int8_linear(rows, cols, gen), int4_linear(rows, cols, group, gen)):
+        expected = op(x, bias, native=False)  # the torch path: F.linear on the dequantized weights
+        got = op(x, bias, native=True)
+        assert got.shape == (1, rows)
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * math.sqrt(cols) * expected.abs().max())
+
+
+def test_stacked_int4_and_prefill_keep_the_torch_path():
+    """fc and gate with their own prequant scales run as two kernels; several tokens never take a kernel."""
+    gen = torch.Generator().manual_seed(1)
+    fc, gate = int4_linear(8, 128, 64, gen), int4_linear(8, 128, 64, gen)
+    both = stack(fc, gate)
+    x = torch.randn(1, 128, generator=gen)
+    assert torch.allclose(both(x, None, True), torch.cat([fc(x), gate(x)], dim=-1), atol=1e-4)
+    xs = torch.randn(3, 128, generator=gen)
+    assert torch.equal(both(xs, None, True), both(xs, None, False))
+
+
+def test_quantized_matvec_rejects_wrong_scales():
+    gen = torch.Generator().manual_seed(2)
+    op = int4_linear(4, 128, 64, gen)
+    with pytest.raises(ValueError, match=r"float32 scales \[4, 1\]"):
+        native_kernels.quant_matvec().int4(torch.randn(1, 128), op.packed, op.scale, 128)
