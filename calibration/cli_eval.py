@@ -19,6 +19,10 @@ from runtime.kv_scales import ScalesError, ScalesFile, load_scales_file
 from runtime.model_source import LoadedModel, load_model
 
 RESULTS_JSON = "eval.json"
+EVAL_SPLITS = ("heldout", "all")
+DEFAULT_EVAL_DIALOGUES = 8
+BUILTIN_SETS = ("builtin", "sharegpt")
+CALIBRATED_NOW = "calibrated now"
 CHART_PNG = "accuracy.png"
 
 
@@ -36,8 +40,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scales", type=Path,
                         help="kv_scales.json from cabin-calibrate; default: the engine's own if it has channel "
                              "ranges, else a calibration on the train split of --data")
-    parser.add_argument("--num-dialogues", type=positive_int, default=8,
-                        help="held-out dialogues to evaluate (default 8)")
+    parser.add_argument("--split", choices=EVAL_SPLITS,
+                        help="which dialogues of --data to evaluate: 'heldout' (the part cabin-calibrate never "
+                             "trains on) or 'all' (every dialogue); default: heldout for builtin and sharegpt, "
+                             "all for a file you bring unless cabin-eval calibrates on that file now (no scales "
+                             "given), then heldout")
+    parser.add_argument("--num-dialogues", type=positive_int,
+                        help=f"dialogues to evaluate (default: {DEFAULT_EVAL_DIALOGUES} with --split heldout, "
+                             "every dialogue with --split all)")
     parser.add_argument("--max-tokens", type=int_range(2), default=2048,
                         help="tokens per dialogue at most (default 2048)")
     parser.add_argument("--min-tokens", type=non_negative_int, default=0,
@@ -68,7 +78,15 @@ def resolve_scales(args: argparse.Namespace, model: LoadedModel, modes: list[str
     print(f"cabin-eval: no scales given; calibrating on {args.calib_dialogues} train dialogues of {args.data}",
           file=sys.stderr)
     result = calibrate(model, request)
-    return result.scales_file, f"calibrated now: {args.calib_dialogues} train dialogues of {args.data}, max"
+    return result.scales_file, f"{CALIBRATED_NOW}: {args.calib_dialogues} train dialogues of {args.data}, max"
+
+
+def eval_split(args: argparse.Namespace, scales_source: str) -> str:
+    """The split evaluated: --split if given, else heldout for the built-in sets and when the scales were
+    calibrated now on the train split of --data, all for a file the user brings."""
+    if args.split:
+        return args.split
+    return "heldout" if args.data in BUILTIN_SETS or scales_source.startswith(CALIBRATED_NOW) else "all"
 
 
 def format_table(results: dict[str, ModeResult]) -> str:
@@ -92,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"unknown --kv-cache mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
         model = load_model(args.model)
         scales, scales_source = resolve_scales(args, model, modes)
-        dialogues, data = prepare_dialogues(args.data, "heldout", args.num_dialogues, args.seed, model.tokenizer,
+        split = eval_split(args, scales_source)
+        if split == "all" and scales_source.startswith(CALIBRATED_NOW):
+            print("cabin-eval: warning: --split all also evaluates the train dialogues the scales were just "
+                  "calibrated on; pass --scales or --split heldout for an unbiased figure", file=sys.stderr)
+        count = args.num_dialogues or (DEFAULT_EVAL_DIALOGUES if split == "heldout" else None)
+        dialogues, data = prepare_dialogues(args.data, split, count, args.seed, model.tokenizer,
                                             args.max_tokens, args.min_tokens)
         results = evaluate(model, dialogues, modes, scales)
     except (CheckpointError, DataError, ScalesError, ValueError) as err:
@@ -106,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         args.output.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.output / RESULTS_JSON, json.dumps(record, indent=2))
         plot_accuracy(results, args.output / CHART_PNG,
-                      f"{model.name} on {data['dialogues']} held-out {args.data} dialogues, {data['tokens']} tokens")
+                      f"{model.name} on {data['dialogues']} {split} {args.data} dialogues, {data['tokens']} tokens")
     except OSError as err:
         print(f"cabin-eval: error: {os_error_message(err, args.output)}", file=sys.stderr)
         return 2
@@ -114,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(results_json(results), indent=2), flush=True)
         else:
-            print(f"{data['dialogues']} held-out dialogues of {args.data}, {data['tokens']} tokens; "
+            print(f"{data['dialogues']} {split} dialogues of {args.data}, {data['tokens']} tokens; "
                   f"scales: {scales_source}")
             print(table, flush=True)
     except OSError as err:  # a full disk under --json > FILE

@@ -14,7 +14,7 @@ import torch
 from benchmarks import int8_ceiling
 from calibration import cli_calibrate, cli_eval
 from calibration.evaluate import EVAL_MODES, evaluate, stored_bytes_per_token
-from calibration.selection import prepare_dialogues
+from calibration.selection import prepare_dialogues, split_of
 from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK
 from runtime.kv_int4 import Int4KV
 from runtime.kv_modes import bytes_per_token, kv_mode
@@ -159,3 +159,44 @@ def test_static_per_channel_rounding_is_within_half_a_step():
     assert torch.allclose(rounded / steps[0], torch.round(rounded / steps[0]), atol=1e-3)
     clipped = int8_ceiling.static_per_channel(steps)(0, x * 3)  # values past the range are clipped to it
     assert torch.all(clipped.abs() <= steps[0] * 127 * 1.0001)
+
+
+def _write_dialogues(path: Path, count: int) -> Path:
+    lines = [json.dumps({"id": f"mine-{i}", "messages": [
+        {"role": "user", "content": f"how far is the next charging station number {i}"},
+        {"role": "assistant", "content": "the next charging station is twelve kilometers ahead on the right"}]})
+        for i in range(count)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_cabin_eval_evaluates_every_dialogue_of_a_file_the_user_brings(engine, calibrated_scales, tmp_path):
+    data = _write_dialogues(tmp_path / "mine.jsonl", 12)
+    common = ["--model", str(engine.folder), "--data", str(data), "--kv-cache", "int8-shared",
+              "--scales", str(calibrated_scales / "kv_scales.json"), "--max-tokens", "32"]
+
+    def evaluated_ids(*extra: str) -> tuple[str, list[str]]:
+        out = tmp_path / "-".join(("eval", *extra))
+        assert cli_eval.main([*common, "--output", str(out), *extra]) == 0
+        data_record = json.loads((out / "eval.json").read_text())["data"]
+        return data_record["split"], data_record["ids"]
+
+    split, ids = evaluated_ids()  # a file with --scales: every dialogue by default
+    assert split == "all" and sorted(ids) == sorted(f"mine-{i}" for i in range(12))
+    expected_held = sorted(i for i in ids if split_of(i) == "heldout")
+    assert 0 < len(expected_held) < 12
+    split, held = evaluated_ids("--split", "heldout", "--num-dialogues", str(len(expected_held)))
+    assert split == "heldout" and sorted(held) == expected_held
+    assert evaluated_ids("--split", "all", "--num-dialogues", "5")[1] == ids[:5]
+
+
+def test_cabin_eval_split_default_is_in_help(capsys):
+    with pytest.raises(SystemExit):
+        cli_eval.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: heldout for builtin and sharegpt, all for a file you bring" in text
+    args = cli_eval.parse_args(["--data", "builtin"])
+    assert cli_eval.eval_split(args, "kv_scales.json") == "heldout"
+    args = cli_eval.parse_args(["--data", "mine.jsonl"])
+    assert cli_eval.eval_split(args, "kv_scales.json") == "all"
+    assert cli_eval.eval_split(args, cli_eval.CALIBRATED_NOW + ": 16 train dialogues") == "heldout"
