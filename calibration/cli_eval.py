@@ -52,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens per dialogue at most (default 2048)")
     parser.add_argument("--min-tokens", type=non_negative_int, default=0,
                         help="use only dialogues with at least this many tokens")
+    parser.add_argument("--sessions", action="store_true",
+                        help="stitch consecutive dialogues of the split into sessions of at least --min-tokens "
+                             "tokens (parts of one conversation together), for positions no single dialogue "
+                             "reaches, e.g. --max-tokens 8192 --min-tokens 8192")
     parser.add_argument("--calib-dialogues", type=positive_int, default=16,
                         help="train dialogues for the calibration made when no scales are given (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="selects which dialogues are used (default 0)")
@@ -99,6 +103,17 @@ def format_table(results: dict[str, ModeResult]) -> str:
     return "\n".join(rows)
 
 
+def format_position_table(results: dict[str, ModeResult]) -> str:
+    """KL and top-1 agreement of each mode per bucket of positions (with its token count), as an aligned table."""
+    buckets = results[REFERENCE_MODE].by_position
+    rows = [f"{'KL / top-1 at':<16}" + "".join(f"{f'{b} ({n.tokens} tok)':>22}" for b, n in buckets.items())]
+    for mode, r in results.items():
+        if mode != REFERENCE_MODE:
+            rows.append(f"{mode:<16}" + "".join(
+                f"{f'{r.by_position[b].kl:.5f} / {100 * r.by_position[b].top1_agree:.2f}%':>22}" for b in buckets))
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
@@ -116,12 +131,12 @@ def main(argv: list[str] | None = None) -> int:
                   "calibrated on; pass --scales or --split heldout for an unbiased figure", file=sys.stderr)
         count = args.num_dialogues or (DEFAULT_EVAL_DIALOGUES if split == "heldout" else None)
         dialogues, data = prepare_dialogues(args.data, split, count, args.seed, model.tokenizer,
-                                            args.max_tokens, args.min_tokens)
+                                            args.max_tokens, args.min_tokens, args.sessions)
         results = evaluate(model, dialogues, modes, scales)
     except (CheckpointError, DataError, ScalesError, ValueError) as err:
         print(f"cabin-eval: error: {err}", file=sys.stderr)
         return 2
-    table = format_table(results)
+    table = format_table(results) + "\n\n" + format_position_table(results)
     record = {"modes": results_json(results), "model": model.name, "scales": scales_source, "data": data,
               "seconds": round(time.perf_counter() - started, 1),
               "command": " ".join(["cabin-eval", *sys.argv[1:]] if argv is None else ["cabin-eval", *argv])}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from calibration.dialogues import DataError, Dialogue, LoadReport
+from calibration.sessions import conversation_order, stitch
 from calibration.sources import open_source
 from runtime.tokenizer import ChatTokenizer
 
@@ -57,12 +58,39 @@ def tokenize_dialogue(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: 
     return tokenizer.encode_prompt(tokenizer.render(dialogue.messages, add_generation_prompt=False))[:max_tokens]
 
 
+def stitch_sessions(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tokens: int, max_tokens: int,
+                    count: int) -> list[TokenizedDialogue]:
+    """Up to ``count`` sessions of ``min_tokens``..``max_tokens`` tokens, each stitched from consecutive dialogues
+    (parts of one conversation together); a dialogue long enough by itself is a session of one."""
+    sessions: list[TokenizedDialogue] = []
+    current: list[Dialogue] = []
+    estimate = 0
+    for dialogue in conversation_order(dialogues):
+        current.append(dialogue)
+        estimate += len(tokenize_dialogue(dialogue, tokenizer, max_tokens))
+        if estimate < min_tokens:
+            continue
+        session = stitch(current)
+        ids = tokenize_dialogue(session, tokenizer, max_tokens)
+        if len(ids) >= max(min_tokens, 2):  # else the dropped system prompts made it short: add another
+            sessions.append(TokenizedDialogue(session.id, ids))
+            current, estimate = [], 0
+            if len(sessions) == count:
+                break
+    return sessions
+
+
 def prepare_dialogues(data: str, split: str, count: int | None, seed: int, tokenizer: ChatTokenizer,
-                      max_tokens: int, min_tokens: int = 0) -> tuple[list[TokenizedDialogue], dict]:
+                      max_tokens: int, min_tokens: int = 0,
+                      sessions: bool = False) -> tuple[list[TokenizedDialogue], dict]:
     """Load, split, select and tokenize ``count`` dialogues (None: every one) of ``min_tokens``..``max_tokens`` tokens.
 
+    With ``sessions``, each is a session stitched from consecutive dialogues of the split until it has
+    ``min_tokens`` (calibration.sessions), for positions no single dialogue reaches.
     Returns them with a data summary (source, load report, split, seed, token counts).
     """
+    if count is None and sessions:
+        raise DataError("stitched sessions need a number of sessions; pass --num-dialogues")
     if count is None:
         return _prepare_every_dialogue(data, split, seed, tokenizer, max_tokens, min_tokens)
     if count < 1 or max_tokens < 2 or min_tokens > max_tokens:
@@ -72,21 +100,35 @@ def prepare_dialogues(data: str, split: str, count: int | None, seed: int, token
     while True:
         dialogues, report = open_source(data)
         # A token is at least one UTF-8 byte and a character at most four, so shorter texts cannot qualify.
-        candidates = select_dialogues(dialogues, split, pool, seed, min_chars=min_tokens // 4)
-        chosen: list[TokenizedDialogue] = []
-        for dialogue in candidates:
-            ids = tokenize_dialogue(dialogue, tokenizer, max_tokens)
-            if len(ids) >= max(min_tokens, 2):
-                chosen.append(TokenizedDialogue(dialogue.id, ids))
-            if len(chosen) == count:
-                break
+        candidates = select_dialogues(dialogues, split, pool, seed, min_chars=0 if sessions else min_tokens // 4)
+        if sessions:
+            chosen = stitch_sessions(candidates, tokenizer, min_tokens, max_tokens, count)
+        else:
+            chosen = _long_enough(candidates, tokenizer, min_tokens, max_tokens, count)
         if len(chosen) == count or len(candidates) < pool:
             break
         pool *= OVERSAMPLE  # too many candidates were short once tokenized: look further down the same order
     if len(chosen) < count:
-        raise DataError(f"{data}: only {len(chosen)} {split} dialogues of at least {min_tokens} tokens found, "
-                        f"{count} asked for; ask for fewer dialogues, lower --min-tokens or use a larger data set")
-    return chosen, _summary(report, split, seed, chosen, max_tokens, min_tokens)
+        what = "sessions" if sessions else "dialogues"
+        hint = "" if sessions else ", stitch dialogues into sessions (--sessions)"
+        raise DataError(f"{data}: only {len(chosen)} {split} {what} of at least {min_tokens} tokens found, "
+                        f"{count} asked for; ask for fewer, lower --min-tokens{hint} or use a larger data set")
+    summary = _summary(report, split, seed, chosen, max_tokens, min_tokens)
+    summary["sessions"] = sessions
+    return chosen, summary
+
+
+def _long_enough(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tokens: int, max_tokens: int,
+                 count: int) -> list[TokenizedDialogue]:
+    """The first ``count`` dialogues that have at least ``min_tokens`` tokens, cut to ``max_tokens``."""
+    chosen = []
+    for dialogue in dialogues:
+        ids = tokenize_dialogue(dialogue, tokenizer, max_tokens)
+        if len(ids) >= max(min_tokens, 2):
+            chosen.append(TokenizedDialogue(dialogue.id, ids))
+            if len(chosen) == count:
+                break
+    return chosen
 
 
 def _prepare_every_dialogue(data: str, split: str, seed: int, tokenizer: ChatTokenizer, max_tokens: int,

@@ -13,7 +13,7 @@ import torch
 
 from benchmarks import int8_ceiling
 from calibration import cli_calibrate, cli_eval
-from calibration.evaluate import EVAL_MODES, evaluate, stored_bytes_per_token
+from calibration.evaluate import EVAL_MODES, Totals, accumulate, evaluate, stored_bytes_per_token
 from calibration.selection import prepare_dialogues, split_of
 from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK
 from runtime.kv_int4 import Int4KV
@@ -200,3 +200,41 @@ def test_cabin_eval_split_default_is_in_help(capsys):
     args = cli_eval.parse_args(["--data", "mine.jsonl"])
     assert cli_eval.eval_split(args, "kv_scales.json") == "all"
     assert cli_eval.eval_split(args, cli_eval.CALIBRATED_NOW + ": 16 train dialogues") == "heldout"
+
+
+def test_accumulate_sorts_kl_and_agreement_into_position_buckets():
+    torch.manual_seed(0)
+    ref = torch.randn(1500, 7).log_softmax(-1)
+    logits = ref.clone()
+    logits[600:, :] = torch.randn(900, 7)  # only positions from 600 on disagree with the reference
+    totals = Totals()
+    accumulate(totals, ref, logits, torch.zeros(1500, dtype=torch.long))
+    by_position = totals.by_position()
+    assert list(by_position) == ["0-512", "512-1k", "1k-2k"]
+    assert [b.tokens for b in by_position.values()] == [512, 512, 476]
+    assert by_position["0-512"].kl == pytest.approx(0, abs=1e-6) and by_position["0-512"].top1_agree == 1
+    assert by_position["1k-2k"].kl > 0.05 and by_position["1k-2k"].top1_agree < 0.8
+    # 88 of the 512 positions in 512-1k still agree exactly, the rest as in 1k-2k
+    expected = (88 * 0 + 424 * by_position["1k-2k"].kl) / 512
+    assert by_position["512-1k"].kl == pytest.approx(expected, rel=0.25)
+    weighted = sum(b.kl * b.tokens for b in by_position.values()) / 1500
+    assert weighted == pytest.approx(totals.kl / totals.tokens)
+
+
+def test_cabin_eval_reports_fidelity_by_position_on_stitched_sessions(tiny_engine, tmp_path, capsys):
+    scales = tmp_path / "scales.json"
+    assert cli_calibrate.main(["--model", str(tiny_engine.folder), "--num-dialogues", "2", "--max-tokens", "64",
+                               "--output", str(scales)]) == 0
+    out = tmp_path / "eval"
+    code = cli_eval.main(["--model", str(tiny_engine.folder), "--data", "builtin", "--kv-cache", "int8-shared-eq",
+                          "--scales", str(scales), "--num-dialogues", "1", "--max-tokens", "1000",
+                          "--min-tokens", "1000", "--sessions", "--output", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "0-512 (512 tok)" in printed and "512-1k (487 tok)" in printed
+    record = json.loads((out / "eval.json").read_text())
+    session = record["data"]["ids"][0].split("+")
+    assert len(session) > 2 and all(split_of(part) == "heldout" for part in session)
+    by_position = record["modes"]["int8-shared-eq"]["by_position"]
+    assert list(by_position) == ["0-512", "512-1k"] and by_position["512-1k"]["tokens"] == 487
+    assert 0 <= by_position["512-1k"]["kl"] and 0 < by_position["0-512"]["top1_agree"] <= 1
