@@ -102,9 +102,7 @@ def calibrated_scales(data: str, config: ModelConfig, weights: dict[str, torch.T
                       fingerprint: str, equalize: bool, out: Path) -> BuildScales:
     """Scales calibrated now on dialogues (``builtin``, ``sharegpt`` or a file; calibration.calibrate)."""
     model = LoadedModel("build", config, weights, ChatTokenizer(checkpoint), fingerprint)
-    request = CalibrationRequest(data=data, max_tokens=min(CalibrationRequest.max_tokens,
-                                                           config.max_position_embeddings))
-    found = calibrate(model, request, progress=False).scales_file
+    found = calibrate(model, CalibrationRequest(data=data), progress=False).scales_file  # capped at the context
     source = f"calibrated on {data} dialogues"
     if equalize:
         return equalized(found, config, weights, source, out)

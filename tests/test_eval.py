@@ -238,3 +238,45 @@ def test_cabin_eval_reports_fidelity_by_position_on_stitched_sessions(tiny_engin
     by_position = record["modes"]["int8-shared-eq"]["by_position"]
     assert list(by_position) == ["0-512", "512-1k"] and by_position["512-1k"]["tokens"] == 487
     assert 0 <= by_position["512-1k"]["kl"] and 0 < by_position["0-512"]["top1_agree"] <= 1
+
+
+def test_default_calibration_chooses_clips_by_kl_and_grades_itself(tiny_engine, tmp_path, capsys):
+    """The default run: long cabin sessions reaching the context plus ShareGPT, clips chosen by validation KL,
+    a grade on held-out sessions in the scales file and the report."""
+    out, report = tmp_path / "kv_scales.json", tmp_path / "report"
+    words = " ".join(["how far is the next charging station"] * 80)
+    general = [{"id": f"chat{i}_{part}", "conversations": [{"from": "human", "value": words},
+                                                           {"from": "gpt", "value": words}]}
+               for i in range(12) for part in range(2)]
+    (tmp_path / "general.json").write_text(json.dumps(general), encoding="utf-8")
+    assert cli_calibrate.main(["--model", str(tiny_engine.folder), "--num-dialogues", "1", "--mix-dialogues", "2",
+                               "--mix", str(tmp_path / "general.json"), "--output", str(out),
+                               "--report", str(report)]) == 0
+    err = capsys.readouterr().err
+    config = tiny_engine.config
+    loaded = load_scales_file(out, tiny_engine.fingerprint, config.num_hidden_layers)
+    data = loaded.data
+    context = config.max_position_embeddings
+    assert data["sessions"] and data["tokens"] == context and data["positions"] == {"longest": context,
+                                                                                   "context": context}
+    assert data["mixed"]["dialogues"] == 2 and data["mixed"]["source"].endswith("general.json")
+    assert all(split_of(part) == "train" for part in data["ids"][0].split("+"))
+    searched = {c["rule"]: c["kl"] for c in data["clip_search"]}
+    assert list(searched) == ["max", "percentile-99.999", "percentile-99.99", "percentile-99.9"]
+    chosen = min(searched, key=searched.get)
+    assert loaded.method == f"kl:{chosen}"
+    assert set(data["validation_ids"]).isdisjoint(data["ids"] + data["mixed"]["ids"])
+    assert set(data["grade"]) == {"fp32", "int8-shared", "int8-shared-eq", "int8-dynamic"}
+    assert all(split_of(part) == "heldout" for part in data["grade_ids"][0].split("+"))
+    assert 0 < data["grade"]["int8-shared-eq"]["top1_agree"] <= 1 and "held-out grade int8-shared-eq" in err
+    assert "warning" not in err
+    summary = (report / "summary.md").read_text(encoding="utf-8")
+    assert f"token positions covered: 0 to {context} of the model's context of {context} (100%)" in summary
+    assert f"| {chosen} (chosen) |" in summary and "| int8-dynamic |" in summary
+
+
+def test_calibration_on_short_sequences_warns(tiny_engine, tmp_path, capsys):
+    out = tmp_path / "kv_scales.json"
+    assert cli_calibrate.main(["--model", str(tiny_engine.folder), "--num-dialogues", "2", "--max-tokens", "64",
+                               "--mix", "none", "--method", "max", "--no-grade", "--output", str(out)]) == 0
+    assert "calibrated on sequences of at most 64 tokens, the model holds 1024" in capsys.readouterr().err
