@@ -102,7 +102,8 @@ def calibrated_scales(data: str, config: ModelConfig, weights: dict[str, torch.T
                       fingerprint: str, equalize: bool, out: Path) -> BuildScales:
     """Scales calibrated now on dialogues (``builtin``, ``sharegpt`` or a file; calibration.calibrate)."""
     model = LoadedModel("build", config, weights, ChatTokenizer(checkpoint), fingerprint)
-    found = calibrate(model, CalibrationRequest(data=data), progress=False).scales_file  # capped at the context
+    request = CalibrationRequest(data=data, grade=False)  # max_tokens: the default, capped at the context
+    found = calibrate(model, request, progress=False).scales_file
     source = f"calibrated on {data} dialogues"
     if equalize:
         return equalized(found, config, weights, source, out)
