@@ -47,8 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"mixed-in dialogues of up to {CalibrationRequest.mix_tokens} tokens "
                              f"(default {CalibrationRequest.mix_dialogues})")
     parser.add_argument("--method", default=SEARCH_METHOD, choices=CALIBRATION_METHODS,
-                        help="how clips are chosen: 'kl' tries max and percentiles "
-                             f"{', '.join(f'{r.percentile:g}' for r in CANDIDATES if r.method == 'percentile')} "
+                        help="how clips are chosen: 'kl' tries the clip rules "
+                             f"{', '.join(r.name for r in CANDIDATES)} (per channel; x: headroom above the abs-max) "
                              "and keeps the one with the least next-token KL of int8-shared-eq against full "
                              "precision on a validation part of the data; 'max', 'percentile' and 'mse' "
                              "(least per-tensor INT8 error) read the clip from the statistics alone (default kl)")

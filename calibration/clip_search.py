@@ -28,19 +28,31 @@ SEARCH_METHOD = "kl"  # cabin-calibrate's name for choosing among CANDIDATES by 
 
 @dataclass(frozen=True)
 class ClipRule:
-    """How every layer's (and channel's) clip is read from the statistics: a method of calibration.scales."""
+    """How every layer's (and channel's) clip is read from the statistics: a method of calibration.scales,
+    times ``headroom`` (above 1: room for values larger than any the calibration data had)."""
 
     method: str
     percentile: float = 100.0
+    headroom: float = 1.0
 
     @property
     def name(self) -> str:
-        """``max``, ``mse`` or ``percentile-99.99``: as kv_scales.json records a method."""
-        return f"percentile-{self.percentile:g}" if self.method == "percentile" else self.method
+        """``max``, ``percentile-99.99``, ``max-x1.25``: as kv_scales.json records a method."""
+        base = f"percentile-{self.percentile:g}" if self.method == "percentile" else self.method
+        return base if self.headroom == 1.0 else f"{base}-x{self.headroom:g}"
+
+    def clips(self, stats: KVStats) -> LayerClips:
+        """The clips this rule reads from the statistics."""
+        clips = compute_clips(stats, self.method, self.percentile)
+        if self.headroom == 1.0:
+            return clips
+        return LayerClips([c * self.headroom for c in clips.k], [c * self.headroom for c in clips.v],
+                          [0.0] * len(clips.k), [0.0] * len(clips.v),
+                          clips.k_channel * self.headroom, clips.v_channel * self.headroom)
 
 
-CANDIDATES = (ClipRule("max"), ClipRule("percentile", 99.999), ClipRule("percentile", 99.99),
-              ClipRule("percentile", 99.9))
+CANDIDATES = (ClipRule("max"), ClipRule("percentile", 99.99), ClipRule("percentile", 99.9),
+              ClipRule("max", headroom=1.25))
 
 
 @dataclass
@@ -72,12 +84,20 @@ def score_clips(model: LoadedModel, stats: KVStats, clips: LayerClips, dialogues
 def choose_clips(model: LoadedModel, stats: KVStats, dialogues: list[TokenizedDialogue],
                  candidates: tuple[ClipRule, ...] = CANDIDATES,
                  progress: bool = True) -> tuple[ClipRule, LayerClips, list[CandidateScore]]:
-    """The candidate with the least validation KL (ties: the earlier, less clipping one), its clips, every score."""
+    """The candidate with the least validation KL (ties: the earlier one), its clips, every score.
+
+    A candidate whose clips equal an earlier one's (a percentile that reaches the abs-max) takes its score.
+    """
     references = reference_logprobs(model.transformer(), dialogues)
     scored = []
     for rule in tqdm(candidates, desc="choosing clips by KL", unit="candidate", file=sys.stderr,
                      disable=not progress):
-        clips = compute_clips(stats, rule.method, rule.percentile)
+        clips = rule.clips(stats)
+        same = [s for s in scored if s[2].k == clips.k and s[2].v == clips.v
+                and torch.equal(s[2].k_channel, clips.k_channel) and torch.equal(s[2].v_channel, clips.v_channel)]
+        if same:
+            scored.append((same[0][0], rule, clips, same[0][3]))
+            continue
         totals = score_clips(model, stats, clips, dialogues, references)
         scored.append((totals.kl / totals.tokens, rule, clips, totals.agree / totals.tokens))
     best = min(range(len(scored)), key=lambda i: scored[i][0])
