@@ -94,8 +94,11 @@ def _parts(model: LoadedModel, request: CalibrationRequest, split: str, validati
                           validation)]
     if builtin and request.mix != NO_MIX:
         mix_tokens = min(request.mix_tokens, context) if split == "train" else VALIDATION_TOKENS
-        parts.append(_source_part(request.mix, split, request.mix_dialogues if split == "train" else 0,
-                                  request.seed, model, mix_tokens, mix_tokens, False, validation))
+        try:
+            parts.append(_source_part(request.mix, split, request.mix_dialogues if split == "train" else 0,
+                                      request.seed, model, mix_tokens, mix_tokens, False, validation))
+        except DataError as err:
+            raise DataError(f"{err} (general dialogue mixed into builtin; --mix none leaves it out)") from err
     return parts
 
 

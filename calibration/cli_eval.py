@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "tokens (parts of one conversation together), for positions no single dialogue "
                              "reaches, e.g. --max-tokens 8192 --min-tokens 8192")
     parser.add_argument("--calib-dialogues", type=positive_int, default=16,
-                        help="train dialogues for the calibration made when no scales are given (default 16)")
+                        help="train dialogues (sessions for builtin) for the calibration made when no scales are "
+                             "given, by cabin-calibrate's default method (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="selects which dialogues are used (default 0)")
     parser.add_argument("--json", action="store_true", help="print the JSON object instead of the table")
     parser.add_argument("--output", type=Path, default=Path("eval_report"),
@@ -77,12 +78,13 @@ def resolve_scales(args: argparse.Namespace, model: LoadedModel, modes: list[str
         found = load_scales_file(model.scales_path, model.fingerprint, layers, kv_shape)
         if found.ranges is not None or not any(EVAL_MODES[m].equalized for m in modes):
             return found, str(model.scales_path)
-    request = CalibrationRequest(args.data, args.calib_dialogues, args.max_tokens, args.min_tokens, "max",
-                                 seed=args.seed)
+    request = CalibrationRequest(args.data, args.calib_dialogues, args.max_tokens, args.min_tokens, seed=args.seed,
+                                 grade=False)
     print(f"cabin-eval: no scales given; calibrating on {args.calib_dialogues} train dialogues of {args.data}",
           file=sys.stderr)
     result = calibrate(model, request)
-    return result.scales_file, f"{CALIBRATED_NOW}: {args.calib_dialogues} train dialogues of {args.data}, max"
+    method = result.scales_file.method
+    return result.scales_file, f"{CALIBRATED_NOW}: {args.calib_dialogues} train dialogues of {args.data}, {method}"
 
 
 def eval_split(args: argparse.Namespace, scales_source: str) -> str:
