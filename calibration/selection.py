@@ -110,7 +110,7 @@ def prepare_dialogues(data: str, split: str, count: int | None, seed: int, token
         pool *= OVERSAMPLE  # too many candidates were short once tokenized: look further down the same order
     if len(chosen) < count:
         what = "sessions" if sessions else "dialogues"
-        hint = "" if sessions else ", stitch dialogues into sessions (--sessions)"
+        hint = "" if sessions else ", stitch dialogues into sessions (cabin-eval --sessions)"
         raise DataError(f"{data}: only {len(chosen)} {split} {what} of at least {min_tokens} tokens found, "
                         f"{count} asked for; ask for fewer, lower --min-tokens{hint} or use a larger data set")
     summary = _summary(report, split, seed, chosen, max_tokens, min_tokens)

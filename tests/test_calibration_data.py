@@ -147,5 +147,5 @@ def test_prepare_sessions_reach_the_token_count_from_one_split(engine):
     assert [len(d.token_ids) for d in chosen] == [900, 900] and summary["sessions"] is True
     parts = [part for d in chosen for part in d.id.split("+")]
     assert len(parts) == len(set(parts)) > 2 and all(split_of(p) == "heldout" for p in parts)
-    with pytest.raises(DataError, match=r"only 0 heldout dialogues .*\(--sessions\)"):
+    with pytest.raises(DataError, match=r"only 0 heldout dialogues .*cabin-eval --sessions"):
         prepare_dialogues("builtin", "heldout", 1, 0, tok, max_tokens=900, min_tokens=900)
