@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="cabin-eval",
         description="Teacher-forced accuracy of KV cache modes against full precision (fp32 KV) on held-out "
-                    "dialogues: perplexity, mean KL of next-token distributions, top-1 agreement.")
+                    "dialogues (or every dialogue of a file you bring): perplexity, mean KL of next-token "
+                    "distributions, top-1 agreement, and KL and top-1 per bucket of token positions.")
     parser.add_argument("--model", default="default", help="'default', an engine or checkpoint folder, a .gguf "
                                                            "file or an HF model folder")
     parser.add_argument("--data", default="builtin", help="'builtin', 'sharegpt', a .jsonl or a ShareGPT .json file")
@@ -51,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int_range(2), default=2048,
                         help="tokens per dialogue at most (default 2048)")
     parser.add_argument("--min-tokens", type=non_negative_int, default=0,
-                        help="use only dialogues with at least this many tokens")
+                        help="use only dialogues with at least this many tokens (default 0)")
     parser.add_argument("--sessions", action="store_true",
                         help="stitch consecutive dialogues of the split into sessions of at least --min-tokens "
                              "tokens (parts of one conversation together), for positions no single dialogue "
