@@ -171,10 +171,10 @@ def _write_dialogues(path: Path, count: int) -> Path:
     return path
 
 
-def test_cabin_eval_evaluates_every_dialogue_of_a_file_the_user_brings(engine, calibrated_scales, tmp_path):
+def test_cabin_eval_evaluates_every_dialogue_of_a_file_the_user_brings(tiny_engine, calibrated, tmp_path):
     data = _write_dialogues(tmp_path / "mine.jsonl", 12)
-    common = ["--model", str(engine.folder), "--data", str(data), "--kv-cache", "int8-shared",
-              "--scales", str(calibrated_scales / "kv_scales.json"), "--max-tokens", "32"]
+    common = ["--model", str(tiny_engine.folder), "--data", str(data), "--kv-cache", "int8-shared",
+              "--scales", str(calibrated(tiny_engine.folder) / "kv_scales.json"), "--max-tokens", "32"]
 
     def evaluated_ids(*extra: str) -> tuple[str, list[str]]:
         out = tmp_path / "-".join(("eval", *extra))
