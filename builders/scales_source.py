@@ -102,8 +102,7 @@ def calibrated_scales(data: str, config: ModelConfig, weights: dict[str, torch.T
                       fingerprint: str, equalize: bool, out: Path) -> BuildScales:
     """Scales calibrated now on dialogues (``builtin``, ``sharegpt`` or a file; calibration.calibrate)."""
     model = LoadedModel("build", config, weights, ChatTokenizer(checkpoint), fingerprint)
-    request = CalibrationRequest(data=data, max_tokens=min(CalibrationRequest.max_tokens,
-                                                           config.max_position_embeddings))
+    request = CalibrationRequest(data=data, grade=False)  # max_tokens: the default, capped at the context
     found = calibrate(model, request, progress=False).scales_file
     source = f"calibrated on {data} dialogues"
     if equalize:

@@ -49,9 +49,9 @@ def plot_ranges(stats: KVStats, clips: LayerClips, path: Path) -> None:
 
 
 def plot_accuracy(results: dict[str, ModeResult], path: Path, title: str) -> None:
-    """Perplexity change, KL and top-1 agreement of each KV mode against full precision."""
+    """Perplexity change, KL and top-1 agreement of each KV mode against full precision, and KL by position."""
     modes = [m for m in results if m != REFERENCE_MODE]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.5))
     panels = [("perplexity vs full precision (%)", [results[m].ppl_delta_pct for m in modes]),
               ("mean KL(full || mode)", [results[m].kl for m in modes]),
               ("top-1 agreement (%)", [100 * results[m].top1_agree for m in modes])]
@@ -61,6 +61,13 @@ def plot_accuracy(results: dict[str, ModeResult], path: Path, title: str) -> Non
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", rotation=35, labelsize=8)
     axes[2].set_ylim(min(95.0, min(100 * results[m].top1_agree for m in modes) - 1) if modes else 95.0, 100.5)
+    buckets = list(results[REFERENCE_MODE].by_position)
+    for m in modes:
+        axes[3].plot(buckets, [results[m].by_position[b].kl for b in buckets], "o-", label=m)
+    axes[3].set_yscale("log")
+    axes[3].set_title("mean KL by position", fontsize=10)
+    axes[3].set_xlabel("token position")
+    axes[3].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     _save(fig, path)

@@ -10,15 +10,16 @@ window), as in decode, where it sees 127 or more. The modes measured are the
 reference engine's KV modes (runtime.kv_modes) under their eval names, plus each
 shared-scale mode on weights with KV equalization folded in (``-eq``).
 Per mode: perplexity of the dialogue's next tokens, mean KL(reference || mode)
-of the next-token distributions, and how often the top-1 token agrees. Quantized weights
-(calibration.weight_quant) are measured the same way against the same reference (fp32 weights, fp32 KV),
-alone (fp32 KV) and with each KV mode.
+of the next-token distributions, and how often the top-1 token agrees; KL and
+top-1 also per bucket of positions (POSITION_BUCKETS), so drift with dialogue
+length shows. Quantized weights (calibration.weight_quant) are measured the same way against the same
+reference (fp32 weights, fp32 KV), alone (fp32 KV) and with each KV mode.
 """
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -40,6 +41,14 @@ REFERENCE_WEIGHTS = "fp32"
 EQUALIZED_SUFFIX = "-eq"
 WEIGHTS_SEPARATOR = "/"  # a row of quantized weights is named "<weights>/<KV mode>", e.g. "int4-awq/int8"
 _CHUNK = 256  # rows of logits compared at a time, to bound memory
+POSITION_BUCKETS = ((0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192))
+
+
+def bucket_label(bucket: tuple[int, int]) -> str:
+    """``0-512``, ``1k-2k``, ...: how tables, JSON and charts name a bucket of positions."""
+    def short(n: int) -> str:
+        return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+    return f"{short(bucket[0])}-{short(bucket[1])}"
 
 
 def eval_name(mode_name: str, equalized: bool = False) -> str:
@@ -65,8 +74,17 @@ STATIC_MODES = tuple(name for name, mode in EVAL_MODES.items() if mode.kv_mode.s
 
 
 @dataclass
+class PositionResult:
+    """KL and top-1 agreement of one KV mode over the positions of one bucket."""
+
+    kl: float
+    top1_agree: float
+    tokens: int
+
+
+@dataclass
 class ModeResult:
-    """Accuracy of one KV mode."""
+    """Accuracy of one KV mode; ``by_position`` is keyed by bucket label, buckets without tokens left out."""
 
     ppl: float
     ppl_delta_pct: float
@@ -75,6 +93,7 @@ class ModeResult:
     kv_bytes_per_token: int  # at the mean dialogue length; int4 includes its fp16 window
     weights: str = REFERENCE_WEIGHTS  # the weights the row ran on (calibration.weight_quant.EVAL_WEIGHTS)
     weight_bytes: int = 0  # their checkpoint bytes, floats as fp16 (calibration.weight_quant.stored_bytes)
+    by_position: dict[str, PositionResult] = field(default_factory=dict)
 
 
 @dataclass
@@ -140,24 +159,49 @@ def stored_bytes_per_token(layout: KVLayout, mode: KVMode, tokens: int) -> int:
     return -(-(mode.bytes_per_token(layout, tpb) * tokens + mode.reserved_bytes(layout, tpb)) // tokens)
 
 
+def _bucket_sums() -> torch.Tensor:
+    return torch.zeros(len(POSITION_BUCKETS), dtype=torch.float64)
+
+
 @dataclass
 class Totals:
-    """Sums over the positions of the dialogues seen so far."""
+    """Sums over the positions of the dialogues seen so far, in all and per bucket of positions."""
 
     nll: float = 0.0
     kl: float = 0.0
     agree: int = 0
     tokens: int = 0
+    bucket_kl: torch.Tensor = field(default_factory=_bucket_sums)
+    bucket_agree: torch.Tensor = field(default_factory=_bucket_sums)
+    bucket_tokens: torch.Tensor = field(default_factory=_bucket_sums)
+
+    def by_position(self) -> dict[str, PositionResult]:
+        """Mean KL and top-1 agreement per bucket that has positions."""
+        return {bucket_label(b): PositionResult(float(self.bucket_kl[i] / n), float(self.bucket_agree[i] / n), int(n))
+                for i, (b, n) in enumerate(zip(POSITION_BUCKETS, self.bucket_tokens.tolist())) if n > 0}
+
+
+def _bucket_index(positions: torch.Tensor) -> torch.Tensor:
+    """Bucket of each position (len(POSITION_BUCKETS) for a position past the last bucket)."""
+    upper = torch.tensor([b[1] for b in POSITION_BUCKETS])
+    return torch.searchsorted(upper, positions, right=True)
 
 
 def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
     """Add one dialogue's NLL, KL and top-1 agreement over its positions that have a next token."""
+    buckets = len(POSITION_BUCKETS)
     for start in range(0, len(targets), _CHUNK):
         rows = slice(start, start + _CHUNK)
         ref, logp = ref_logp[rows], logits[rows].log_softmax(-1)
         totals.nll -= float(logp.gather(1, targets[rows, None]).sum())
-        totals.kl += float((ref.exp() * (ref - logp)).sum())
-        totals.agree += int((ref.argmax(-1) == logp.argmax(-1)).sum())
+        kl = (ref.exp() * (ref - logp)).sum(-1).double()
+        agree = (ref.argmax(-1) == logp.argmax(-1)).double()
+        totals.kl += float(kl.sum())
+        totals.agree += int(agree.sum())
+        index = _bucket_index(torch.arange(start, start + len(kl)))
+        totals.bucket_kl += torch.bincount(index, kl, minlength=buckets + 1)[:buckets]
+        totals.bucket_agree += torch.bincount(index, agree, minlength=buckets + 1)[:buckets]
+        totals.bucket_tokens += torch.bincount(index, minlength=buckets + 1)[:buckets].double()
     totals.tokens += len(targets)
 
 
@@ -189,13 +233,14 @@ def evaluate(model: LoadedModel, dialogues: list[TokenizedDialogue], modes: list
                 bar.update()
     ref_ppl = math.exp(ref_totals.nll / ref_totals.tokens)
     reference_bytes = stored_bytes_per_token(reference.kv_layout, kv_mode(REFERENCE_MODE), 1)
-    results = {REFERENCE_MODE: ModeResult(ref_ppl, 0.0, 0.0, 1.0, reference_bytes, REFERENCE_WEIGHTS, full_bytes)}
+    results = {REFERENCE_MODE: ModeResult(ref_ppl, 0.0, 0.0, 1.0, reference_bytes, REFERENCE_WEIGHTS, full_bytes,
+                                          ref_totals.by_position())}
     mean_tokens = round(sum(len(d.token_ids) for d in dialogues) / len(dialogues))
     for mode, t in totals.items():
         ppl = math.exp(t.nll / t.tokens)
         stored = stored_bytes_per_token(runners[mode].model.kv_layout, runners[mode].kv_mode, mean_tokens)
         results[mode] = ModeResult(ppl, 100 * (ppl / ref_ppl - 1), t.kl / t.tokens, t.agree / t.tokens, stored,
-                                   runners[mode].weights, runners[mode].weight_bytes)
+                                   runners[mode].weights, runners[mode].weight_bytes, t.by_position())
     return results
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from calibration.calibrate import CalibrationResult
+from calibration.calibrate import CalibrationResult, describe_mix, short_coverage_warning
 from calibration.charts import plot_ranges
 from runtime.atomic import atomic_write_text
 
@@ -18,13 +18,26 @@ def summary_markdown(model_name: str, result: CalibrationResult, command: str) -
         "# KV calibration report", "",
         f"- model: `{model_name}` (fingerprint `{result.scales_file.fingerprint}`)",
         f"- command: `{command}`",
-        f"- data: `{data['source']}`, split `{data['split']}`, seed {data['seed']}: {data['dialogues']} dialogues, "
-        f"{data['tokens']} tokens (at most {data['max_tokens']} per dialogue)",
+        f"- data: `{data['source']}`, split `{data['split']}`, seed {data['seed']}: {data['dialogues']} "
+        f"{'sessions' if data.get('sessions') else 'dialogues'}, {data['tokens']} tokens "
+        f"(at most {data['max_tokens']} per {'session' if data.get('sessions') else 'dialogue'})",
         f"- records read: {data['records']}, malformed skipped: {data['skipped_malformed']}"
         + (f" {data['skip_reasons']}" if data['skip_reasons'] else "")
         + (", file cut off mid-record (read up to the last complete record)" if data['truncated_tail'] else ""),
         f"- method: `{result.scales_file.method}`; scale = clip / 127; shared TensorRT-LLM scale = max(K, V)",
-        f"- time: {result.seconds:.1f} s", "",
+        f"- time: {result.seconds:.1f} s",
+    ]
+    if describe_mix(data):
+        lines.append(f"- mixed in: {describe_mix(data)} (train split)")
+    positions = data.get("positions")
+    if positions:
+        lines.append(f"- token positions covered: 0 to {positions['longest']} of the model's context of "
+                     f"{positions['context']} ({100 * positions['longest'] / positions['context']:.0f}%)")
+    warning = short_coverage_warning(data)
+    if warning:
+        lines.append(f"- **warning**: {warning}")
+    lines += _candidate_lines(result) + _grade_lines(result) + [
+        "",
         f"![K/V ranges per layer]({RANGES_PNG})", "",
         "| layer | K abs-max | V abs-max | K clip | V clip | K scale | V scale | shared scale "
         "| V levels with shared scale | K clipped % | V clipped % |",
@@ -40,6 +53,32 @@ def summary_markdown(model_name: str, result: CalibrationResult, command: str) -
               f"{max(levels):.0f} of the 127 INT8 levels; KV equalization (int8-shared-eq) gives every layer "
               "all of them.", ""]
     return "\n".join(lines)
+
+
+def _candidate_lines(result: CalibrationResult) -> list[str]:
+    if not result.candidates:
+        return []
+    validation = result.scales_file.data.get("validation_ids", [])
+    lines = ["", f"## Clips chosen by next-token KL ({len(validation)} validation sequences, never in the statistics)",
+             "", "| clip rule | KL of int8-shared-eq | top-1 agreement |", "|---|---|---|"]
+    chosen = result.scales_file.method.split(":", 1)[-1]
+    for c in result.candidates:
+        mark = " (chosen)" if c.rule == chosen else ""
+        lines.append(f"| {c.rule}{mark} | {c.kl:.5f} | {100 * c.top1_agree:.2f}% |")
+    return lines
+
+
+def _grade_lines(result: CalibrationResult) -> list[str]:
+    if not result.grade:
+        return ["", "No held-out dialogue of this data to grade the scales on."]
+    ids = result.scales_file.data.get("grade_ids", [])
+    positions = sum(b.tokens for b in next(iter(result.grade.values())).by_position.values())
+    lines = ["", f"## Grade on held-out data ({len(ids)} sequences of the held-out split, {positions} positions)", "",
+             "| KV mode | perplexity vs fp32 | KL | top-1 agreement |", "|---|---|---|---|"]
+    for mode, r in result.grade.items():
+        if mode != "fp32":
+            lines.append(f"| {mode} | {r.ppl_delta_pct:+.2f}% | {r.kl:.5f} | {100 * r.top1_agree:.2f}% |")
+    return lines
 
 
 def write_calibration_report(folder: Path, model_name: str, result: CalibrationResult, command: str) -> None:

@@ -11,11 +11,12 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterable
 
-from calibration.dialogues import DataError, Dialogue
+from calibration.dialogues import DataError, Dialogue, LoadReport
+from calibration.sessions import conversation_order, stitch
 from calibration.sources import open_source
 from runtime.tokenizer import ChatTokenizer
 
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "all")  # "all": every dialogue, whatever its split
 HELDOUT_PERCENT = 20
 OVERSAMPLE = 8  # candidates kept per requested dialogue, for those that turn out too short once tokenized
 
@@ -34,9 +35,9 @@ def split_of(key: str) -> str:
     return "heldout" if bucket < HELDOUT_PERCENT else "train"
 
 
-def select_dialogues(dialogues: Iterable[Dialogue], split: str, count: int, seed: int,
+def select_dialogues(dialogues: Iterable[Dialogue], split: str, count: int | None, seed: int,
                      min_chars: int = 0) -> list[Dialogue]:
-    """Up to ``count`` dialogues of one split with at least ``min_chars`` characters, chosen by seed.
+    """Up to ``count`` (None: all) dialogues of one split with at least ``min_chars`` characters, chosen by seed.
 
     The order is a seeded hash of the id, so the choice is reproducible and
     only ``count`` dialogues are held in memory.
@@ -44,8 +45,12 @@ def select_dialogues(dialogues: Iterable[Dialogue], split: str, count: int, seed
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     pool = (d for d in dialogues
-            if split_of(d.group or d.id) == split and sum(len(m["content"]) for m in d.messages) >= min_chars)
-    return heapq.nsmallest(count, pool, key=lambda d: hashlib.sha256(f"{seed}:{d.id}".encode("utf-8")).digest())
+            if split in ("all", split_of(d.group or d.id)) and sum(len(m["content"]) for m in d.messages) >= min_chars)
+
+    def order(d: Dialogue) -> bytes:
+        return hashlib.sha256(f"{seed}:{d.id}".encode("utf-8")).digest()
+
+    return sorted(pool, key=order) if count is None else heapq.nsmallest(count, pool, key=order)
 
 
 def tokenize_dialogue(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: int) -> list[int]:
@@ -53,12 +58,41 @@ def tokenize_dialogue(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: 
     return tokenizer.encode_prompt(tokenizer.render(dialogue.messages, add_generation_prompt=False))[:max_tokens]
 
 
-def prepare_dialogues(data: str, split: str, count: int, seed: int, tokenizer: ChatTokenizer,
-                      max_tokens: int, min_tokens: int = 0) -> tuple[list[TokenizedDialogue], dict]:
-    """Load, split, select and tokenize ``count`` dialogues of ``min_tokens``..``max_tokens`` tokens.
+def stitch_sessions(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tokens: int, max_tokens: int,
+                    count: int) -> list[TokenizedDialogue]:
+    """Up to ``count`` sessions of ``min_tokens``..``max_tokens`` tokens, each stitched from consecutive dialogues
+    (parts of one conversation together); a dialogue long enough by itself is a session of one."""
+    sessions: list[TokenizedDialogue] = []
+    current: list[Dialogue] = []
+    estimate = 0
+    for dialogue in conversation_order(dialogues):
+        current.append(dialogue)
+        estimate += len(tokenize_dialogue(dialogue, tokenizer, max_tokens))
+        if estimate < min_tokens:
+            continue
+        session = stitch(current)
+        ids = tokenize_dialogue(session, tokenizer, max_tokens)
+        if len(ids) >= max(min_tokens, 2):  # else the dropped system prompts made it short: add another
+            sessions.append(TokenizedDialogue(session.id, ids))
+            current, estimate = [], 0
+            if len(sessions) == count:
+                break
+    return sessions
 
+
+def prepare_dialogues(data: str, split: str, count: int | None, seed: int, tokenizer: ChatTokenizer,
+                      max_tokens: int, min_tokens: int = 0,
+                      sessions: bool = False) -> tuple[list[TokenizedDialogue], dict]:
+    """Load, split, select and tokenize ``count`` dialogues (None: every one) of ``min_tokens``..``max_tokens`` tokens.
+
+    With ``sessions``, each is a session stitched from consecutive dialogues of the split until it has
+    ``min_tokens`` (calibration.sessions), for positions no single dialogue reaches.
     Returns them with a data summary (source, load report, split, seed, token counts).
     """
+    if count is None and sessions:
+        raise DataError("stitched sessions need a number of sessions; pass --num-dialogues")
+    if count is None:
+        return _prepare_every_dialogue(data, split, seed, tokenizer, max_tokens, min_tokens)
     if count < 1 or max_tokens < 2 or min_tokens > max_tokens:
         raise DataError(f"need at least 1 dialogue, max_tokens >= 2 and min_tokens <= max_tokens "
                         f"(got {count}, {max_tokens}, {min_tokens})")
@@ -66,21 +100,55 @@ def prepare_dialogues(data: str, split: str, count: int, seed: int, tokenizer: C
     while True:
         dialogues, report = open_source(data)
         # A token is at least one UTF-8 byte and a character at most four, so shorter texts cannot qualify.
-        candidates = select_dialogues(dialogues, split, pool, seed, min_chars=min_tokens // 4)
-        chosen: list[TokenizedDialogue] = []
-        for dialogue in candidates:
-            ids = tokenize_dialogue(dialogue, tokenizer, max_tokens)
-            if len(ids) >= max(min_tokens, 2):
-                chosen.append(TokenizedDialogue(dialogue.id, ids))
-            if len(chosen) == count:
-                break
+        candidates = select_dialogues(dialogues, split, pool, seed, min_chars=0 if sessions else min_tokens // 4)
+        if sessions:
+            chosen = stitch_sessions(candidates, tokenizer, min_tokens, max_tokens, count)
+        else:
+            chosen = _long_enough(candidates, tokenizer, min_tokens, max_tokens, count)
         if len(chosen) == count or len(candidates) < pool:
             break
         pool *= OVERSAMPLE  # too many candidates were short once tokenized: look further down the same order
     if len(chosen) < count:
-        raise DataError(f"{data}: only {len(chosen)} {split} dialogues of at least {min_tokens} tokens found, "
-                        f"{count} asked for; ask for fewer dialogues, lower --min-tokens or use a larger data set")
-    summary = {**report.to_dict(), "split": split, "seed": seed, "dialogues": len(chosen),
-               "tokens": sum(len(d.token_ids) for d in chosen), "max_tokens": max_tokens,
-               "min_tokens": min_tokens, "ids": [d.id for d in chosen]}
+        what = "sessions" if sessions else "dialogues"
+        hint = "" if sessions else ", stitch dialogues into sessions (cabin-eval --sessions)"
+        raise DataError(f"{data}: only {len(chosen)} {split} {what} of at least {min_tokens} tokens found, "
+                        f"{count} asked for; ask for fewer, lower --min-tokens{hint} or use a larger data set")
+    summary = _summary(report, split, seed, chosen, max_tokens, min_tokens)
+    summary["sessions"] = sessions
     return chosen, summary
+
+
+def _long_enough(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tokens: int, max_tokens: int,
+                 count: int) -> list[TokenizedDialogue]:
+    """The first ``count`` dialogues that have at least ``min_tokens`` tokens, cut to ``max_tokens``."""
+    chosen = []
+    for dialogue in dialogues:
+        ids = tokenize_dialogue(dialogue, tokenizer, max_tokens)
+        if len(ids) >= max(min_tokens, 2):
+            chosen.append(TokenizedDialogue(dialogue.id, ids))
+            if len(chosen) == count:
+                break
+    return chosen
+
+
+def _prepare_every_dialogue(data: str, split: str, seed: int, tokenizer: ChatTokenizer, max_tokens: int,
+                            min_tokens: int) -> tuple[list[TokenizedDialogue], dict]:
+    if max_tokens < 2 or min_tokens > max_tokens:
+        raise DataError(f"need max_tokens >= 2 and min_tokens <= max_tokens (got {max_tokens}, {min_tokens})")
+    dialogues, report = open_source(data)
+    chosen = []
+    for dialogue in select_dialogues(dialogues, split, None, seed, min_chars=min_tokens // 4):
+        ids = tokenize_dialogue(dialogue, tokenizer, max_tokens)
+        if len(ids) >= max(min_tokens, 2):
+            chosen.append(TokenizedDialogue(dialogue.id, ids))
+    if not chosen:
+        raise DataError(f"{data}: no {split} dialogue of at least {min_tokens} tokens found; lower --min-tokens "
+                        "or use a larger data set")
+    return chosen, _summary(report, split, seed, chosen, max_tokens, min_tokens)
+
+
+def _summary(report: LoadReport, split: str, seed: int, chosen: list[TokenizedDialogue], max_tokens: int,
+             min_tokens: int) -> dict:
+    return {**report.to_dict(), "split": split, "seed": seed, "dialogues": len(chosen),
+            "tokens": sum(len(d.token_ids) for d in chosen), "max_tokens": max_tokens,
+            "min_tokens": min_tokens, "ids": [d.id for d in chosen]}

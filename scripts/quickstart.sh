@@ -14,8 +14,7 @@ mkdir -p "$OUT"
 
 echo "=== 1. calibrate INT8 KV scales on built-in cockpit dialogues ==="
 if [ ! -f "$SCALES" ]; then
-    "$BIN/cabin-calibrate" --model default --data builtin --num-dialogues 48 --max-tokens 1024 \
-        --method percentile --output "$SCALES" --report "$OUT/calibration_report"
+    "$BIN/cabin-calibrate" --model default --data builtin --output "$SCALES" --report "$OUT/calibration_report"
 fi
 
 echo; echo "=== 2. memory plan for orin-nano-8gb ==="

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from calibration import sharegpt
-from calibration.dialogues import DataError, LoadReport
+from calibration.dialogues import DataError, Dialogue, LoadReport, check_messages
+from calibration.sessions import conversation_order, stitch
 from calibration.jsonl import load_jsonl
 from calibration.selection import prepare_dialogues, select_dialogues, split_of, tokenize_dialogue
 from calibration.sources import builtin_path, open_source
@@ -122,3 +123,29 @@ def test_dialogues_render_with_the_engine_chat_template(default_engine):
         assert tok.decode(full) == tok.render(dialogue.messages, add_generation_prompt=False)
         assert tok.decode(full).startswith("<|im_start|>system\n" + dialogue.messages[0]["content"])
     assert {d.id.split("-")[1] for d in chosen} == {"en", "zh"}
+
+
+def test_sessions_stitch_consecutive_dialogues_under_one_system_prompt():
+    a = Dialogue("conv_1", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one"},
+                            {"role": "assistant", "content": "1"}], group="conv")
+    b = Dialogue("other", [{"role": "system", "content": "be long"}, {"role": "user", "content": "two"},
+                           {"role": "assistant", "content": "2"}])
+    c = Dialogue("conv_10", [{"role": "user", "content": "three"}, {"role": "assistant", "content": "3"}], group="conv")
+    d = Dialogue("conv_2", [{"role": "user", "content": "four"}, {"role": "assistant", "content": "4"}], group="conv")
+    ordered = conversation_order([c, b, a, d])
+    # the conversation first met (c's) comes first, its parts in part order; then the other dialogue
+    assert [x.id for x in ordered] == ["conv_1", "conv_2", "conv_10", "other"]
+    session = stitch([a, b])
+    assert session.id == "conv_1+other" and check_messages(session.messages) is None
+    assert [m["content"] for m in session.messages] == ["be brief", "one", "1", "two", "2"]
+
+
+def test_prepare_sessions_reach_the_token_count_from_one_split(engine):
+    tok = engine.tokenizer
+    chosen, summary = prepare_dialogues("builtin", "heldout", 2, 0, tok, max_tokens=900, min_tokens=900,
+                                        sessions=True)
+    assert [len(d.token_ids) for d in chosen] == [900, 900] and summary["sessions"] is True
+    parts = [part for d in chosen for part in d.id.split("+")]
+    assert len(parts) == len(set(parts)) > 2 and all(split_of(p) == "heldout" for p in parts)
+    with pytest.raises(DataError, match=r"only 0 heldout dialogues .*cabin-eval --sessions"):
+        prepare_dialogues("builtin", "heldout", 1, 0, tok, max_tokens=900, min_tokens=900)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from calibration.clip_search import CANDIDATES, SEARCH_METHOD, ClipRule
 from calibration.scales import compute_clips, layer_ranges, mse_clips, percentile_clips, quantization_mse
 from calibration.selection import prepare_dialogues
 from calibration.stats import KVStats, RangeStats, bin_edges, collect_stats
@@ -180,3 +181,17 @@ def test_layer_ranges_carry_channel_maxima_clips_and_clip_rates():
     assert math.isclose(ranges.k_clip_rate, clips.k_clip_rate[0]) and ranges.k_clip_rate > 0
     (by_max,) = layer_ranges(stats, compute_clips(stats, "max"))
     assert by_max.v_channel_clip == by_max.v_channel_amax
+
+
+def test_clip_rules_of_the_kl_search_read_the_statistics():
+    gen = torch.Generator().manual_seed(4)
+    k, v = torch.randn(4000, 2, 8, generator=gen) * 5, torch.randn(4000, 2, 8, generator=gen)
+    stats = KVStats(_stats_of(k), _stats_of(v), dialogues=1, tokens=4000)
+    by_max = compute_clips(stats, "max")
+    roomy = ClipRule("max", headroom=1.25)
+    assert roomy.name == "max-x1.25" and ClipRule("percentile", 99.9).name == "percentile-99.9"
+    clips = roomy.clips(stats)
+    assert clips.k == pytest.approx([1.25 * c for c in by_max.k]) and clips.v_clip_rate == [0.0]
+    assert torch.allclose(clips.k_channel, 1.25 * by_max.k_channel)
+    assert ClipRule("percentile", 99.0).clips(stats).k == compute_clips(stats, "percentile", 99.0).k
+    assert [r.name for r in CANDIDATES][0] == "max" and SEARCH_METHOD == "kl"

@@ -13,8 +13,8 @@ import torch
 
 from benchmarks import int8_ceiling
 from calibration import cli_calibrate, cli_eval
-from calibration.evaluate import EVAL_MODES, evaluate, stored_bytes_per_token
-from calibration.selection import prepare_dialogues
+from calibration.evaluate import EVAL_MODES, Totals, accumulate, evaluate, stored_bytes_per_token
+from calibration.selection import prepare_dialogues, split_of
 from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK
 from runtime.kv_int4 import Int4KV
 from runtime.kv_modes import bytes_per_token, kv_mode
@@ -24,15 +24,16 @@ from runtime.model_source import load_model
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory) -> Callable[[Path], Path]:
-    """cabin-calibrate on three short builtin dialogues (64 tokens each: the tiny model's word-level tokenizer
-    makes some dialogues shorter), run once per engine folder: the folder of its kv_scales.json and report."""
+    """cabin-calibrate on three builtin cabin sessions of 64 tokens, no general dialogue mixed in and no grade,
+    run once per engine folder: the folder of its kv_scales.json and report."""
 
     @functools.cache
     def calibrate(engine_folder: Path) -> Path:
         folder = tmp_path_factory.mktemp("calibration")
         code = cli_calibrate.main(["--model", str(engine_folder), "--data", "builtin", "--num-dialogues", "3",
                                    "--max-tokens", "64", "--min-tokens", "64", "--method", "percentile",
-                                   "--percentile", "99.9", "--output", str(folder / "kv_scales.json"),
+                                   "--percentile", "99.9", "--mix", "none", "--no-grade",
+                                   "--output", str(folder / "kv_scales.json"),
                                    "--report", str(folder / "report")])
         assert code == 0
         return folder
@@ -159,3 +160,123 @@ def test_static_per_channel_rounding_is_within_half_a_step():
     assert torch.allclose(rounded / steps[0], torch.round(rounded / steps[0]), atol=1e-3)
     clipped = int8_ceiling.static_per_channel(steps)(0, x * 3)  # values past the range are clipped to it
     assert torch.all(clipped.abs() <= steps[0] * 127 * 1.0001)
+
+
+def _write_dialogues(path: Path, count: int) -> Path:
+    lines = [json.dumps({"id": f"mine-{i}", "messages": [
+        {"role": "user", "content": f"how far is the next charging station number {i}"},
+        {"role": "assistant", "content": "the next charging station is twelve kilometers ahead on the right"}]})
+        for i in range(count)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_cabin_eval_evaluates_every_dialogue_of_a_file_the_user_brings(tiny_engine, calibrated, tmp_path):
+    data = _write_dialogues(tmp_path / "mine.jsonl", 12)
+    common = ["--model", str(tiny_engine.folder), "--data", str(data), "--kv-cache", "int8-shared",
+              "--scales", str(calibrated(tiny_engine.folder) / "kv_scales.json"), "--max-tokens", "32"]
+
+    def evaluated_ids(*extra: str) -> tuple[str, list[str]]:
+        out = tmp_path / "-".join(("eval", *extra))
+        assert cli_eval.main([*common, "--output", str(out), *extra]) == 0
+        data_record = json.loads((out / "eval.json").read_text())["data"]
+        return data_record["split"], data_record["ids"]
+
+    split, ids = evaluated_ids()  # a file with --scales: every dialogue by default
+    assert split == "all" and sorted(ids) == sorted(f"mine-{i}" for i in range(12))
+    expected_held = sorted(i for i in ids if split_of(i) == "heldout")
+    assert 0 < len(expected_held) < 12
+    split, held = evaluated_ids("--split", "heldout", "--num-dialogues", str(len(expected_held)))
+    assert split == "heldout" and sorted(held) == expected_held
+
+
+def test_cabin_eval_split_default_is_in_help(capsys):
+    with pytest.raises(SystemExit):
+        cli_eval.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: heldout for builtin and sharegpt, all for a file you bring" in text
+    args = cli_eval.parse_args(["--data", "builtin"])
+    assert cli_eval.eval_split(args, "kv_scales.json") == "heldout"
+    args = cli_eval.parse_args(["--data", "mine.jsonl"])
+    assert cli_eval.eval_split(args, "kv_scales.json") == "all"
+    assert cli_eval.eval_split(args, cli_eval.CALIBRATED_NOW + ": 16 train dialogues") == "heldout"
+
+
+def test_accumulate_sorts_kl_and_agreement_into_position_buckets():
+    torch.manual_seed(0)
+    ref = torch.randn(1500, 7).log_softmax(-1)
+    logits = ref.clone()
+    logits[600:, :] = torch.randn(900, 7)  # only positions from 600 on disagree with the reference
+    totals = Totals()
+    accumulate(totals, ref, logits, torch.zeros(1500, dtype=torch.long))
+    by_position = totals.by_position()
+    assert list(by_position) == ["0-512", "512-1k", "1k-2k"]
+    assert [b.tokens for b in by_position.values()] == [512, 512, 476]
+    assert by_position["0-512"].kl == pytest.approx(0, abs=1e-6) and by_position["0-512"].top1_agree == 1
+    assert by_position["1k-2k"].kl > 0.05 and by_position["1k-2k"].top1_agree < 0.8
+    # 88 of the 512 positions in 512-1k still agree exactly, the rest as in 1k-2k
+    expected = (88 * 0 + 424 * by_position["1k-2k"].kl) / 512
+    assert by_position["512-1k"].kl == pytest.approx(expected, rel=0.25)
+    weighted = sum(b.kl * b.tokens for b in by_position.values()) / 1500
+    assert weighted == pytest.approx(totals.kl / totals.tokens)
+
+
+def test_cabin_eval_reports_fidelity_by_position_on_stitched_sessions(tiny_engine, tmp_path, capsys):
+    scales = tmp_path / "scales.json"
+    assert cli_calibrate.main(["--model", str(tiny_engine.folder), "--num-dialogues", "2", "--max-tokens", "64",
+                               "--mix", "none", "--method", "max", "--no-grade", "--output", str(scales)]) == 0
+    out = tmp_path / "eval"
+    code = cli_eval.main(["--model", str(tiny_engine.folder), "--data", "builtin", "--kv-cache", "int8-shared-eq",
+                          "--scales", str(scales), "--num-dialogues", "1", "--max-tokens", "1000",
+                          "--min-tokens", "1000", "--sessions", "--output", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "0-512 (512 tok)" in printed and "512-1k (487 tok)" in printed
+    record = json.loads((out / "eval.json").read_text())
+    session = record["data"]["ids"][0].split("+")
+    assert len(session) > 2 and all(split_of(part) == "heldout" for part in session)
+    by_position = record["modes"]["int8-shared-eq"]["by_position"]
+    assert list(by_position) == ["0-512", "512-1k"] and by_position["512-1k"]["tokens"] == 487
+    assert 0 <= by_position["512-1k"]["kl"] and 0 < by_position["0-512"]["top1_agree"] <= 1
+
+
+def test_default_calibration_chooses_clips_by_kl_and_grades_itself(tiny_engine, tmp_path, capsys):
+    """The default run: long cabin sessions reaching the context plus ShareGPT, clips chosen by validation KL,
+    a grade on held-out sessions in the scales file and the report."""
+    out, report = tmp_path / "kv_scales.json", tmp_path / "report"
+    words = " ".join(["how far is the next charging station"] * 80)
+    general = [{"id": f"chat{i}_{part}", "conversations": [{"from": "human", "value": words},
+                                                           {"from": "gpt", "value": words}]}
+               for i in range(12) for part in range(2)]
+    (tmp_path / "general.json").write_text(json.dumps(general), encoding="utf-8")
+    assert cli_calibrate.main(["--model", str(tiny_engine.folder), "--num-dialogues", "1", "--mix-dialogues", "2",
+                               "--mix", str(tmp_path / "general.json"), "--output", str(out),
+                               "--report", str(report)]) == 0
+    err = capsys.readouterr().err
+    config = tiny_engine.config
+    loaded = load_scales_file(out, tiny_engine.fingerprint, config.num_hidden_layers)
+    data = loaded.data
+    context = config.max_position_embeddings
+    assert data["sessions"] and data["tokens"] == context and data["positions"] == {"longest": context,
+                                                                                   "context": context}
+    assert data["mixed"]["dialogues"] == 2 and data["mixed"]["source"].endswith("general.json")
+    assert all(split_of(part) == "train" for part in data["ids"][0].split("+"))
+    searched = {c["rule"]: c["kl"] for c in data["clip_search"]}
+    assert list(searched) == ["max", "percentile-99.99", "percentile-99.9", "max-x1.25"]
+    chosen = min(searched, key=searched.get)
+    assert loaded.method == f"kl:{chosen}"
+    assert set(data["validation_ids"]).isdisjoint(data["ids"] + data["mixed"]["ids"])
+    assert set(data["grade"]) == {"fp32", "int8-shared", "int8-shared-eq", "int8-dynamic"}
+    assert all(split_of(part) == "heldout" for part in data["grade_ids"][0].split("+"))
+    assert 0 < data["grade"]["int8-shared-eq"]["top1_agree"] <= 1 and "held-out grade int8-shared-eq" in err
+    assert "warning" not in err
+    summary = (report / "summary.md").read_text(encoding="utf-8")
+    assert f"token positions covered: 0 to {context} of the model's context of {context} (100%)" in summary
+    assert f"| {chosen} (chosen) |" in summary and "| int8-dynamic |" in summary
+
+
+def test_calibration_on_short_sequences_warns(tiny_engine, tmp_path, capsys):
+    out = tmp_path / "kv_scales.json"
+    assert cli_calibrate.main(["--model", str(tiny_engine.folder), "--num-dialogues", "2", "--max-tokens", "64",
+                               "--mix", "none", "--method", "max", "--no-grade", "--output", str(out)]) == 0
+    assert "calibrated on sequences of at most 64 tokens, the model holds 1024" in capsys.readouterr().err

@@ -1,0 +1,105 @@
+"""Clips chosen by what the user sees: each candidate rule's clips, folded into equalized weights, are scored by
+the next-token KL of ``int8-shared-eq`` against full precision on a validation part of the calibration data.
+
+The candidates reuse the collected statistics (a clip rule is a few histogram reads), so a candidate costs one
+teacher-forced run over the validation tokens; the reference runs once. Per-tensor quantization error is not
+the score: the clip with the least error (``mse``) cuts outliers that unseen dialogues need.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from calibration.equalize import equalize
+from calibration.evaluate import Totals, accumulate, run_logits
+from calibration.scales import LayerClips, compute_clips, layer_ranges
+from calibration.selection import TokenizedDialogue
+from calibration.stats import KVStats
+from runtime.kv_modes import kv_mode
+from runtime.model import Transformer
+from runtime.model_source import LoadedModel
+
+
+SEARCH_METHOD = "kl"  # cabin-calibrate's name for choosing among CANDIDATES by validation KL
+
+
+@dataclass(frozen=True)
+class ClipRule:
+    """How every layer's (and channel's) clip is read from the statistics: a method of calibration.scales,
+    times ``headroom`` (above 1: room for values larger than any the calibration data had)."""
+
+    method: str
+    percentile: float = 100.0
+    headroom: float = 1.0
+
+    @property
+    def name(self) -> str:
+        """``max``, ``percentile-99.99``, ``max-x1.25``: as kv_scales.json records a method."""
+        base = f"percentile-{self.percentile:g}" if self.method == "percentile" else self.method
+        return base if self.headroom == 1.0 else f"{base}-x{self.headroom:g}"
+
+    def clips(self, stats: KVStats) -> LayerClips:
+        """The clips this rule reads from the statistics."""
+        clips = compute_clips(stats, self.method, self.percentile)
+        if self.headroom == 1.0:
+            return clips
+        return LayerClips([c * self.headroom for c in clips.k], [c * self.headroom for c in clips.v],
+                          [0.0] * len(clips.k), [0.0] * len(clips.v),
+                          clips.k_channel * self.headroom, clips.v_channel * self.headroom)
+
+
+CANDIDATES = (ClipRule("max"), ClipRule("percentile", 99.99), ClipRule("percentile", 99.9),
+              ClipRule("max", headroom=1.25))
+
+
+@dataclass
+class CandidateScore:
+    """One candidate's next-token KL and top-1 agreement (int8-shared-eq vs fp32) on the validation tokens."""
+
+    rule: str
+    kl: float
+    top1_agree: float
+
+
+def reference_logprobs(model: Transformer, dialogues: list[TokenizedDialogue]) -> list[torch.Tensor]:
+    """Full-precision next-token log-probabilities of each validation dialogue."""
+    return [run_logits(model, d.token_ids, kv_mode("fp32"), None)[:-1].log_softmax(-1) for d in dialogues]
+
+
+def score_clips(model: LoadedModel, stats: KVStats, clips: LayerClips, dialogues: list[TokenizedDialogue],
+                references: list[torch.Tensor]) -> Totals:
+    """KL and top-1 sums of int8-shared-eq with these clips over the validation dialogues."""
+    weights, scales = equalize(model.config, model.weights, layer_ranges(stats, clips))
+    equalized = Transformer(model.config, weights)
+    totals = Totals()
+    for dialogue, reference in zip(dialogues, references):
+        logits = run_logits(equalized, dialogue.token_ids, kv_mode("int8"), scales)[:-1]
+        accumulate(totals, reference, logits, torch.tensor(dialogue.token_ids[1:]))
+    return totals
+
+
+def choose_clips(model: LoadedModel, stats: KVStats, dialogues: list[TokenizedDialogue],
+                 candidates: tuple[ClipRule, ...] = CANDIDATES,
+                 progress: bool = True) -> tuple[ClipRule, LayerClips, list[CandidateScore]]:
+    """The candidate with the least validation KL (ties: the earlier one), its clips, every score.
+
+    A candidate whose clips equal an earlier one's (a percentile that reaches the abs-max) takes its score.
+    """
+    references = reference_logprobs(model.transformer(), dialogues)
+    scored = []
+    for rule in tqdm(candidates, desc="choosing clips by KL", unit="candidate", file=sys.stderr,
+                     disable=not progress):
+        clips = rule.clips(stats)
+        same = [s for s in scored if s[2].k == clips.k and s[2].v == clips.v
+                and torch.equal(s[2].k_channel, clips.k_channel) and torch.equal(s[2].v_channel, clips.v_channel)]
+        if same:
+            scored.append((same[0][0], rule, clips, same[0][3]))
+            continue
+        totals = score_clips(model, stats, clips, dialogues, references)
+        scored.append((totals.kl / totals.tokens, rule, clips, totals.agree / totals.tokens))
+    best = min(range(len(scored)), key=lambda i: scored[i][0])
+    scores = [CandidateScore(rule.name, kl, agree) for kl, rule, _, agree in scored]
+    return scored[best][1], scored[best][2], scores
