@@ -44,7 +44,7 @@ def weights_bytes(config: ModelConfig, weight_format: str, in_memory: str | None
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tokens_per_block: int) -> int:
     """KV cache bytes of one token, all layers, K and V (scales of int8-dynamic included)."""
-    layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_size)
+    layout = KVLayout.of(config)
     return bytes_per_token(layout, kv_dtype, tokens_per_block)
 
 

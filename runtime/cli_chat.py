@@ -56,12 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--restore", type=Path, help="continue a session saved with /save (default: a new one)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128,
                         help="longest reply in tokens (default 128)")
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
+                        help="sampling temperature; 0 = greedy (default 0)")
     parser.add_argument("--top-k", type=non_negative_int, default=0,
                         help="sample from the k most likely tokens (default 0 = all)")
-    parser.add_argument("--top-p", type=float_range(0, 1), default=1.0, help="nucleus sampling threshold, in (0, 1] (default 1.0)")
-    parser.add_argument("--seed", type=int_range(0, MAX_SEED), default=None, help="random seed for sampling (default: none, a fresh "
-                        "one each run)")
+    parser.add_argument("--top-p", type=float_range(0, 1), default=1.0,
+                        help="nucleus sampling threshold, in (0, 1] (default 1.0)")
+    parser.add_argument("--seed", type=int_range(0, MAX_SEED), default=None,
+                        help="random seed for sampling (default: none, a fresh one each run)")
     return parser.parse_args(argv)
 
 
@@ -115,7 +117,7 @@ def _open_trtllm_session(args: argparse.Namespace, system: str | None) -> Trtllm
     if not folder.trt_engine.is_dir():
         raise CheckpointError(f"{folder.trt_engine}: no TensorRT engine; run the engine build on the device")
     config = folder.config()
-    layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_size)
+    layout = KVLayout.of(config)
     tokenizer = ChatTokenizer(folder.checkpoint)
     budget = kv_budget_bytes(args.kv_budget_mb)
     config = kv_cache_config(folder.manifest(), args.kv_cache, budget, args.tokens_per_block)

@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from runtime.block_manager import Sequence
+from runtime.checkpoint import ModelConfig
 from runtime.committed import committed_zeros
 from runtime.kv_quant import dequantize_per_token, quantize_per_token, quantize_static
 from runtime.native_kernels import StoredKV
@@ -36,6 +37,11 @@ class KVLayout:
     def channels(self) -> int:
         """K (or V) channels of one token in one layer."""
         return self.num_kv_heads * self.head_size
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> "KVLayout":
+        """The KV cache shape of a model config."""
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_size)
 
 
 @dataclass

@@ -75,8 +75,7 @@ class Transformer:
     @property
     def kv_layout(self) -> KVLayout:
         """Shape of this model's KV cache."""
-        c = self.config
-        return KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_size)
+        return KVLayout.of(self.config)
 
     def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
                 all_logits: bool = False) -> torch.Tensor:
@@ -137,7 +136,8 @@ class Transformer:
         """One span's queries (n, heads, d) over its sequence's cached K/V; returns (n, heads * d)."""
         heads, d = q.shape[1], q.shape[2]
         stored = ctx.storage.stored_kv(index, block_table, span.end) if ctx.native and q.shape[0] == 1 else None
-        kernel = None if stored is None else decode_attention(stored.k.dtype, d, heads // self.config.num_key_value_heads)
+        group = heads // self.config.num_key_value_heads
+        kernel = None if stored is None else decode_attention(stored.k.dtype, d, group)
         if kernel is not None:
             return kernel(q[0], stored, span.end)
         keys, values, k_scale, v_scale = ctx.storage.read_unscaled(index, block_table, span.end)

@@ -26,8 +26,9 @@ Both graphs have static shapes (batch 1)::
     new_value.L     KV      [1, T, kv_heads, head_size]
 
 The window comes in the layouts attention multiplies by (K transposed: q @ K, then probs @ V), so no
-graph copies or transposes it; the new rows go out token-major, as the paged cache stores them. Each graph's metadata records the model fingerprint, context, chunk and KV mode it was
-built for; loading checks them against the manifest. A folder is written whole (runtime.atomic).
+graph copies or transposes it; the new rows go out token-major, as the paged cache stores them. Each
+graph's metadata records the model fingerprint, context, chunk and KV mode it was built for; loading
+checks them against the manifest. A folder is written whole (runtime.atomic).
 """
 from __future__ import annotations
 

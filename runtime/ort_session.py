@@ -68,8 +68,7 @@ class OrtModel:
     @property
     def kv_layout(self) -> KVLayout:
         """Shape of this model's KV cache."""
-        c = self.config
-        return KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_size)
+        return KVLayout.of(self.config)
 
     def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
                 all_logits: bool = False) -> torch.Tensor:
