@@ -210,7 +210,7 @@ class _Graph:
 
 def _weight(t: torch.Tensor) -> np.ndarray:
     """A checkpoint (out, in) linear weight as the (in, out) right operand of MatMul."""
-    return t.t().contiguous().numpy()
+    return t.float().t().contiguous().numpy()
 
 
 def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, opset: int, weights: WeightsFile):

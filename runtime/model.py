@@ -7,7 +7,8 @@ blocks. Prefill of N tokens and decode of 1 are the same call; batched decode is
 step of several one-token spans.
 
 Linear weights keep the checkpoint's (out, in) layout and weight format (runtime.weight_formats;
-int8 / int4 ones are dequantized on the fly by runtime.quant_linear); the MLP's fc and gate
+int8 / int4 ones are dequantized on the fly by runtime.quant_linear, an fp16 lm_head is read as fp16 by the
+kernels); the MLP's fc and gate
 weights are one (2 * inter, in) matrix where the format allows, applied in one call. A decode step is
 bound by reading those weights and the KV history, so a step of a few tokens runs
 on the native kernels of runtime.native_kernels: a product of the step's tokens
@@ -66,11 +67,11 @@ class Transformer:
         w = {k: v for k, v in weights.items() if not k.endswith("cache_scaling_factor")}
         self.embedding = w["transformer.vocab_embedding.weight"].float()
         self.final_norm = w["transformer.ln_f.weight"].float()
-        self.lm_head = w.pop("lm_head.weight").float().contiguous()
+        self.native_kernels = native_kernels_enabled()
+        self.lm_head = _lm_head(w.pop("lm_head.weight"), self.native_kernels)
         self.layers = [_layer_weights(w, i, config) for i in range(config.num_hidden_layers)]
         self.cos, self.sin = rope_table(config.head_size, config.max_position_embeddings,
                                         config.rotary_base, config.rotary_scaling)
-        self.native_kernels = native_kernels_enabled()
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -114,7 +115,8 @@ class Transformer:
             x = x + _linear(F.silu(fc) * gate, layer["proj"], mv)
         if not all_logits:
             x = x[torch.tensor([span.end - span.start_pos for span in spans]).cumsum(0) - 1]
-        return _linear(_rms_norm(x, self.final_norm, c.norm_epsilon), self.lm_head, mv)
+        h = _rms_norm(x, self.final_norm, c.norm_epsilon)  # one row per span, or per token
+        return _linear(h, self.lm_head, matvec() if self.native_kernels and len(h) <= MATVEC_MAX_TOKENS else None)
 
     def _attention(self, index: int, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    ctx: StepContext) -> torch.Tensor:
@@ -189,6 +191,13 @@ def _layer_weights(w: dict[str, torch.Tensor], layer: int, config: ModelConfig) 
     if config.qkv_bias:
         out["qkv_bias"] = w[f"{p}.attention.qkv.bias"].float()
     return out
+
+
+def _lm_head(weight: torch.Tensor, native: bool) -> torch.Tensor:
+    """The output projection as the decode kernels read it fastest: an fp16 one stays fp16 (half the bytes of
+    the largest matrix of a small model; fp32 copy on the torch path only)."""
+    keep = native and weight.dtype == torch.float16
+    return weight.contiguous() if keep else weight.float().contiguous()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Decoding is bound by memory reads. Four kernels in runtime/kernels/ serve that case:
 - ``matvec.c``: a linear layer for the tokens of a decode step (one per sequence) over the checkpoint's
-  (out, in) fp32 weights, read once for all of them;
+  (out, in) fp32 or fp16 weights, read once for all of them;
 - ``quant_matvec.c``: a linear layer for one token over W8A16 and W4A16-AWQ weights, dequantized in registers;
 - ``decode_attention.c``: the attention of one token straight from a paged cache of int8
   (static or per-token scales), fp16 or fp32 elements, with no gather and no converted copy of
@@ -78,25 +78,27 @@ def native_kernels_enabled() -> bool:
 
 
 class MatVec:
-    """``F.linear`` for up to ``MATVEC_MAX_TOKENS`` tokens (a decode step), over contiguous fp32 (out, in) weights."""
+    """``F.linear`` for up to ``MATVEC_MAX_TOKENS`` tokens (a decode step), over contiguous fp32 or fp16 (out, in)
+    weights."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._fn = _bind(library, "matvec", [_POINTER] * 4 + [_SIZE, _SIZE, _SIZE])
+        self._fns = {dtype: _bind(library, name, [_POINTER] * 4 + [_SIZE, _SIZE, _SIZE])
+                     for dtype, name in ((torch.float32, "matvec"), (torch.float16, "matvec_half"))}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (n, in) times weight (out, in) transposed, plus bias (out,); returns (n, out). Each token's row is
-        computed as it would be alone."""
+        """x (n, in) times weight (out, in) transposed, plus bias (out,); returns (n, out) in fp32. Each token's
+        row is computed as it would be alone; fp16 weights as their exact fp32 values."""
         rows, cols = weight.shape
         if (x.dim() != 2 or not 1 <= x.shape[0] <= MATVEC_MAX_TOKENS or x.shape[1] != cols
-                or x.dtype != torch.float32 or weight.dtype != torch.float32
+                or x.dtype != torch.float32 or weight.dtype not in self._fns
                 or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous())):
             raise ValueError(f"matvec needs fp32 x of shape (n, {cols}) with 1 <= n <= {MATVEC_MAX_TOKENS} and "
-                             f"contiguous fp32 weights, got {x.dtype} {tuple(x.shape)} against {weight.dtype} "
-                             f"weights {tuple(weight.shape)}")
+                             f"contiguous fp32 or fp16 weights, got {x.dtype} {tuple(x.shape)} against "
+                             f"{weight.dtype} weights {tuple(weight.shape)}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], rows)
-        self._fn(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                 x.shape[0], rows, cols)
+        self._fns[weight.dtype](weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                out.data_ptr(), x.shape[0], rows, cols)
         return out
 
 

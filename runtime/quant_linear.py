@@ -114,7 +114,7 @@ def linear(x: torch.Tensor, weight: Linear, mv: MatVec | None, bias: torch.Tenso
     the int8 / int4 kernels take one token)."""
     if not isinstance(weight, torch.Tensor):
         return weight(x, bias, mv is not None)
-    return mv(x, weight, bias) if mv is not None else F.linear(x, weight, bias)
+    return mv(x, weight, bias) if mv is not None else F.linear(x, weight.float(), bias)
 
 
 def full_precision(weight: Linear) -> torch.Tensor:

@@ -8,10 +8,12 @@ import torch.nn.functional as F
 
 from runtime import native_kernels
 from runtime.block_manager import Sequence
+from runtime.checkpoint import load_checkpoint
+from runtime.engine_folder import EngineFolder
 from runtime.kv_cache import KvCacheConfig, PagedKVCache
 from runtime.kv_modes import kv_mode
 from runtime.kv_storage import KVLayout, KVScales
-from runtime.model import grouped_attention
+from runtime.model import Transformer, grouped_attention
 from runtime.native_kernels import StoredKV
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the kernels")
@@ -28,6 +30,19 @@ def test_matvec_equals_linear(rows, cols, with_bias, tokens):
     assert torch.allclose(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5 * math.sqrt(cols))
     alone = torch.cat([native_kernels.matvec()(row[None], weight, bias) for row in x])
     assert torch.equal(got, alone)  # a token's row does not depend on the others of its step
+
+
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize("rows, cols, with_bias, tokens", [(49, 576, False, 1), (7, 20, True, 3), (6, 7, False, 16)])
+def test_matvec_over_fp16_weights_equals_linear_on_their_fp32_values(rows, cols, with_bias, tokens, generic):
+    """fp16 weights (F16C or, built with -DGENERIC, half.h) give what fp32 copies of them give."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(rows, cols, generator=gen).half(), torch.randn(tokens, cols, generator=gen)
+    bias = torch.randn(rows, generator=gen) if with_bias else None
+    kernel = native_kernels.MatVec(native_kernels._load("matvec", {"GENERIC": 1})) if generic else native_kernels.matvec()
+    got = kernel(x, weight, bias)
+    assert torch.allclose(got, F.linear(x, weight.float(), bias), rtol=1e-5, atol=1e-5 * math.sqrt(cols))
+    assert torch.equal(got, native_kernels.matvec()(x, weight.float(), bias))  # the same sums as fp32 rows
 
 
 @pytest.mark.parametrize("x_shape", [(2, 9), (17, 8), (8,)])
@@ -178,3 +193,20 @@ def test_kernels_can_be_turned_off(monkeypatch):
     assert not native_kernels.native_kernels_enabled()
     monkeypatch.delenv("CABIN_NATIVE_KERNELS")
     assert native_kernels.native_kernels_enabled()
+
+
+def test_an_fp16_lm_head_is_read_as_fp16_with_the_same_logits(tiny_engine_dir):
+    """A checkpoint's fp16 lm_head stays fp16 for the kernels and decodes as its fp32 copy does."""
+    config, weights = load_checkpoint(EngineFolder(tiny_engine_dir).checkpoint)
+    half = weights["lm_head.weight"].half()
+    as_half = Transformer(config, {**weights, "lm_head.weight": half})
+    as_float = Transformer(config, {**weights, "lm_head.weight": half.float()})
+    assert as_half.lm_head.dtype == torch.float16 and as_float.lm_head.dtype == torch.float32
+    prompt, steps = [1, 5, 9, 2, 7, 3], []
+    for model in (as_half, as_float):
+        cache = PagedKVCache(model.kv_layout, KvCacheConfig("fp32", 1 << 20, 16))
+        seq = Sequence()
+        cache.allocate(seq, prompt + [4])
+        model.forward(prompt, 0, cache, seq)
+        steps.append(model.forward([4], len(prompt), cache, seq))  # a one-token step: on the kernels
+    assert torch.equal(steps[0], steps[1])

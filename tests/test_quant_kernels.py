@@ -37,6 +37,21 @@ def test_quantized_matvec_equals_dequantized_linear(rows, cols, group, with_bias
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * math.sqrt(cols) * expected.abs().max())
 
 
+@pytest.mark.parametrize("rows, cols, group", [(192, 576, 64), (6, 36, 12), (4, 128, 128)])
+def test_wide_and_generic_builds_agree(rows, cols, group):
+    """The AVX2 loops (where this CPU has them) and the plain ones (-DGENERIC, other CPUs) give the same sums
+    within float rounding, rows of any length included."""
+    gen = torch.Generator().manual_seed(cols)
+    generic = native_kernels.QuantMatVec(native_kernels._load("quant_matvec", {"GENERIC": 1}))
+    x = torch.randn(1, cols, generator=gen)
+    i8, i4 = int8_linear(rows, cols, gen), int4_linear(rows, cols, group, gen)
+    pairs = [(native_kernels.quant_matvec().int8(x, i8.weight, i8.scale), generic.int8(x, i8.weight, i8.scale)),
+             (native_kernels.quant_matvec().int4(x, i4.packed, i4.scale, group),
+              generic.int4(x, i4.packed, i4.scale, group))]
+    for wide, plain in pairs:
+        assert torch.allclose(wide, plain, rtol=1e-5, atol=1e-5 * math.sqrt(cols) * plain.abs().max())
+
+
 def test_stacked_int4_and_prefill_keep_the_torch_path():
     """fc and gate with their own prequant scales run as two kernels; several tokens never take a kernel."""
     gen = torch.Generator().manual_seed(1)

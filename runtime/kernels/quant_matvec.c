@@ -3,43 +3,97 @@
  *
  * matvec_int8 (W8A16): w int8 (rows, cols), one float32 scale per row: y[r] = scale[r] * sum_i w[r][i] x[i].
  * matvec_int4 (W4A16_AWQ): packed int8 (rows / 2, cols), row 2p in the low nibble of packed row p and row 2p + 1
- * in the high one; scale float32 (rows, cols / group); x is already multiplied by the prequant scale. Each packed
- * row is dequantized into two L1-resident rows (both of its output rows), then dotted with x.
+ * in the high one; scale float32 (rows, cols / group); x is already multiplied by the prequant scale. The AVX2
+ * loop applies each group's scale once to the group's sum; the plain one dequantizes each packed row into two
+ * L1-resident rows (both of its output rows), then dots them with x.
  * bias may be NULL. Like matvec.c, a step is bound by reading the weights: 1 byte (int8) or half a byte (int4)
- * per weight instead of 4.
+ * per weight instead of 4, once each weight's conversion to float is cheap enough: with AVX2 and FMA (x86-64)
+ * eight weights are widened, converted and multiplied per instruction; other CPUs, rows whose length is not a
+ * multiple of 8, and builds with -DGENERIC take the plain loops, which the compiler vectorizes as it can.
  */
 #include <stdint.h>
 
-void matvec_int8(const int8_t *restrict w, const float *restrict scale, const float *restrict x,
-                 const float *restrict bias, float *restrict y, int64_t rows, int64_t cols)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(GENERIC)
+#include <immintrin.h>
+#define WIDE 1
+
+static inline float sum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256i widen8(const int8_t *p)  /* eight int8 -> eight int32 lanes */
+{
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+static void int8_rows_wide(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows,
+                           int64_t cols)
 {
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) {
         const int8_t *w0 = w + r * cols, *w1 = w0 + cols, *w2 = w1 + cols, *w3 = w2 + cols;
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-        #pragma omp simd reduction(+:a0, a1, a2, a3)
-        for (int64_t i = 0; i < cols; i++) {
-            a0 += (float)w0[i] * x[i];
-            a1 += (float)w1[i] * x[i];
-            a2 += (float)w2[i] * x[i];
-            a3 += (float)w3[i] * x[i];
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < cols; i += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + i);
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w0 + i)), xv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w1 + i)), xv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w2 + i)), xv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w3 + i)), xv, a3);
         }
-        y[r] = a0 * scale[r], y[r + 1] = a1 * scale[r + 1], y[r + 2] = a2 * scale[r + 2];
-        y[r + 3] = a3 * scale[r + 3];
+        y[r] = sum8(a0) * scale[r], y[r + 1] = sum8(a1) * scale[r + 1];
+        y[r + 2] = sum8(a2) * scale[r + 2], y[r + 3] = sum8(a3) * scale[r + 3];
     }
     for (; r < rows; r++) {
+        __m256 a0 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < cols; i += 8)
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w + r * cols + i)), _mm256_loadu_ps(x + i), a0);
+        y[r] = sum8(a0) * scale[r];
+    }
+}
+
+static void int4_rows_wide(const int8_t *packed, const float *scale, const float *x, float *y, int64_t rows,
+                           int64_t cols, int64_t group)
+{
+    const int64_t groups = cols / group;
+    for (int64_t p = 0; p < rows / 2; p++) {
+        const int8_t *row = packed + p * cols;
+        const float *s0 = scale + (2 * p) * groups, *s1 = s0 + groups;
+        __m256 t0 = _mm256_setzero_ps(), t1 = t0;
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+            for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
+                const __m256i v = widen8(row + i);  /* arithmetic shifts sign-extend each nibble */
+                const __m256 xv = _mm256_loadu_ps(x + i);
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28)), xv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(v, 4)), xv, a1);
+            }
+            t0 = _mm256_fmadd_ps(a0, _mm256_set1_ps(s0[g]), t0);
+            t1 = _mm256_fmadd_ps(a1, _mm256_set1_ps(s1[g]), t1);
+        }
+        y[2 * p] = sum8(t0), y[2 * p + 1] = sum8(t1);
+    }
+}
+#else
+#define WIDE 0
+#endif
+
+static void int8_rows(const int8_t *restrict w, const float *restrict scale, const float *restrict x,
+                      float *restrict y, int64_t rows, int64_t cols)
+{
+    for (int64_t r = 0; r < rows; r++) {
         const int8_t *w0 = w + r * cols;
         float a0 = 0.0f;
         #pragma omp simd reduction(+:a0)
         for (int64_t i = 0; i < cols; i++) a0 += (float)w0[i] * x[i];
         y[r] = a0 * scale[r];
     }
-    if (bias)
-        for (r = 0; r < rows; r++) y[r] += bias[r];
 }
 
-void matvec_int4(const int8_t *restrict packed, const float *restrict scale, const float *restrict x,
-                 const float *restrict bias, float *restrict y, int64_t rows, int64_t cols, int64_t group)
+static void int4_rows(const int8_t *restrict packed, const float *restrict scale, const float *restrict x,
+                      float *restrict y, int64_t rows, int64_t cols, int64_t group)
 {
     const int64_t groups = cols / group;
     float w0[cols], w1[cols];  /* one packed row dequantized (both output rows): stays in L1 */
@@ -65,6 +119,34 @@ void matvec_int4(const int8_t *restrict packed, const float *restrict scale, con
         }
         y[2 * p] = a0, y[2 * p + 1] = a1;
     }
+}
+
+static void add_bias(const float *restrict bias, float *restrict y, int64_t rows)
+{
     if (bias)
         for (int64_t r = 0; r < rows; r++) y[r] += bias[r];
+}
+
+void matvec_int8(const int8_t *restrict w, const float *restrict scale, const float *restrict x,
+                 const float *restrict bias, float *restrict y, int64_t rows, int64_t cols)
+{
+#if WIDE
+    if (cols % 8 == 0)
+        int8_rows_wide(w, scale, x, y, rows, cols);
+    else
+#endif
+        int8_rows(w, scale, x, y, rows, cols);
+    add_bias(bias, y, rows);
+}
+
+void matvec_int4(const int8_t *restrict packed, const float *restrict scale, const float *restrict x,
+                 const float *restrict bias, float *restrict y, int64_t rows, int64_t cols, int64_t group)
+{
+#if WIDE
+    if (group % 8 == 0)
+        int4_rows_wide(packed, scale, x, y, rows, cols, group);
+    else
+#endif
+        int4_rows(packed, scale, x, y, rows, cols, group);
+    add_bias(bias, y, rows);
 }
