@@ -55,13 +55,14 @@ def make_peers(engine: Engine, families: list[str], threads: int) -> list[Runner
 
 
 def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unavailable],
-              evaluation: dict | None) -> dict:
-    """Measure everything on ours and the available peers; the JSON-ready results (without command/notes)."""
+              evaluation: dict | None, weight_engines: list[Engine] = ()) -> dict:
+    """Measure everything on ours (the engine, and the same model in other weight formats) and the available
+    peers; the JSON-ready results (without command/notes)."""
     info = machine_info()
     crowded = oversubscribed(info)
     if crowded:
         print(f"cabin-bench: warning: {crowded}", file=sys.stderr)
-    ours = [cabin_runner(engine, m) for m in available_modes(settings.modes)]
+    ours = [cabin_runner(e, m) for e in [engine, *weight_engines] for m in available_modes(settings.modes)]
     runners = ours + [p for p in peers if isinstance(p, Runner)]
     turn_peers = [p for p in runners if p.name in TURN_PEERS]
     prompt = sharegpt_stream(engine, max(settings.contexts))
@@ -102,6 +103,7 @@ def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unav
         "multiturn": multiturn,
         "accuracy": {"source": {k: v for k, v in evaluation.items() if k != "modes"},
                      "rows": accuracy_rows(runners, evaluation, equalized)} if evaluation else {},
+        "weight_engines": [str(e.folder) for e in weight_engines],
         "claims": [asdict(c) for c in check_claims(ratios, settings.contexts, quantized, growth,
-                                                               f"cabin {TURN_MODE} (reuse)")],
+                                                   f"cabin {TURN_MODE} (reuse)")],
     }

@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--engine", type=Path, help="engine folder written by cabin-build")
     source.add_argument("--render", type=Path, help="write RESULTS.md and the figures again from the results JSON "
                                                     "of an earlier run, measuring nothing")
+    parser.add_argument("--weights-engines", type=Path, nargs="+", default=[],
+                        help="engine folders of the same model with other weights (cabin-build --weights int8 or "
+                             "int4-awq): each adds our runners on its weights (default: none)")
     parser.add_argument("--json", type=Path, help="also write the results JSON here")
     parser.add_argument("--quick", action="store_true", help="two repeats instead of 3, 32 decode tokens per run "
                                                             "instead of 128, one pass of the dialogue instead of 2")
@@ -95,6 +98,10 @@ def notes(results: dict) -> list[str]:
         "machine shared with other jobs, more threads than idle cores make every runner stall on its busy-waiting "
         "workers, so use --threads to match the idle cores.",
     ]
+    if results.get("weight_engines"):
+        out.append("cabin MODE + W8A16 / + W4A16_AWQ: the same model with weights quantized by ModelOpt "
+                   f"(engines {', '.join(results['weight_engines'])}), decode on the quantized-weight kernels; "
+                   "llama.cpp runs the GGUF's own quantized weights, so these rows compare weight formats too.")
     crowded = oversubscribed(results["machine"])
     if crowded:
         out.insert(0, f"WARNING: {crowded}.")
@@ -134,6 +141,15 @@ def render(path: Path, out: Path) -> int:
     return 0
 
 
+def same_model(engine: Engine, other: Engine) -> Engine:
+    """other, checked to hold the engine's model (its layers and vocabulary) in another weight format."""
+    shape = ("num_hidden_layers", "hidden_size", "num_key_value_heads", "vocab_size")
+    if [getattr(other.config, k) for k in shape] != [getattr(engine.config, k) for k in shape]:
+        raise ValueError(f"--weights-engines {other.folder} holds another model than --engine {engine.folder}; "
+                         "build it from the same --model")
+    return other
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
@@ -149,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         evaluation = load_eval(args.eval_json) if args.eval_json else None
         engine = Engine.load(args.engine)
+        weight_engines = [same_model(engine, Engine.load(folder)) for folder in args.weights_engines]
         peers = make_peers(engine, families, torch.get_num_threads())
-        results = run_bench(engine, settings, peers, evaluation)
+        results = run_bench(engine, settings, peers, evaluation, weight_engines)
     except (CheckpointError, EvalJsonError, ValueError) as err:
         print(f"cabin-bench: error: {err}", file=sys.stderr)
         return 2

@@ -1,6 +1,8 @@
 """Our reference engine as a benchmark runner, one per KV cache mode."""
 from __future__ import annotations
 
+import torch
+
 from benchmarks.runner import KVFootprint, Runner, RunTiming
 from runtime.block_manager import Sequence
 from runtime.engine import Engine
@@ -17,7 +19,8 @@ def available_modes(wanted: list[str]) -> list[str]:
 
 
 def cabin_runner(engine: Engine, mode: str) -> Runner:
-    """Prefill and greedy decode on a fresh paged cache of ``mode``, sized to the prompt."""
+    """Prefill and greedy decode on a fresh paged cache of ``mode``, sized to the prompt; named 'cabin MODE', with
+    ' + W8A16' or ' + W4A16_AWQ' for an engine of quantized weights."""
     layout = engine.model.kv_layout
 
     def run(prompt: list[int], new_tokens: int) -> RunTiming:
@@ -33,17 +36,20 @@ def cabin_runner(engine: Engine, mode: str) -> Runner:
                            f"runtime block accounting (PagedKVCache.stats), blocks of {config.tokens_per_block} "
                            "tokens")
 
-    return Runner(f"cabin {mode}", "cabin", kv_mode(mode).label, weights_note(engine, mode), run, footprint,
+    fmt = engine.config.weight_format
+    name = f"cabin {mode}" + (f" + {fmt.quant_algo}" if fmt.quant_algo else "")
+    return Runner(name, "cabin", kv_mode(mode).label, weights_note(engine, mode), run, footprint,
                   mode=mode)
 
 
 def weights_note(engine: Engine, mode: str) -> str:
     """The weights and which code runs a decode step in this mode: native kernels or the torch fallback."""
     fmt = engine.config.weight_format
+    head = "fp16" if engine.model.lm_head.dtype == torch.float16 else "fp32"
     if fmt.quant_algo is None:
-        weights, kernel = "fp32 (the engine's checkpoint, upcast)", "matvec"
+        weights, kernel = f"fp32 (the engine's checkpoint, upcast; lm_head {head})", "matvec"
     else:
-        weights, kernel = f"{fmt.label} (the engine's checkpoint; lm_head and embedding fp32)", "quant_matvec"
+        weights, kernel = f"{fmt.label} (the engine's checkpoint; lm_head {head}, embedding fp32)", "quant_matvec"
     if not native_kernels_enabled() or matvec() is None:
         return f"{weights}; decode steps on the torch path (native kernels off)"
     attention = "attention in the blocks" if kv_mode(mode).per_token else "attention over natively dequantized blocks"

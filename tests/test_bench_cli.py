@@ -81,3 +81,23 @@ def test_unknown_peer_family_and_bad_eval_json_are_clear_errors(tiny_engine, tmp
     assert main(["--render", str(bad), *out]) == 2
     assert "not a cabin-bench results JSON" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_weights_engines_add_runners_on_their_weights(tiny_engine, tmp_path, capsys, keep_threads):
+    """An engine of the same model with W8A16 weights adds 'cabin int8 + W8A16'; another model is refused."""
+    root = tmp_path / "w8"
+    w8 = build_engine(BuildRequest(str(write_tiny_llama(root / "model")), root / "engine", "int8", weights="int8"),
+                      log=lambda _msg: None)
+    out = ["--out", str(tmp_path / "out"), "--json", str(tmp_path / "r.json")]
+    assert main(["--engine", str(tiny_engine), "--weights-engines", str(w8), "--contexts", "16", "--repeats", "1",
+                 "--decode-steps", "3", "--turns", "0", "--modes", "int8", "--peers", "none", "--threads", "1",
+                 *out]) == 0
+    results = json.loads((tmp_path / "r.json").read_text())
+    runners = {r["name"]: r for r in results["runners"]}
+    assert runners["cabin int8 + W8A16"]["status"] == "ok" and "W8A16" in runners["cabin int8 + W8A16"]["weights"]
+    assert {r["runner"] for r in results["speed"]["rows"]} == {"cabin int8", "cabin int8 + W8A16"}
+    other = tmp_path / "other"
+    wide = build_engine(BuildRequest(str(write_tiny_llama(other / "model", hidden_size=128)), other / "engine",
+                                     "int8", dtype="float32"), log=lambda _msg: None)
+    assert main(["--engine", str(tiny_engine), "--weights-engines", str(wide), *out]) == 2
+    assert "holds another model" in capsys.readouterr().err
