@@ -1,5 +1,5 @@
-"""cabin-plan on the NPU targets: the planned KV window and prompt-graph chunk fit, refusals name the fix,
-profiles are checked.
+"""cabin-plan, cabin-build and cabin-export on the NPU targets: the planned KV window and prompt-graph chunk fit,
+the cabin-export command parses and exports what was planned, refusals name the fix, profiles are checked.
 
 All on the tiny random Llama (3 layers, 2 KV heads x 8, a 1,024-token context)."""
 from __future__ import annotations
@@ -9,11 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from builders.graph_plan import graph_plan
+from builders.engine_build import GRAPHS_SUFFIX, BuildRequest, build_engine
+from builders.export_cli import export_request, main as cabin_export, parse_args as export_args
+from builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER, graph_plan
 from builders.plan_cli import main as cabin_plan
 from builders.planner import MIN_TURNS, PlanRequest, make_plan
 from builders.targets import GIB, Backend, TargetError, get_target, load_targets
 from fakes.tiny_model import write_tiny_llama
+from runtime.engine_folder import MANIFEST_FILE
 from runtime.model_source import load_model_config
 
 NPU_TARGETS = ("sa8295p-16gb", "sa8775p-36gb")
@@ -62,6 +65,18 @@ def test_plan_gives_a_window_and_chunk_that_fit(capsys, tiny_model, target):
         assert plan["fits"][dtype] and plan["est_turns"][dtype] >= MIN_TURNS
         assert f"--kv-budget-mb {-(-graphs['host_cache_bytes'] // 2**20)}" in graphs["chat_command"]
     assert any("paged cache keeps the dialogue in host memory" in w for w in plan["warnings"])
+
+
+@pytest.mark.parametrize("target", NPU_TARGETS)
+def test_planned_export_command_parses_with_cabin_export(capsys, tiny_model, target):
+    _, plan = run_plan(capsys, "--model", str(tiny_model), "--target", target)
+    for dtype, graphs in plan["cabin_export"].items():
+        command = graphs["command"].split()
+        assert command[0] == "cabin-export" and command[1:] == graphs["args"]
+        request = export_request(export_args(command[1:]))
+        assert (str(request.engine), str(request.output)) == (ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER)
+        assert (request.context, request.chunk, request.kv_cache, request.profile) == (
+            graphs["context"], graphs["chunk"], dtype, "npu")
 
 
 @pytest.mark.parametrize("target", NPU_TARGETS)
@@ -116,6 +131,50 @@ def test_the_graph_bound_limits_the_window_and_refuses_models_over_it(tiny_model
 def test_tensorrt_plans_have_no_export_section(capsys, tiny_model):
     _, plan = run_plan(capsys, "--model", str(tiny_model), "--target", "orin-nano-8gb")
     assert "cabin_export" not in plan and plan["trtllm_build_args"]["int8"]
+
+
+def test_cabin_build_for_an_npu_target_records_the_export_step(tiny_model, tmp_path, capsys):
+    out = tmp_path / "e"
+    logged = []
+    build_engine(BuildRequest(str(tiny_model), out, "int8", target="sa8775p-36gb"), log=logged.append)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    step, planned = manifest["device_step"], manifest["plan"]["cabin_export"]["int8"]
+    assert manifest["backend"] == "reference" and step["status"] == "pending"
+    assert step["what"] == "ONNX graph export (cabin-export)" and "cabin-export" in step["reason"]
+    folders = {ENGINE_PLACEHOLDER: str(out), GRAPHS_PLACEHOLDER: f"{out}{GRAPHS_SUFFIX}"}
+    assert step["command"] == ["cabin-export", *(folders.get(arg, arg) for arg in planned["args"])]
+    assert step["then"][:7] == ["cabin-chat", "--engine", f"{out}{GRAPHS_SUFFIX}", "--backend", "onnxruntime",
+                                "--ort-provider", "qnn"]
+    assert logged[-1] == f"next, the graphs for sa8775p-36gb: {' '.join(step['command'])}"
+    assert cabin_export([*step["command"][1:]]) == 0  # the recorded command exports what was planned
+    graphs = json.loads((tmp_path / f"e{GRAPHS_SUFFIX}" / MANIFEST_FILE).read_text())
+    assert (graphs["context"], graphs["chunk"], graphs["kv_cache"]) == (planned["context"], planned["chunk"], "int8")
+
+
+def test_cabin_export_takes_the_plan_from_target_and_flags_win(tiny_engine_dir, tmp_path):
+    args = export_args(["--engine", str(tiny_engine_dir), "--output", str(tmp_path / "g"), "--target",
+                        "sa8775p-36gb"])
+    request = export_request(args)
+    assert (request.context, request.chunk, request.kv_cache, request.profile) == (1024, 128, "int8", "npu")
+    args = export_args(["--engine", str(tiny_engine_dir), "--output", "g", "--target", "sa8775p-36gb", "--chunk",
+                        "32", "--kv-cache", "fp16"])
+    request = export_request(args)
+    assert (request.context, request.chunk, request.kv_cache) == (1024, 32, "fp16")
+    request = export_request(export_args(["--engine", str(tiny_engine_dir), "--output", "g"]))
+    assert (request.context, request.chunk, request.kv_cache, request.profile) == (2048, 64, "int8", "npu")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "orin-nano-8gb"], "--target orin-nano-8gb runs tensorrt engines, not ONNX graphs; give an NPU "
+                                    "target (sa8295p-16gb, sa8775p-36gb)"),
+    (["--target", "sa8295p-16gb", "--kv-cache", "fp16"], "HTP v68 has no FP16"),
+    (["--target", "sa8775p"], "unknown target 'sa8775p'"),
+])
+def test_cabin_export_target_errors_name_the_fix(tiny_engine_dir, tmp_path, capsys, args, message):
+    assert cabin_export(["--engine", str(tiny_engine_dir), "--output", str(tmp_path / "g"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cabin-export: error: ") and message in err and "Traceback" not in err
+    assert not (tmp_path / "g").exists()
 
 
 NPU_PROFILE = """
