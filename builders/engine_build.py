@@ -17,10 +17,10 @@ import torch
 
 from builders.kv_attach import attach_kv_quant, quant_algo
 from builders.manifest import changed_inputs, file_sha256, source_identity, tool_versions
-from builders.planner import Plan, PlanRefused, PlanRequest, make_plan, nearest_working
+from builders.planner import Plan, PlanRequest, working_plan
 from builders.progress import Steps
 from builders.scales_source import BuildScales, calibrated_scales, quick_scales, scales_from_file
-from builders.targets import Target, get_target, load_targets
+from builders.targets import Backend, Target, get_target
 from builders.trtllm import TrtllmInstall, build_args, find_trtllm, flag_set, local_sm, run_trtllm_build
 from builders.weight_build import (build_weight_format, check_equalize, needs_quantizing, quantize_step_text,
                                    quantized_checkpoint, refingerprint_scales, weights_record)
@@ -32,6 +32,7 @@ from runtime.kv_scales import ScalesError, model_fingerprint
 from runtime.model_source import import_model, load_model_config, resolve_model
 
 Log = Callable[[str], None]
+GRAPHS_SUFFIX = "-graphs"  # an ONNX target's graph folder: the engine folder's name and this
 DEFAULT_SYSTEM_PROMPT = (Path(__file__).parent / "data" / "system_prompt.txt").read_text(encoding="utf-8").strip()
 
 
@@ -67,7 +68,8 @@ class BuildRequest:
 
 @dataclass
 class DeviceStep:
-    """The TensorRT engine build: run here, left for the device, or not needed (reference engine)."""
+    """What the target needs after the build: the TensorRT engine build (run here or left for the device), the
+    ONNX graph export (cabin-export, pending), or nothing (reference engine)."""
 
     status: str  # "run here", "pending" or "not needed"
     reason: str
@@ -85,7 +87,7 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
     fmt = build_weight_format(request.weights, source_config)
     check_equalize(fmt, source_config, request.equalize)
     plan = checked_plan(request, target, fmt.name)
-    trtllm = find_trtllm() if target.backend == "tensorrt" else None
+    trtllm = find_trtllm() if target.backend is Backend.TENSORRT else None
     inputs = build_inputs(request, target, source, trtllm)
     clean_leftovers(request.output)  # a killed build's staging folder; the old engine a killed replace moved aside
     if output_up_to_date(request.output, inputs, request.force):
@@ -129,6 +131,8 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
             atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2))
     failed_log.unlink(missing_ok=True)  # a failed earlier attempt's log is stale now
     log(f"engine written to {request.output} ({manifest['backend']} backend; device step: {device.status})")
+    if target.backend is Backend.ONNX:
+        log(f"next, the graphs for {target.name}: {shlex.join(manifest['device_step']['command'])}")
     return request.output
 
 
@@ -167,13 +171,8 @@ def scales_step_text(request: BuildRequest) -> str:
 def checked_plan(request: BuildRequest, target: Target, weights: str = "fp16") -> Plan:
     """The memory plan for the requested KV dtype and weight format; PlanRefused (with the nearest working config)
     if it cannot work."""
-    config = load_model_config(request.model)
     plan_request = PlanRequest(request.model, target, weights, request.reserve_gb, request.kv_cache)
-    plan = make_plan(plan_request, config)
-    reason = plan.refusal()
-    if reason:
-        raise PlanRefused(reason, nearest_working(plan_request, config, load_targets()))
-    return plan
+    return working_plan(plan_request, load_model_config(request.model))
 
 
 def build_inputs(request: BuildRequest, target: Target, source: Path, trtllm: TrtllmInstall | None) -> dict:
@@ -216,8 +215,13 @@ def output_up_to_date(output: Path, inputs: dict, force: bool) -> bool:
 
 
 def device_step(target: Target, trtllm: TrtllmInstall | None) -> DeviceStep:
-    """Whether trtllm-build runs here: only for TensorRT targets, where it is installed and the GPU matches."""
-    if target.backend != "tensorrt":
+    """Whether trtllm-build runs here: only for TensorRT targets, where it is installed and the GPU matches; ONNX
+    targets take cabin-export's graphs next."""
+    if target.backend is Backend.ONNX:
+        return DeviceStep("pending", f"{target.name} runs static ONNX graphs: export them from this folder with "
+                          f"cabin-export (on any machine), then run them on the board with cabin-chat --backend "
+                          f"onnxruntime --ort-provider {target.npu.ort_provider}", None)
+    if target.backend is not Backend.TENSORRT:
         return DeviceStep("not needed", f"{target.name} runs the reference engine", None)
     line_flags = flag_set(target.trtllm_line)
     if trtllm is None:
@@ -229,12 +233,30 @@ def device_step(target: Target, trtllm: TrtllmInstall | None) -> DeviceStep:
     return DeviceStep("run here", f"trtllm-build {trtllm.version} at {trtllm.executable}", trtllm.flags)
 
 
+def device_record(request: BuildRequest, target: Target, plan: Plan, device: DeviceStep,
+                  trt_command: list[str] | None) -> dict:
+    """The manifest's device step: trtllm-build in the engine folder, or for an ONNX target cabin-export of the
+    planned graphs (and the cabin-chat command that runs them)."""
+    kv_plan = plan.kv[request.kv_cache]
+    what, cwd, then = "TensorRT engine build (trtllm-build)", "the engine folder", {}
+    if kv_plan.graphs:
+        graphs = f"{request.output}{GRAPHS_SUFFIX}"
+        what, cwd = "ONNX graph export (cabin-export)", "the folder cabin-build ran in"
+        command = ["cabin-export", *kv_plan.graphs.export_args(str(request.output), graphs)]
+        then = {"then": shlex.split(kv_plan.graphs.chat_command(graphs))}
+    else:
+        args = build_args(kv_plan.shape, device.flags) if device.flags else None
+        command = trt_command or (["trtllm-build", *args] if args else None)
+    return {"what": what, "status": device.status, "reason": device.reason,
+            "run_on": f"{target.name}: {target.description}", "flags": device.flags, "cwd": cwd, "command": command,
+            **then, "log": TRTLLM_LOG_FILE if trt_command else None,
+            "engine_dir": TRT_ENGINE_DIR if trt_command else None}
+
+
 def make_manifest(request: BuildRequest, target: Target, plan: Plan, source: Path, fingerprint: str,
                   kv: BuildScales, scales_sha256: str, device: DeviceStep, trtllm: TrtllmInstall | None,
                   trt_command: list[str] | None, inputs: dict, seconds: float) -> dict:
     """The manifest.json content."""
-    kv_plan = plan.kv[request.kv_cache]
-    args = build_args(kv_plan.shape, device.flags) if device.flags else None
     warnings = list(plan.warnings)
     if trtllm and target.trtllm_line and trtllm.flags != flag_set(target.trtllm_line):
         warnings.append(f"TensorRT-LLM {trtllm.version} is installed here but {target.name} runs "
@@ -253,12 +275,7 @@ def make_manifest(request: BuildRequest, target: Target, plan: Plan, source: Pat
         "equalization": {"enabled": kv.equalized},
         "plan": plan.to_json(),
         "build_command": request.command(),
-        "device_step": {"what": "TensorRT engine build (trtllm-build)", "status": device.status,
-                        "reason": device.reason, "run_on": f"{target.name}: {target.description}",
-                        "flags": device.flags, "cwd": "the engine folder",
-                        "command": trt_command or (["trtllm-build", *args] if args else None),
-                        "log": TRTLLM_LOG_FILE if trt_command else None,
-                        "engine_dir": TRT_ENGINE_DIR if trt_command else None},
+        "device_step": device_record(request, target, plan, device, trt_command),
         "inputs": inputs,
         "build_seconds": round(seconds, 2),
         "versions": tool_versions(trtllm.version if trtllm else None),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from builders.targets import Backend
 from runtime.checkpoint import ModelConfig, expected_shapes, linear_shapes
 from runtime.kv_modes import bytes_per_token
 from runtime.kv_storage import KVLayout
@@ -48,23 +49,35 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tokens_per_block: int
     return bytes_per_token(layout, kv_dtype, tokens_per_block)
 
 
-def activation_bytes(config: ModelConfig, num_tokens: int, context: int, batch: int, backend: str) -> int:
+def blocks_for(tokens: int, tokens_per_block: int) -> int:
+    """KV blocks that hold ``tokens`` tokens."""
+    return -(-tokens // tokens_per_block)
+
+
+def activation_bytes(config: ModelConfig, num_tokens: int, context: int, batch: int, backend: Backend) -> int:
     """Peak activation memory of one forward step over ``num_tokens`` tokens (an estimate).
 
     The largest live tensors of a layer (residual, normed input and the wider of the
-    attention and MLP intermediates) plus the last tokens' fp32 logits. TensorRT
-    computes in fp16 with fused attention; the reference engine computes in fp32 and
-    materialises attention scores, the mask and one layer's dequantised K/V.
+    attention and MLP intermediates) plus the fp32 logits. TensorRT computes in fp16
+    with fused attention and returns the last tokens' logits; the reference engine
+    computes in fp32 and materialises attention scores, the mask and one layer's
+    dequantised K/V; an ONNX graph (cabin-export) does the same in fp32 over its window
+    and the new tokens, holds scores and probabilities at once, and returns every
+    token's logits.
     """
     h, q_out = config.hidden_size, config.num_attention_heads * config.head_size
     widest = max(2 * config.intermediate_size, q_out + 2 * config.kv_channels + q_out)
     per_token = 2 * h + widest
     logits = batch * config.vocab_size * 4
-    if backend == "tensorrt":
+    if backend is Backend.TENSORRT:
         return num_tokens * per_token * 2 + logits
+    kv_read = 2 * context * config.kv_channels * 4
+    if backend is Backend.ONNX:
+        keys = context + num_tokens
+        scores = 2 * config.num_attention_heads * num_tokens * keys * 4 + num_tokens * keys * 4  # + the fp32 mask
+        return num_tokens * per_token * 4 + scores + kv_read + num_tokens * logits
     group = config.num_attention_heads // config.num_key_value_heads
     scores = config.num_attention_heads * num_tokens * context * 4 + group * num_tokens * context
-    kv_read = 2 * context * config.kv_channels * 4
     return num_tokens * per_token * 4 + scores + kv_read + logits
 
 

@@ -6,15 +6,18 @@ the plan sizes ``max_seq_len`` (the model's context, or less when the pool is sm
 ``max_num_tokens`` (a 2,048-token prefill chunk, or the whole prompt when chunked
 prefill is unavailable, as with INT8 KV on TensorRT) and the pool's blocks, and turns
 the pool into turns of a typical in-car dialogue (``dialogue_turns.TYPICAL_TURN``).
+On an ONNX target ``max_seq_len`` is the graphs' KV window and ``max_num_tokens`` the
+prompt graph's tokens, sized by ``builders.graph_plan`` as cabin-export arguments.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from builders.dialogue_turns import TYPICAL_TURN, TurnTokens
-from builders.memory_model import (WEIGHT_FORMATS, activation_bytes, kv_bytes_per_token, parameter_count,
-                                   weights_bytes)
-from builders.targets import GIB, Target
+from builders.graph_plan import GraphPlan, graph_limit, npu_weight_bytes, size_graphs, tokens_held
+from builders.memory_model import (WEIGHT_FORMATS, activation_bytes, blocks_for, kv_bytes_per_token,
+                                   parameter_count, weights_bytes)
+from builders.targets import GIB, Backend, Target, load_targets
 from builders.trtllm import EngineShape, build_args, flag_set
 from runtime.checkpoint import ModelConfig
 from runtime.kv_cache import KvCacheConfig
@@ -68,6 +71,7 @@ class KVPlan:
     prefill_tokens_per_turn: dict  # mean and last over est_turns turns, and with block reuse
     trtllm_build_args: list[str] | None
     fits: bool
+    graphs: GraphPlan | None = None  # the cabin-export arguments on an ONNX target, where it fits
 
     def kv_cache_config(self) -> KvCacheConfig:
         """The runtime KV cache this plan sizes: the pool in blocks of the target's size, reuse where it works."""
@@ -117,6 +121,11 @@ class Plan:
                     f"{t.memory_gib} GiB less OS {t.os_reserve_gib} GiB, co-resident models "
                     f"{self.co_resident_bytes / GIB:.2f} GiB and runtime {t.runtime_overhead_gib} GiB leaves "
                     f"{(self.budget_bytes + self.weights_bytes) / GIB:.2f} GiB")
+        if t.npu and (limit := graph_limit(t)) and npu_weight_bytes(self.config) > limit:
+            return (f"{npu_weight_bytes(self.config) / GIB:.2f} GiB of fp16 weights exceed the "
+                    f"{t.npu.graph_memory_gib} GiB one graph may hold on {t.name}'s NPU (graph_memory_gib, an "
+                    "estimate): a model this size needs its graphs split across NPU sessions, which cabin-export "
+                    "does not do; choose a smaller model")
         if not any(kv.fits for kv in self.kv.values()):
             best = max(self.kv.values(), key=lambda kv: kv.max_kv_tokens)
             return (f"after {self.weights_bytes / GIB:.2f} GiB of weights the KV pool on {t.name} holds "
@@ -137,7 +146,7 @@ class Plan:
             return {name: getattr(kv, key) for name, kv in self.kv.items()}
 
         t = self.target
-        return {
+        plan = {
             "target": t.name,
             "target_profile": t.to_dict(),
             "model": {"source": self.request.model, "architecture": self.config.architecture,
@@ -168,9 +177,12 @@ class Plan:
             "block_reuse": per("block_reuse"),
             "kv_cache_config": {name: kv.kv_cache_config().to_dict() for name, kv in self.kv.items() if kv.fits},
             "prefill_tokens_per_turn": per("prefill_tokens_per_turn"),
-            "trtllm_build_args": per("trtllm_build_args") if t.backend == "tensorrt" else None,
+            "trtllm_build_args": per("trtllm_build_args") if t.backend is Backend.TENSORRT else None,
             "warnings": self.warnings,
         }
+        if t.backend is Backend.ONNX:
+            plan["cabin_export"] = {name: kv.graphs.to_dict() if kv.graphs else None for name, kv in self.kv.items()}
+        return plan
 
 
 def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPICAL_TURN) -> Plan:
@@ -185,12 +197,23 @@ def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPI
     return plan
 
 
+def working_plan(request: PlanRequest, config: ModelConfig) -> Plan:
+    """The plan of a request; PlanRefused (with the nearest working plan) when it cannot work."""
+    plan = make_plan(request, config)
+    reason = plan.refusal()
+    if reason:
+        raise PlanRefused(reason, nearest_working(request, config, load_targets()))
+    return plan
+
+
 def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, turn: TurnTokens) -> KVPlan:
     """Engine limits for one KV dtype within ``budget`` bytes for activations and the KV pool."""
+    if target.backend is Backend.ONNX:
+        return size_onnx(config, target, kv_dtype, budget, turn)
     tpb = target.tokens_per_block
     per_token = kv_bytes_per_token(config, kv_dtype, tpb)
-    paged_fmha = not (target.backend == "tensorrt" and not kv_mode(kv_dtype).trtllm_paged_context_fmha)
-    chunked = target.backend == "tensorrt" and paged_fmha
+    paged_fmha = not (target.backend is Backend.TENSORRT and not kv_mode(kv_dtype).trtllm_paged_context_fmha)
+    chunked = target.backend is Backend.TENSORRT and paged_fmha
     context = config.max_position_embeddings
 
     def limits(seq: int) -> tuple[int, int, int]:
@@ -228,9 +251,24 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
     )
 
 
-def blocks_for(tokens: int, tokens_per_block: int) -> int:
-    """KV blocks that hold ``tokens`` tokens."""
-    return -(-tokens // tokens_per_block)
+def size_onnx(config: ModelConfig, target: Target, kv_dtype: str, budget: int, turn: TurnTokens) -> KVPlan:
+    """The graphs' window and chunk for one KV dtype on an ONNX target (builders.graph_plan), as KV limits."""
+    tpb = target.tokens_per_block
+    per_token = kv_bytes_per_token(config, kv_dtype, tpb)
+    graphs = size_graphs(config, target, kv_dtype, budget)
+    seq, chunk = (graphs.context, graphs.chunk) if graphs else (0, 0)
+    turns = max((seq - turn.system) // turn.per_turn, 0)
+    fits = graphs is not None and turns >= MIN_TURNS
+    return KVPlan(
+        kv_dtype=kv_dtype, bytes_per_token=per_token, paged_context_fmha=True, block_reuse=True,
+        activation_bytes=graphs.activation_bytes if graphs else 0,
+        max_kv_tokens=tokens_held(graphs, budget, per_token) if graphs else 0, max_seq_len=seq,
+        max_input_len=seq - min(REPLY_TOKENS, seq // 2), max_num_tokens=chunk, tokens_per_block=tpb,
+        num_blocks=blocks_for(seq, tpb), kv_pool_bytes=graphs.cache_bytes if graphs else 0,
+        memory_left_bytes=budget - (graphs.total_bytes if graphs else 0), est_turns=turns,
+        prefill_tokens_per_turn=prefill_per_turn(turn, turns, tpb, True), trtllm_build_args=None, fits=fits,
+        graphs=graphs if fits else None,
+    )
 
 
 def prefill_per_turn(turn: TurnTokens, turns: int, tokens_per_block: int, reuse: bool) -> dict:
@@ -249,6 +287,8 @@ def prefill_per_turn(turn: TurnTokens, turns: int, tokens_per_block: int, reuse:
 def plan_warnings(plan: Plan) -> list[str]:
     """The known conflicts and costs of this plan, stated with numbers."""
     t, out = plan.target, []
+    if t.backend is Backend.ONNX:
+        return onnx_warnings(plan)
     if t.weights_in_memory:
         kept = "" if plan.request.weights == "fp16" else f" (the {plan.request.weights} linear layers stay quantized)"
         out.append(f"the {t.name} runtime holds float weights in {t.weights_in_memory}{kept}: "
@@ -262,7 +302,7 @@ def plan_warnings(plan: Plan) -> list[str]:
             out.append(f"{kv.kv_dtype} KV: the pool holds {kv.max_kv_tokens} tokens, {kv.est_turns} turns: "
                        f"fewer than {MIN_TURNS}, not usable")
             continue
-        if t.backend == "tensorrt" and not kv.paged_context_fmha:
+        if t.backend is Backend.TENSORRT and not kv.paged_context_fmha:
             reuse = kv.prefill_tokens_per_turn
             chunked = activation_bytes(plan.config, min(kv.max_input_len, CHUNK_TOKENS), kv.max_seq_len,
                                        MAX_BATCH_SIZE, t.backend)
@@ -280,10 +320,40 @@ def plan_warnings(plan: Plan) -> list[str]:
         out.append(f"the model's context ({plan.config.max_position_embeddings:,} tokens) caps max_seq_len, not "
                    f"memory: it could hold {held}; a longer dialogue needs the overflow policy (sliding window "
                    "+ sink tokens), and the memory left is free for other models")
-    if t.backend == "tensorrt":
+    if t.backend is Backend.TENSORRT:
         out.append("size the runtime KV pool with KvCacheConfig(max_tokens=max_seq_len): the default "
                    "free_gpu_memory_fraction=0.9 takes 90% of free unified memory, including what the "
                    "co-resident models need")
+    return out
+
+
+def onnx_warnings(plan: Plan) -> list[str]:
+    """What an ONNX target's plan counts and what it costs, with numbers."""
+    t, config, out = plan.target, plan.config, []
+    out.append(f"the graphs carry fp32 weights (weights.bin, {plan.weights_bytes / GIB:.2f} GiB, counted)"
+               + (f"; {t.name}'s NPU holds its own fp16 copy ({npu_weight_bytes(config) / GIB:.2f} GiB, not "
+                  "counted: measure it)" if t.npu.float16 else ""))
+    if not t.npu.float16:
+        out.append(f"{t.name}'s NPU computes no float graphs: expect ONNX Runtime to run the graphs' float ops "
+                   "(all but the KV QuantizeLinear/DequantizeLinear) on the CPU; the export has no quantized "
+                   "weights or activations yet")
+    fitting = [kv for kv in plan.kv.values() if kv.graphs]
+    for kv in plan.kv.values():
+        if not kv.fits:
+            out.append(f"{kv.kv_dtype} KV: the graphs' window holds {kv.max_seq_len} tokens, {kv.est_turns} "
+                       f"turns: fewer than {MIN_TURNS}, not usable")
+    if fitting:
+        held = ", ".join(f"{kv.graphs.cache_bytes / MIB:,.0f} MiB ({kv.kv_dtype})" for kv in fitting)
+        out.append(f"the runtime's paged cache keeps the dialogue in host memory beside the graphs' window: {held} "
+                   "for the planned window, counted (cabin-chat --kv-budget-mb)")
+        window = max(kv.graphs.context for kv in fitting)
+        out.append(f"the token graph attends over all {window:,} window slots at every step (static shapes): "
+                   "decode time follows --context, not the dialogue's length; a smaller --context decodes faster")
+    capped = [kv for kv in fitting if kv.max_kv_tokens > config.max_position_embeddings]
+    if capped:
+        held = ", ".join(f"{kv.max_kv_tokens:,} ({kv.kv_dtype})" for kv in capped)
+        out.append(f"the model's context ({config.max_position_embeddings:,} tokens) caps --context, not memory: "
+                   f"it could hold {held}; a longer dialogue needs the overflow policy")
     return out
 
 
@@ -302,7 +372,9 @@ def nearest_working(request: PlanRequest, config: ModelConfig, targets: dict[str
                                                    d != "int8"))
     candidates = [replace(request, kv_dtype=kv_here)]
     candidates += [replace(request, weights=w, kv_dtype=kv_here) for w in lighter]
-    larger = sorted((t for t in targets.values() if t.memory_gib > here.memory_gib), key=lambda t: t.memory_gib)
+    onnx = here.backend is Backend.ONNX  # graphs for an NPU, or an engine: the nearest config stays on its side
+    larger = sorted((t for t in targets.values() if t.memory_gib > here.memory_gib
+                     and (t.backend is Backend.ONNX) == onnx), key=lambda t: t.memory_gib)
     for target in larger:
         for weights in dict.fromkeys([request.weights, *weight_formats]):
             kv = request.kv_dtype if request.kv_dtype in target.kv_dtypes else None

@@ -1,10 +1,16 @@
-"""Target profiles (``engines/targets.toml``): memory, SM version, KV dtypes and TensorRT-LLM line per device."""
+"""Target profiles (``engines/targets.toml``): memory, backend, KV dtypes and the engine line or NPU graph limits
+per device. Every value is parsed and checked here, once."""
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from pathlib import Path
+
+from builders.onnx_profiles import ONNX_PROFILES
+from runtime.kv_modes import ONNX_KV_MODES
+from runtime.ort_session import ORT_PROVIDERS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -20,6 +26,25 @@ class TargetError(ValueError):
     """An unknown target or a malformed profile; the message lists what is known."""
 
 
+class Backend(str, Enum):
+    """What runs the model on a target."""
+
+    TENSORRT = "tensorrt"  # a trtllm-build engine
+    REFERENCE = "reference"  # the torch reference engine
+    ONNX = "onnx"  # cabin-export's static graphs, run by ONNX Runtime on an NPU
+
+
+@dataclass(frozen=True)
+class NpuProfile:
+    """How an ONNX target runs cabin-export's graphs (the ``[NAME.npu]`` table)."""
+
+    onnx_profile: str  # cabin-export --profile
+    ort_provider: str  # cabin-chat --ort-provider
+    float16: bool  # the NPU computes float graphs (in fp16); false: ONNX Runtime leaves float ops to the CPU
+    default_chunk: int  # prompt-graph tokens the plan takes when memory allows
+    graph_memory_gib: float | None = None  # most one graph may hold on the NPU (fp16 weights, window, activations)
+
+
 @dataclass(frozen=True)
 class Target:
     """One device the engine is built for."""
@@ -32,16 +57,23 @@ class Target:
     runtime_overhead_gib: float
     kv_dtypes: tuple[str, ...]
     weight_formats: tuple[str, ...]
-    backend: str  # "tensorrt" (trtllm-build engine) or "reference" (the torch runtime)
+    backend: Backend
     tokens_per_block: int
     sm: int | None = None
     trtllm_line: str | None = None
     weights_in_memory: str | None = None  # the dtype the runtime holds weights in, when it is not the stored one
     unsupported_kv: dict[str, str] = field(default_factory=dict)
+    npu: NpuProfile | None = None  # ONNX targets only
 
     def to_dict(self) -> dict:
-        """JSON-ready form."""
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+        """JSON-ready form (``npu`` only where there is one)."""
+        out = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+        out["backend"] = self.backend.value
+        if self.npu is None:
+            del out["npu"]
+        else:
+            out["npu"] = asdict(self.npu)
+        return out
 
 
 def targets_path() -> Path:
@@ -56,18 +88,51 @@ def load_targets(path: Path | None = None) -> dict[str, Target]:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as err:
         raise TargetError(f"{path}: unreadable target profiles ({err}); restore engines/targets.toml") from err
-    known = {f.name for f in fields(Target)}
-    targets = {}
-    for name, profile in data.items():
-        unknown = set(profile) - known
-        if unknown:
-            raise TargetError(f"{path}: [{name}] has unknown keys {sorted(unknown)}; known: {sorted(known - {'name'})}")
-        try:
-            kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in profile.items()}
-            targets[name] = Target(name=name, **kwargs)
-        except TypeError as err:
-            raise TargetError(f"{path}: [{name}] is incomplete ({err})") from err
-    return targets
+    return {name: _parse(name, profile, path) for name, profile in data.items()}
+
+
+def _parse(name: str, profile: dict, path: Path) -> Target:
+    """One profile, checked: known keys, a known backend, an ``npu`` table exactly on ONNX targets."""
+    _check_keys(name, profile, {f.name for f in fields(Target)} - {"name"}, path)
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in profile.items()}
+    try:
+        kwargs["backend"] = Backend(profile.get("backend"))
+    except ValueError:
+        raise TargetError(f"{path}: [{name}] backend {profile.get('backend')!r} is not one of "
+                          f"{', '.join(b.value for b in Backend)}") from None
+    npu = profile.get("npu")
+    if (npu is not None) != (kwargs["backend"] is Backend.ONNX):
+        raise TargetError(f"{path}: [{name}] needs a [{name}.npu] table exactly when backend = \"onnx\"")
+    try:
+        if npu is not None:
+            _check_keys(f"{name}.npu", npu, {f.name for f in fields(NpuProfile)}, path)
+            kwargs["npu"] = NpuProfile(**npu)
+        target = Target(name=name, **kwargs)
+    except TypeError as err:
+        raise TargetError(f"{path}: [{name}] is incomplete ({err})") from err
+    if target.npu is not None:
+        _check_npu(target, path)
+    return target
+
+
+def _check_keys(table: str, values: dict, known: set[str], path: Path) -> None:
+    unknown = set(values) - known
+    if unknown:
+        raise TargetError(f"{path}: [{table}] has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+
+
+def _check_npu(target: Target, path: Path) -> None:
+    """TargetError when an ONNX target names a profile, provider or KV dtype the export and runtime lack."""
+    npu, where = target.npu, f"{path}: [{target.name}.npu]"
+    if npu.onnx_profile not in ONNX_PROFILES:
+        raise TargetError(f"{where} onnx_profile {npu.onnx_profile!r} is not one of {', '.join(ONNX_PROFILES)}")
+    if npu.ort_provider not in ORT_PROVIDERS:
+        raise TargetError(f"{where} ort_provider {npu.ort_provider!r} is not one of {', '.join(ORT_PROVIDERS)}")
+    if npu.default_chunk < 1:
+        raise TargetError(f"{where} default_chunk must be at least 1, got {npu.default_chunk}")
+    if not set(target.kv_dtypes) <= set(ONNX_KV_MODES):
+        raise TargetError(f"{path}: [{target.name}] kv_dtypes {list(target.kv_dtypes)}: the graphs take "
+                          f"{', '.join(ONNX_KV_MODES)} only")
 
 
 def get_target(name: str, path: Path | None = None) -> Target:

@@ -20,6 +20,7 @@ from runtime.model_source import load_model_config
 
 LLAMA3_8B = Path(__file__).parent / "data" / "llama3-8b" / "config.json"
 TARGETS = ("orin-nano-8gb", "orin-nx-16gb", "agx-orin-32gb", "agx-orin-64gb", "thor-128gb", "cpu")
+NPU_TARGETS = ("sa8295p-16gb", "sa8775p-36gb")  # planned as cabin-export arguments: tests/test_plan_npu.py
 # SmolLM2-135M: 30 layers, hidden 576, q 9x64, kv 3x64, MLP 1536, vocab 49152; lm_head stored as its own copy.
 SMOL_PARAMS = 2 * 49152 * 576 + 576 + 30 * ((576 + 2 * 192) * 576 + 576 * 576 + 3 * 1536 * 576 + 2 * 576)
 # The tiny random Llama (fakes.tiny_model.SHAPE): 3 layers, hidden 32, q 4x8, kv 2x8, MLP 64, vocab 22, its own lm_head.
@@ -140,7 +141,7 @@ def test_refuses_kv_dtype_the_target_cannot_run(capsys, planned):
 def test_unknown_target_lists_known_ones(capsys, planned):
     assert cabin_plan([*planned.args, "--target", "orin-nano"]) == 2
     err = capsys.readouterr().err
-    assert "unknown target 'orin-nano'; known targets: " + ", ".join(TARGETS) in err
+    assert "unknown target 'orin-nano'; known targets: " + ", ".join(TARGETS + NPU_TARGETS) in err
 
 
 def test_small_budget_shrinks_max_seq_len_to_fit():
