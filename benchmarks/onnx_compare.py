@@ -6,9 +6,9 @@ Perplexity twice for the backend: on its own (the prompt graph over the K/V it s
 reference's cache (each token through the token graph over the K/V the reference engine stored for the tokens
 before it). With INT8 KV the first compares two runs that each round their own K/V: a float difference of a few
 ulps puts an occasional element on the other side of a rounding edge, and that code spreads through the later
-layers and tokens, so each dialogue's perplexity moves by tenths of a percent either way (as it does between two
-reference runs that only prefill in other chunks). The second shares the stored codes and compares the
-arithmetic of the graphs with the reference's.
+layers and tokens, so each dialogue's perplexity moves by tenths of a percent either way; the reference engine
+prefilled in the graphs' chunks instead of at once shows that spread without the graphs. The second shares the
+stored codes and compares the arithmetic of the graphs with the reference's.
 
     python -m benchmarks.onnx_compare --engine ENGINE --onnx GRAPHS [--genai GENAI_MODEL_DIR]
 """
@@ -34,6 +34,10 @@ from runtime.generate import generate, run_tokens
 from runtime.ort_session import load_onnx_engine
 from runtime.sampling import SamplingParams
 
+# the perplexity runs: the reference engine at once (the base), the reference in the graphs' chunks, the ONNX
+# backend on its own, the ONNX backend's token graph over the reference's stored cache
+RUNS = ("reference", "reference_in_chunks", "onnxruntime", "onnxruntime_over_reference_cache")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
@@ -54,26 +58,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def perplexities(reference: Engine, ours: Engine, kv: str, ids_list: list[list[int]]) -> dict:
-    """Teacher-forced perplexity over the dialogues, K/V stored in mode ``kv``: the reference engine's, the ONNX
-    backend's on its own and over the reference's cache, with the deltas to the reference (also per dialogue)."""
-    nll: dict[str, list[float]] = {"reference": [], "onnxruntime": [], "over_reference_cache": []}
+    """Teacher-forced perplexity over the dialogues, K/V stored in mode ``kv``: the reference engine's (at once, and
+    in the graphs' chunks), the ONNX backend's on its own and over the reference's cache, each with its delta to the
+    reference's, in total and per dialogue."""
+    chunk = ours.model.chunk
+    nll: dict[str, list[float]] = {name: [] for name in RUNS}
     for ids in tqdm(ids_list, desc="perplexity", file=sys.stderr):
         prefilled = run_tokens(reference.model, ids, kv, reference.scales, all_logits=True)
+        in_chunks = run_tokens(reference.model, ids, kv, reference.scales, all_logits=True, chunk=chunk)
         nll["reference"].append(_nll(prefilled.logits, ids))
+        nll["reference_in_chunks"].append(_nll(in_chunks.logits, ids))
         nll["onnxruntime"].append(_nll(run_tokens(ours.model, ids, kv, ours.scales, all_logits=True).logits, ids))
-        nll["over_reference_cache"].append(_nll(ours.model.logits_over(prefilled.cache, prefilled.seq), ids))
+        nll["onnxruntime_over_reference_cache"].append(
+            _nll(ours.model.logits_over(prefilled.cache, prefilled.seq), ids))
     tokens = [len(ids) - 1 for ids in ids_list]
-    ppl = {name: math.exp(sum(values) / sum(tokens)) for name, values in nll.items()}
-
-    def delta(name: str) -> float:
-        return 100 * (ppl[name] / ppl["reference"] - 1)
-
-    return {"reference": ppl["reference"], "onnxruntime": ppl["onnxruntime"], "delta_percent": delta("onnxruntime"),
-            "delta_percent_by_dialogue": [100 * (math.exp((ours_nll - ref_nll) / n) - 1) for ours_nll, ref_nll, n
-                                          in zip(nll["onnxruntime"], nll["reference"], tokens)],
-            "onnxruntime_over_reference_cache": ppl["over_reference_cache"],
-            "delta_percent_over_reference_cache": delta("over_reference_cache"),
-            "dialogues": len(ids_list), "tokens": sum(len(ids) for ids in ids_list)}
+    base = math.exp(sum(nll["reference"]) / sum(tokens))
+    result: dict = {"reference": base}
+    for name in RUNS[1:]:
+        ppl = math.exp(sum(nll[name]) / sum(tokens))
+        result[name] = {"perplexity": ppl, "delta_percent": 100 * (ppl / base - 1),
+                        "delta_percent_by_dialogue": [100 * (math.exp((value - ref) / n) - 1) for value, ref, n
+                                                      in zip(nll[name], nll["reference"], tokens)]}
+    return {**result, "chunk": chunk, "dialogues": len(ids_list), "tokens": sum(len(ids) for ids in ids_list)}
 
 
 def _nll(logits: torch.Tensor, ids: list[int]) -> float:

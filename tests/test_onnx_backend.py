@@ -11,6 +11,7 @@ import onnx
 import pytest
 import torch
 
+from benchmarks.onnx_compare import RUNS, perplexities
 from builders.export_cli import main as export_main
 from builders.onnx_export import OnnxExportRequest, export_onnx
 from builders.onnx_profiles import onnx_profile
@@ -88,6 +89,19 @@ def test_over_the_reference_int8_cache_the_graphs_predict_as_the_reference(tiny_
     assert perplexity(logits, ids) == pytest.approx(perplexity(prefilled.logits, ids), rel=5e-4)
     assert torch.equal(prefilled.cache.storage.k_data, stored[0]) and torch.equal(prefilled.cache.storage.v_data,
                                                                                   stored[1])
+
+
+@pytest.mark.parametrize("export", ["fp32", "int8"])
+def test_onnx_compare_reports_every_perplexity_run_against_the_reference(tiny_engine, exports, export):
+    rng = random.Random(1)
+    ids_list = [[rng.randrange(tiny_engine.config.vocab_size) for _ in range(100)] for _ in range(2)]
+    report = perplexities(tiny_engine, load_onnx_engine(exports[export], threads=1), export, ids_list)
+    assert (report["chunk"], report["dialogues"], report["tokens"]) == (CHUNK, 2, 200)
+    runs = {name: report[name] for name in RUNS[1:]}
+    assert all(len(run["delta_percent_by_dialogue"]) == 2 for run in runs.values())
+    if export == "fp32":  # nothing rounds K/V: every run is the reference within float rounding
+        assert all(abs(run["delta_percent"]) < 1e-3 for run in runs.values())
+    assert abs(runs["onnxruntime_over_reference_cache"]["delta_percent"]) < 0.05
 
 
 def test_npu_graphs_are_strict_static_on_the_allow_list_with_8_bit_kv(exports):
