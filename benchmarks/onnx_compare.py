@@ -2,6 +2,14 @@
 teacher-forced perplexity in the same KV mode on held-out dialogues, decode speed with a full window, KV bytes
 per token. One JSON object on stdout.
 
+Perplexity twice for the backend: on its own (the prompt graph over the K/V it stored itself) and over the
+reference's cache (each token through the token graph over the K/V the reference engine stored for the tokens
+before it). With INT8 KV the first compares two runs that each round their own K/V: a float difference of a few
+ulps puts an occasional element on the other side of a rounding edge, and that code spreads through the later
+layers and tokens, so each dialogue's perplexity moves by tenths of a percent either way; the reference engine
+prefilled in the graphs' chunks instead of at once shows that spread without the graphs. The second shares the
+stored codes and compares the arithmetic of the graphs with the reference's.
+
     python -m benchmarks.onnx_compare --engine ENGINE --onnx GRAPHS [--genai GENAI_MODEL_DIR]
 """
 from __future__ import annotations
@@ -26,6 +34,10 @@ from runtime.generate import generate, run_tokens
 from runtime.ort_session import load_onnx_engine
 from runtime.sampling import SamplingParams
 
+# the perplexity runs: the reference engine at once (the base), the reference in the graphs' chunks, the ONNX
+# backend on its own, the ONNX backend's token graph over the reference's stored cache
+RUNS = ("reference", "reference_in_chunks", "onnxruntime", "onnxruntime_over_reference_cache")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
@@ -41,20 +53,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="speed runs per backend, interleaved; the median is reported")
     parser.add_argument("--skip-perplexity", action="store_true", help="measure speed and bytes only")
+    parser.add_argument("--skip-speed", action="store_true", help="measure perplexity and bytes only")
     return parser.parse_args(argv)
 
 
-def perplexities(engines: dict[str, Engine], kv: str, ids_list: list[list[int]]) -> dict[str, float]:
-    """Teacher-forced perplexity of each engine over the dialogues, K/V stored in mode ``kv``."""
-    nll = {name: 0.0 for name in engines}
-    tokens = 0
+def perplexities(reference: Engine, ours: Engine, kv: str, ids_list: list[list[int]]) -> dict:
+    """Teacher-forced perplexity over the dialogues, K/V stored in mode ``kv``: the reference engine's (at once, and
+    in the graphs' chunks), the ONNX backend's on its own and over the reference's cache, each with its delta to the
+    reference's, in total and per dialogue."""
+    chunk = ours.model.chunk
+    nll: dict[str, list[float]] = {name: [] for name in RUNS}
     for ids in tqdm(ids_list, desc="perplexity", file=sys.stderr):
-        targets = torch.tensor(ids[1:])
-        for name, engine in engines.items():
-            logits = run_tokens(engine.model, ids, kv, engine.scales, all_logits=True).logits[:-1]
-            nll[name] -= float(logits.log_softmax(-1).gather(1, targets[:, None]).sum())
-        tokens += len(targets)
-    return {name: math.exp(value / tokens) for name, value in nll.items()}
+        prefilled = run_tokens(reference.model, ids, kv, reference.scales, all_logits=True)
+        in_chunks = run_tokens(reference.model, ids, kv, reference.scales, all_logits=True, chunk=chunk)
+        nll["reference"].append(_nll(prefilled.logits, ids))
+        nll["reference_in_chunks"].append(_nll(in_chunks.logits, ids))
+        nll["onnxruntime"].append(_nll(run_tokens(ours.model, ids, kv, ours.scales, all_logits=True).logits, ids))
+        nll["onnxruntime_over_reference_cache"].append(
+            _nll(ours.model.logits_over(prefilled.cache, prefilled.seq), ids))
+    tokens = [len(ids) - 1 for ids in ids_list]
+    base = math.exp(sum(nll["reference"]) / sum(tokens))
+    result: dict = {"reference": base}
+    for name in RUNS[1:]:
+        ppl = math.exp(sum(nll[name]) / sum(tokens))
+        result[name] = {"perplexity": ppl, "delta_percent": 100 * (ppl / base - 1),
+                        "delta_percent_by_dialogue": [100 * (math.exp((value - ref) / n) - 1) for value, ref, n
+                                                      in zip(nll[name], nll["reference"], tokens)]}
+    return {**result, "chunk": chunk, "dialogues": len(ids_list), "tokens": sum(len(ids) for ids in ids_list)}
+
+
+def _nll(logits: torch.Tensor, ids: list[int]) -> float:
+    """Summed negative log-likelihood of each next token of ``ids`` under the logits of the one before it."""
+    targets = torch.tensor(ids[1:])
+    return -float(logits[:-1].log_softmax(-1).gather(1, targets[:, None]).sum())
 
 
 def decode_speed(engine: Engine, kv: str, prompt: list[int], steps: int) -> float:
@@ -96,6 +127,22 @@ def genai_kv_bytes_per_token(folder: Path) -> int:
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_size"] * element
 
 
+def decode_speeds(args: argparse.Namespace, reference: Engine, ours: Engine, kv: str, context: int) -> dict:
+    """Greedy decode tokens per second of each backend with a full window: the median of the interleaved rounds,
+    and every round."""
+    prompt = [(7 * i) % 1000 + 100 for i in range(context - args.decode_tokens - 1)]
+    runs = {"reference": lambda: decode_speed(reference, kv, prompt, args.decode_tokens),
+            "onnxruntime": lambda: decode_speed(ours, kv, prompt, args.decode_tokens)}
+    if args.genai:
+        runs["onnxruntime-genai"] = lambda: genai_decode_speed(args.genai, prompt, args.decode_tokens)
+    speeds: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in tqdm(range(args.rounds), desc="decode speed", file=sys.stderr):
+        for name, run in runs.items():
+            speeds[name].append(run())
+    return {"decode_tok_s": {name: statistics.median(values) for name, values in speeds.items()},
+            "decode_tok_s_runs": speeds}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
@@ -110,21 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_perplexity:
         dialogues, _ = prepare_dialogues(args.data, "heldout", args.num_dialogues, 0, reference.tokenizer,
                                          min(args.max_tokens, context))
-        ppl = perplexities({"reference": reference, "onnxruntime": ours}, kv, [d.token_ids for d in dialogues])
-        result["perplexity"] = {**ppl, "delta_percent": 100 * (ppl["onnxruntime"] / ppl["reference"] - 1),
-                                "dialogues": len(dialogues), "tokens": sum(len(d.token_ids) for d in dialogues)}
-    prompt = [(7 * i) % 1000 + 100 for i in range(context - args.decode_tokens - 1)]
-    runs = {"reference": lambda: decode_speed(reference, kv, prompt, args.decode_tokens),
-            "onnxruntime": lambda: decode_speed(ours, kv, prompt, args.decode_tokens)}
+        result["perplexity"] = perplexities(reference, ours, kv, [d.token_ids for d in dialogues])
     if args.genai:
-        runs["onnxruntime-genai"] = lambda: genai_decode_speed(args.genai, prompt, args.decode_tokens)
         result["kv_bytes_per_token"]["onnxruntime-genai"] = genai_kv_bytes_per_token(args.genai)
-    speeds = {name: [] for name in runs}
-    for _ in tqdm(range(args.rounds), desc="decode speed", file=sys.stderr):
-        for name, run in runs.items():
-            speeds[name].append(run())
-    result["decode_tok_s"] = {name: statistics.median(values) for name, values in speeds.items()}
-    result["decode_tok_s_runs"] = speeds
+    if not args.skip_speed:
+        result.update(decode_speeds(args, reference, ours, kv, context))
     result["load_average_after"] = os.getloadavg()
     print(json.dumps(result, indent=2))
     return 0

@@ -29,6 +29,7 @@ from runtime.checkpoint import CheckpointError
 from runtime.engine import Engine
 from runtime.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE, read_manifest
 from runtime.kv_modes import ONNX_KV_MODES, kv_mode
+from runtime.kv_quant import INT8_MAX
 from runtime.kv_storage import KVScales
 from runtime.model import Transformer
 from runtime.onnx_folder import (ONNX_FORMAT, PROMPT_GRAPH, TOKEN_GRAPH, TOKENIZER_DIR, WEIGHTS_FILE,
@@ -296,7 +297,7 @@ def _kv_io(g: _Graph, new: str, past: str, out: str, kv: KvGraphType, layer: int
     if kv.scales is not None:
         scale = g.scalar(f"kv_scale.{layer}", kv.scales[layer])
         zero = g.scalar(f"kv_zero_point_{kv.dtype}", kv.zero_point, np.dtype(kv.dtype))
-        limit = 127 * kv.scales[layer]
+        limit = INT8_MAX * kv.scales[layer]  # the clamp of runtime.kv_quant.quantize_static, before rounding
         clipped = g.op("Clip", new, g.scalar(f"kv_min.{layer}", -limit), g.scalar(f"kv_max.{layer}", limit))
         g.op("QuantizeLinear", clipped, scale, zero, name=out)
         return g.op("DequantizeLinear", out, scale, zero), g.op("DequantizeLinear", past, scale, zero)

@@ -144,16 +144,17 @@ class Prefilled:
 
 
 def run_tokens(model: Transformer, token_ids: list[int], kv_mode: str = "fp32", scales: KVScales | None = None,
-               all_logits: bool = False, cache: PagedKVCache | None = None) -> Prefilled:
+               all_logits: bool = False, cache: PagedKVCache | None = None, chunk: int | None = None) -> Prefilled:
     """Run the model over token_ids on a fresh cache sized to them (or on ``cache``, empty) and hand back its K/V.
 
-    Modes that keep a window of recent tokens at higher precision are prefilled block by block, so every
-    position sees the window as it would while decoding.
+    They go through the model at once, or in pieces of ``chunk`` tokens. Modes that keep a window of recent
+    tokens at higher precision are prefilled block by block at most, so every position sees the window as it
+    would while decoding.
     """
     if cache is None:
         cache = PagedKVCache(model.kv_layout, sized_config(model.kv_layout, kv_mode, len(token_ids)), scales)
     seq = Sequence()
-    chunk = cache.tokens_per_block if cache.mode.recent_window else len(token_ids)
+    chunk = min(chunk or len(token_ids), cache.tokens_per_block if cache.mode.recent_window else len(token_ids))
     logits = []
     for start in range(0, len(token_ids), chunk):
         piece = token_ids[start:start + chunk]

@@ -10,7 +10,8 @@ sequence) and else only extended by the rows each step returns, which are also w
 blocks in its own storage form (int8 codes with the same static scales). So the dialogue machinery of the
 reference engine (``runtime.session.DialogueSession``: reuse of earlier turns, block hashes, budget,
 overflow policies, session files) runs unchanged on it; the context it plans against is the graphs'
-``context``. onnxruntime is imported only here, only when used.
+``context``. ``logits_over`` scores a cached sequence token by token over the K/V another backend stored, so
+two backends can be compared on the same INT8 codes. onnxruntime is imported only here, only when used.
 """
 from __future__ import annotations
 
@@ -96,8 +97,18 @@ class OrtModel:
             self._set_window(layer, 0, k, v)
         self.window_cache, self.window_tokens = cache, list(seq.token_ids[:start])
 
-    def _run(self, graph: _Graph, piece: list[int], start: int, cache: PagedKVCache, seq: Sequence) -> torch.Tensor:
-        """One graph call for up to ``graph.tokens`` tokens at ``start``; their logits (n, vocab)."""
+    def logits_over(self, cache: PagedKVCache, seq: Sequence) -> torch.Tensor:
+        """Logits (N, vocab) of each of a cached sequence's N tokens, each from the token graph over the cache's
+        stored K/V of the tokens before it, whoever wrote them; nothing is written back."""
+        if len(seq) > self.context:
+            raise ValueError(f"{len(seq)} tokens exceed the graphs' KV window of {self.context} tokens")
+        self._fill_window(cache, seq, len(seq))
+        graph = self.graphs[1]
+        return torch.cat([self._call(graph, [token], position)[0] for position, token in enumerate(seq.token_ids)])
+
+    def _call(self, graph: _Graph, piece: list[int], start: int) -> tuple[torch.Tensor, list[np.ndarray]]:
+        """One graph call for up to ``graph.tokens`` tokens at ``start`` over the window's first ``start`` tokens;
+        their logits (n, vocab) and the new K/V outputs (each for ``graph.tokens`` rows)."""
         n, tokens = len(piece), graph.tokens
         ids, positions = np.zeros((1, tokens), np.int64), np.zeros((1, tokens), np.int64)
         ids[0, :n], positions[0, :n] = piece, np.arange(start, start + n)
@@ -108,13 +119,20 @@ class OrtModel:
         for layer in range(self.config.num_hidden_layers):
             feeds[past_key(layer)], feeds[past_value(layer)] = self.window[2 * layer], self.window[2 * layer + 1]
         logits, *kv = graph.session.run(graph.outputs, feeds)
+        return torch.from_numpy(logits[0, :n]), kv
+
+    def _run(self, graph: _Graph, piece: list[int], start: int, cache: PagedKVCache, seq: Sequence) -> torch.Tensor:
+        """One graph call for up to ``graph.tokens`` tokens at ``start``, their K/V stored in the window and the
+        cache; their logits (n, vocab)."""
+        n = len(piece)
+        logits, kv = self._call(graph, piece, start)
         slots = cache.slots(seq, start, start + n)
         for layer in range(self.config.num_hidden_layers):
             k, v = kv[2 * layer][0, :n], kv[2 * layer + 1][0, :n]
             self._set_window(layer, start, k, v)
             cache.storage.write_stored(layer, slots, self._to_cache(k), self._to_cache(v))
         self.window_tokens[start:] = piece
-        return torch.from_numpy(logits[0, :n])
+        return logits
 
     def _set_window(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Put K/V rows (tokens, kv_heads, head_size) of positions from ``start`` into the layer's window."""

@@ -1,20 +1,25 @@
 """The NPU path: cabin-export's static ONNX graphs and the ONNX Runtime backend on the tiny engine.
 
 The backend answers a scripted dialogue token for token as the reference engine does, reuses earlier turns,
-keeps the budget under every overflow policy; the npu profile's graphs are strict, static and on the
-allow-list; bad input is one clear error."""
+keeps the budget under every overflow policy; over the INT8 codes the reference engine stored it predicts as
+the reference does, within float rounding; the npu profile's graphs are strict, static and on the allow-list;
+bad input is one clear error."""
 import json
+import random
 import shutil
 
 import onnx
 import pytest
+import torch
 
+from benchmarks.onnx_compare import RUNS, perplexities
 from builders.export_cli import main as export_main
 from builders.onnx_export import OnnxExportRequest, export_onnx
 from builders.onnx_profiles import onnx_profile
 from runtime.checkpoint import CheckpointError
 from runtime.cli_chat import main as chat_main
 from runtime.engine_folder import MANIFEST_FILE, SCALES_FILE
+from runtime.generate import run_tokens
 from runtime.kv_cache import sized_config
 from runtime.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH
 from runtime.ort_session import load_onnx_engine
@@ -63,6 +68,41 @@ def test_greedy_replies_equal_the_reference_and_later_turns_prefill_only_new_tok
         if turn:
             assert got.reused_tokens == held and got.prefill_tokens < held
     assert ours.cache.stats().bytes_used == reference.cache.stats().bytes_used
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    targets = torch.tensor(ids[1:])
+    return float(logits[:-1].log_softmax(-1).gather(1, targets[:, None]).mean().neg().exp())
+
+
+@pytest.mark.parametrize("export", ["int8", "int8-ort"])
+def test_over_the_reference_int8_cache_the_graphs_predict_as_the_reference(tiny_engine, exports, export):
+    """Teacher-forced over the K/V the reference engine stored, each token's logits through the token graph are the
+    reference's within float rounding (but where an element of the token's own K/V lies on a rounding edge): the
+    graphs quantize, clip, scale and attend as the reference does, the new tokens' own K/V included."""
+    rng = random.Random(0)
+    ids = [rng.randrange(tiny_engine.config.vocab_size) for _ in range(CONTEXT - 6)]
+    prefilled = run_tokens(tiny_engine.model, ids, "int8", tiny_engine.scales, all_logits=True)
+    stored = prefilled.cache.storage.k_data.clone(), prefilled.cache.storage.v_data.clone()
+    logits = load_onnx_engine(exports[export], threads=1).model.logits_over(prefilled.cache, prefilled.seq)
+    gap = (logits - prefilled.logits).abs().amax(-1)
+    assert float(gap.quantile(0.99)) < 1e-3 and float(gap.median()) < 1e-4
+    assert perplexity(logits, ids) == pytest.approx(perplexity(prefilled.logits, ids), rel=5e-4)
+    assert torch.equal(prefilled.cache.storage.k_data, stored[0]) and torch.equal(prefilled.cache.storage.v_data,
+                                                                                  stored[1])
+
+
+@pytest.mark.parametrize("export", ["fp32", "int8"])
+def test_onnx_compare_reports_every_perplexity_run_against_the_reference(tiny_engine, exports, export):
+    rng = random.Random(1)
+    ids_list = [[rng.randrange(tiny_engine.config.vocab_size) for _ in range(100)] for _ in range(2)]
+    report = perplexities(tiny_engine, load_onnx_engine(exports[export], threads=1), export, ids_list)
+    assert (report["chunk"], report["dialogues"], report["tokens"]) == (CHUNK, 2, 200)
+    runs = {name: report[name] for name in RUNS[1:]}
+    assert all(len(run["delta_percent_by_dialogue"]) == 2 for run in runs.values())
+    if export == "fp32":  # nothing rounds K/V: every run is the reference within float rounding
+        assert all(abs(run["delta_percent"]) < 1e-3 for run in runs.values())
+    assert abs(runs["onnxruntime_over_reference_cache"]["delta_percent"]) < 0.05
 
 
 def test_npu_graphs_are_strict_static_on_the_allow_list_with_8_bit_kv(exports):
