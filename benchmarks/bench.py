@@ -6,6 +6,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from benchmarks.accuracy import accuracy_rows
@@ -16,6 +17,7 @@ from benchmarks.multiturn import measure_multiturn
 from benchmarks.runner import Runner, Unavailable
 from benchmarks.runner_cabin import available_modes, cabin_runner
 from benchmarks.runner_llamacpp import llamacpp_runners
+from benchmarks.runner_onnx import genai_runner, onnx_runner
 from benchmarks.runner_transformers import transformers_runners
 from benchmarks.settings import BenchSettings
 from benchmarks.speed import measure_speed, speed_ratios, speed_rows
@@ -39,9 +41,11 @@ def engine_gguf(engine: Engine) -> Path | None:
     return Path(source) if source.endswith(".gguf") and Path(source).is_file() else None
 
 
-def make_peers(engine: Engine, families: list[str], threads: int) -> list[Runner | Unavailable]:
-    """transformers (default and quantized caches) and llama.cpp (f16, q8_0), each as a runner or Unavailable."""
-    peers: list[Runner | Unavailable] = []
+def make_peers(engine: Engine, families: list[str], threads: int, genai: Path | None = None,
+               ) -> list[Runner | Unavailable]:
+    """transformers (default and quantized caches), llama.cpp (f16, q8_0) and, given its model folder,
+    onnxruntime-genai, each as a runner or Unavailable."""
+    peers: list[Runner | Unavailable] = [genai_runner(genai, threads)] if genai else []
     if "transformers" in families:
         peers += transformers_runners(to_transformers(engine.folder / CHECKPOINT_DIR))
     if "llama.cpp" in families:
@@ -55,14 +59,15 @@ def make_peers(engine: Engine, families: list[str], threads: int) -> list[Runner
 
 
 def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unavailable],
-              evaluation: dict | None, weight_engines: list[Engine] = ()) -> dict:
-    """Measure everything on ours (the engine, and the same model in other weight formats) and the available
-    peers; the JSON-ready results (without command/notes)."""
+              evaluation: dict | None, weight_engines: list[Engine] = (), onnx_graphs: Path | None = None) -> dict:
+    """Measure everything on ours (the engine, the same model in other weight formats, our ONNX Runtime backend on
+    graphs exported from it) and the available peers; the JSON-ready results (without command/notes)."""
     info = machine_info()
     crowded = oversubscribed(info)
     if crowded:
         print(f"cabin-bench: warning: {crowded}", file=sys.stderr)
     ours = [cabin_runner(e, m) for e in [engine, *weight_engines] for m in available_modes(settings.modes)]
+    ours += [onnx_runner(onnx_graphs, torch.get_num_threads())] if onnx_graphs else []
     runners = ours + [p for p in peers if isinstance(p, Runner)]
     turn_peers = [p for p in runners if p.name in TURN_PEERS]
     prompt = sharegpt_stream(engine, max(settings.contexts))
@@ -104,6 +109,7 @@ def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unav
         "accuracy": {"source": {k: v for k, v in evaluation.items() if k != "modes"},
                      "rows": accuracy_rows(runners, evaluation, equalized)} if evaluation else {},
         "weight_engines": [str(e.folder) for e in weight_engines],
+        "onnx_graphs": str(onnx_graphs) if onnx_graphs else None,
         "claims": [asdict(c) for c in check_claims(ratios, settings.contexts, quantized, growth,
                                                    f"cabin {TURN_MODE} (reuse)")],
     }

@@ -37,6 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weights-engines", type=Path, nargs="+", default=[],
                         help="engine folders of the same model with other weights (cabin-build --weights int8 or "
                              "int4-awq): each adds our runners on its weights (default: none)")
+    parser.add_argument("--onnx", type=Path, help="graphs cabin-export wrote from the engine: adds our ONNX Runtime "
+                                                  "backend (contexts up to the graphs' window; default: none)")
+    parser.add_argument("--genai", type=Path, help="onnxruntime-genai's model folder of the same model (its model "
+                                                   "builder's output): adds it as a peer (default: none)")
     parser.add_argument("--json", type=Path, help="also write the results JSON here")
     parser.add_argument("--quick", action="store_true", help="two repeats instead of 3, 32 decode tokens per run "
                                                             "instead of 128, one pass of the dialogue instead of 2")
@@ -102,6 +106,10 @@ def notes(results: dict) -> list[str]:
         out.append("cabin MODE + W8A16 / + W4A16_AWQ: the same model with weights quantized by ModelOpt "
                    f"(engines {', '.join(results['weight_engines'])}), decode on the quantized-weight kernels; "
                    "llama.cpp runs the GGUF's own quantized weights, so these rows compare weight formats too.")
+    if results.get("onnx_graphs"):
+        out.append(f"cabin onnxruntime: our runtime (paged cache, reuse, budget) running the graphs in "
+                   f"{results['onnx_graphs']} on ONNX Runtime; the graphs attend over their whole fixed window "
+                   "whatever the context, and a context beyond the window fails.")
     crowded = oversubscribed(results["machine"])
     if crowded:
         out.insert(0, f"WARNING: {crowded}.")
@@ -166,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         evaluation = load_eval(args.eval_json) if args.eval_json else None
         engine = Engine.load(args.engine)
         weight_engines = [same_model(engine, Engine.load(folder)) for folder in args.weights_engines]
-        peers = make_peers(engine, families, torch.get_num_threads())
-        results = run_bench(engine, settings, peers, evaluation, weight_engines)
+        peers = make_peers(engine, families, torch.get_num_threads(), args.genai)
+        results = run_bench(engine, settings, peers, evaluation, weight_engines, args.onnx)
     except (CheckpointError, EvalJsonError, ValueError) as err:
         print(f"cabin-bench: error: {err}", file=sys.stderr)
         return 2

@@ -20,12 +20,13 @@ import math
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from benchmarks.runner import Unavailable
+from benchmarks.runner_onnx import GENAI, genai_kv_bytes_per_token, genai_runner
 from calibration.selection import prepare_dialogues
 from runtime.block_manager import Sequence
 from runtime.cli_args import positive_int
@@ -95,38 +96,6 @@ def decode_speed(engine: Engine, kv: str, prompt: list[int], steps: int) -> floa
     return generate(engine.model, cache, Sequence(), prompt, params, engine.tokenizer.decode).decode_tok_s
 
 
-def genai_decode_speed(folder: Path, prompt: list[int], steps: int) -> float:
-    """onnxruntime-genai's greedy decode tokens per second after ``prompt``, on one thread as the others."""
-    import onnxruntime_genai as og
-
-    config = og.Config(str(folder))
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": 1}}}}))
-    model = og.Model(config)
-    params = og.GeneratorParams(model)
-    length = len(prompt) + steps
-    params.set_search_options(max_length=length, min_length=length, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(prompt)
-    generator.generate_next_token()
-    start, done = time.perf_counter(), 0
-    while not generator.is_done() and done < steps - 1:
-        generator.generate_next_token()
-        done += 1
-    return done / (time.perf_counter() - start)
-
-
-def genai_kv_bytes_per_token(folder: Path) -> int:
-    """Bytes per token of an onnxruntime-genai decoder's KV cache (all layers, K and V), its element type read
-    from the graph's past K input."""
-    import onnx
-
-    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
-    graph = onnx.load(str(folder / config["filename"]), load_external_data=False).graph
-    past = next(v for v in graph.input if v.name.startswith("past_key_values."))
-    element = onnx.helper.tensor_dtype_to_np_dtype(past.type.tensor_type.elem_type).itemsize
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_size"] * element
-
-
 def decode_speeds(args: argparse.Namespace, reference: Engine, ours: Engine, kv: str, context: int) -> dict:
     """Greedy decode tokens per second of each backend with a full window: the median of the interleaved rounds,
     and every round."""
@@ -134,7 +103,10 @@ def decode_speeds(args: argparse.Namespace, reference: Engine, ours: Engine, kv:
     runs = {"reference": lambda: decode_speed(reference, kv, prompt, args.decode_tokens),
             "onnxruntime": lambda: decode_speed(ours, kv, prompt, args.decode_tokens)}
     if args.genai:
-        runs["onnxruntime-genai"] = lambda: genai_decode_speed(args.genai, prompt, args.decode_tokens)
+        genai = genai_runner(args.genai, torch.get_num_threads())
+        if isinstance(genai, Unavailable):
+            raise SystemExit(f"onnx_compare: error: {genai.reason}")
+        runs[GENAI] = lambda: genai.run(prompt, args.decode_tokens).decode_tok_s
     speeds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in tqdm(range(args.rounds), desc="decode speed", file=sys.stderr):
         for name, run in runs.items():
@@ -159,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                                          min(args.max_tokens, context))
         result["perplexity"] = perplexities(reference, ours, kv, [d.token_ids for d in dialogues])
     if args.genai:
-        result["kv_bytes_per_token"]["onnxruntime-genai"] = genai_kv_bytes_per_token(args.genai)
+        result["kv_bytes_per_token"][GENAI] = genai_kv_bytes_per_token(args.genai)
     if not args.skip_speed:
         result.update(decode_speeds(args, reference, ours, kv, context))
     result["load_average_after"] = os.getloadavg()

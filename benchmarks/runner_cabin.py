@@ -18,9 +18,10 @@ def available_modes(wanted: list[str]) -> list[str]:
     return [m for m in wanted if m in REFERENCE_KV_MODES]
 
 
-def cabin_runner(engine: Engine, mode: str) -> Runner:
+def cabin_runner(engine: Engine, mode: str, name: str | None = None, weights: str | None = None) -> Runner:
     """Prefill and greedy decode on a fresh paged cache of ``mode``, sized to the prompt; named 'cabin MODE', with
-    ' + W8A16' or ' + W4A16_AWQ' for an engine of quantized weights."""
+    ' + W8A16' or ' + W4A16_AWQ' for an engine of quantized weights, unless ``name`` (and ``weights``, the note on
+    how the weights run) say otherwise."""
     layout = engine.model.kv_layout
 
     def run(prompt: list[int], new_tokens: int) -> RunTiming:
@@ -37,8 +38,8 @@ def cabin_runner(engine: Engine, mode: str) -> Runner:
                            "tokens")
 
     fmt = engine.config.weight_format
-    name = f"cabin {mode}" + (f" + {fmt.quant_algo}" if fmt.quant_algo else "")
-    return Runner(name, "cabin", kv_mode(mode).label, weights_note(engine, mode), run, footprint,
+    name = name or f"cabin {mode}" + (f" + {fmt.quant_algo}" if fmt.quant_algo else "")
+    return Runner(name, "cabin", kv_mode(mode).label, weights or weights_note(engine, mode), run, footprint,
                   mode=mode)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from benchmarks.cli import main
 from builders.engine_build import BuildRequest, build_engine
+from builders.onnx_export import OnnxExportRequest, export_onnx
 from fakes.tiny_model import write_tiny_llama
 
 
@@ -101,3 +102,23 @@ def test_weights_engines_add_runners_on_their_weights(tiny_engine, tmp_path, cap
                                      "int8", dtype="float32"), log=lambda _msg: None)
     assert main(["--engine", str(tiny_engine), "--weights-engines", str(wide), *out]) == 2
     assert "holds another model" in capsys.readouterr().err
+
+
+def test_onnx_graphs_add_our_onnxruntime_backend_and_a_missing_genai_folder_is_reported(
+        tiny_engine, tmp_path, keep_threads):
+    """--onnx adds 'cabin onnxruntime int8' (contexts beyond the graphs' window fail, reported); --genai without
+    the builder's folder is an unavailable peer that says what to pass."""
+    graphs = tmp_path / "graphs"
+    export_onnx(OnnxExportRequest(tiny_engine, graphs, 32, 8, "int8", "npu"), log=lambda _m: None)
+    out = ["--out", str(tmp_path / "out"), "--json", str(tmp_path / "r.json")]
+    assert main(["--engine", str(tiny_engine), "--onnx", str(graphs), "--genai", str(tmp_path / "none"),
+                 "--contexts", "16", "48", "--repeats", "1", "--decode-steps", "3", "--turns", "0", "--modes", "int8",
+                 "--peers", "none", "--threads", "1", *out]) == 0
+    results = json.loads((tmp_path / "r.json").read_text())
+    runners = {r["name"]: r for r in results["runners"]}
+    assert runners["cabin onnxruntime int8"]["status"] == "failed"  # 48 tokens do not fit a window of 32
+    assert "no genai_config.json" in runners["onnxruntime-genai"]["reason"]
+    rows = {(r["runner"], r["context"]): r for r in results["speed"]["rows"]}
+    assert rows[("cabin onnxruntime int8", 16)]["decode_tok_s_samples"]
+    kv = {r["runner"]: r for r in results["kv_memory"]}
+    assert kv["cabin onnxruntime int8"]["bytes_per_token"] == kv["cabin int8"]["bytes_per_token"]
