@@ -8,7 +8,10 @@ tokens apart (no K/V repeated, the window never copied), SiLU as
 Sigmoid * x. INT8 KV is QDQ with the engine's calibrated static scale of each layer (one for K and V, as
 TensorRT-LLM stores it): the past window comes in as codes and is dequantized; the new tokens' K/V are
 clamped to +-127 steps, quantized (the graph's outputs) and dequantized again for their own attention, so
-the graph sees exactly what the paged cache stores. Both graphs read one ``weights.bin`` (external data).
+the graph sees exactly what the paged cache stores. Linear layers keep the engine's weight format where the
+profile can carry it (builders.onnx_profiles: int8 as per-channel QDQ, int4-AWQ as MatMulNBits); the values are
+the reference engine's, so the graphs compute what it computes. Both graphs read one ``weights.bin`` (external
+data).
 """
 from __future__ import annotations
 
@@ -22,23 +25,26 @@ from typing import Callable
 import numpy as np
 import torch
 
-from builders.onnx_profiles import OnnxProfile, onnx_profile
+from builders.onnx_profiles import WEIGHT_FORMS, OnnxProfile, onnx_profile
 from builders.progress import Steps
 from runtime.atomic import atomic_write_text, staging_folder
 from runtime.checkpoint import CheckpointError
 from runtime.engine import Engine
-from runtime.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE, read_manifest
+from runtime.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE, EngineFolder, read_manifest
 from runtime.kv_modes import ONNX_KV_MODES, kv_mode
 from runtime.kv_quant import INT8_MAX
 from runtime.kv_storage import KVScales
 from runtime.model import Transformer
 from runtime.onnx_folder import (ONNX_FORMAT, PROMPT_GRAPH, TOKEN_GRAPH, TOKENIZER_DIR, WEIGHTS_FILE,
                                  KvGraphType, graph_metadata, new_key, new_value, past_key, past_value)
+from runtime.quant_linear import Int4AwqLinear, Int8Linear, Linear, Stacked, unpack_int4
 from runtime.tokenizer_export import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 Log = Callable[[str], None]
 _EXTERNAL_MIN_BYTES = 1024  # tensors at least this large go to weights.bin; small constants stay in the graph
 _ALIGN = 64
+CONTRIB_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
+INT4_ZERO_POINT = 8  # MatMulNBits' default zero point: the signed int4 code q travels as q + 8
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,7 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
     import onnx
 
     profile = check_request(request)
+    profile.check_weights(EngineFolder(request.engine).config().weight_format.name)  # before loading the weights
     steps = Steps(4, log)
     with steps.step(f"loading {request.engine}"):
         engine = Engine.load(request.engine)
@@ -104,6 +111,7 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
         "context": request.context, "chunk": request.chunk, "kv_cache": request.kv_cache,
         "kv_graph": kv.to_dict(), "profile": profile.name, "opset": profile.opset,
         "allow_list": profile.allow_list,
+        "weight_format": {"name": config.weight_format.name, "linear": WEIGHT_FORMS[config.weight_format.name]},
         "graphs": {"prompt": PROMPT_GRAPH, "token": TOKEN_GRAPH}, "weights": WEIGHTS_FILE,
         "plan": {"tokens_per_block": engine.kv_cache_config().tokens_per_block},
         "system_prompt": engine.manifest.get("system_prompt"),  # the engine's default, which cabin-chat reads
@@ -131,8 +139,9 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
 
 
 def check_ops(model, profile: OnnxProfile, name: str) -> set[str]:
-    """The ops a graph uses; ValueError when the profile's allow-list lacks one."""
-    used = {node.op_type for node in model.graph.node}
+    """The ops a graph uses (domain-qualified outside standard ONNX); ValueError when the profile's allow-list lacks
+    one."""
+    used = {f"{node.domain}.{node.op_type}" if node.domain else node.op_type for node in model.graph.node}
     allowed = profile.allowed_ops()
     if allowed is not None and used - allowed:
         raise ValueError(f"{name}: ops {sorted(used - allowed)} are not on the {profile.name} profile's allow-list "
@@ -214,6 +223,32 @@ def _weight(t: torch.Tensor) -> np.ndarray:
     return t.float().t().contiguous().numpy()
 
 
+def _linear(g: _Graph, x: str, name: str, weight: Linear) -> str:
+    """x @ W.T of one linear op, its weights in their stored form: float32 MatMul, int8 per-channel QDQ into
+    MatMul, int4 MatMulNBits after the prequant Mul; stacked parts concatenated."""
+    if isinstance(weight, Stacked):
+        return g.op("Concat", *(_linear(g, x, f"{name}.{i}", part) for i, part in enumerate(weight.parts)), axis=-1)
+    if isinstance(weight, Int8Linear):
+        codes = g.const(f"{name}.int8", weight.weight.t().contiguous().numpy())  # (in, out)
+        return g.op("MatMul", x, g.op("DequantizeLinear", codes, g.const(f"{name}.scale", weight.scale.numpy()),
+                                      axis=1))
+    if isinstance(weight, Int4AwqLinear):
+        out, inp = weight.scale.shape[0], weight.packed.shape[1]
+        scaled = g.op("Mul", x, g.const(f"{name}.prequant", weight.prequant.float().numpy()))
+        return g.op("MatMulNBits", scaled, g.const(f"{name}.uint4", _nbits_blocks(weight)),
+                    g.const(f"{name}.scales", weight.scale.float().reshape(-1).numpy()), domain=CONTRIB_DOMAIN,
+                    K=inp, N=out, bits=4, block_size=weight.group_size)
+    return g.op("MatMul", x, g.const(name, _weight(weight)))
+
+
+def _nbits_blocks(weight: Int4AwqLinear) -> np.ndarray:
+    """MatMulNBits' B: uint8 (out, in / group, group / 2), the codes q + 8 of each output row's input block, two
+    per byte along the input, the first in the low nibble."""
+    codes = (unpack_int4(weight.packed).to(torch.int16) + INT4_ZERO_POINT).to(torch.uint8)  # (out, in)
+    blocks = codes.reshape(codes.shape[0], -1, weight.group_size)
+    return (blocks[..., 0::2] | (blocks[..., 1::2] << 4)).numpy()
+
+
 def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, opset: int, weights: WeightsFile):
     """The ModelProto of ``tokens`` new tokens attending to a window of ``context`` past tokens."""
     import onnx
@@ -241,7 +276,7 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
             outputs.append(onnx.helper.make_tensor_value_info(name, kv_elem, [1, tokens, kv_heads, d]))
         p = f"layers.{index}"
         h = _rms_norm(g, x, g.const(f"{p}.input_norm", layer["input_norm"].numpy()), c.norm_epsilon)
-        qkv = g.op("MatMul", h, g.const(f"{p}.qkv", _weight(layer["qkv"])))
+        qkv = _linear(g, h, f"{p}.qkv", layer["qkv"])
         if "qkv_bias" in layer:
             qkv = g.op("Add", qkv, g.const(f"{p}.qkv_bias", layer["qkv_bias"].numpy()))
         qk, v = g.op("Split", qkv, g.ints((heads + kv_heads) * d, kv_heads * d), axis=-1, outputs=2)
@@ -261,18 +296,20 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
         out = g.op("Add", g.op("MatMul", p_past, g.op("Unsqueeze", past_v, g.ints(2))),
                    g.op("MatMul", p_new, g.op("Unsqueeze", g.op("Transpose", new_v, perm=[0, 2, 1, 3]), g.ints(2))))
         attn = g.op("Reshape", g.op("Transpose", out, perm=[0, 3, 1, 2, 4]), g.ints(1, tokens, heads * d))
-        x = g.op("Add", x, g.op("MatMul", attn, g.const(f"{p}.dense", _weight(layer["dense"]))))
+        x = g.op("Add", x, _linear(g, attn, f"{p}.dense", layer["dense"]))
         h = _rms_norm(g, x, g.const(f"{p}.post_norm", layer["post_norm"].numpy()), c.norm_epsilon)
-        fc, gate = g.op("Split", g.op("MatMul", h, g.const(f"{p}.fc_gate", _weight(layer["fc_gate"]))),
+        fc, gate = g.op("Split", _linear(g, h, f"{p}.fc_gate", layer["fc_gate"]),
                         g.ints(c.intermediate_size, c.intermediate_size), axis=-1, outputs=2)
         act = g.op("Mul", g.op("Mul", fc, g.op("Sigmoid", fc)), gate)
-        x = g.op("Add", x, g.op("MatMul", act, g.const(f"{p}.proj", _weight(layer["proj"]))))
+        x = g.op("Add", x, _linear(g, act, f"{p}.proj", layer["proj"]))
     h = _rms_norm(g, x, g.const("final_norm", model.final_norm.numpy()), c.norm_epsilon)
     g.op("MatMul", h, g.const("lm_head", _weight(model.lm_head)), name="logits")
     graph = onnx.helper.make_graph(g.nodes, f"cabin_{tokens}_over_{context}", inputs, outputs,
                                    list(g.initializers.values()))
-    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)],
-                                  producer_name="cabinllm")
+    opsets = [onnx.helper.make_opsetid("", opset)]
+    if any(node.domain == CONTRIB_DOMAIN for node in g.nodes):
+        opsets.append(onnx.helper.make_opsetid(CONTRIB_DOMAIN, 1))
+    return onnx.helper.make_model(graph, opset_imports=opsets, producer_name="cabinllm")
 
 
 def _rms_norm(g: _Graph, x: str, weight: str, eps: float) -> str:

@@ -9,6 +9,12 @@ which ops a graph may use.
 - ``ort``: the same graphs for ONNX Runtime's CPU/CUDA/TensorRT providers, INT8 KV as int8 with zero point 0
   (the signed symmetric form ONNX Runtime's quantization tools default to), no allow-list.
 
+Linear weights by the engine's weight format (``WEIGHT_FORMS``; embedding, lm_head and norms are float32 in
+every one): full precision as float32 MatMul operands; W8A16 as an int8 (in, out) initializer through a
+per-channel DequantizeLinear (axis 1, per-axis since 13) into MatMul, standard QDQ, in both profiles; W4A16-AWQ
+in the ``ort`` profile only, as ONNX Runtime's ``com.microsoft.MatMulNBits`` after a Mul by the prequant scale
+(standard ONNX has int4 tensors only from opset 21).
+
 Opset 17 for both: QuantizeLinear/DequantizeLinear take int8 and uint8 (since 10, per-axis since 13),
 Split/Unsqueeze take their sizes and axes as inputs (13), and ReduceMean still takes ``axes`` as an attribute
 (inputs from 18), the form every QDQ toolchain reading opset 13+ models accepts.
@@ -31,6 +37,16 @@ class OnnxProfile:
     int8_dtype: str  # element type of INT8 KV codes in the graphs
     int8_zero_point: int
     allow_list: str | None  # data file of the ops the graphs may use (None: any op)
+    weight_formats: tuple[str, ...]  # engine weight formats (runtime.weight_formats) the graphs can carry
+
+    def check_weights(self, weight_format: str) -> None:
+        """ValueError naming the fix when this profile cannot write an engine's weight format."""
+        if weight_format not in self.weight_formats:
+            others = [p.name for p in ONNX_PROFILES.values() if weight_format in p.weight_formats]
+            why = " (standard ONNX has int4 tensors only from opset 21)" if "int4" in weight_format else ""
+            raise ValueError(f"the {self.name} profile (opset {self.opset}) cannot write {weight_format} weights{why}; "
+                             f"export with --profile {' or '.join(others)}, or build the engine with cabin-build "
+                             f"--weights {' or '.join(self.weight_formats)}")
 
     def allowed_ops(self) -> frozenset[str] | None:
         """The ops a graph of this profile may use (None: no restriction)."""
@@ -42,9 +58,16 @@ class OnnxProfile:
 
 ONNX_PROFILES: dict[str, OnnxProfile] = {p.name: p for p in (
     OnnxProfile("npu", "standard ONNX ops on the NPU allow-list, INT8 KV as uint8 + zero point 128 (QNN HTP)",
-                17, "uint8", 128, "onnx_npu_ops.txt"),
-    OnnxProfile("ort", "ONNX Runtime providers, INT8 KV as int8 + zero point 0", 17, "int8", 0, None),
+                17, "uint8", 128, "onnx_npu_ops.txt", ("fp16", "int8")),
+    OnnxProfile("ort", "ONNX Runtime providers, INT8 KV as int8 + zero point 0", 17, "int8", 0, None,
+                ("fp16", "int8", "int4-awq")),
 )}
+# engine weight format -> how the graphs carry its linear layers
+WEIGHT_FORMS = {
+    "fp16": "float32 MatMul weights",
+    "int8": "int8 (in, out) weights, per-channel DequantizeLinear into MatMul",
+    "int4-awq": "uint4 blocks in com.microsoft.MatMulNBits (zero point 8) after a Mul by the prequant scale",
+}
 
 
 def onnx_profile(name: str) -> OnnxProfile:

@@ -5,8 +5,8 @@ Layout::
 
     NAME/
       manifest.json        context, chunk, KV mode and its graph type (element type, zero point, scales),
-                           opset, profile, the ops used, the model (config, fingerprint), the engine's
-                           default system prompt
+                           opset, profile, the ops used, the weight format and how the linear layers
+                           carry it, the model (config, fingerprint), the engine's default system prompt
       prompt.onnx          ``chunk`` new tokens over a window of ``context`` past tokens
       token.onnx           1 new token over the same window
       weights.bin          the weights both graphs read (ONNX external data)

@@ -1,0 +1,112 @@
+"""cabin-export of quantized engines: W8A16 linear layers as int8 per-channel QDQ (both profiles), W4A16-AWQ as
+ONNX Runtime's MatMulNBits (ort profile); the graphs compute what the reference engine computes on the same
+engine, within float rounding; a weight format a profile cannot write is one clear error."""
+import json
+import random
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from conftest import TINY_ENGINE_SHAPE
+from fakes.tiny_model import write_tiny_llama
+
+from builders.engine_build import BuildRequest, build_engine
+from builders.export_cli import main as export_main
+from builders.onnx_export import OnnxExportRequest, export_onnx
+from builders.onnx_profiles import onnx_profile
+from runtime.engine import Engine
+from runtime.engine_folder import MANIFEST_FILE
+from runtime.generate import run_tokens
+from runtime.onnx_folder import TOKEN_GRAPH
+from runtime.ort_session import load_onnx_engine
+from test_onnx_backend import SCRIPT, session
+
+CONTEXT, CHUNK = 128, 16
+QUIET = {"log": lambda _msg: None}
+LINEAR = (".qkv", ".dense", ".fc_gate", ".proj")
+
+
+@pytest.fixture(scope="module")
+def quant_engines(tmp_path_factory):
+    """Weight format -> engine folder of the tiny model (W8A16 and W4A16-AWQ, INT8 KV scales)."""
+    root = tmp_path_factory.mktemp("onnx-weights")
+    model = write_tiny_llama(root / "model", **TINY_ENGINE_SHAPE)
+    folders = {}
+    for weights in ("int8", "int4-awq"):
+        folders[weights] = root / weights
+        build_engine(BuildRequest(str(model), folders[weights], kv_cache="int8", weights=weights), **QUIET)
+    return folders
+
+
+@pytest.fixture(scope="module")
+def quant_exports(quant_engines, tmp_path_factory):
+    """(weight format, profile) -> graph folder with fp32 KV."""
+    root = tmp_path_factory.mktemp("onnx-weight-exports")
+    folders = {}
+    for weights, profile in (("int8", "npu"), ("int8", "ort"), ("int4-awq", "ort")):
+        folders[weights, profile] = root / f"{weights}-{profile}"
+        export_onnx(OnnxExportRequest(quant_engines[weights], folders[weights, profile], CONTEXT, CHUNK, "fp32",
+                                      profile), **QUIET)
+    return folders
+
+
+@pytest.mark.parametrize("key", [("int8", "npu"), ("int8", "ort"), ("int4-awq", "ort")])
+def test_quantized_graphs_predict_and_answer_as_the_reference(quant_engines, quant_exports, key):
+    reference = Engine.load(quant_engines[key[0]])
+    onnx_engine = load_onnx_engine(quant_exports[key], threads=1)
+    rng = random.Random(0)
+    ids = [rng.randrange(reference.config.vocab_size) for _ in range(CONTEXT - 8)]
+    prefilled = run_tokens(reference.model, ids, "fp32", all_logits=True)
+    gap = (onnx_engine.model.logits_over(prefilled.cache, prefilled.seq) - prefilled.logits).abs().amax(-1)
+    assert float(gap.max()) < 1e-3 and float(gap.median()) < 1e-4
+    ours, theirs = session(onnx_engine, "fp32"), session(reference, "fp32")
+    for text in SCRIPT:
+        got, want = ours.chat(text), theirs.chat(text)
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+
+
+def _initializers(folder) -> dict[str, np.dtype]:
+    model = onnx.load(str(folder / TOKEN_GRAPH), load_external_data=False)
+    return {t.name: (onnx.helper.tensor_dtype_to_np_dtype(t.data_type), int(np.prod(t.dims))) for t in
+            model.graph.initializer}
+
+
+def _linear_bytes(folder) -> int:
+    return sum(dtype.itemsize * count for name, (dtype, count) in _initializers(folder).items()
+               if name.startswith("layers.") and any(layer in name for layer in LINEAR))
+
+
+def test_int8_weights_are_int8_qdq_on_the_allow_list_a_quarter_of_fp32(quant_exports, tiny_engine_dir, tmp_path):
+    folder = quant_exports["int8", "npu"]
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    assert manifest["weight_format"]["name"] == "int8" and set(manifest["ops"]) <= onnx_profile("npu").allowed_ops()
+    model = onnx.load(str(folder / TOKEN_GRAPH), load_external_data=False)
+    weights = {t.name: t for t in model.graph.initializer if t.name.endswith(".int8")}
+    assert len(weights) == 4 * 3 and {t.data_type for t in weights.values()} == {onnx.TensorProto.INT8}
+    dequantize = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in weights]
+    assert len(dequantize) == 4 * 3 and all(onnx.helper.get_attribute_value(n.attribute[0]) == 1 for n in dequantize)
+    fp32 = tmp_path / "fp32"
+    export_onnx(OnnxExportRequest(tiny_engine_dir, fp32, CONTEXT, CHUNK, "fp32", "npu"), **QUIET)
+    assert _linear_bytes(folder) == pytest.approx(_linear_bytes(fp32) / 4, rel=0.05)
+    assert (folder / "weights.bin").stat().st_size < (fp32 / "weights.bin").stat().st_size
+
+
+def test_int4_awq_weights_are_matmulnbits_blocks(quant_exports):
+    folder = quant_exports["int4-awq", "ort"]
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    assert manifest["weight_format"]["name"] == "int4-awq" and "com.microsoft.MatMulNBits" in manifest["ops"]
+    assert "MatMul" in manifest["ops"]  # attention and lm_head stay float
+    blocks = {name: info for name, info in _initializers(folder).items() if name.endswith(".uint4")}
+    assert blocks and {dtype for dtype, _ in blocks.values()} == {np.dtype(np.uint8)}
+    assert len(blocks) == 5 * 3  # qkv, dense, proj, and fc and gate apart (each has its prequant scale)
+
+
+def test_int4_awq_on_the_npu_profile_is_one_clear_error(quant_engines, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert export_main(["--engine", str(quant_engines["int4-awq"]), "--output", str(out), "--context", "64",
+                        "--chunk", "16", "--profile", "npu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cabin-export: error: the npu profile (opset 17) cannot write int4-awq weights")
+    assert "--profile ort" in err and "--weights fp16 or int8" in err and "Traceback" not in err
+    assert not out.exists()
