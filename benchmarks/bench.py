@@ -26,6 +26,7 @@ from builders.hf_export import to_transformers
 from runtime.engine import Engine
 from runtime.engine_folder import CHECKPOINT_DIR
 from runtime.model_source import DEFAULT_GGUF_NAME, default_gguf_path, source_label
+from runtime.ort_session import load_onnx_engine
 
 MIB = 1 << 20
 TURN_MODE = "int8"  # our mode in the dialogue test
@@ -67,7 +68,7 @@ def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unav
     if crowded:
         print(f"cabin-bench: warning: {crowded}", file=sys.stderr)
     ours = [cabin_runner(e, m) for e in [engine, *weight_engines] for m in available_modes(settings.modes)]
-    ours += [onnx_runner(onnx_graphs, torch.get_num_threads())] if onnx_graphs else []
+    ours += [onnx_runner(load_onnx_engine(onnx_graphs, threads=torch.get_num_threads()))] if onnx_graphs else []
     runners = ours + [p for p in peers if isinstance(p, Runner)]
     turn_peers = [p for p in runners if p.name in TURN_PEERS]
     prompt = sharegpt_stream(engine, max(settings.contexts))

@@ -26,14 +26,13 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.runner import Unavailable
-from benchmarks.runner_onnx import GENAI, genai_kv_bytes_per_token, genai_runner
+from benchmarks.runner_cabin import cabin_runner
+from benchmarks.runner_onnx import GENAI, genai_kv_bytes_per_token, genai_runner, onnx_runner
 from calibration.selection import prepare_dialogues
-from runtime.block_manager import Sequence
 from runtime.cli_args import positive_int
 from runtime.engine import Engine
-from runtime.generate import generate, run_tokens
+from runtime.generate import run_tokens
 from runtime.ort_session import load_onnx_engine
-from runtime.sampling import SamplingParams
 
 # the perplexity runs: the reference engine at once (the base), the reference in the graphs' chunks, the ONNX
 # backend on its own, the ONNX backend's token graph over the reference's stored cache
@@ -89,28 +88,20 @@ def _nll(logits: torch.Tensor, ids: list[int]) -> float:
     return -float(logits[:-1].log_softmax(-1).gather(1, targets[:, None]).sum())
 
 
-def decode_speed(engine: Engine, kv: str, prompt: list[int], steps: int) -> float:
-    """Greedy decode tokens per second after prefilling ``prompt`` (no stop token ends it early)."""
-    cache = engine.new_cache(engine.kv_cache_config(kv, max_bytes=256 << 20))
-    params = SamplingParams(max_new_tokens=steps, stop_token_ids=[])
-    return generate(engine.model, cache, Sequence(), prompt, params, engine.tokenizer.decode).decode_tok_s
-
-
 def decode_speeds(args: argparse.Namespace, reference: Engine, ours: Engine, kv: str, context: int) -> dict:
     """Greedy decode tokens per second of each backend with a full window: the median of the interleaved rounds,
     and every round."""
     prompt = [(7 * i) % 1000 + 100 for i in range(context - args.decode_tokens - 1)]
-    runs = {"reference": lambda: decode_speed(reference, kv, prompt, args.decode_tokens),
-            "onnxruntime": lambda: decode_speed(ours, kv, prompt, args.decode_tokens)}
+    runners = {"reference": cabin_runner(reference, kv), "onnxruntime": onnx_runner(ours)}
     if args.genai:
         genai = genai_runner(args.genai, torch.get_num_threads())
         if isinstance(genai, Unavailable):
             raise SystemExit(f"onnx_compare: error: {genai.reason}")
-        runs[GENAI] = lambda: genai.run(prompt, args.decode_tokens).decode_tok_s
-    speeds: dict[str, list[float]] = {name: [] for name in runs}
+        runners[GENAI] = genai
+    speeds: dict[str, list[float]] = {name: [] for name in runners}
     for _ in tqdm(range(args.rounds), desc="decode speed", file=sys.stderr):
-        for name, run in runs.items():
-            speeds[name].append(run())
+        for name, runner in runners.items():
+            speeds[name].append(runner.run(prompt, args.decode_tokens).decode_tok_s)
     return {"decode_tok_s": {name: statistics.median(values) for name, values in speeds.items()},
             "decode_tok_s_runs": speeds}
 

@@ -9,15 +9,15 @@ from pathlib import Path
 
 from benchmarks.runner import KVFootprint, Runner, RunTiming, Unavailable, missing_module
 from benchmarks.runner_cabin import cabin_runner
-from runtime.ort_session import load_onnx_engine
+from runtime.engine import Engine
 
 GENAI = "onnxruntime-genai"
 
 
-def onnx_runner(graphs: Path, threads: int) -> Runner:
-    """Our backend on the graphs in their KV mode: the paged cache in our runtime, the graphs on ONNX Runtime's
-    CPU provider. Its contexts end at the graphs' window; no accuracy columns (cabin-eval runs the reference)."""
-    engine = load_onnx_engine(graphs, threads=threads)
+def onnx_runner(engine: Engine) -> Runner:
+    """Our backend on graphs loaded by runtime.ort_session.load_onnx_engine, in their KV mode: the paged cache in
+    our runtime, the graphs on ONNX Runtime. Its contexts end at the graphs' window; no accuracy columns (cabin-eval
+    runs the reference)."""
     kv = engine.default_kv_mode
     weights = (f"the graphs' initializers ({engine.manifest.get('profile')} profile, window {engine.model.context}, "
                f"chunk {engine.model.chunk}), ONNX Runtime CPU provider")
