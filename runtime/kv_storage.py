@@ -20,7 +20,7 @@ from runtime.block_manager import Sequence
 from runtime.checkpoint import ModelConfig
 from runtime.committed import committed_zeros
 from runtime.kv_quant import dequantize_per_token, quantize_per_token, quantize_static
-from runtime.native_kernels import StoredKV
+from runtime.native_kernels import StaticPools, StoredKV
 
 _SCALE_BYTES = 2  # one fp16 scale per token and KV head, for K and for V, in int8-dynamic
 
@@ -114,6 +114,11 @@ class KVStorage:
         """One layer's K and V as stored, for the native decode attention to read in place."""
         raise NotImplementedError
 
+    def static_pools(self) -> StaticPools | None:
+        """All layers' pools, where each layer's elements convert with one static scale (the fused decode
+        step's form); None otherwise."""
+        return None
+
     def token_tensors(self) -> dict[str, torch.Tensor]:
         """The per-token pools a session file saves, each (layers, blocks, tokens_per_block, ...)."""
         raise ValueError(f"saving a session needs per-token KV storage; {self.name} stores whole blocks: "
@@ -172,6 +177,11 @@ class _PooledKV(KVStorage):
         """The layer's pools and the sequence's block table."""
         return StoredKV(self.k_data[layer], self.v_data[layer], block_table)
 
+    def static_pools(self) -> StaticPools | None:
+        """The pools, converted with scale 1."""
+        ones = torch.ones(self.layout.num_layers)
+        return StaticPools(self.k_data, self.v_data, ones, ones)
+
 
 class Fp32KV(_PooledKV):
     """float32: the exact reference."""
@@ -228,6 +238,10 @@ class Int8KV(_PooledKV):
         stored.k_scale, stored.v_scale = self.k_scale[layer], self.v_scale[layer]
         return stored
 
+    def static_pools(self) -> StaticPools | None:
+        """The pools with each layer's K and V scales."""
+        return StaticPools(self.k_data, self.v_data, torch.tensor(self.k_scale), torch.tensor(self.v_scale))
+
     def scales_fingerprint(self) -> str:
         """Hash of the K and V scales."""
         return hashlib.sha256(json.dumps([self.k_scale, self.v_scale]).encode()).hexdigest()[:16]
@@ -276,6 +290,10 @@ class Int8DynamicKV(_PooledKV):
         return tuple(dequantize_per_token(gather(codes[layer], block_table, num_tokens),
                                           gather(scales[layer], block_table, num_tokens))
                      for codes, scales in ((self.k_data, self.k_sdata), (self.v_data, self.v_sdata)))
+
+    def static_pools(self) -> StaticPools | None:
+        """None: each token has scales of its own."""
+        return None
 
     def stored_kv(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> StoredKV:
         """The int8 pools with their per-token scales."""

@@ -1,6 +1,6 @@
 """Native decode kernels, compiled from C with the system's compiler at first use and cached on disk.
 
-Decoding is bound by memory reads. Four kernels in runtime/kernels/ serve that case:
+Decoding is bound by memory reads. Five kernels in runtime/kernels/ serve that case:
 - ``matvec.c``: a linear layer for the tokens of a decode step (one per sequence) over the checkpoint's
   (out, in) fp32 or fp16 weights, read once for all of them;
 - ``quant_matvec.c``: a linear layer for one token over W8A16 and W4A16-AWQ weights, dequantized in registers;
@@ -8,7 +8,10 @@ Decoding is bound by memory reads. Four kernels in runtime/kernels/ serve that c
   (static or per-token scales), fp16 or fp32 elements, with no gather and no converted copy of
   the history (built per element type, head size and group);
 - ``int4_dequantize.c``: a sequence's INT4 blocks of one layer to fp32 K and V in one pass
-  (built per head size and value group).
+  (built per head size and value group);
+- ``decode_step.c``: a whole one-token step of one sequence through every layer (norms, the linear kernels
+  above, RoPE, the new K/V stored, attention, MLP) in one call, over a cache whose pools convert with one
+  static scale per layer (fp32, fp16, int8 with static scales; built like the attention kernel).
 
 They are built with ``-O3 -march=native`` into ``$CABIN_KERNEL_DIR`` (default
 ``~/.cache/cabinllm/kernels``) and loaded with ctypes. Where no C compiler is found or a build
@@ -27,6 +30,7 @@ import subprocess
 import tempfile
 import warnings
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 
 import torch
@@ -37,7 +41,7 @@ KERNEL_SOURCES = Path(__file__).with_name("kernels")
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]
 _POINTER, _SIZE, _REAL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 MATVEC_MAX_TOKENS = 16  # tokens of a step the linear kernel takes (one per decoding sequence); more: BLAS
-ELEMENT_DEFINES = {torch.int8: {"ELEMENT": "int8_t"}, torch.float32: {"ELEMENT": "float"},
+ELEMENT_DEFINES = {torch.int8: {"ELEMENT": "int8_t", "INT8_ELEMENTS": 1}, torch.float32: {"ELEMENT": "float"},
                    torch.float16: {"ELEMENT": "uint16_t", "HALF_ELEMENTS": 1}}
 
 
@@ -58,6 +62,56 @@ class StoredKV:
     v_scale: float = 1.0
     k_token_scales: torch.Tensor | None = None
     v_token_scales: torch.Tensor | None = None
+
+
+@dataclass
+class StaticPools:
+    """All layers' K and V pools (layers, blocks, tokens_per_block, kv_heads, head_size) of a cache whose
+    elements are each layer's values divided by one static scale (float32 (layers,); ones for fp32 and fp16
+    pools): what a fused decode step stores into and reads."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor
+    v_scales: torch.Tensor
+
+
+class WeightsKind(IntEnum):
+    """How decode_step.c reads a linear op's weights (its WEIGHTS_* codes)."""
+
+    FP32 = 0
+    FP16 = 1
+    INT8 = 2
+    INT4 = 3
+
+
+@dataclass
+class KernelLinear:
+    """One linear op as decode_step.c runs it: y = W x + b over (rows, cols) weights of ``kind``; INT8: per-row
+    ``scale``; INT4: packed (rows / 2, cols) weights, ``scale`` (rows, cols / group) and the input's
+    ``prequant`` scale (runtime.quant_linear's layouts)."""
+
+    kind: WeightsKind
+    weight: torch.Tensor
+    rows: int
+    cols: int
+    scale: torch.Tensor | None = None
+    prequant: torch.Tensor | None = None
+    group: int = 0
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class KernelLayer:
+    """One decoder layer's weights for decode_step.c: fp32 norm weights and its five linear ops."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: KernelLinear
+    dense: KernelLinear
+    fc: KernelLinear
+    gate: KernelLinear
+    proj: KernelLinear
 
 
 def compiler() -> str:
@@ -179,6 +233,81 @@ class DecodeAttention:
         return out.view(1, -1)
 
 
+_LAYER_OPS = ("qkv", "dense", "fc", "gate", "proj")  # KernelLayer's linear ops, in the C struct's order
+
+
+class _LinearOp(ctypes.Structure):
+    _fields_ = [("kind", _SIZE), ("rows", _SIZE), ("cols", _SIZE), ("group", _SIZE), ("weight", _POINTER),
+                ("scale", _POINTER), ("prequant", _POINTER), ("bias", _POINTER)]
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [("input_norm", _POINTER), ("post_norm", _POINTER)] + \
+        [(name, _LinearOp) for name in _LAYER_OPS]
+
+
+class StepWeights:
+    """A model's layers as the C structs decode_step.c reads; holds the tensors they point into."""
+
+    def __init__(self, layers: list[KernelLayer]) -> None:
+        self.layers = layers
+        self.array = (_LayerWeights * len(layers))(*(_layer_struct(layer) for layer in layers))
+        first = layers[0]
+        self.hidden, self.intermediate = first.dense.rows, first.fc.rows
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    if tensor is not None and not tensor.is_contiguous():
+        raise ValueError(f"decode step weights must be contiguous, got strides {tensor.stride()}")
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _layer_struct(layer: KernelLayer) -> _LayerWeights:
+    ops = {name: getattr(layer, name) for name in _LAYER_OPS}
+    return _LayerWeights(_pointer(layer.input_norm), _pointer(layer.post_norm),
+                         **{name: _LinearOp(op.kind, op.rows, op.cols, op.group, _pointer(op.weight),
+                                            _pointer(op.scale), _pointer(op.prequant), _pointer(op.bias))
+                            for name, op in ops.items()})
+
+
+class DecodeStep:
+    """The fused one-token step for one element type, head size and group."""
+
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype, head_size: int, group: int) -> None:
+        self.dtype, self.head_size, self.group = dtype, head_size, group
+        self._fn = library.decode_step
+        self._fn.argtypes = [_POINTER, _SIZE, _POINTER, _SIZE, _SIZE, _SIZE, _REAL, _POINTER, _POINTER,
+                             _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(self, weights: StepWeights, x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 pools: StaticPools, block_table: torch.Tensor, slot: int, num_tokens: int) -> torch.Tensor:
+        """Run the token whose embedding is x (hidden,) at the position of the cos / sin rows (head_size,)
+        through every layer: stores its K/V at ``slot`` and attends over the first ``num_tokens`` tokens of the
+        sequence's blocks. Returns the last hidden state (hidden,)."""
+        layers, blocks, tokens_per_block, kv_heads, head_size = pools.k.shape
+        if (pools.k.dtype != self.dtype or pools.v.dtype != self.dtype or head_size != self.head_size
+                or layers != len(weights.layers) or not pools.k.is_contiguous() or not pools.v.is_contiguous()
+                or x.shape != (weights.hidden,) or cos.shape != (head_size,)):
+            raise ValueError(f"decode step built for {self.dtype} pools of head size {self.head_size} got "
+                             f"{pools.k.dtype} pools {tuple(pools.k.shape)}, x {tuple(x.shape)} and "
+                             f"{len(weights.layers)} layers of weights")
+        block_table = _int64_table(block_table)
+        if len(block_table) * tokens_per_block < num_tokens:
+            raise ValueError(f"{num_tokens} tokens do not fit the {len(block_table)} blocks of the table")
+        x = x.float().contiguous().clone()
+        k_scales, v_scales = pools.k_scales.float().contiguous(), pools.v_scales.float().contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        status = self._fn(ctypes.addressof(weights.array), layers, x.data_ptr(), weights.hidden, kv_heads,
+                          weights.intermediate, eps, cos.data_ptr(), sin.data_ptr(), pools.k.data_ptr(),
+                          pools.v.data_ptr(), blocks * tokens_per_block * kv_heads * head_size,
+                          k_scales.data_ptr(), v_scales.data_ptr(), block_table.data_ptr(), slot, num_tokens,
+                          tokens_per_block)
+        if status != 0:
+            raise MemoryError("the decode step could not allocate its work buffers")
+        return x
+
+
 class Int4Dequantize:
     """The INT4 block dequantizer for one head size and value group."""
 
@@ -240,6 +369,16 @@ def decode_attention(dtype: torch.dtype, head_size: int, group: int) -> DecodeAt
 
 
 @functools.cache
+def decode_step(dtype: torch.dtype, head_size: int, group: int) -> DecodeStep | None:
+    """The fused one-token step for pools of this dtype (int8, float16, float32), head size and group, built
+    on first use; None for another dtype or, after a warning, if it cannot be built."""
+    if dtype not in ELEMENT_DEFINES:
+        return None
+    library = _load("decode_step", {**ELEMENT_DEFINES[dtype], "HEAD_SIZE": head_size, "GROUP": group})
+    return DecodeStep(library, dtype, head_size, group) if library else None
+
+
+@functools.cache
 def int4_dequantize(head_size: int, value_group: int) -> Int4Dequantize | None:
     """The INT4 dequantizer for this head size and value group, built on first use; None (after a warning)
     if it cannot be."""
@@ -264,7 +403,7 @@ def _build(name: str, defines: dict[str, int | str]) -> Path:
         raise FileNotFoundError(f"no C compiler {cc!r} on PATH")
     source = KERNEL_SOURCES / f"{name}.c"
     flags = COMPILE_FLAGS + [f"-D{key}={value}" for key, value in defines.items()]
-    key = hashlib.sha256(source.read_bytes() + (KERNEL_SOURCES / "half.h").read_bytes())
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(KERNEL_SOURCES.iterdir())))  # they include each other
     for part in (cc, *flags, platform.machine(), _cpu_flags()):
         key.update(part.encode())
     folder = Path(os.environ.get("CABIN_KERNEL_DIR", Path.home() / ".cache" / "cabinllm" / "kernels"))

@@ -18,7 +18,7 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
-from runtime.native_kernels import MatVec, quant_matvec
+from runtime.native_kernels import KernelLinear, MatVec, WeightsKind, quant_matvec
 
 INT4_MIN, INT4_MAX = -8, 7
 
@@ -120,3 +120,32 @@ def linear(x: torch.Tensor, weight: Linear, mv: MatVec | None, bias: torch.Tenso
 def full_precision(weight: Linear) -> torch.Tensor:
     """The fp32 (out, in) matrix W of an op computing x @ W.T (quantized weights dequantized, scales folded in)."""
     return weight.float() if isinstance(weight, torch.Tensor) else weight.full_precision()
+
+
+def halves(both: Linear) -> tuple[Linear, Linear]:
+    """The two ops ``stack`` joined, as views of its weights."""
+    if isinstance(both, Stacked):
+        return both.parts
+    if isinstance(both, Int8Linear):
+        rows = both.weight.shape[0] // 2
+        return (Int8Linear(both.weight[:rows], both.scale[:rows]), Int8Linear(both.weight[rows:], both.scale[rows:]))
+    if isinstance(both, torch.Tensor):
+        return both[: both.shape[0] // 2], both[both.shape[0] // 2:]
+    raise ValueError(f"{type(both).__name__} is not a stacked pair of linear ops")
+
+
+def kernel_linear(weight: Linear, bias: torch.Tensor | None = None) -> KernelLinear | None:
+    """The op as the fused decode step runs it (runtime/kernels/decode_step.c); None where it has no such form
+    (a pair of ops, weights of another dtype)."""
+    bias = None if bias is None else bias.float().contiguous()
+    if isinstance(weight, Int8Linear):
+        return KernelLinear(WeightsKind.INT8, weight.weight.contiguous(), *weight.weight.shape,
+                            scale=weight.scale.float().contiguous(), bias=bias)
+    if isinstance(weight, Int4AwqLinear):
+        return KernelLinear(WeightsKind.INT4, weight.packed.contiguous(), 2 * weight.packed.shape[0],
+                            weight.packed.shape[1], scale=weight.scale.float().contiguous(),
+                            prequant=weight.prequant.float().contiguous(), group=weight.group_size, bias=bias)
+    kinds = {torch.float32: WeightsKind.FP32, torch.float16: WeightsKind.FP16}
+    if isinstance(weight, torch.Tensor) and weight.dtype in kinds:
+        return KernelLinear(kinds[weight.dtype], weight.contiguous(), *weight.shape, bias=bias)
+    return None

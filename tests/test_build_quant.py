@@ -20,7 +20,7 @@ from runtime.engine import Engine
 from runtime.engine_folder import CHECKPOINT_DIR
 from runtime.generate import run_tokens
 from runtime.model_source import import_model
-from runtime.native_kernels import quant_matvec
+from runtime.native_kernels import decode_step
 from runtime.tokenizer import ChatTokenizer
 from runtime.weight_formats import WEIGHT_FORMATS, awq_group_size
 
@@ -117,7 +117,8 @@ def test_imports_a_modelopt_checkpoint_folder(built, tmp_path, capsys):
 
 
 def test_decoding_on_the_quantized_kernels_matches_prefill(built):
-    """Token-by-token decode (one-token steps: the int8 / int4 matvec kernels where they build) gives the logits
+    """Token-by-token decode (one-token steps: the fused decode step over the int8 / int4 kernels where it builds)
+    gives the logits
     of one prefill over the same tokens (torch path on dequantized weights), to float rounding."""
     _, folder = built
     engine = Engine.load(folder)
@@ -126,10 +127,12 @@ def test_decoding_on_the_quantized_kernels_matches_prefill(built):
     prefill = run_tokens(engine.model, ids, "fp32", all_logits=True)
     prefilled = run_tokens(engine.model, ids[:1], "fp32", cache=engine.new_cache(engine.kv_cache_config("fp32")))
     cache, seq = prefilled.cache, prefilled.seq
-    calls = quant_matvec.cache_info().hits
+    calls = decode_step.cache_info().hits
     for pos in range(1, len(ids)):
         cache.append(seq, ids[pos:pos + 1])
         step = engine.model.forward(ids[pos:pos + 1], pos, cache, seq)
         assert torch.allclose(step, prefill.logits[pos], atol=1e-4 * prefill.logits.abs().max()), pos
-    if engine.model.native_kernels and quant_matvec() is not None:  # qkv, dense, fc+gate, proj of each layer and step
-        assert quant_matvec.cache_info().hits - calls >= 4 * engine.config.num_hidden_layers * (len(ids) - 1)
+    c = engine.config
+    if engine.model.native_kernels and decode_step(torch.float32, c.head_size,
+                                                   c.num_attention_heads // c.num_key_value_heads) is not None:
+        assert decode_step.cache_info().hits - calls >= len(ids) - 1  # each step fused

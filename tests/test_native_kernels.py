@@ -1,4 +1,5 @@
 """The native decode kernels compute what the torch path computes, and fall back cleanly without a compiler."""
+import dataclasses
 import math
 import shutil
 
@@ -210,3 +211,53 @@ def test_an_fp16_lm_head_is_read_as_fp16_with_the_same_logits(tiny_engine_dir):
         model.forward(prompt, 0, cache, seq)
         steps.append(model.forward([4], len(prompt), cache, seq))  # a one-token step: on the kernels
     assert torch.equal(steps[0], steps[1])
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "int8", "int8-separate"])
+@pytest.mark.parametrize("weights", ["fp32", "fp16 + qkv bias"])
+def test_fused_decode_step_equals_the_step_layer_by_layer(tiny_engine_dir, tiny_engine, mode, weights):
+    """decode_step.c stores what the per-layer step stores (fp32 and fp16 to rounding, int8 codes within one step
+    of each other) and gives its logits, for each element type, weight dtype and a qkv bias."""
+    config, tensors = load_checkpoint(EngineFolder(tiny_engine_dir).checkpoint)
+    if weights != "fp32":
+        gen = torch.Generator().manual_seed(3)
+        tensors = {name: t.half() if name.endswith("weight") and "norm" not in name else t
+                   for name, t in tensors.items()}
+        tensors.update({f"transformer.layers.{i}.attention.qkv.bias": torch.randn(256, generator=gen) / 10
+                        for i in range(config.num_hidden_layers)})
+        config = dataclasses.replace(config, qkv_bias=True)
+    model = Transformer(config, tensors)
+    prompt, steps = [1, 5, 9, 2, 7, 3, 8, 4], 6
+    runs = []
+    for fused in (True, False):
+        cache = tiny_engine.new_cache(tiny_engine.kv_cache_config(mode, 1 << 20, tokens_per_block=4))
+        if not fused:
+            cache.storage.static_pools = lambda: None  # the per-layer step (same kernels for its linear ops)
+        seq = Sequence()
+        cache.allocate(seq, prompt)
+        logits, out = model.forward(prompt, 0, cache, seq), []
+        for position in range(len(prompt), len(prompt) + steps):
+            token = int(logits.argmax())
+            cache.append(seq, [token])
+            logits = model.forward([token], position, cache, seq)
+            out.append(logits)
+        slots = cache.slots(seq, len(prompt), len(prompt) + steps)
+        stored = [pool.flatten(1, 2)[:, slots].float() for pool in (cache.storage.k_data, cache.storage.v_data)]
+        runs.append((torch.stack(out), stored))
+    (fused_logits, fused_kv), (layered_logits, layered_kv) = runs
+    assert model._step_weights is not None
+    assert torch.allclose(fused_logits, layered_logits, atol=2e-3 * layered_logits.abs().max())
+    for got, want in zip(fused_kv, layered_kv):
+        if mode.startswith("int8"):
+            assert (got - want).abs().max() <= 1 and (got == want).float().mean() > 0.99
+        else:
+            assert torch.allclose(got, want, rtol=2e-3, atol=1e-5)
+
+
+def test_fused_decode_step_rejects_another_models_pools(tiny_engine):
+    kernel = native_kernels.decode_step(torch.int8, 16, 2)
+    pools = native_kernels.StaticPools(torch.zeros(3, 2, 4, 2, 32, dtype=torch.int8),
+                                       torch.zeros(3, 2, 4, 2, 32, dtype=torch.int8), torch.ones(3), torch.ones(3))
+    with pytest.raises(ValueError, match="head size 16"):
+        kernel(tiny_engine.model._step_weights, torch.zeros(128), 1e-5, torch.zeros(32), torch.zeros(32), pools,
+               torch.arange(2), 0, 1)

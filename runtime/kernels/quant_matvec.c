@@ -121,7 +121,7 @@ static void int4_rows(const int8_t *restrict packed, const float *restrict scale
     }
 }
 
-static void add_bias(const float *restrict bias, float *restrict y, int64_t rows)
+static void add_row_bias(const float *restrict bias, float *restrict y, int64_t rows)
 {
     if (bias)
         for (int64_t r = 0; r < rows; r++) y[r] += bias[r];
@@ -136,7 +136,7 @@ void matvec_int8(const int8_t *restrict w, const float *restrict scale, const fl
     else
 #endif
         int8_rows(w, scale, x, y, rows, cols);
-    add_bias(bias, y, rows);
+    add_row_bias(bias, y, rows);
 }
 
 void matvec_int4(const int8_t *restrict packed, const float *restrict scale, const float *restrict x,
@@ -148,5 +148,5 @@ void matvec_int4(const int8_t *restrict packed, const float *restrict scale, con
     else
 #endif
         int4_rows(packed, scale, x, y, rows, cols, group);
-    add_bias(bias, y, rows);
+    add_row_bias(bias, y, rows);
 }

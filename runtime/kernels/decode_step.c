@@ -1,0 +1,134 @@
+/* One decode step of one sequence through every layer in a single call: the one-token path of
+ * runtime/model.py (Transformer.step), with no Python or torch work between the layer's parts.
+ *
+ * Per layer: RMS norm, the qkv product, RoPE (GPT-NeoX halves) on the query and key heads, the new
+ * token's K and V stored at its slot of the layer's pools (int8: round(x / scale) clamped to +-127 as
+ * runtime/kv_quant.py does; fp16: rounded to nearest even; fp32 as is), attention over the sequence's
+ * blocks (decode_attention.c, the new token included), the dense product added to the residual, RMS
+ * norm, silu(fc) * gate, and the proj product added to the residual. Each linear op is one of the
+ * formats of runtime/quant_linear.py, run by the kernels of matvec.c and quant_matvec.c.
+ *
+ * Compiled per element type, head size and group like decode_attention.c (-DELEMENT, -DHEAD_SIZE,
+ * -DGROUP, -DHALF_ELEMENTS), which it includes with the linear kernels, so one library holds the step.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "decode_attention.c"
+#include "matvec.c"
+#include "quant_matvec.c"
+
+enum { WEIGHTS_FP32 = 0, WEIGHTS_FP16 = 1, WEIGHTS_INT8 = 2, WEIGHTS_INT4 = 3 };
+
+/* One linear op, y = W x + b; int4: W is packed (rows / 2, cols) and x is multiplied by prequant first. */
+typedef struct {
+    int64_t format, rows, cols, group;
+    const void *weight;
+    const float *scale, *prequant, *bias;
+} LinearOp;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    LinearOp qkv, dense, fc, gate, proj;
+} LayerWeights;
+
+static void run_linear(const LinearOp *op, const float *x, float *y, float *scaled_x)
+{
+    switch (op->format) {
+    case WEIGHTS_FP32:
+        matvec(op->weight, x, op->bias, y, 1, op->rows, op->cols);
+        break;
+    case WEIGHTS_FP16:
+        matvec_half(op->weight, x, op->bias, y, 1, op->rows, op->cols);
+        break;
+    case WEIGHTS_INT8:
+        matvec_int8(op->weight, op->scale, x, op->bias, y, op->rows, op->cols);
+        break;
+    default:
+        for (int64_t i = 0; i < op->cols; i++) scaled_x[i] = x[i] * op->prequant[i];
+        matvec_int4(op->weight, op->scale, scaled_x, op->bias, y, op->rows, op->cols, op->group);
+    }
+}
+
+static void rms_norm(const float *restrict x, const float *restrict weight, float eps, int64_t n, float *restrict out)
+{
+    float sum = 0.0f;
+    #pragma omp simd reduction(+:sum)
+    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    const float inverse = 1.0f / sqrtf(sum / (float)n + eps);
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inverse * weight[i];
+}
+
+/* Rotates each head of x (heads, HEAD_SIZE) in place: x * cos + (-x[half:], x[:half]) * sin. */
+static void rope(float *restrict x, const float *restrict cos, const float *restrict sin, int64_t heads)
+{
+    const int half = HEAD_SIZE / 2;
+    for (int64_t h = 0; h < heads; h++, x += HEAD_SIZE) {
+        for (int i = 0; i < half; i++) {
+            const float a = x[i], b = x[i + half];
+            x[i] = a * cos[i] - b * sin[i];
+            x[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+/* The new token's K or V (n values) into its slot, in the pool's element type. */
+static void store(ELEMENT *restrict slot, const float *restrict x, int64_t n, float scale)
+{
+    for (int64_t i = 0; i < n; i++) {
+#if defined(HALF_ELEMENTS)
+        slot[i] = float_to_half(x[i]);
+        (void)scale;
+#elif defined(INT8_ELEMENTS)
+        const float q = nearbyintf(x[i] / scale);
+        slot[i] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
+#else
+        slot[i] = x[i];
+        (void)scale;
+#endif
+    }
+}
+
+/* x (hidden,): the token's embedding in, its last hidden state out. k_pools / v_pools: (layers, blocks,
+ * tokens_per_block, kv_heads, HEAD_SIZE); k_scales / v_scales: each layer's static INT8 scales (1 for float
+ * pools); cos / sin: the RoPE rows of the token's position; slot: its flat slot in a layer's pool;
+ * num_tokens: the sequence's tokens, this one included. Returns 0, or -1 (nothing done) when the work buffers
+ * cannot be allocated. */
+int decode_step(const LayerWeights *layers, int64_t num_layers, float *x, int64_t hidden, int64_t kv_heads,
+                int64_t intermediate, float eps, const float *cos, const float *sin, ELEMENT *k_pools,
+                ELEMENT *v_pools, int64_t layer_elements, const float *k_scales, const float *v_scales,
+                const int64_t *block_table, int64_t slot, int64_t num_tokens, int64_t tokens_per_block)
+{
+    const int64_t heads = kv_heads * GROUP, q_size = heads * HEAD_SIZE, kv_size = kv_heads * HEAD_SIZE;
+    const int64_t widest = hidden > intermediate ? hidden : intermediate;
+    float *work = malloc(sizeof(float) * (2 * hidden + (q_size + 2 * kv_size) + q_size + 2 * intermediate + widest
+                                          + heads * num_tokens));
+    if (!work) return -1;
+    float *h = work, *qkv = h + hidden, *attended = qkv + q_size + 2 * kv_size, *fc = attended + q_size;
+    float *gate = fc + intermediate, *branch = gate + intermediate, *scaled_x = branch + hidden;
+    float *scores = scaled_x + widest;
+    const float inverse_sqrt = 1.0f / sqrtf((float)HEAD_SIZE);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const LayerWeights *layer = layers + l;
+        ELEMENT *k_pool = k_pools + l * layer_elements, *v_pool = v_pools + l * layer_elements;
+        rms_norm(x, layer->input_norm, eps, hidden, h);
+        run_linear(&layer->qkv, h, qkv, scaled_x);
+        rope(qkv, cos, sin, heads + kv_heads);
+        store(k_pool + slot * kv_size, qkv + q_size, kv_size, k_scales[l]);
+        store(v_pool + slot * kv_size, qkv + q_size + kv_size, kv_size, v_scales[l]);
+        decode_attention(qkv, k_pool, v_pool, NULL, NULL, block_table, num_tokens, tokens_per_block, kv_heads,
+                         k_scales[l] * inverse_sqrt, v_scales[l], scores, attended);
+        run_linear(&layer->dense, attended, branch, scaled_x);
+        for (int64_t i = 0; i < hidden; i++) x[i] += branch[i];
+        rms_norm(x, layer->post_norm, eps, hidden, h);
+        run_linear(&layer->fc, h, fc, scaled_x);
+        run_linear(&layer->gate, h, gate, scaled_x);
+        for (int64_t i = 0; i < intermediate; i++) fc[i] = fc[i] / (1.0f + expf(-fc[i])) * gate[i];
+        run_linear(&layer->proj, fc, branch, scaled_x);
+        for (int64_t i = 0; i < hidden; i++) x[i] += branch[i];
+    }
+    free(work);
+    return 0;
+}
