@@ -7,20 +7,20 @@ outputs (the new rows), the runtime's host copy of the window, its paged cache h
 window's tokens, in whole blocks), and the prompt and token graphs' activations. The chunk is the target's
 ``default_chunk`` (halved until something fits); the context is the largest multiple of the cache's block size,
 up to the model's context, that fits the memory left after the weights, and, where the target bounds one
-graph (``graph_memory_gib``), whose prompt graph with fp16 weights stays under that bound.
+graph (``graph_memory_gib``), whose prompt graph with the NPU's copy of the weights (fp16 floats; W8A16 linear
+layers in int8 with their scales) stays under that bound.
 """
 from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
 
-from builders.memory_model import activation_bytes, blocks_for, kv_bytes_per_token, parameter_count
+from builders.memory_model import activation_bytes, blocks_for, kv_bytes_per_token, weights_bytes
 from builders.targets import GIB, Backend, Target
 from runtime.checkpoint import ModelConfig
 
 ENGINE_PLACEHOLDER = "ENGINE_DIR"  # the engine folder cabin-build wrote, when the plan does not know it
 GRAPHS_PLACEHOLDER = "GRAPHS_DIR"
-_NPU_WEIGHT_BYTES = 2  # an NPU that computes float graphs holds their weights in fp16
 _WINDOW_COPIES = 4  # each window token's K/V: in both graphs' inputs, the host window and the paged cache
 
 
@@ -37,7 +37,7 @@ class GraphPlan:
     window_bytes: int  # the runtime's host copy of the window
     cache_bytes: int  # the runtime's paged cache holding the dialogue in host memory (cabin-chat --kv-budget-mb)
     activation_bytes: int  # the prompt and token graphs' activations
-    npu_graph_bytes: int | None  # the prompt graph on an NPU that computes float graphs: fp16 weights, window,
+    npu_graph_bytes: int | None  # the prompt graph on an NPU that computes float graphs: its weights, window,
     # activations (None: the NPU computes no float graphs)
 
     @property
@@ -69,8 +69,9 @@ class GraphPlan:
                 "command": self.export_command(), "chat_command": self.chat_command()}
 
 
-def graph_plan(config: ModelConfig, target: Target, kv_dtype: str, context: int, chunk: int) -> GraphPlan:
-    """What graphs of this window and chunk take on the target."""
+def graph_plan(config: ModelConfig, target: Target, kv_dtype: str, context: int, chunk: int,
+               weights: str = "fp16") -> GraphPlan:
+    """What graphs of this window and chunk, over ``weights`` (a weight format), take on the target."""
     tpb = target.tokens_per_block
     per_token = kv_bytes_per_token(config, kv_dtype, tpb)  # the graphs pass K/V in the cache's element type
     prompt = activation_bytes(config, chunk, context, 1, Backend.ONNX)
@@ -80,7 +81,8 @@ def graph_plan(config: ModelConfig, target: Target, kv_dtype: str, context: int,
         kv_io_bytes=((_WINDOW_COPIES - 2) * context + chunk + 1) * per_token, window_bytes=context * per_token,
         cache_bytes=blocks_for(context, tpb) * tpb * per_token,
         activation_bytes=prompt + activation_bytes(config, 1, context, 1, Backend.ONNX),
-        npu_graph_bytes=npu_weight_bytes(config) + (context + chunk) * per_token + prompt if target.npu.float16
+        npu_graph_bytes=npu_weight_bytes(config, weights) + (context + chunk) * per_token + prompt
+        if target.npu.float16
         else None)
 
 
@@ -95,14 +97,16 @@ def graph_limit(target: Target) -> int | None:
     return int(npu.graph_memory_gib * GIB) if npu.float16 and npu.graph_memory_gib else None
 
 
-def npu_weight_bytes(config: ModelConfig) -> int:
-    """The weights as an NPU that computes float graphs holds them (fp16)."""
-    return parameter_count(config) * _NPU_WEIGHT_BYTES
+def npu_weight_bytes(config: ModelConfig, weights: str = "fp16") -> int:
+    """The weights as an NPU that computes float graphs holds them: float tensors in fp16, W8A16 linear layers
+    as their int8 tensors and scales."""
+    return weights_bytes(config, weights)
 
 
-def size_graphs(config: ModelConfig, target: Target, kv_dtype: str, budget: int) -> GraphPlan | None:
+def size_graphs(config: ModelConfig, target: Target, kv_dtype: str, budget: int,
+                weights: str = "fp16") -> GraphPlan | None:
     """The largest window with the largest chunk (the target's default, halved as needed) that fits ``budget``
-    bytes and the target's bound on one graph; None when not even a window of one chunk fits."""
+    bytes and the target's bound on one graph over ``weights``; None when not even a window of one chunk fits."""
     tpb, model_context, limit = target.tokens_per_block, config.max_position_embeddings, graph_limit(target)
 
     def fits(plan: GraphPlan) -> bool:
@@ -111,11 +115,11 @@ def size_graphs(config: ModelConfig, target: Target, kv_dtype: str, budget: int)
     chunk = min(target.npu.default_chunk, model_context)
     while chunk >= 1:
         low, high = -(-chunk // tpb), model_context // tpb  # windows in whole blocks, at least one chunk
-        if low <= high and fits(graph_plan(config, target, kv_dtype, low * tpb, chunk)):
+        if low <= high and fits(graph_plan(config, target, kv_dtype, low * tpb, chunk, weights)):
             while low < high:
                 middle = (low + high + 1) // 2
-                low, high = (middle, high) if fits(graph_plan(config, target, kv_dtype, middle * tpb, chunk)) \
+                low, high = (middle, high) if fits(graph_plan(config, target, kv_dtype, middle * tpb, chunk, weights)) \
                     else (low, middle - 1)
-            return graph_plan(config, target, kv_dtype, low * tpb, chunk)
+            return graph_plan(config, target, kv_dtype, low * tpb, chunk, weights)
         chunk //= 2
     return None

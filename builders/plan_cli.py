@@ -75,8 +75,9 @@ def format_table(plan: Plan) -> str:
             lines.append(f"{kv.kv_dtype} KV: {kv.graphs.export_command()}")
             lines.append(f"  then on the board: {kv.graphs.chat_command()}")
     if t.backend is Backend.ONNX and any(kv.graphs for kv in plan.kv.values()):
-        lines.append(f"{ENGINE_PLACEHOLDER}: the folder cabin-build --target {t.name} writes; {GRAPHS_PLACEHOLDER}: "
-                     "where the graphs go")
+        weights = f" --weights {plan.request.weights}" if plan.request.weights != "fp16" else ""
+        lines.append(f"{ENGINE_PLACEHOLDER}: the folder cabin-build --target {t.name}{weights} writes; "
+                     f"{GRAPHS_PLACEHOLDER}: where the graphs go")
     return "\n".join(lines)
 
 

@@ -121,11 +121,12 @@ class Plan:
                     f"{t.memory_gib} GiB less OS {t.os_reserve_gib} GiB, co-resident models "
                     f"{self.co_resident_bytes / GIB:.2f} GiB and runtime {t.runtime_overhead_gib} GiB leaves "
                     f"{(self.budget_bytes + self.weights_bytes) / GIB:.2f} GiB")
-        if t.npu and (limit := graph_limit(t)) and npu_weight_bytes(self.config) > limit:
-            return (f"{npu_weight_bytes(self.config) / GIB:.2f} GiB of fp16 weights exceed the "
-                    f"{t.npu.graph_memory_gib} GiB one graph may hold on {t.name}'s NPU (graph_memory_gib, an "
-                    "estimate): a model this size needs its graphs split across NPU sessions, which cabin-export "
-                    "does not do; choose a smaller model")
+        if t.npu and (limit := graph_limit(t)) and npu_weight_bytes(self.config, req.weights) > limit:
+            weights = npu_weight_bytes(self.config, req.weights)
+            return (f"{weights / GIB:.2f} GiB of {req.weights} weights exceed the {t.npu.graph_memory_gib} GiB one "
+                    f"graph may hold on {t.name}'s NPU (graph_memory_gib, an estimate): a model this size needs its "
+                    "graphs split across NPU sessions, which cabin-export does not do; choose lighter weights or a "
+                    "smaller model")
         if not any(kv.fits for kv in self.kv.values()):
             best = max(self.kv.values(), key=lambda kv: kv.max_kv_tokens)
             return (f"after {self.weights_bytes / GIB:.2f} GiB of weights the KV pool on {t.name} holds "
@@ -192,7 +193,7 @@ def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPI
     weights = weights_bytes(config, request.weights, t.weights_in_memory)
     plan = Plan(request, config, turn, co_resident, weights, {})
     dtypes = [request.kv_dtype] if request.kv_dtype in t.kv_dtypes else list(t.kv_dtypes)
-    plan.kv = {dtype: size_kv(config, t, dtype, plan.budget_bytes, turn) for dtype in dtypes}
+    plan.kv = {dtype: size_kv(config, t, dtype, plan.budget_bytes, turn, request.weights) for dtype in dtypes}
     plan.warnings = plan_warnings(plan)
     return plan
 
@@ -206,10 +207,12 @@ def working_plan(request: PlanRequest, config: ModelConfig) -> Plan:
     return plan
 
 
-def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, turn: TurnTokens) -> KVPlan:
-    """Engine limits for one KV dtype within ``budget`` bytes for activations and the KV pool."""
+def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, turn: TurnTokens,
+            weights: str = "fp16") -> KVPlan:
+    """Engine limits for one KV dtype within ``budget`` bytes for activations and the KV pool (``weights``: the
+    weight format, which an ONNX target's NPU graphs hold)."""
     if target.backend is Backend.ONNX:
-        return size_onnx(config, target, kv_dtype, budget, turn)
+        return size_onnx(config, target, kv_dtype, budget, turn, weights)
     tpb = target.tokens_per_block
     per_token = kv_bytes_per_token(config, kv_dtype, tpb)
     paged_fmha = not (target.backend is Backend.TENSORRT and not kv_mode(kv_dtype).trtllm_paged_context_fmha)
@@ -251,11 +254,12 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
     )
 
 
-def size_onnx(config: ModelConfig, target: Target, kv_dtype: str, budget: int, turn: TurnTokens) -> KVPlan:
+def size_onnx(config: ModelConfig, target: Target, kv_dtype: str, budget: int, turn: TurnTokens,
+              weights: str) -> KVPlan:
     """The graphs' window and chunk for one KV dtype on an ONNX target (builders.graph_plan), as KV limits."""
     tpb = target.tokens_per_block
     per_token = kv_bytes_per_token(config, kv_dtype, tpb)
-    graphs = size_graphs(config, target, kv_dtype, budget)
+    graphs = size_graphs(config, target, kv_dtype, budget, weights)
     seq, chunk = (graphs.context, graphs.chunk) if graphs else (0, 0)
     turns = max((seq - turn.system) // turn.per_turn, 0)
     fits = graphs is not None and turns >= MIN_TURNS
@@ -330,13 +334,15 @@ def plan_warnings(plan: Plan) -> list[str]:
 def onnx_warnings(plan: Plan) -> list[str]:
     """What an ONNX target's plan counts and what it costs, with numbers."""
     t, config, out = plan.target, plan.config, []
-    out.append(f"the graphs carry fp32 weights (weights.bin, {plan.weights_bytes / GIB:.2f} GiB, counted)"
-               + (f"; {t.name}'s NPU holds its own fp16 copy ({npu_weight_bytes(config) / GIB:.2f} GiB, not "
+    weights = plan.request.weights
+    carried = "fp32 weights" if weights == "fp16" else f"{weights} linear layers and fp32 other weights"
+    out.append(f"the graphs carry {carried} (weights.bin, {plan.weights_bytes / GIB:.2f} GiB, counted)"
+               + (f"; {t.name}'s NPU holds its own copy ({npu_weight_bytes(config, weights) / GIB:.2f} GiB, not "
                   "counted: measure it)" if t.npu.float16 else ""))
     if not t.npu.float16:
         out.append(f"{t.name}'s NPU computes no float graphs: expect ONNX Runtime to run the graphs' float ops "
-                   "(all but the KV QuantizeLinear/DequantizeLinear) on the CPU; the export has no quantized "
-                   "weights or activations yet")
+                   "(all but the QuantizeLinear/DequantizeLinear of the KV and int8 weights) on the CPU; the export "
+                   "has no quantized activations yet")
     fitting = [kv for kv in plan.kv.values() if kv.graphs]
     for kv in plan.kv.values():
         if not kv.fits:
@@ -365,7 +371,8 @@ def nearest_working(request: PlanRequest, config: ModelConfig, targets: dict[str
     """
     here = request.target
     lighter = [w for w in weight_formats if w in here.weight_formats]
-    lighter = lighter[lighter.index(request.weights) + 1:] if request.weights in lighter else lighter
+    # lighter weights than asked; weights the target lacks: the lightest it has first
+    lighter = lighter[lighter.index(request.weights) + 1:] if request.weights in lighter else lighter[::-1]
     kv_here = request.kv_dtype if request.kv_dtype in here.kv_dtypes else None
     if request.kv_dtype and kv_here is None:  # the same-size dtype this target has (fp8 <-> int8), else the smallest
         kv_here = min(here.kv_dtypes, key=lambda d: (kv_bytes_per_token(config, d, here.tokens_per_block),

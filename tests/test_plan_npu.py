@@ -8,10 +8,12 @@ import json
 from dataclasses import replace
 
 import pytest
+from conftest import TINY_ENGINE_SHAPE
 
 from builders.engine_build import GRAPHS_SUFFIX, BuildRequest, build_engine
 from builders.export_cli import export_request, main as cabin_export, parse_args as export_args
-from builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER, graph_plan
+from builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER, graph_plan, npu_weight_bytes
+from builders.memory_model import weights_bytes
 from builders.plan_cli import main as cabin_plan
 from builders.planner import MIN_TURNS, PlanRequest, make_plan
 from builders.targets import GIB, Backend, TargetError, get_target, load_targets
@@ -96,10 +98,29 @@ def test_sa8295p_has_no_fp16_on_its_npu(capsys, tiny_model):
     assert any("computes no float graphs" in w and "on the CPU" in w for w in plan["warnings"])
 
 
-def test_refuses_weight_formats_the_export_does_not_write(capsys, tiny_model):
-    code, out = run_plan(capsys, "--model", str(tiny_model), "--target", "sa8775p-36gb", "--weights", "int8")
-    assert code == 2 and "int8 weights are not available on sa8775p-36gb; it takes fp16" in out["refused"]["reason"]
-    assert out["refused"]["nearest"]["weights"] == "fp16"
+def test_refuses_weight_formats_the_export_does_not_write(capsys, tmp_path):
+    model = write_tiny_llama(tmp_path / "model", **TINY_ENGINE_SHAPE)  # inputs AWQ's groups of 64 divide
+    code, out = run_plan(capsys, "--model", str(model), "--target", "sa8775p-36gb", "--weights", "int4-awq")
+    assert code == 2 and "int4-awq weights are not available on sa8775p-36gb; it takes fp16, int8" in \
+        out["refused"]["reason"]
+    assert out["refused"]["nearest"]["weights"] == "int8"
+
+
+def test_int8_weights_plan_what_the_export_writes_and_fit_a_tighter_graph_bound(capsys, tiny_model):
+    """W8A16 graphs: weights.bin with int8 linear layers counted, the NPU's copy of them int8 (+ scales), so a graph
+    bound that refuses fp16 weights takes int8 ones."""
+    config, base = load_model_config(str(tiny_model)), get_target("sa8775p-36gb")
+    code, plan = run_plan(capsys, "--model", str(tiny_model), "--target", "sa8775p-36gb", "--weights", "int8")
+    assert code == 0 and plan["weights_bytes"] == weights_bytes(config, "int8", "fp32") < 4 * plan["model"]["parameters"]
+    assert any("int8 linear layers and fp32 other weights" in w for w in plan["warnings"])
+    graphs = {w: make_plan(PlanRequest("tiny", base, weights=w, kv_dtype="int8"), config).kv["int8"].graphs
+              for w in ("fp16", "int8")}
+    saved = npu_weight_bytes(config, "fp16") - npu_weight_bytes(config, "int8")
+    assert saved > 0 and graphs["fp16"].npu_graph_bytes - graphs["int8"].npu_graph_bytes == saved
+    bound = replace(base, npu=replace(base.npu, graph_memory_gib=graphs["int8"].npu_graph_bytes / GIB))
+    bounded = {w: make_plan(PlanRequest("tiny", bound, weights=w, kv_dtype="int8"), config) for w in ("fp16", "int8")}
+    assert bounded["int8"].kv["int8"].graphs.context == graphs["int8"].context
+    assert bounded["fp16"].refusal() or bounded["fp16"].kv["int8"].max_seq_len < graphs["int8"].context
 
 
 def test_a_tight_budget_shrinks_the_window_then_the_chunk(tiny_model):
@@ -133,10 +154,12 @@ def test_tensorrt_plans_have_no_export_section(capsys, tiny_model):
     assert "cabin_export" not in plan and plan["trtllm_build_args"]["int8"]
 
 
-def test_cabin_build_for_an_npu_target_records_the_export_step(tiny_model, tmp_path, capsys):
+@pytest.mark.parametrize("weights", ["fp16", "int8"])
+def test_cabin_build_for_an_npu_target_records_the_export_step(tiny_model, tmp_path, capsys, weights):
     out = tmp_path / "e"
     logged = []
-    build_engine(BuildRequest(str(tiny_model), out, "int8", target="sa8775p-36gb"), log=logged.append)
+    build_engine(BuildRequest(str(tiny_model), out, "int8", target="sa8775p-36gb", weights=weights),
+                 log=logged.append)
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     step, planned = manifest["device_step"], manifest["plan"]["cabin_export"]["int8"]
     assert manifest["backend"] == "reference" and step["status"] == "pending"
@@ -149,6 +172,7 @@ def test_cabin_build_for_an_npu_target_records_the_export_step(tiny_model, tmp_p
     assert cabin_export([*step["command"][1:]]) == 0  # the recorded command exports what was planned
     graphs = json.loads((tmp_path / f"e{GRAPHS_SUFFIX}" / MANIFEST_FILE).read_text())
     assert (graphs["context"], graphs["chunk"], graphs["kv_cache"]) == (planned["context"], planned["chunk"], "int8")
+    assert graphs["weight_format"]["name"] == weights
 
 
 def test_cabin_export_takes_the_plan_from_target_and_flags_win(tiny_engine_dir, tmp_path):
