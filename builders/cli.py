@@ -40,8 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calibrate", metavar="DATA", help="calibrate KV scales now on dialogues: builtin "
                         "(cockpit set), sharegpt, or a .jsonl / ShareGPT .json file (instead of --scales)")
     parser.add_argument("--equalize", action=argparse.BooleanOptionalAction, default=False,
-                        help="fold KV equalization factors from the calibrated per-channel ranges into the "
-                             "weights (default off)")
+                        help="fold KV equalization into the weights: factors from the calibrated per-channel "
+                             "ranges, and the turn that stores the calibration data's first token's K/V exactly "
+                             "(default off)")
     parser.add_argument("--reserve-gb", type=reserve_gib,
                         help="GiB held for co-resident models; default: the profile's")
     parser.add_argument("--dtype", default="float16", choices=("float16", "float32"),

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from calibration.calibrate import CalibrationRequest, calibrate
-from calibration.equalize import equalize as fold, equalized_ranges
+from calibration.equalize import FIRST_TOKEN, equalize as fold, equalized_ranges
 from calibration.quick_scales import SAMPLES_FILE, quick_kv_scales
 from runtime.checkpoint import ModelConfig
 from runtime.engine_folder import EngineFolder
@@ -113,8 +113,9 @@ def calibrated_scales(data: str, config: ModelConfig, weights: dict[str, torch.T
 
 def equalized(found: ScalesFile, config: ModelConfig, weights: dict[str, torch.Tensor], source: str,
               out: Path) -> BuildScales:
-    """Weights with the equalization factors of ``found.ranges`` folded in, and the scales that fit them."""
-    new_weights, scales = fold(config, weights, found.ranges)
+    """Weights with the equalization of ``found.ranges`` (and of its first token, calibration.equalize) folded in,
+    and the scales that fit them."""
+    new_weights, scales = fold(config, weights, found.ranges, first_token=found.data.get(FIRST_TOKEN))
     method = f"{found.method}+equalized"
     save_scales(out, scales, found.fingerprint, method, found.data, equalized_ranges(found.ranges), equalized=True)
     return BuildScales(scales, new_weights, method, source, True)

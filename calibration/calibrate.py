@@ -5,7 +5,8 @@ stitched under one system prompt, calibration.sessions) and, unless ``mix`` is `
 dialogue of its train split. One more session or dialogue per source, never in the statistics, is the
 validation part that the ``kl`` method chooses clips on (calibration.clip_search). The held-out split of
 the same sources grades the scales the run wrote (KL, top-1, perplexity change of the shared, equalized
-and dynamic modes), so the report says how good they are without a second command.
+and dynamic modes), so the report says how good they are without a second command. The token every sequence
+starts with is recorded (``first_token``), for equalization to store its K and V exactly (calibration.equalize).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from calibration.clip_search import SEARCH_METHOD, CandidateScore, choose_clips
 from calibration.dialogues import DataError
+from calibration.equalize import FIRST_TOKEN
 from calibration.evaluate import ModeResult, evaluate
 from calibration.scales import DEFAULT_PERCENTILE, METHODS, LayerClips, compute_clips, layer_ranges
 from calibration.selection import TokenizedDialogue, prepare_dialogues
@@ -122,6 +124,12 @@ def _data_summary(parts: list[_Part], context: int) -> dict:
     return summary
 
 
+def common_first_token(dialogues: list[TokenizedDialogue]) -> int | None:
+    """The token every dialogue starts with (the chat template's first), or None when they differ."""
+    firsts = {d.token_ids[0] for d in dialogues}
+    return firsts.pop() if len(firsts) == 1 else None
+
+
 def short_coverage_warning(data: dict) -> str | None:
     """A warning when the scales saw positions covering much less than the engine's context, else None."""
     positions = data.get("positions")
@@ -142,10 +150,13 @@ def calibrate(model: LoadedModel, request: CalibrationRequest, progress: bool = 
     parts = _parts(model, request, "train", 1 if search else 0)
     summary = _data_summary(parts, model.config.max_position_embeddings)
     stats = collect_stats(model.transformer(), [d for p in parts for d in p.stats], progress=progress)
+    first_token = common_first_token([d for p in parts for d in p.stats + p.validation])
+    if first_token is not None:
+        summary[FIRST_TOKEN] = first_token
     candidates: list[CandidateScore] = []
     if search:
         rule, clips, candidates = choose_clips(model, stats, [d for p in parts for d in p.validation],
-                                               progress=progress)
+                                               progress=progress, first_token=first_token)
         method = f"{SEARCH_METHOD}:{rule.name}"
         summary["clip_search"] = [asdict(c) for c in candidates]
     else:

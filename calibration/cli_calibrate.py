@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--method", default=SEARCH_METHOD, choices=CALIBRATION_METHODS,
                         help="how clips are chosen: 'kl' tries the clip rules "
                              f"{', '.join(r.name for r in CANDIDATES)} (per channel; x: headroom above the abs-max) "
-                             "and keeps the one with the least next-token KL of int8-shared-eq against full "
+                             "and keeps the one with the least next-token KL of int8-shared-eq (equalized, the first "
+                             "token's K/V stored exactly; the file records that token) against full "
                              "precision on a validation part of the data; 'max', 'percentile' and 'mse' "
                              "(least per-tensor INT8 error) read the clip from the statistics alone (default kl)")
     parser.add_argument("--percentile", type=float_range(0, 100), default=DEFAULT_PERCENTILE,

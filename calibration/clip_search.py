@@ -70,9 +70,10 @@ def reference_logprobs(model: Transformer, dialogues: list[TokenizedDialogue]) -
 
 
 def score_clips(model: LoadedModel, stats: KVStats, clips: LayerClips, dialogues: list[TokenizedDialogue],
-                references: list[torch.Tensor]) -> Totals:
-    """KL and top-1 sums of int8-shared-eq with these clips over the validation dialogues."""
-    weights, scales = equalize(model.config, model.weights, layer_ranges(stats, clips))
+                references: list[torch.Tensor], first_token: int | None = None) -> Totals:
+    """KL and top-1 sums of int8-shared-eq with these clips over the validation dialogues (``first_token``: the
+    token equalization puts on the grid, calibration.equalize)."""
+    weights, scales = equalize(model.config, model.weights, layer_ranges(stats, clips), first_token=first_token)
     equalized = Transformer(model.config, weights)
     totals = Totals()
     for dialogue, reference in zip(dialogues, references):
@@ -82,8 +83,8 @@ def score_clips(model: LoadedModel, stats: KVStats, clips: LayerClips, dialogues
 
 
 def choose_clips(model: LoadedModel, stats: KVStats, dialogues: list[TokenizedDialogue],
-                 candidates: tuple[ClipRule, ...] = CANDIDATES,
-                 progress: bool = True) -> tuple[ClipRule, LayerClips, list[CandidateScore]]:
+                 candidates: tuple[ClipRule, ...] = CANDIDATES, progress: bool = True,
+                 first_token: int | None = None) -> tuple[ClipRule, LayerClips, list[CandidateScore]]:
     """The candidate with the least validation KL (ties: the earlier one), its clips, every score.
 
     A candidate whose clips equal an earlier one's (a percentile that reaches the abs-max) takes its score.
@@ -98,7 +99,7 @@ def choose_clips(model: LoadedModel, stats: KVStats, dialogues: list[TokenizedDi
         if same:
             scored.append((same[0][0], rule, clips, same[0][3]))
             continue
-        totals = score_clips(model, stats, clips, dialogues, references)
+        totals = score_clips(model, stats, clips, dialogues, references, first_token)
         scored.append((totals.kl / totals.tokens, rule, clips, totals.agree / totals.tokens))
     best = min(range(len(scored)), key=lambda i: scored[i][0])
     scores = [CandidateScore(rule.name, kl, agree) for kl, rule, _, agree in scored]

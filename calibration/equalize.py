@@ -14,17 +14,30 @@ method, else its abs-max) to the layer's geometric mean (within [1/MAX_FACTOR,
 MAX_FACTOR]), so the shared scale quantizes like a static per-channel scale. With full-precision KV the model's outputs do not change:
 up to float rounding with exact factors, bit for bit (in fp32 and fp16 weights
 alike) with ``power_of_two`` factors, which fit the shared scale less tightly.
+
+Given the token every sequence starts with (``first_token``: the chat template's ``<|im_start|>``), its K and V
+are the same in every sequence (position 0 attends to itself only, RoPE leaves it as it is), and it is the
+attention sink: most queries read it, so its rounding error is a bias they all share, not noise that averages
+out. Equalization then also puts that token's K and V on the INT8 grid of the shared scale, so they are
+stored exactly: each RoPE pair of K is multiplied by the nearest complex number (a rotation within the pair,
+which commutes with RoPE, and a scale in [MIN_PAIR_SCALE, 1]) that lands it on integer steps, the matching
+query pair by its inverse; each KV head of V turns, in the plane of its first-token vector and the nearest
+grid point no longer than it, onto that point, the ``dense`` columns by the inverse.
 """
 from __future__ import annotations
 
 import torch
 
 from runtime.checkpoint import ModelConfig, layer_prefix
+from runtime.generate import run_tokens
 from runtime.kv_cache import KVScales
 from runtime.kv_quant import INT8_MAX
 from runtime.kv_scales import LayerRanges
+from runtime.model import Transformer
 
 MAX_FACTOR = 64.0  # bounds factors so fp16 weights neither overflow nor lose precision
+FIRST_TOKEN = "first_token"  # kv_scales.json's data key: the token every calibration sequence starts with
+MIN_PAIR_SCALE = 0.8  # a K pair moved onto the grid keeps at least this share of its range (a coarser grid costs)
 
 
 def calibrated_ranges(ranges: LayerRanges) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,14 +88,18 @@ def equalized_ranges(ranges: list[LayerRanges], power_of_two: bool = False) -> l
     return out
 
 
-def equalize(config: ModelConfig, weights: dict[str, torch.Tensor],
-             ranges: list[LayerRanges], power_of_two: bool = False) -> tuple[dict[str, torch.Tensor], KVScales]:
+def equalize(config: ModelConfig, weights: dict[str, torch.Tensor], ranges: list[LayerRanges],
+             power_of_two: bool = False, first_token: int | None = None) -> tuple[dict[str, torch.Tensor], KVScales]:
     """Weights with equalization folded into ``qkv`` and ``dense``, and the scales (amax / 127) that fit them.
 
     ``ranges`` are the calibrated per-channel K/V ranges of the original weights
     (``ScalesFile.ranges``). Tensors keep their dtype; untouched ones are shared.
     A stored ``kv_cache_scaling_factor`` is replaced by the new shared scale.
+    With ``first_token``, that token's K and V at position 0 are put on the grid of the shared scale.
     """
+    if power_of_two and first_token is not None:
+        raise ValueError("power-of-two factors keep outputs bit for bit, a first token on the grid does not: "
+                         "choose one")
     if len(ranges) != config.num_hidden_layers:
         raise ValueError(f"ranges cover {len(ranges)} layers, the model has {config.num_hidden_layers}; "
                          "calibrate this model again")
@@ -116,4 +133,89 @@ def equalize(config: ModelConfig, weights: dict[str, torch.Tensor],
         name = f"{layer_prefix(layer)}.attention.kv_cache_scaling_factor"
         if name in out:
             out[name] = torch.tensor([shared], dtype=torch.float32)
+    if first_token is not None:
+        out = align_first_token(config, out, scales.shared(), first_token)
     return out, scales
+
+
+def first_token_kv(config: ModelConfig, weights: dict[str, torch.Tensor],
+                   token: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K and V, each (kv_heads, head_size) float64, of every layer for ``token`` at position 0."""
+    run = run_tokens(Transformer(config, weights), [token])
+    return [(k[0].double(), v[0].double()) for k, v in (run.kv(layer) for layer in range(config.num_hidden_layers))]
+
+
+def pair_multipliers(k_steps: torch.Tensor) -> torch.Tensor:
+    """Complex multiplier per RoPE pair (kv_heads, head_size / 2) that puts the pair of ``k_steps`` (K in INT8 steps,
+    (kv_heads, head_size)) on integer steps, the one nearest 1 with modulus in [MIN_PAIR_SCALE, 1]; 1 where none is."""
+    half = k_steps.shape[1] // 2
+    pair = torch.complex(k_steps[:, :half], k_steps[:, half:])[..., None]
+    offsets = torch.arange(-2.0, 4.0, dtype=torch.float64)
+    real, imag = torch.broadcast_tensors((pair.real.floor() + offsets)[..., :, None],
+                                         (pair.imag.floor() + offsets)[..., None, :])
+    candidates = torch.complex(real, imag).flatten(-2) / pair
+    fits = (candidates.abs() >= MIN_PAIR_SCALE) & (candidates.abs() <= 1) & (pair.abs() > 0)
+    cost = torch.where(fits, (candidates - 1).abs(), torch.inf)
+    best = candidates.gather(-1, cost.argmin(-1, keepdim=True)).squeeze(-1)
+    return torch.where(fits.any(-1), best, torch.ones_like(best))
+
+
+def grid_rotation(v_steps: torch.Tensor) -> torch.Tensor:
+    """(head_size, head_size): a rotation in the plane of ``v_steps`` (one KV head's V in INT8 steps) and the nearest
+    grid point no longer than it, scaled to turn ``v_steps`` onto that point."""
+    point = v_steps.round()
+    if point.norm() > v_steps.norm():
+        point = v_steps.trunc()
+    eye = torch.eye(len(v_steps), dtype=torch.float64)
+    if point.norm() == 0:
+        return eye
+    u = v_steps / v_steps.norm()
+    cos = float((u @ point / point.norm()).clamp(-1, 1))
+    w = point / point.norm() - cos * u
+    if w.norm() < 1e-12:  # already along a grid direction
+        return eye * (point.norm() / v_steps.norm())
+    w = w / w.norm()
+    sin = (1 - cos * cos) ** 0.5
+    rotation = eye + (cos - 1) * (torch.outer(u, u) + torch.outer(w, w)) + sin * (torch.outer(w, u) - torch.outer(u, w))
+    return rotation * (point.norm() / v_steps.norm())
+
+
+def _mix_pairs(rows: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Rows (head_size, ...) of one head with each RoPE pair (j, j + head_size / 2) multiplied by c[j] (complex)."""
+    half = rows.shape[0] // 2
+    shape = (-1,) + (1,) * (rows.dim() - 1)
+    re, im = c.real.view(shape), c.imag.view(shape)
+    first, second = rows[:half], rows[half:]
+    return torch.cat([re * first - im * second, im * first + re * second])
+
+
+def align_first_token(config: ModelConfig, weights: dict[str, torch.Tensor], shared: list[float],
+                      token: int) -> dict[str, torch.Tensor]:
+    """Equalized weights turned so that ``token``'s K and V at position 0 fall on the INT8 grid of each layer's
+    ``shared`` scale (exact under int8 with those scales); full-precision outputs do not change."""
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_size
+    group = heads // kv_heads
+    out = dict(weights)
+    for layer, (k, v) in enumerate(first_token_kv(config, weights, token)):
+        multipliers = pair_multipliers(k / shared[layer])
+        rotations = [grid_rotation(v[g] / shared[layer]) for g in range(kv_heads)]
+        p = layer_prefix(layer)
+        for name in (f"{p}.attention.qkv.weight", f"{p}.attention.qkv.bias"):
+            if name not in out:
+                continue
+            t = out[name].double()
+            blocks = list(t.split(d))  # heads query blocks, then kv_heads K blocks, then kv_heads V blocks
+            for g in range(kv_heads):
+                c = multipliers[g]
+                blocks[heads + g] = _mix_pairs(blocks[heads + g], c)
+                for h in range(g * group, (g + 1) * group):
+                    blocks[h] = _mix_pairs(blocks[h], c / c.abs() ** 2)
+                v_rows = blocks[heads + kv_heads + g]
+                blocks[heads + kv_heads + g] = (rotations[g] @ v_rows.reshape(d, -1)).reshape(v_rows.shape)
+            out[name] = torch.cat(blocks).to(out[name].dtype)
+        dense = out[f"{p}.attention.dense.weight"]
+        columns = list(dense.double().split(d, dim=1))
+        for h in range(heads):
+            columns[h] = columns[h] @ torch.linalg.inv(rotations[h // group])
+        out[f"{p}.attention.dense.weight"] = torch.cat(columns, dim=1).to(dense.dtype)
+    return out

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from calibration.equalize import equalize
+from calibration.equalize import FIRST_TOKEN, equalize
 from calibration.selection import TokenizedDialogue
 from calibration.weight_quant import stored_bytes
 from runtime.checkpoint import ModelConfig
@@ -108,7 +108,8 @@ class ModeRunner:
 
 
 def build_runners(model: LoadedModel, modes: list[str], scales_file: ScalesFile | None) -> dict[str, ModeRunner]:
-    """A runner per mode; an equalized mode runs on weights equalized from the scales' channel ranges."""
+    """A runner per mode; an equalized mode runs on weights equalized from the scales' channel ranges (and with the
+    first token of the calibration data on the grid when the file names it)."""
     unknown = [m for m in modes if m not in EVAL_MODES]
     if unknown:
         raise ValueError(f"unknown KV mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
@@ -125,7 +126,8 @@ def build_runners(model: LoadedModel, modes: list[str], scales_file: ScalesFile 
     for name in modes:
         mode = EVAL_MODES[name]
         if mode.equalized:
-            weights, scales = equalize(model.config, model.weights, scales_file.ranges)
+            weights, scales = equalize(model.config, model.weights, scales_file.ranges,
+                                       first_token=scales_file.data.get(FIRST_TOKEN))
             runners[name] = ModeRunner(Transformer(model.config, weights), mode.kv_mode, scales)
         else:
             scales = scales_file.scales if mode.kv_mode.static_scales else None

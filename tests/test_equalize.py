@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from calibration.equalize import MAX_FACTOR, equalization_factors, equalize, equalized_ranges
+from calibration.equalize import (MAX_FACTOR, MIN_PAIR_SCALE, equalization_factors, equalize, equalized_ranges,
+                                  first_token_kv, grid_rotation, pair_multipliers)
 from calibration.scales import compute_clips, layer_ranges
 from calibration.selection import prepare_dialogues
 from calibration.stats import collect_stats
@@ -119,3 +120,39 @@ def test_equalize_rewrites_a_stored_shared_scale_and_rejects_other_models(calibr
     assert float(out[name]) == pytest.approx(scales.shared()[0])
     with pytest.raises(ValueError, match="ranges cover 2 layers"):
         equalize(config, weights, ranges[:2])
+
+
+def test_pair_multipliers_put_rope_pairs_on_integer_steps():
+    k = torch.tensor([[3.3, 10.2, 0.2, 0.4, -5.7, 0.1]], dtype=torch.float64)  # pairs (3.3, 0.4), (10.2, -5.7), (0.2, 0.1)
+    c = pair_multipliers(k)
+    moved = c * torch.complex(k[:, :3], k[:, 3:])
+    assert torch.allclose(moved[:, :2].real, moved[:, :2].real.round()) and torch.allclose(moved[:, :2].imag,
+                                                                                          moved[:, :2].imag.round())
+    assert bool(((c[:, :2].abs() >= MIN_PAIR_SCALE) & (c[:, :2].abs() <= 1 + 1e-12)).all())
+    assert c[0, 2] == 1  # no grid point within reach of a pair this small: left alone
+
+
+def test_grid_rotation_turns_a_vector_onto_the_grid_without_lengthening_it():
+    v = torch.randn(64, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 5
+    m = grid_rotation(v)
+    assert torch.allclose(m @ v, (m @ v).round(), atol=1e-9) and (m @ v).norm() <= v.norm()
+    scale = (m @ v).norm() / v.norm()
+    assert torch.allclose(m @ m.T / scale ** 2, torch.eye(64, dtype=torch.float64), atol=1e-12)
+
+
+def test_first_token_is_stored_exactly_and_full_precision_logits_stay(calibrated):
+    config, weights, ranges, _, ids = calibrated
+    reference = _logits(Transformer(config, weights), ids)
+    aligned, scales = equalize(config, weights, ranges, first_token=ids[0])
+    _, plain_scales = equalize(config, weights, ranges)
+    assert scales.shared() == plain_scales.shared()
+    # the turns add float rounding of their own: 5.2e-4 on the tiny model, 5.7e-5 on the default one
+    assert float((_logits(Transformer(config, aligned), ids) - reference).abs().max()) <= 1e-3
+    for (k, v), step in zip(first_token_kv(config, aligned, ids[0]), scales.shared()):
+        assert float((v / step - (v / step).round()).abs().max()) < 1e-3
+        half = k.shape[1] // 2
+        pairs = torch.stack([k[:, :half], k[:, half:]], dim=-1) / step
+        reachable = pairs.norm(dim=-1) >= 9  # a pair this long always has a grid point within its multiplier's reach
+        assert bool(reachable.any()) and bool(((pairs - pairs.round()).abs()[reachable] < 1e-3).all())
+    with pytest.raises(ValueError, match="choose one"):
+        equalize(config, weights, ranges, power_of_two=True, first_token=ids[0])

@@ -266,6 +266,8 @@ def test_default_calibration_chooses_clips_by_kl_and_grades_itself(tiny_engine, 
     chosen = min(searched, key=searched.get)
     assert loaded.method == f"kl:{chosen}"
     assert set(data["validation_ids"]).isdisjoint(data["ids"] + data["mixed"]["ids"])
+    tokenizer = tiny_engine.tokenizer
+    assert data["first_token"] == tokenizer.encode_prompt(tokenizer.render([{"role": "user", "content": "hi"}]))[0]
     assert set(data["grade"]) == {"fp32", "int8-shared", "int8-shared-eq", "int8-dynamic"}
     assert all(split_of(part) == "heldout" for part in data["grade_ids"][0].split("+"))
     assert 0 < data["grade"]["int8-shared-eq"]["top1_agree"] <= 1 and "held-out grade int8-shared-eq" in err
