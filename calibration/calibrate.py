@@ -11,7 +11,7 @@ starts with is recorded (``first_token``), for equalization to store its K and V
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from calibration.clip_search import SEARCH_METHOD, CandidateScore, choose_clips
@@ -155,8 +155,12 @@ def calibrate(model: LoadedModel, request: CalibrationRequest, progress: bool = 
         summary[FIRST_TOKEN] = first_token
     candidates: list[CandidateScore] = []
     if search:
-        rule, clips, candidates = choose_clips(model, stats, [d for p in parts for d in p.validation],
-                                               progress=progress, first_token=first_token)
+        rule, searched, candidates = choose_clips(model, stats, [d for p in parts for d in p.validation],
+                                                  progress=progress, first_token=first_token)
+        # the search scores the equalized mode, which reads only the channel clips; the one scale per layer of
+        # the unequalized modes is set by outliers, so it takes the percentile clip
+        clips = replace(compute_clips(stats, "percentile", request.percentile), k_channel=searched.k_channel,
+                        v_channel=searched.v_channel)
         method = f"{SEARCH_METHOD}:{rule.name}"
         summary["clip_search"] = [asdict(c) for c in candidates]
     else:

@@ -51,10 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{', '.join(r.name for r in CANDIDATES)} (per channel; x: headroom above the abs-max) "
                              "and keeps the one with the least next-token KL of int8-shared-eq (equalized, the first "
                              "token's K/V stored exactly; the file records that token) against full "
-                             "precision on a validation part of the data; 'max', 'percentile' and 'mse' "
-                             "(least per-tensor INT8 error) read the clip from the statistics alone (default kl)")
+                             "precision on a validation part of the data for the channel clips equalization uses, "
+                             "and the --percentile clip for the one scale per layer of the unequalized modes; "
+                             "'max', 'percentile' and 'mse' (least per-tensor INT8 error) read every clip from the "
+                             "statistics alone (default kl)")
     parser.add_argument("--percentile", type=float_range(0, 100), default=DEFAULT_PERCENTILE,
-                        help=f"percentile of |x| for --method percentile (default {DEFAULT_PERCENTILE})")
+                        help=f"percentile of |x| for --method percentile, and for the per-layer scales of --method "
+                             f"kl (default {DEFAULT_PERCENTILE})")
     parser.add_argument("--no-grade", dest="grade", action="store_false",
                         help="skip grading the scales on held-out dialogues of the same data")
     parser.add_argument("--seed", type=int, default=0, help="selects which dialogues are used (default 0)")

@@ -13,7 +13,10 @@ import torch
 
 from benchmarks import int8_ceiling
 from calibration import cli_calibrate, cli_eval
+from calibration.calibrate import CalibrationRequest, calibrate
+from calibration.clip_search import CANDIDATES
 from calibration.evaluate import EVAL_MODES, Totals, accumulate, evaluate, stored_bytes_per_token
+from calibration.scales import DEFAULT_PERCENTILE, compute_clips
 from calibration.selection import prepare_dialogues, split_of
 from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK
 from runtime.kv_int4 import Int4KV
@@ -275,6 +278,19 @@ def test_default_calibration_chooses_clips_by_kl_and_grades_itself(tiny_engine, 
     summary = (report / "summary.md").read_text(encoding="utf-8")
     assert f"token positions covered: 0 to {context} of the model's context of {context} (100%)" in summary
     assert f"| {chosen} (chosen) |" in summary and "| int8-dynamic |" in summary
+
+
+def test_kl_search_sets_the_channel_clips_and_the_percentile_the_per_layer_scales(tiny_engine):
+    """The search's chosen rule gives the channel clips equalization reads; the unequalized modes' one scale per
+    layer comes from the --percentile clip."""
+    result = calibrate(load_model(str(tiny_engine.folder)), CalibrationRequest(num_dialogues=1, mix="none",
+                                                                                grade=False), progress=False)
+    rule = next(r for r in CANDIDATES if result.scales_file.method == f"kl:{r.name}")
+    searched, per_layer = rule.clips(result.stats), compute_clips(result.stats, "percentile", DEFAULT_PERCENTILE)
+    assert torch.equal(result.clips.k_channel, searched.k_channel)
+    assert torch.equal(result.clips.v_channel, searched.v_channel)
+    assert (result.clips.k, result.clips.v) == (per_layer.k, per_layer.v)
+    assert result.scales_file.scales.k == per_layer.scales().k
 
 
 def test_calibration_on_short_sequences_warns(tiny_engine, tmp_path, capsys):
