@@ -403,7 +403,8 @@ def _build(name: str, defines: dict[str, int | str]) -> Path:
         raise FileNotFoundError(f"no C compiler {cc!r} on PATH")
     source = KERNEL_SOURCES / f"{name}.c"
     flags = COMPILE_FLAGS + [f"-D{key}={value}" for key, value in defines.items()]
-    key = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(KERNEL_SOURCES.iterdir())))  # they include each other
+    sources = sorted(p for p in KERNEL_SOURCES.iterdir() if p.suffix in (".c", ".h"))  # kernels include each other
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in sources))
     for part in (cc, *flags, platform.machine(), _cpu_flags()):
         key.update(part.encode())
     folder = Path(os.environ.get("CABIN_KERNEL_DIR", Path.home() / ".cache" / "cabinllm" / "kernels"))
