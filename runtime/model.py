@@ -12,7 +12,7 @@ kernels); the MLP's fc and gate
 weights are one (2 * inter, in) matrix where the format allows, applied in one call. A decode step is
 bound by reading those weights and the KV history, so a step of a few tokens runs
 on the native kernels of runtime.native_kernels: a product of the step's tokens
-with each linear layer's weights, read once (int8 / int4 weights: one-token steps, dequantized in
+with each linear layer's weights, read once (int8 / int4 weights dequantized in
 registers), and, per one-token span, attention that reads the cache's elements in their blocks (int4
 is dequantized first). Each token's row is computed exactly as it would be alone. A step of one token of
 one sequence over a cache of static scales (fp32, fp16, int8) runs every layer in one native call

@@ -3,7 +3,7 @@
 Decoding is bound by memory reads. Five kernels in runtime/kernels/ serve that case:
 - ``matvec.c``: a linear layer for the tokens of a decode step (one per sequence) over the checkpoint's
   (out, in) fp32 or fp16 weights, read once for all of them;
-- ``quant_matvec.c``: a linear layer for one token over W8A16 and W4A16-AWQ weights, dequantized in registers;
+- ``quant_matvec.c``: the same over W8A16 and W4A16-AWQ weights, dequantized in registers;
 - ``decode_attention.c``: the attention of one token straight from a paged cache of int8
   (static or per-token scales), fp16 or fp32 elements, with no gather and no converted copy of
   the history (built per element type, head size and group);
@@ -157,45 +157,48 @@ class MatVec:
 
 
 class QuantMatVec:
-    """``F.linear`` for a single token over W8A16 or W4A16-AWQ weights (runtime.quant_linear's layouts),
-    dequantized in registers."""
+    """``F.linear`` for up to ``MATVEC_MAX_TOKENS`` tokens (a decode step) over W8A16 or W4A16-AWQ weights
+    (runtime.quant_linear's layouts), dequantized in registers."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._int8 = _bind(library, "matvec_int8", [_POINTER] * 5 + [_SIZE, _SIZE])
-        self._int4 = _bind(library, "matvec_int4", [_POINTER] * 5 + [_SIZE, _SIZE, _SIZE])
+        self._int8 = _bind(library, "matvec_int8", [_POINTER] * 5 + [_SIZE, _SIZE, _SIZE])
+        self._int4 = _bind(library, "matvec_int4", [_POINTER] * 5 + [_SIZE, _SIZE, _SIZE, _SIZE])
 
     def int8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (1, in) times int8 weight (out, in) with per-row float32 scales, plus bias; returns (1, out)."""
+        """x (n, in) times int8 weight (out, in) with per-row float32 scales, plus bias; returns (n, out), each
+        token's row as it would be alone."""
         rows, cols = weight.shape
         _check_quantized(x, weight, scale, bias, cols, (rows,))
-        out = torch.empty(1, rows)
+        out = torch.empty(x.shape[0], rows)
         self._int8(weight.data_ptr(), scale.data_ptr(), x.contiguous().data_ptr(),
-                   None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols)
+                   None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], rows, cols)
         return out
 
     def int4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int,
              bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (1, in), already times the prequant scale, against packed int4 weights (out / 2, in) with float32
-        scales (out, in / group), plus bias; returns (1, out)."""
+        """x (n, in), already times the prequant scale, against packed int4 weights (out / 2, in) with float32
+        scales (out, in / group), plus bias; returns (n, out), each token's row as it would be alone."""
         rows, cols = 2 * packed.shape[0], packed.shape[1]
         _check_quantized(x, packed, scale, bias, cols, (rows, cols // group))
         if cols % group:
             raise ValueError(f"group size {group} does not divide the {cols} inputs")
-        out = torch.empty(1, rows)
+        out = torch.empty(x.shape[0], rows)
         self._int4(packed.data_ptr(), scale.data_ptr(), x.contiguous().data_ptr(),
-                   None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols, group)
+                   None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], rows, cols, group)
         return out
 
 
 def _check_quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                      cols: int, scale_shape: tuple[int, ...]) -> None:
-    if (x.shape != (1, cols) or x.dtype != torch.float32 or weight.dtype != torch.int8
+    if (x.dim() != 2 or not 1 <= x.shape[0] <= MATVEC_MAX_TOKENS or x.shape[1] != cols
+            or x.dtype != torch.float32 or weight.dtype != torch.int8
             or not weight.is_contiguous() or scale.dtype != torch.float32 or not scale.is_contiguous()
             or tuple(scale.shape) != scale_shape or (bias is not None and not bias.is_contiguous())):
-        raise ValueError(f"quantized matvec needs fp32 x (1, {cols}), contiguous int8 weights and float32 scales "
-                         f"{list(scale_shape)}, got {x.dtype} {tuple(x.shape)}, {weight.dtype} "
-                         f"{tuple(weight.shape)}, {scale.dtype} {tuple(scale.shape)}")
+        raise ValueError(f"quantized matvec needs fp32 x (n, {cols}) with 1 <= n <= {MATVEC_MAX_TOKENS}, "
+                         f"contiguous int8 weights and float32 scales {list(scale_shape)}, got {x.dtype} "
+                         f"{tuple(x.shape)}, {weight.dtype} {tuple(weight.shape)}, {scale.dtype} "
+                         f"{tuple(scale.shape)}")
 
 
 class DecodeAttention:
@@ -351,7 +354,7 @@ def matvec() -> MatVec | None:
 
 @functools.cache
 def quant_matvec() -> QuantMatVec | None:
-    """The one-token kernels over int8 and int4 weights, built on first use; None (after a warning) if they
+    """The decode-step kernels over int8 and int4 weights, built on first use; None (after a warning) if they
     cannot be."""
     library = _load("quant_matvec", {})
     return QuantMatVec(library) if library else None

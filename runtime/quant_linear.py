@@ -1,5 +1,5 @@
 """The linear op of every stored weight format: full precision, W8A16 and W4A16-AWQ, dequantized on the fly
-(one token of a native decode step: dequantized in registers by runtime/kernels/quant_matvec.c).
+(the few tokens of a native decode step: dequantized in registers by runtime/kernels/quant_matvec.c).
 
 Layouts are those of a TensorRT-LLM checkpoint as ModelOpt exports it (modelopt/torch/export/quant_utils.py,
 ``to_quantized_weight`` and ``pack_int4_in_uint8``; read by TensorRT-LLM's ``WeightOnlyQuantLinear`` and
@@ -48,7 +48,7 @@ class Int8Linear:
         return self.weight.float() * self.scale.float()[:, None]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, native: bool = False) -> torch.Tensor:
-        kernel = quant_matvec() if native and x.shape[0] == 1 else None
+        kernel = quant_matvec() if native else None
         if kernel is not None:
             return kernel.int8(x, self.weight, self.scale, bias)
         return F.linear(x, self.dequantize(), bias)
@@ -72,7 +72,7 @@ class Int4AwqLinear:
         return unpack_int4(self.packed).float() * self.scale.float().repeat_interleave(self.group_size, dim=1)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, native: bool = False) -> torch.Tensor:
-        kernel = quant_matvec() if native and x.shape[0] == 1 else None
+        kernel = quant_matvec() if native else None
         if kernel is not None:
             return kernel.int4(x * self.prequant, self.packed, self.scale, self.group_size, bias)
         return F.linear(x * self.prequant, self.dequantize(), bias)
@@ -110,8 +110,8 @@ def stack(first: Linear, second: Linear) -> Linear:
 
 
 def linear(x: torch.Tensor, weight: Linear, mv: MatVec | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias; on the native kernels where there are (``mv`` given: a decode step of a few tokens;
-    the int8 / int4 kernels take one token)."""
+    """x @ weight.T + bias; on the native kernels where there are (``mv`` given: a decode step of at most
+    MATVEC_MAX_TOKENS tokens)."""
     if not isinstance(weight, torch.Tensor):
         return weight(x, bias, mv is not None)
     return mv(x, weight, bias) if mv is not None else F.linear(x, weight.float(), bias)

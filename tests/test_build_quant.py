@@ -15,10 +15,11 @@ from builders.cli import main as build_main
 from builders.engine_build import BuildRequest, build_engine
 from calibration.hf_model import transformers_model
 from calibration.weight_quant import calibration_tokens, modelopt_config
+from runtime.block_manager import Sequence
 from runtime.checkpoint import linear_inputs, load_checkpoint
 from runtime.engine import Engine
 from runtime.engine_folder import CHECKPOINT_DIR
-from runtime.generate import run_tokens
+from runtime.generate import decode_batch, prefill, run_tokens
 from runtime.model_source import import_model
 from runtime.native_kernels import decode_step
 from runtime.tokenizer import ChatTokenizer
@@ -118,8 +119,7 @@ def test_imports_a_modelopt_checkpoint_folder(built, tmp_path, capsys):
 
 def test_decoding_on_the_quantized_kernels_matches_prefill(built):
     """Token-by-token decode (one-token steps: the fused decode step over the int8 / int4 kernels where it builds)
-    gives the logits
-    of one prefill over the same tokens (torch path on dequantized weights), to float rounding."""
+    gives the logits of one prefill over the same tokens (torch path on dequantized weights), to float rounding."""
     _, folder = built
     engine = Engine.load(folder)
     message = {"role": "user", "content": "set cabin temperature"}
@@ -136,3 +136,23 @@ def test_decoding_on_the_quantized_kernels_matches_prefill(built):
     if engine.model.native_kernels and decode_step(torch.float32, c.head_size,
                                                    c.num_attention_heads // c.num_key_value_heads) is not None:
         assert decode_step.cache_info().hits - calls >= len(ids) - 1  # each step fused
+
+
+def test_batched_decode_on_quantized_weights_matches_each_sequence_alone(built):
+    """A step of several sequences (the server's batched decode) runs the int8 / int4 kernels for all its tokens
+    and gives each sequence the logits it gets alone, to float rounding."""
+    _, folder = built
+    engine = Engine.load(folder)
+    prompts = [[1, 5, 9, 2], [3, 8, 8, 4, 6, 2, 7], [11, 2]]
+    cache = engine.new_cache(engine.kv_cache_config("int8", 1 << 20))
+    seqs = [Sequence() for _ in prompts]
+    for seq, prompt in zip(seqs, prompts):
+        prefill(engine.model, cache, seq, prompt)
+    batched = decode_batch(engine.model, cache, seqs, [4, 4, 4])
+    for prompt, row in zip(prompts, batched):
+        alone_cache = engine.new_cache(engine.kv_cache_config("int8", 1 << 20))
+        alone = Sequence()
+        prefill(engine.model, alone_cache, alone, prompt)
+        alone_cache.append(alone, [4])
+        want = engine.model.forward([4], len(prompt), alone_cache, alone)
+        assert torch.allclose(row, want, atol=1e-4 * want.abs().max())

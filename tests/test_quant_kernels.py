@@ -52,15 +52,38 @@ def test_wide_and_generic_builds_agree(rows, cols, group):
         assert torch.allclose(wide, plain, rtol=1e-5, atol=1e-5 * math.sqrt(cols) * plain.abs().max())
 
 
-def test_stacked_int4_and_prefill_keep_the_torch_path():
-    """fc and gate with their own prequant scales run as two kernels; several tokens never take a kernel."""
+def test_stacked_int4_runs_as_two_kernels():
+    """fc and gate with their own prequant scales run as two kernels."""
     gen = torch.Generator().manual_seed(1)
     fc, gate = int4_linear(8, 128, 64, gen), int4_linear(8, 128, 64, gen)
     both = stack(fc, gate)
     x = torch.randn(1, 128, generator=gen)
     assert torch.allclose(both(x, None, True), torch.cat([fc(x), gate(x)], dim=-1), atol=1e-4)
-    xs = torch.randn(3, 128, generator=gen)
-    assert torch.equal(both(xs, None, True), both(xs, None, False))
+
+
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize("tokens", [2, 5, 16])
+def test_a_step_of_several_tokens_gives_each_row_as_alone(tokens, generic):
+    """The server's batched decode: every token of the step through the same kernels, each row equal to its
+    one-token call and to the torch path within float rounding."""
+    gen = torch.Generator().manual_seed(tokens)
+    kernel = native_kernels.QuantMatVec(native_kernels._load("quant_matvec", {"GENERIC": 1})) if generic \
+        else native_kernels.quant_matvec()
+    x, bias = torch.randn(tokens, 576, generator=gen), torch.randn(192, generator=gen)
+    i8, i4 = int8_linear(192, 576, gen), int4_linear(192, 576, 64, gen)
+    def int8(rows: torch.Tensor) -> torch.Tensor:
+        return kernel.int8(rows, i8.weight, i8.scale, bias)
+
+    def int4(rows: torch.Tensor) -> torch.Tensor:
+        return kernel.int4(rows, i4.packed, i4.scale, 64, bias)
+
+    for run in (int8, int4):
+        got = run(x)
+        assert got.shape == (tokens, 192) and torch.equal(got, torch.cat([run(row[None]) for row in x]))
+    expected = i4(x, bias, native=False)
+    assert torch.allclose(i4(x, bias, native=True), expected, rtol=1e-5, atol=1e-4 * expected.abs().max())
+    with pytest.raises(ValueError, match=r"1 <= n <= 16"):
+        kernel.int8(torch.randn(17, 576), i8.weight, i8.scale)
 
 
 def test_quantized_matvec_rejects_wrong_scales():

@@ -43,11 +43,11 @@ static void run_linear(const LinearOp *op, const float *x, float *y, float *scal
         matvec_half(op->weight, x, op->bias, y, 1, op->rows, op->cols);
         break;
     case WEIGHTS_INT8:
-        matvec_int8(op->weight, op->scale, x, op->bias, y, op->rows, op->cols);
+        matvec_int8(op->weight, op->scale, x, op->bias, y, 1, op->rows, op->cols);
         break;
     default:
         for (int64_t i = 0; i < op->cols; i++) scaled_x[i] = x[i] * op->prequant[i];
-        matvec_int4(op->weight, op->scale, scaled_x, op->bias, y, op->rows, op->cols, op->group);
+        matvec_int4(op->weight, op->scale, scaled_x, op->bias, y, 1, op->rows, op->cols, op->group);
     }
 }
 

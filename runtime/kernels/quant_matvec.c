@@ -1,5 +1,7 @@
-/* y = W x + b for one token over quantized weights, dequantized in registers (runtime/quant_linear.py has the
- * layouts and the torch path these match).
+/* Y = X W^T + b for the few tokens of a decode step over quantized weights, dequantized in registers
+ * (runtime/quant_linear.py has the layouts and the torch path these match). X is (n, cols), Y is (n, rows), one
+ * row per token; a block of weight rows, still in L1, serves each token in turn, so the weights come from memory
+ * once per step whatever n is and each token's sums are computed exactly as for n = 1.
  *
  * matvec_int8 (W8A16): w int8 (rows, cols), one float32 scale per row: y[r] = scale[r] * sum_i w[r][i] x[i].
  * matvec_int4 (W4A16_AWQ): packed int8 (rows / 2, cols), row 2p in the low nibble of packed row p and row 2p + 1
@@ -29,51 +31,62 @@ static inline __m256i widen8(const int8_t *p)  /* eight int8 -> eight int32 lane
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
-static void int8_rows_wide(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows,
+static void int8_rows_wide(const int8_t *w, const float *scale, const float *x, float *y, int64_t n, int64_t rows,
                            int64_t cols)
 {
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) {
         const int8_t *w0 = w + r * cols, *w1 = w0 + cols, *w2 = w1 + cols, *w3 = w2 + cols;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t i = 0; i < cols; i += 8) {
-            const __m256 xv = _mm256_loadu_ps(x + i);
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w0 + i)), xv, a0);
-            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w1 + i)), xv, a1);
-            a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w2 + i)), xv, a2);
-            a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w3 + i)), xv, a3);
+        for (int64_t t = 0; t < n; t++) {
+            const float *xt = x + t * cols;
+            float *yt = y + t * rows;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t i = 0; i < cols; i += 8) {
+                const __m256 xv = _mm256_loadu_ps(xt + i);
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w0 + i)), xv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w1 + i)), xv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w2 + i)), xv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w3 + i)), xv, a3);
+            }
+            yt[r] = sum8(a0) * scale[r], yt[r + 1] = sum8(a1) * scale[r + 1];
+            yt[r + 2] = sum8(a2) * scale[r + 2], yt[r + 3] = sum8(a3) * scale[r + 3];
         }
-        y[r] = sum8(a0) * scale[r], y[r + 1] = sum8(a1) * scale[r + 1];
-        y[r + 2] = sum8(a2) * scale[r + 2], y[r + 3] = sum8(a3) * scale[r + 3];
     }
     for (; r < rows; r++) {
-        __m256 a0 = _mm256_setzero_ps();
-        for (int64_t i = 0; i < cols; i += 8)
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w + r * cols + i)), _mm256_loadu_ps(x + i), a0);
-        y[r] = sum8(a0) * scale[r];
+        for (int64_t t = 0; t < n; t++) {
+            __m256 a0 = _mm256_setzero_ps();
+            for (int64_t i = 0; i < cols; i += 8)
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen8(w + r * cols + i)), _mm256_loadu_ps(x + t * cols + i),
+                                     a0);
+            y[t * rows + r] = sum8(a0) * scale[r];
+        }
     }
 }
 
-static void int4_rows_wide(const int8_t *packed, const float *scale, const float *x, float *y, int64_t rows,
-                           int64_t cols, int64_t group)
+static void int4_rows_wide(const int8_t *packed, const float *scale, const float *x, float *y, int64_t n,
+                           int64_t rows, int64_t cols, int64_t group)
 {
     const int64_t groups = cols / group;
     for (int64_t p = 0; p < rows / 2; p++) {
         const int8_t *row = packed + p * cols;
         const float *s0 = scale + (2 * p) * groups, *s1 = s0 + groups;
-        __m256 t0 = _mm256_setzero_ps(), t1 = t0;
-        for (int64_t g = 0; g < groups; g++) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-            for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
-                const __m256i v = widen8(row + i);  /* arithmetic shifts sign-extend each nibble */
-                const __m256 xv = _mm256_loadu_ps(x + i);
-                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28)), xv, a0);
-                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(v, 4)), xv, a1);
+        for (int64_t t = 0; t < n; t++) {
+            const float *xt = x + t * cols;
+            __m256 t0 = _mm256_setzero_ps(), t1 = t0;
+            for (int64_t g = 0; g < groups; g++) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+                for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
+                    const __m256i v = widen8(row + i);  /* arithmetic shifts sign-extend each nibble */
+                    const __m256 xv = _mm256_loadu_ps(xt + i);
+                    a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28)), xv,
+                                         a0);
+                    a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(v, 4)), xv, a1);
+                }
+                t0 = _mm256_fmadd_ps(a0, _mm256_set1_ps(s0[g]), t0);
+                t1 = _mm256_fmadd_ps(a1, _mm256_set1_ps(s1[g]), t1);
             }
-            t0 = _mm256_fmadd_ps(a0, _mm256_set1_ps(s0[g]), t0);
-            t1 = _mm256_fmadd_ps(a1, _mm256_set1_ps(s1[g]), t1);
+            y[t * rows + 2 * p] = sum8(t0), y[t * rows + 2 * p + 1] = sum8(t1);
         }
-        y[2 * p] = sum8(t0), y[2 * p + 1] = sum8(t1);
     }
 }
 #else
@@ -81,19 +94,22 @@ static void int4_rows_wide(const int8_t *packed, const float *scale, const float
 #endif
 
 static void int8_rows(const int8_t *restrict w, const float *restrict scale, const float *restrict x,
-                      float *restrict y, int64_t rows, int64_t cols)
+                      float *restrict y, int64_t n, int64_t rows, int64_t cols)
 {
     for (int64_t r = 0; r < rows; r++) {
         const int8_t *w0 = w + r * cols;
-        float a0 = 0.0f;
-        #pragma omp simd reduction(+:a0)
-        for (int64_t i = 0; i < cols; i++) a0 += (float)w0[i] * x[i];
-        y[r] = a0 * scale[r];
+        for (int64_t t = 0; t < n; t++) {
+            const float *xt = x + t * cols;
+            float a0 = 0.0f;
+            #pragma omp simd reduction(+:a0)
+            for (int64_t i = 0; i < cols; i++) a0 += (float)w0[i] * xt[i];
+            y[t * rows + r] = a0 * scale[r];
+        }
     }
 }
 
 static void int4_rows(const int8_t *restrict packed, const float *restrict scale, const float *restrict x,
-                      float *restrict y, int64_t rows, int64_t cols, int64_t group)
+                      float *restrict y, int64_t n, int64_t rows, int64_t cols, int64_t group)
 {
     const int64_t groups = cols / group;
     float w0[cols], w1[cols];  /* one packed row dequantized (both output rows): stays in L1 */
@@ -111,42 +127,46 @@ static void int4_rows(const int8_t *restrict packed, const float *restrict scale
                 d1[i] = (float)(byte >> 4) * f1;                              /* high nibble: row 2p + 1 */
             }
         }
-        float a0 = 0.0f, a1 = 0.0f;
-        #pragma omp simd reduction(+:a0, a1)
-        for (int64_t i = 0; i < cols; i++) {
-            a0 += w0[i] * x[i];
-            a1 += w1[i] * x[i];
+        for (int64_t t = 0; t < n; t++) {
+            const float *xt = x + t * cols;
+            float a0 = 0.0f, a1 = 0.0f;
+            #pragma omp simd reduction(+:a0, a1)
+            for (int64_t i = 0; i < cols; i++) {
+                a0 += w0[i] * xt[i];
+                a1 += w1[i] * xt[i];
+            }
+            y[t * rows + 2 * p] = a0, y[t * rows + 2 * p + 1] = a1;
         }
-        y[2 * p] = a0, y[2 * p + 1] = a1;
     }
 }
 
-static void add_row_bias(const float *restrict bias, float *restrict y, int64_t rows)
+static void add_row_bias(const float *restrict bias, float *restrict y, int64_t n, int64_t rows)
 {
     if (bias)
-        for (int64_t r = 0; r < rows; r++) y[r] += bias[r];
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t r = 0; r < rows; r++) y[t * rows + r] += bias[r];
 }
 
 void matvec_int8(const int8_t *restrict w, const float *restrict scale, const float *restrict x,
-                 const float *restrict bias, float *restrict y, int64_t rows, int64_t cols)
+                 const float *restrict bias, float *restrict y, int64_t n, int64_t rows, int64_t cols)
 {
 #if WIDE
     if (cols % 8 == 0)
-        int8_rows_wide(w, scale, x, y, rows, cols);
+        int8_rows_wide(w, scale, x, y, n, rows, cols);
     else
 #endif
-        int8_rows(w, scale, x, y, rows, cols);
-    add_row_bias(bias, y, rows);
+        int8_rows(w, scale, x, y, n, rows, cols);
+    add_row_bias(bias, y, n, rows);
 }
 
 void matvec_int4(const int8_t *restrict packed, const float *restrict scale, const float *restrict x,
-                 const float *restrict bias, float *restrict y, int64_t rows, int64_t cols, int64_t group)
+                 const float *restrict bias, float *restrict y, int64_t n, int64_t rows, int64_t cols, int64_t group)
 {
 #if WIDE
     if (group % 8 == 0)
-        int4_rows_wide(packed, scale, x, y, rows, cols, group);
+        int4_rows_wide(packed, scale, x, y, n, rows, cols, group);
     else
 #endif
-        int4_rows(packed, scale, x, y, rows, cols, group);
-    add_row_bias(bias, y, rows);
+        int4_rows(packed, scale, x, y, n, rows, cols, group);
+    add_row_bias(bias, y, n, rows);
 }
