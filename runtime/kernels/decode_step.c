@@ -23,7 +23,7 @@ enum { WEIGHTS_FP32 = 0, WEIGHTS_FP16 = 1, WEIGHTS_INT8 = 2, WEIGHTS_INT4 = 3 };
 
 /* One linear op, y = W x + b; int4: W is packed (rows / 2, cols) and x is multiplied by prequant first. */
 typedef struct {
-    int64_t format, rows, cols, group;
+    int64_t kind, rows, cols, group;  /* kind: a WEIGHTS_* code */
     const void *weight;
     const float *scale, *prequant, *bias;
 } LinearOp;
@@ -35,7 +35,7 @@ typedef struct {
 
 static void run_linear(const LinearOp *op, const float *x, float *y, float *scaled_x)
 {
-    switch (op->format) {
+    switch (op->kind) {
     case WEIGHTS_FP32:
         matvec(op->weight, x, op->bias, y, 1, op->rows, op->cols);
         break;
