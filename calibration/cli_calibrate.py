@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"(default {CalibrationRequest.mix_dialogues})")
     parser.add_argument("--method", default=SEARCH_METHOD, choices=CALIBRATION_METHODS,
                         help="how clips are chosen: 'kl' tries the clip rules "
-                             f"{', '.join(r.name for r in CANDIDATES)} (per channel; x: headroom above the abs-max) "
+                             f"{', '.join(r.name for r in CANDIDATES)} (per channel) "
                              "and keeps the one with the least next-token KL of int8-shared-eq (equalized, the first "
                              "token's K/V stored exactly; the file records that token) against full "
                              "precision on a validation part of the data for the channel clips equalization uses, "
