@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import int8_ceiling
+from benchmarks import int8_ceiling, kv_oracle
 from calibration import cli_calibrate, cli_eval
 from calibration.calibrate import CalibrationRequest, calibrate
 from calibration.clip_search import CANDIDATES
@@ -21,6 +21,7 @@ from calibration.selection import prepare_dialogues, split_of
 from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK
 from runtime.kv_int4 import Int4KV
 from runtime.kv_modes import bytes_per_token, kv_mode
+from runtime.generate import run_tokens
 from runtime.kv_scales import load_scales_file
 from runtime.model_source import load_model
 
@@ -153,6 +154,25 @@ def test_int8_ceiling_rounds_only_the_side_it_names(engine, calibrated_scales, t
     both = kl["K and V static per-channel"]
     assert 0 < kl["K static per-channel, V exact"] < both and 0 < kl["K exact, V static per-channel"] < both
     assert kl["K dynamic per-token, V exact"] > 0
+
+
+def test_kv_oracle_fits_its_scales_on_the_dialogues_it_measures(engine, tmp_path):
+    model = load_model(str(engine.folder))
+    dialogues, _ = prepare_dialogues("builtin", "heldout", 1, 0, model.tokenizer, 64, 64)
+    fitted = kv_oracle.fitted_scales(model, dialogues, 100.0)
+    run = run_tokens(model.transformer(), dialogues[0].token_ids)
+    for layer, ranges in enumerate(fitted.ranges):
+        k, v = run.kv(layer)
+        assert torch.allclose(torch.tensor(ranges.k_channel_clip).float(), k.abs().amax(0))
+        assert torch.allclose(torch.tensor(ranges.v_channel_clip).float(), v.abs().amax(0))
+    assert fitted.data["first_token"] == dialogues[0].token_ids[0]
+    clipped = kv_oracle.fitted_scales(model, dialogues, 99.0)
+    assert all(c.k_clip_rate > 0 for c in clipped.ranges) and fitted.ranges[0].k_clip_rate == 0
+    out = tmp_path / "oracle.json"
+    assert kv_oracle.main(["--model", str(engine.folder), "--data", "builtin", "--num-dialogues", "1",
+                           "--max-tokens", "64", "--min-tokens", "64", "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"fp32", *kv_oracle.MODES} and all(modes[m]["kl"] > 0 for m in kv_oracle.MODES)
 
 
 def test_static_per_channel_rounding_is_within_half_a_step():
