@@ -86,7 +86,7 @@ def generate(model: Transformer, cache: PagedKVCache, seq: Sequence, new_ids: li
         piece = stream.push(token)
         if on_text and piece:
             on_text(piece)
-        if any(s in stream.text for s in params.stop_strings):
+        if params.stops(stream.text):
             finish = "stop"
             break
         if len(stream.ids) >= params.max_new_tokens:
@@ -99,10 +99,7 @@ def generate(model: Transformer, cache: PagedKVCache, seq: Sequence, new_ids: li
             finish = "capacity"
             break
         logits = model.forward([token], position, cache, seq)
-    text = stream.text
-    for s in params.stop_strings:
-        text = text.split(s)[0] if s in text else text
-    return GenerationResult(stream.ids, text, finish, computed, reused, ttft,
+    return GenerationResult(stream.ids, params.cut_at_stop(stream.text), finish, computed, reused, ttft,
                             time.perf_counter() - t_first)
 
 

@@ -36,6 +36,16 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty text, got {self.stop_strings!r}")
 
 
+    def stops(self, text: str) -> bool:
+        """Whether ``text`` holds one of the stop strings."""
+        return any(s in text for s in self.stop_strings)
+
+    def cut_at_stop(self, text: str) -> str:
+        """``text`` before the earliest stop string in it (all of it when none is)."""
+        for s in self.stop_strings:
+            text = text.split(s)[0]
+        return text
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

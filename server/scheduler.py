@@ -282,7 +282,7 @@ class Scheduler:
             finish = "stop"
         else:
             running.stream.push(token)
-            if any(s in running.stream.text for s in params.stop_strings):
+            if params.stops(running.stream.text):
                 finish = "stop"
             elif len(request.token_ids) >= params.max_new_tokens:
                 finish = "length"
@@ -301,9 +301,8 @@ class Scheduler:
         self._running.remove(running)
         if running.seq:
             self.cache.free(running.seq)
-        request, text = running.request, running.stream.text
-        for s in request.params.stop_strings:
-            text = text.split(s)[0]
+        request = running.request
+        text = request.params.cut_at_stop(running.stream.text)
         request.text, request.finish_reason = text, reason
         stats = self.cache.stats()
         with self._lock:

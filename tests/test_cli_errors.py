@@ -196,3 +196,11 @@ def test_eval_results_on_a_full_disk_are_one_error(tiny_engine_dir, tmp_path, ca
 def test_sampling_params_refuse_values_that_fail_mid_turn(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_sampling_params_cut_text_at_the_earliest_stop_string():
+    params = SamplingParams(stop_strings=["END", "\n\n"])
+    assert params.stops("one\n\ntwo END") and not params.stops("one END-less".replace("END", "E-N-D"))
+    assert params.cut_at_stop("one\n\ntwo END") == "one" and params.cut_at_stop("a END b\n\nc") == "a "
+    assert params.cut_at_stop("no stop here") == "no stop here"
+    assert SamplingParams().cut_at_stop("END") == "END" and not SamplingParams().stops("END")
