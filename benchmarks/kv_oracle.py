@@ -18,11 +18,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from calibration.calibrate import common_first_token
+from calibration.dialogues import DataError
 from calibration.equalize import FIRST_TOKEN
 from calibration.evaluate import evaluate
 from calibration.scales import compute_clips, layer_ranges
 from calibration.selection import prepare_dialogues
 from calibration.stats import collect_stats
+from runtime.cli_args import float_range, positive_int
 from runtime.kv_scales import ScalesFile
 from runtime.model_source import load_model
 
@@ -44,17 +46,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default="sharegpt", help="'builtin', 'sharegpt' or a dialogue file")
     parser.add_argument("--split", default="heldout", choices=["heldout", "all"],
                         help="dialogues of the held-out split or all of them (default heldout)")
-    parser.add_argument("--num-dialogues", type=int, default=8, help="dialogues (default 8)")
-    parser.add_argument("--max-tokens", type=int, default=2048, help="tokens per dialogue at most (default 2048)")
-    parser.add_argument("--min-tokens", type=int, default=2048, help="tokens per dialogue at least (default 2048)")
+    parser.add_argument("--num-dialogues", type=positive_int, default=8, help="dialogues (default 8)")
+    parser.add_argument("--max-tokens", type=positive_int, default=2048, help="tokens per dialogue at most (default 2048)")
+    parser.add_argument("--min-tokens", type=positive_int, default=2048, help="tokens per dialogue at least (default 2048)")
     parser.add_argument("--seed", type=int, default=0, help="selects the dialogues (default 0)")
-    parser.add_argument("--percentile", type=float, default=100.0,
+    parser.add_argument("--percentile", type=float_range(0, 100), default=100.0,
                         help="clip percentile of the fitted scales (default 100: the abs-max)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     model = load_model(args.model)
-    dialogues, data = prepare_dialogues(args.data, args.split, args.num_dialogues, args.seed, model.tokenizer,
-                                        args.max_tokens, args.min_tokens)
+    try:
+        dialogues, data = prepare_dialogues(args.data, args.split, args.num_dialogues, args.seed, model.tokenizer,
+                                            args.max_tokens, args.min_tokens)
+    except DataError as err:
+        print(f"kv_oracle: error: {err}", file=sys.stderr)
+        return 2
     results = evaluate(model, dialogues, MODES, fitted_scales(model, dialogues, args.percentile))
     print(f"{data['dialogues']} {args.split} dialogues of {args.data}, {data['tokens']} tokens; "
           f"static scales fitted on them (clip percentile {args.percentile:g})")
