@@ -40,7 +40,7 @@ REFERENCE_MODE = "fp32"
 REFERENCE_WEIGHTS = "fp32"
 EQUALIZED_SUFFIX = "-eq"
 WEIGHTS_SEPARATOR = "/"  # a row of quantized weights is named "<weights>/<KV mode>", e.g. "int4-awq/int8"
-_CHUNK = 256  # rows of logits compared at a time, to bound memory
+_CHUNK = 128  # rows of logits compared at a time, to bound memory
 POSITION_BUCKETS = ((0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192))
 
 
