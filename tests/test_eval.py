@@ -285,7 +285,7 @@ def test_default_calibration_chooses_clips_by_kl_and_grades_itself(tiny_engine, 
     assert data["mixed"]["dialogues"] == 2 and data["mixed"]["source"].endswith("general.json")
     assert all(split_of(part) == "train" for part in data["ids"][0].split("+"))
     searched = {c["rule"]: c["kl"] for c in data["clip_search"]}
-    assert list(searched) == ["max", "percentile-99.99"]
+    assert list(searched) == ["max", "mse"]
     chosen = min(searched, key=searched.get)
     assert loaded.method == f"kl:{chosen}"
     assert set(data["validation_ids"]).isdisjoint(data["ids"] + data["mixed"]["ids"])
