@@ -63,14 +63,30 @@ def percentile_clips(hist: torch.Tensor, amax: torch.Tensor, percentile: float) 
 def quantization_mse(hist: torch.Tensor, clips: torch.Tensor) -> torch.Tensor:
     """Mean squared error of symmetric INT8 with each clip, estimated from |x| histograms.
 
-    ``hist`` is (..., HIST_BINS) and ``clips`` (..., candidates); the result is (..., candidates).
+    ``hist`` is (..., HIST_BINS) and ``clips`` (..., candidates); the result is (..., candidates). A value below
+    half a step rounds to 0 (error x^2), one up to the clip rounds (step^2 / 12), one above is clipped
+    ((x - clip)^2); each part is a difference of prefix sums over the bins, so no (candidates x bins) tensor.
     """
     x = _centers()
-    c = clips.double()[..., None]
+    h = hist.double()
+
+    def prefix(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t.cumsum(-1), (1, 0))
+
+    count, first, second = prefix(h), prefix(h * x), prefix(h * x * x)
+    c = clips.double()
     step = c / INT8_MAX
-    inside = torch.where(x < step / 2, x * x, step * step / 12)  # values below half a step round to 0
-    error = torch.where(x <= c, inside, (x - c) ** 2)
-    return (error * hist[..., None, :]).sum(-1) / hist.sum(-1, keepdim=True)
+    low = torch.searchsorted(x, (step / 2).contiguous())  # bins with x < step / 2
+    high = torch.searchsorted(x, c.contiguous(), right=True)  # bins with x <= c
+
+    def upto(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return t.gather(-1, index)
+
+    total_n, total_1, total_2 = count[..., -1:], first[..., -1:], second[..., -1:]
+    below = upto(second, low)
+    inside = (upto(count, high) - upto(count, low)) * step * step / 12
+    above = (total_2 - upto(second, high)) - 2 * c * (total_1 - upto(first, high)) + c * c * (total_n - upto(count, high))
+    return (below + inside + above) / total_n
 
 
 def mse_clips(hist: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -105,12 +121,7 @@ def _layer_clips(stats: RangeStats, method: str, percentile: float) -> tuple[lis
 
 
 def _channel_clips(stats: RangeStats, method: str, percentile: float) -> torch.Tensor:
-    out = torch.empty(stats.channel_amax.shape, dtype=torch.float64)
-    for layer in range(out.shape[0]):
-        for head in range(out.shape[1]):  # one head at a time bounds the mse search's memory
-            out[layer, head] = _clip(stats.channel_hist[layer, head], stats.channel_amax[layer, head], method,
-                                     percentile)
-    return out
+    return _clip(stats.channel_hist, stats.channel_amax, method, percentile)
 
 
 def compute_clips(stats: KVStats, method: str, percentile: float = DEFAULT_PERCENTILE) -> LayerClips:

@@ -55,6 +55,18 @@ def test_percentile_clip_matches_the_true_quantile():
         percentile_clips(stats.layer_hist, amax, 0)
 
 
+def test_mse_clips_of_all_channels_at_once_equal_each_channel_alone():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3000, 2, 4, generator=gen) * torch.tensor([0.5, 1, 3, 9])
+    x[:5] *= 20  # a few outliers in every channel
+    stats = KVStats(_stats_of(x), _stats_of(x), dialogues=1, tokens=3000)
+    clips = compute_clips(stats, "mse")
+    for head in range(2):
+        for channel in range(4):
+            alone = mse_clips(stats.k.channel_hist[0, head, channel], stats.k.channel_amax[0, head, channel])
+            assert float(clips.k_channel[0, head, channel]) == pytest.approx(float(alone), rel=1e-12)
+    assert clips.k == [float(mse_clips(stats.k.layer_hist[0], stats.k.layer_amax[0]))]
+
 def test_mse_clip_cuts_rare_outliers_and_lowers_the_error():
     x = torch.randn(50_000, 1, 8, generator=torch.Generator().manual_seed(2))
     x[0, 0, 0] = 60.0  # one outlier would cost every other value its resolution
