@@ -49,6 +49,7 @@ class ClipRule:
 # held-out grade part mse 0.00111 against abs-max 0.00116. The last three never won and each cost a run of the
 # calibration's 2-minute budget, so the search keeps the two that compete.
 CANDIDATES = (ClipRule("max"), ClipRule("mse"))
+MIN_Z = 2.0  # a later candidate replaces the one holding when its paired KL gain is this many standard errors
 
 
 @dataclass
@@ -66,37 +67,46 @@ def reference_logprobs(model: Transformer, dialogues: list[TokenizedDialogue]) -
 
 
 def score_clips(model: LoadedModel, stats: KVStats, clips: LayerClips, dialogues: list[TokenizedDialogue],
-                references: list[torch.Tensor], first_token: int | None = None) -> Totals:
-    """KL and top-1 sums of int8-shared-eq with these clips over the validation dialogues (``first_token``: the
-    token equalization puts on the grid, calibration.equalize)."""
+                references: list[torch.Tensor], first_token: int | None = None) -> tuple[Totals, torch.Tensor]:
+    """KL and top-1 sums of int8-shared-eq with these clips over the validation dialogues, and the KL of every
+    validation position (``first_token``: the token equalization puts on the grid, calibration.equalize)."""
     weights, scales = equalize(model.config, model.weights, layer_ranges(stats, clips), first_token=first_token)
     equalized = Transformer(model.config, weights)
-    totals = Totals()
+    totals, token_kl = Totals(), []
     for dialogue, reference in zip(dialogues, references):
         logits = run_logits(equalized, dialogue.token_ids, kv_mode("int8"), scales)[:-1]
-        accumulate(totals, reference, logits, torch.tensor(dialogue.token_ids[1:]))
-    return totals
+        token_kl.append(accumulate(totals, reference, logits, torch.tensor(dialogue.token_ids[1:])))
+    return totals, torch.cat(token_kl)
+
+
+def clearly_lower(token_kl: torch.Tensor, than: torch.Tensor) -> bool:
+    """Whether the KL of the same positions is lower by more than MIN_Z standard errors of their paired differences."""
+    difference = (token_kl - than).double()
+    return bool(difference.mean() < -MIN_Z * difference.std() / len(difference) ** 0.5)
 
 
 def choose_clips(model: LoadedModel, stats: KVStats, dialogues: list[TokenizedDialogue],
                  candidates: tuple[ClipRule, ...] = CANDIDATES, progress: bool = True,
                  first_token: int | None = None) -> tuple[ClipRule, LayerClips, list[CandidateScore]]:
-    """The candidate with the least validation KL (ties: the earlier one), its clips, every score.
+    """The chosen candidate, its clips and every score. The first candidate holds unless a later one's validation
+    KL is clearly lower (clearly_lower, against the one holding), so a difference within the noise of the
+    validation part never changes the clips.
 
     A candidate whose clips equal an earlier one's (a percentile that reaches the abs-max) takes its score.
     """
     references = reference_logprobs(model.transformer(), dialogues)
-    scored = []
+    scored = []  # (rule, clips, totals, KL per validation position)
     for rule in tqdm(candidates, desc="choosing clips by KL", unit="candidate", file=sys.stderr,
                      disable=not progress):
         clips = rule.clips(stats)
-        same = [s for s in scored if s[2].k == clips.k and s[2].v == clips.v
-                and torch.equal(s[2].k_channel, clips.k_channel) and torch.equal(s[2].v_channel, clips.v_channel)]
-        if same:
-            scored.append((same[0][0], rule, clips, same[0][3]))
-            continue
-        totals = score_clips(model, stats, clips, dialogues, references, first_token)
-        scored.append((totals.kl / totals.tokens, rule, clips, totals.agree / totals.tokens))
-    best = min(range(len(scored)), key=lambda i: scored[i][0])
-    scores = [CandidateScore(rule.name, kl, agree) for kl, rule, _, agree in scored]
-    return scored[best][1], scored[best][2], scores
+        same = [s for s in scored if s[1].k == clips.k and s[1].v == clips.v
+                and torch.equal(s[1].k_channel, clips.k_channel) and torch.equal(s[1].v_channel, clips.v_channel)]
+        scored.append((rule, clips, *same[0][2:]) if same else
+                      (rule, clips, *score_clips(model, stats, clips, dialogues, references, first_token)))
+    best = 0
+    for i in range(1, len(scored)):
+        if clearly_lower(scored[i][3], scored[best][3]):
+            best = i
+    scores = [CandidateScore(rule.name, totals.kl / totals.tokens, totals.agree / totals.tokens)
+              for rule, _, totals, _ in scored]
+    return scored[best][0], scored[best][1], scores

@@ -189,9 +189,11 @@ def _bucket_index(positions: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(upper, positions, right=True)
 
 
-def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
-    """Add one dialogue's NLL, KL and top-1 agreement over its positions that have a next token."""
+def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Add one dialogue's NLL, KL and top-1 agreement over its positions that have a next token; returns the KL of
+    each of those positions."""
     buckets = len(POSITION_BUCKETS)
+    token_kl = []
     for start in range(0, len(targets), _CHUNK):
         rows = slice(start, start + _CHUNK)
         ref, logp = ref_logp[rows], logits[rows].log_softmax(-1)
@@ -199,12 +201,14 @@ def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, tar
         kl = (ref.exp() * (ref - logp)).sum(-1).double()
         agree = (ref.argmax(-1) == logp.argmax(-1)).double()
         totals.kl += float(kl.sum())
+        token_kl.append(kl)
         totals.agree += int(agree.sum())
         index = _bucket_index(torch.arange(start, start + len(kl)))
         totals.bucket_kl += torch.bincount(index, kl, minlength=buckets + 1)[:buckets]
         totals.bucket_agree += torch.bincount(index, agree, minlength=buckets + 1)[:buckets]
         totals.bucket_tokens += torch.bincount(index, minlength=buckets + 1)[:buckets].double()
     totals.tokens += len(targets)
+    return torch.cat(token_kl)
 
 
 def evaluate(model: LoadedModel, dialogues: list[TokenizedDialogue], modes: list[str],

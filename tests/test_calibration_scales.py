@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from calibration.clip_search import CANDIDATES, SEARCH_METHOD, ClipRule
+from calibration.clip_search import CANDIDATES, SEARCH_METHOD, ClipRule, clearly_lower
 from calibration.scales import compute_clips, layer_ranges, mse_clips, percentile_clips, quantization_mse
 from calibration.selection import prepare_dialogues
 from calibration.stats import KVStats, RangeStats, bin_edges, collect_stats
@@ -206,3 +206,12 @@ def test_clip_rules_of_the_kl_search_read_the_statistics():
     assert torch.equal(clips.k_channel, by_max.k_channel)
     assert ClipRule("percentile", 99.0).clips(stats).k == compute_clips(stats, "percentile", 99.0).k
     assert [r.name for r in CANDIDATES][0] == "max" and SEARCH_METHOD == "kl"
+
+
+def test_a_later_clip_candidate_must_be_clearly_better_to_replace_the_first():
+    gen = torch.Generator().manual_seed(5)
+    holding = torch.rand(2000, generator=gen) * 0.002
+    noise = (torch.rand(2000, generator=gen) - 0.5) * 0.002
+    assert clearly_lower(holding * 0.8, holding)  # 20% less KL at every position
+    assert not clearly_lower(holding + noise - 0.00001, holding)  # 1% less on average, within the noise
+    assert not clearly_lower(holding * 1.2, holding) and not clearly_lower(holding, holding + 0 * noise)
