@@ -47,11 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"mixed-in dialogues of up to {CalibrationRequest.mix_tokens} tokens "
                              f"(default {CalibrationRequest.mix_dialogues})")
     parser.add_argument("--method", default=SEARCH_METHOD, choices=CALIBRATION_METHODS,
-                        help="how clips are chosen: 'kl' tries the clip rules "
+                        help="how clips are chosen: 'kl' scores the clip rules "
                              f"{', '.join(r.name for r in CANDIDATES)} (per channel) "
-                             "and keeps the one with the least next-token KL of int8-shared-eq (equalized, the first "
-                             "token's K/V stored exactly; the file records that token) against full "
-                             "precision on a validation part of the data for the channel clips equalization uses, "
+                             "by the next-token KL of int8-shared-eq (equalized, the first token's K/V stored exactly; "
+                             "the file records that token) against full precision on a validation part of the data, "
+                             "and keeps the first unless a later one is lower by more than 2 standard errors, for "
+                             "the channel clips equalization uses, "
                              "and the --percentile clip for the one scale per layer of the unequalized modes; "
                              "'max', 'percentile' and 'mse' (least per-tensor INT8 error) read every clip from the "
                              "statistics alone (default kl)")
