@@ -17,22 +17,22 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from calibration.calibrate import common_first_token
+from calibration.calibrate import GRADE_MODES, common_first_token
 from calibration.dialogues import DataError
 from calibration.equalize import FIRST_TOKEN
 from calibration.evaluate import evaluate
 from calibration.scales import compute_clips, layer_ranges
-from calibration.selection import prepare_dialogues
+from calibration.selection import TokenizedDialogue, prepare_dialogues
 from calibration.stats import collect_stats
 from runtime.cli_args import float_range, positive_int
 from runtime.kv_scales import ScalesFile
-from runtime.model_source import load_model
+from runtime.model_source import LoadedModel, load_model
 
-MODES = ["int8-shared", "int8-shared-eq", "int8-dynamic"]
+MODES = list(GRADE_MODES)  # the modes cabin-calibrate grades its own scales on
 
 
-def fitted_scales(model, dialogues, percentile: float) -> ScalesFile:
-    """Scales whose clips come from the statistics of ``dialogues`` themselves (abs-max at percentile 100)."""
+def fitted_scales(model: LoadedModel, dialogues: list[TokenizedDialogue], percentile: float) -> ScalesFile:
+    """Scales whose clips come from the statistics of ``dialogues`` themselves (percentile 100: the abs-max)."""
     stats = collect_stats(model.transformer(), dialogues)
     clips = compute_clips(stats, "max") if percentile == 100 else compute_clips(stats, "percentile", percentile)
     data = {FIRST_TOKEN: common_first_token(dialogues)}
@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default="heldout", choices=["heldout", "all"],
                         help="dialogues of the held-out split or all of them (default heldout)")
     parser.add_argument("--num-dialogues", type=positive_int, default=8, help="dialogues (default 8)")
-    parser.add_argument("--max-tokens", type=positive_int, default=2048, help="tokens per dialogue at most (default 2048)")
-    parser.add_argument("--min-tokens", type=positive_int, default=2048, help="tokens per dialogue at least (default 2048)")
+    parser.add_argument("--max-tokens", type=positive_int, default=2048,
+                        help="tokens per dialogue at most (default 2048)")
+    parser.add_argument("--min-tokens", type=positive_int, default=2048,
+                        help="tokens per dialogue at least (default 2048)")
     parser.add_argument("--seed", type=int, default=0, help="selects the dialogues (default 0)")
     parser.add_argument("--percentile", type=float_range(0, 100), default=100.0,
                         help="clip percentile of the fitted scales (default 100: the abs-max)")

@@ -4,7 +4,8 @@ the next-token KL of ``int8-shared-eq`` against full precision on a validation p
 The candidates reuse the collected statistics (a clip rule is a few histogram reads), so a candidate costs one
 teacher-forced run over the validation tokens; the reference runs once. Per-tensor quantization error is a
 candidate rule, not the score: which clips lose least depends on what equalization does with them (least-error
-clips lost clearly to the abs-max before the first token was stored exactly, and are within the noise of it now),
+clips were the worst rule on held-out dialogues before the first token was stored exactly, and are within the
+noise of the abs-max now),
 so the KL decides, and the first candidate holds unless a later one is clearly better.
 """
 from __future__ import annotations
@@ -94,7 +95,7 @@ def choose_clips(model: LoadedModel, stats: KVStats, dialogues: list[TokenizedDi
     KL is clearly lower (clearly_lower, against the one holding), so a difference within the noise of the
     validation part never changes the clips.
 
-    A candidate whose clips equal an earlier one's (a percentile that reaches the abs-max) takes its score.
+    A candidate whose clips equal an earlier one's (least-error clips that are the abs-max) takes its score.
     """
     references = reference_logprobs(model.transformer(), dialogues)
     scored = []  # (rule, clips, totals, KL per validation position)

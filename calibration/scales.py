@@ -85,7 +85,8 @@ def quantization_mse(hist: torch.Tensor, clips: torch.Tensor) -> torch.Tensor:
     total_n, total_1, total_2 = count[..., -1:], first[..., -1:], second[..., -1:]
     below = upto(second, low)
     inside = (upto(count, high) - upto(count, low)) * step * step / 12
-    above = (total_2 - upto(second, high)) - 2 * c * (total_1 - upto(first, high)) + c * c * (total_n - upto(count, high))
+    above = ((total_2 - upto(second, high)) - 2 * c * (total_1 - upto(first, high))
+             + c * c * (total_n - upto(count, high)))
     return (below + inside + above) / total_n
 
 

@@ -35,7 +35,6 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise ValueError(f"stop strings must be non-empty text, got {self.stop_strings!r}")
 
-
     def stops(self, text: str) -> bool:
         """Whether ``text`` holds one of the stop strings."""
         return any(s in text for s in self.stop_strings)
@@ -45,6 +44,7 @@ class SamplingParams:
         for s in self.stop_strings:
             text = text.split(s)[0]
         return text
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
