@@ -4,14 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.runner import Runner
-from calibration.evaluate import REFERENCE_MODE, eval_name
+from cabinllm.benchmarks.runners.base import Runner
+from cabinllm.calibration.evaluate import REFERENCE_MODE, eval_name
+from cabinllm.runtime.errors import EvalJsonError
 
 COLUMNS = ("ppl", "ppl_delta_pct", "kl", "top1_agree")
-
-
-class EvalJsonError(ValueError):
-    """The cabin-eval JSON is missing or not in the expected form."""
 
 
 def load_eval(path: Path) -> dict:

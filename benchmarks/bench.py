@@ -9,24 +9,24 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.accuracy import accuracy_rows
-from benchmarks.claims import check_claims
-from benchmarks.kv_memory import measure_kv_memory
-from benchmarks.machine import machine_info, oversubscribed
-from benchmarks.multiturn import measure_multiturn
-from benchmarks.runner import Runner, Unavailable
-from benchmarks.runner_cabin import available_modes, cabin_runner
-from benchmarks.runner_llamacpp import llamacpp_runners
-from benchmarks.runner_onnx import genai_runner, onnx_runner
-from benchmarks.runner_transformers import transformers_runners
-from benchmarks.settings import BenchSettings
-from benchmarks.speed import measure_speed, speed_ratios, speed_rows
-from benchmarks.workload import long_sharegpt_dialogue, sharegpt_stream
-from builders.hf_export import to_transformers
-from runtime.engine import Engine
-from runtime.engine_folder import CHECKPOINT_DIR
-from runtime.model_source import DEFAULT_GGUF_NAME, default_gguf_path, source_label
-from runtime.ort_session import load_onnx_engine
+from cabinllm.benchmarks.accuracy import accuracy_rows
+from cabinllm.benchmarks.claims import check_claims
+from cabinllm.benchmarks.kv_memory import measure_kv_memory
+from cabinllm.benchmarks.machine import machine_info, oversubscribed
+from cabinllm.benchmarks.multiturn import measure_multiturn
+from cabinllm.benchmarks.runners.base import Runner, Unavailable
+from cabinllm.benchmarks.runners.cabin import available_modes, cabin_runner
+from cabinllm.benchmarks.runners.llamacpp import llamacpp_runners
+from cabinllm.benchmarks.runners.onnx import genai_runner, onnx_runner
+from cabinllm.benchmarks.runners.transformers import transformers_runners
+from cabinllm.benchmarks.settings import BenchSettings
+from cabinllm.benchmarks.speed import measure_speed, speed_ratios, speed_rows
+from cabinllm.benchmarks.workload import long_sharegpt_dialogue, sharegpt_stream
+from cabinllm.builders.hf_export import to_transformers
+from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
+from cabinllm.runtime.sources.model_source import DEFAULT_GGUF_NAME, default_gguf_path, source_label
 
 MIB = 1 << 20
 TURN_MODE = "int8"  # our mode in the dialogue test

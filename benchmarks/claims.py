@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.stats import PairRatio
+from cabinllm.benchmarks.paired import PairRatio
 
 CLAIM_CONTEXT = 2048
 FLAT_GROWTH = 1.5  # last-quarter TTFT within 1.5x the first quarter's counts as flat

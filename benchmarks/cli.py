@@ -9,15 +9,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.accuracy import EvalJsonError, load_eval
-from benchmarks.bench import PEER_FAMILIES, make_peers, run_bench
-from benchmarks.machine import oversubscribed
-from benchmarks.plots import write_figures
-from benchmarks.report import render_markdown
-from benchmarks.settings import BenchSettings, quick_settings
-from runtime.atomic import atomic_write_text
-from runtime.checkpoint import CheckpointError
-from runtime.engine import Engine
+from cabinllm.benchmarks.accuracy import load_eval
+from cabinllm.benchmarks.bench import PEER_FAMILIES, make_peers, run_bench
+from cabinllm.benchmarks.machine import oversubscribed
+from cabinllm.benchmarks.plots import write_figures
+from cabinllm.benchmarks.results_page import render_markdown
+from cabinllm.benchmarks.settings import BenchSettings, quick_settings
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.errors import CheckpointError, EvalJsonError
+from cabinllm.runtime.formats.atomic import atomic_write_text
 
 RESULTS_MD = "RESULTS.md"
 RESULTS_JSON = "cabin_bench.json"

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from tqdm import tqdm
 
-from benchmarks.runner import Runner
+from cabinllm.benchmarks.runners.base import Runner
 
 
 def measure_kv_memory(runners: list[Runner], budget_bytes: int, model_context: int, prompt: list[int],

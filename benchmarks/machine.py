@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.native_kernels import compiler
+from cabinllm.runtime.kernels.bindings import compiler
 
 PACKAGES = ("torch", "transformers", "llama-cpp-python", "hqq", "optimum-quanto")
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from benchmarks.runner import Runner
-from benchmarks.stats import median
-from runtime.engine import Engine
-from runtime.sampling import SamplingParams
-from runtime.session import DialogueSession
+from cabinllm.benchmarks.paired import median
+from cabinllm.benchmarks.runners.base import Runner
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.generation.sampling import SamplingParams
 
 MIB = 1 << 20
 SYSTEM_PROMPT = "You are a helpful assistant."

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from benchmarks.runner import Runner, RunTiming
-from benchmarks.stats import PairRatio, median, paired_ratio
+from cabinllm.benchmarks.paired import PairRatio, median, paired_ratio
+from cabinllm.benchmarks.runners.base import Runner, RunTiming
 
 METRICS = ("decode_tok_s", "prefill_tok_s")
 

@@ -1,8 +1,8 @@
 """Token workloads shared by the benchmarks: ShareGPT text of a given length and the user turns of a long dialogue."""
 from __future__ import annotations
 
-from calibration.sources import open_source
-from runtime.engine import Engine
+from cabinllm.calibration.sources import open_source
+from cabinllm.runtime.engine import Engine
 
 
 def sharegpt_stream(engine: Engine, length: int) -> list[int]:

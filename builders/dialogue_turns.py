@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from statistics import mean
 
-from runtime.tokenizer import ChatTokenizer
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 TURNS_SOURCE = "the built-in cockpit dialogue set (calibration builtin, 200 dialogues)"
 

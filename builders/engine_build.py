@@ -2,7 +2,7 @@
 
 Everything is written into a temporary folder beside the output and renamed at the
 end, so a failed build leaves nothing half-made. The same inputs again are a no-op
-unless ``force``. The folder's layout is runtime.engine_folder's.
+unless ``force``. The folder's layout is cabinllm.runtime.formats.engine_folder's.
 """
 from __future__ import annotations
 
@@ -15,21 +15,36 @@ from typing import Callable
 
 import torch
 
-from builders.kv_attach import attach_kv_quant, quant_algo
-from builders.manifest import changed_inputs, file_sha256, source_identity, tool_versions
-from builders.planner import Plan, PlanRequest, working_plan
-from builders.progress import Steps
-from builders.scales_source import BuildScales, calibrated_scales, quick_scales, scales_from_file
-from builders.targets import Backend, Target, get_target
-from builders.trtllm import TrtllmInstall, build_args, find_trtllm, flag_set, local_sm, run_trtllm_build
-from builders.weight_build import (build_weight_format, check_equalize, needs_quantizing, quantize_step_text,
-                                   quantized_checkpoint, refingerprint_scales, weights_record)
-from runtime.atomic import atomic_write_text, clean_leftovers, staging_folder
-from runtime.checkpoint import CheckpointError, ModelConfig, load_checkpoint, save_checkpoint
-from runtime.engine_folder import (CHECKPOINT_DIR, ENGINE_FORMAT, MANIFEST_FILE, SCALES_FILE, TRT_ENGINE_DIR,
-                                   TRTLLM_LOG_FILE, read_manifest)
-from runtime.kv_scales import ScalesError, model_fingerprint
-from runtime.model_source import import_model, load_model_config, resolve_model
+from cabinllm.builders.kv_attach import attach_kv_quant, quant_algo
+from cabinllm.builders.manifest import changed_inputs, file_sha256, source_identity, tool_versions
+from cabinllm.builders.planner import Plan, PlanRequest, working_plan
+from cabinllm.builders.progress import Steps
+from cabinllm.builders.scales_source import BuildScales, calibrated_scales, quick_scales, scales_from_file
+from cabinllm.builders.targets import Backend, Target, get_target
+from cabinllm.builders.trtllm import TrtllmInstall, build_args, find_trtllm, flag_set, local_sm, run_trtllm_build
+from cabinllm.builders.weight_build import (
+    build_weight_format,
+    check_equalize,
+    needs_quantizing,
+    quantize_step_text,
+    quantized_checkpoint,
+    refingerprint_scales,
+    weights_record,
+)
+from cabinllm.runtime.errors import CheckpointError, ScalesError
+from cabinllm.runtime.formats.atomic import atomic_write_text, clean_leftovers, staging_folder
+from cabinllm.runtime.formats.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
+from cabinllm.runtime.formats.engine_folder import (
+    CHECKPOINT_DIR,
+    ENGINE_FORMAT,
+    MANIFEST_FILE,
+    SCALES_FILE,
+    TRT_ENGINE_DIR,
+    TRTLLM_LOG_FILE,
+    read_manifest,
+)
+from cabinllm.runtime.formats.scales_file import model_fingerprint
+from cabinllm.runtime.sources.model_source import import_model, load_model_config, resolve_model
 
 Log = Callable[[str], None]
 GRAPHS_SUFFIX = "-graphs"  # an ONNX target's graph folder: the engine folder's name and this
@@ -51,7 +66,7 @@ class BuildRequest:
     reserve_gb: float | None = None
     calibrate: str | None = None  # dialogue data to calibrate on now: builtin, sharegpt or a file
     system_prompt: str = DEFAULT_SYSTEM_PROMPT  # the engine's default system prompt; "" for none
-    weights: str = "fp16"  # weight format (runtime.weight_formats): fp16 (as --dtype), int8, int4-awq
+    weights: str = "fp16"  # weight format (cabinllm.runtime.formats.weight_formats): fp16 (as --dtype), int8, int4-awq
 
     def command(self) -> str:
         """The cabin-build command line that makes this request."""

@@ -15,9 +15,9 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from builders.memory_model import activation_bytes, blocks_for, kv_bytes_per_token, weights_bytes
-from builders.targets import GIB, Backend, Target
-from runtime.checkpoint import ModelConfig
+from cabinllm.builders.memory_model import activation_bytes, blocks_for, kv_bytes_per_token, weights_bytes
+from cabinllm.builders.targets import GIB, Backend, Target
+from cabinllm.runtime.formats.checkpoint import ModelConfig
 
 ENGINE_PLACEHOLDER = "ENGINE_DIR"  # the engine folder cabin-build wrote, when the plan does not know it
 GRAPHS_PLACEHOLDER = "GRAPHS_DIR"

@@ -1,11 +1,11 @@
 """A transformers ``LlamaForCausalLM`` holding a checkpoint folder's weights: the reference our engine is checked
-against (calibration.hf_model)."""
+against (cabinllm.calibration.hf_model)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from calibration.hf_model import transformers_model
-from runtime.checkpoint import load_checkpoint
+from cabinllm.calibration.hf_model import transformers_model
+from cabinllm.runtime.formats.checkpoint import load_checkpoint
 
 
 def to_transformers(folder: str | Path):

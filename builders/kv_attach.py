@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from runtime.checkpoint import ModelConfig, layer_prefix
-from runtime.kv_modes import kv_mode
-from runtime.kv_quant import INT8_MAX
-from runtime.kv_storage import KVScales
+from cabinllm.runtime.formats.checkpoint import ModelConfig, layer_prefix
+from cabinllm.runtime.formats.scales_file import KVScales
+from cabinllm.runtime.kv.modes import kv_mode
+from cabinllm.runtime.kv.quant import INT8_MAX
 
 FP8_E4M3_MAX = 448.0
 

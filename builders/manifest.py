@@ -1,6 +1,6 @@
 """What an engine folder was built from: the inputs record (for the no-op check) and tool versions.
 
-The folder's layout and manifest file are runtime.engine_folder's."""
+The folder's layout and manifest file are cabinllm.runtime.formats.engine_folder's."""
 from __future__ import annotations
 
 import hashlib

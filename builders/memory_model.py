@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 
-from builders.targets import Backend
-from runtime.checkpoint import ModelConfig, expected_shapes, linear_shapes
-from runtime.kv_modes import bytes_per_token
-from runtime.kv_storage import KVLayout
-from runtime.weight_formats import WEIGHT_FORMATS as FORMATS, awq_group_size, weight_format as weight_format_of
+from cabinllm.builders.targets import Backend
+from cabinllm.runtime.formats.checkpoint import ModelConfig, expected_shapes, linear_shapes
+from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS as FORMATS
+from cabinllm.runtime.formats.weight_formats import awq_group_size
+from cabinllm.runtime.formats.weight_formats import weight_format as weight_format_of
+from cabinllm.runtime.kv.modes import bytes_per_token
+from cabinllm.runtime.kv.storage import KVLayout
 
 WEIGHT_FORMATS = tuple(FORMATS)  # fp16, int8 (W8A16), int4-awq (W4A16_AWQ)
 _BYTES = {"fp32": 4, "fp16": 2}
@@ -27,7 +29,7 @@ def parameter_count(config: ModelConfig) -> int:
 
 
 def weights_bytes(config: ModelConfig, weight_format: str, in_memory: str | None = None) -> int:
-    """Bytes of the weights stored as ``weight_format`` (runtime.weight_formats: the checkpoint's tensors, scales
+    """Bytes of the weights stored as ``weight_format`` (cabinllm.runtime.formats.weight_formats: the checkpoint's tensors, scales
     included; AWQ with the group size cabin-build picks), float tensors held as ``in_memory`` (fp32) when given."""
     fmt = weight_format_of(weight_format)
     float_bytes = _BYTES[in_memory] if in_memory is not None else 2

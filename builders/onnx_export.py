@@ -1,5 +1,5 @@
 """Export an engine to two static-shape ONNX graphs (prompt of ``chunk`` tokens, token of 1) over a fixed KV
-window, for NPU toolchains and ONNX Runtime (the folder format is runtime.onnx_folder's).
+window, for NPU toolchains and ONNX Runtime (the folder format is cabinllm.runtime.formats.onnx_folder's).
 
 The graphs are written node by node with ``onnx.helper`` from the reference engine's weights (fp32), so every
 shape is static and every op is a chosen standard one: RMSNorm as Pow/ReduceMean/Sqrt/Div, RoPE as
@@ -9,7 +9,7 @@ Sigmoid * x. INT8 KV is QDQ with the engine's calibrated static scale of each la
 TensorRT-LLM stores it): the past window comes in as codes and is dequantized; the new tokens' K/V are
 clamped to +-127 steps, quantized (the graph's outputs) and dequantized again for their own attention, so
 the graph sees exactly what the paged cache stores. Linear layers keep the engine's weight format where the
-profile can carry it (builders.onnx_profiles: int8 as per-channel QDQ, int4-AWQ as MatMulNBits); the values are
+profile can carry it (cabinllm.builders.onnx_profiles: int8 as per-channel QDQ, int4-AWQ as MatMulNBits); the values are
 the reference engine's, so the graphs compute what it computes. Both graphs read one ``weights.bin`` (external
 data).
 """
@@ -25,20 +25,37 @@ from typing import Callable
 import numpy as np
 import torch
 
-from builders.onnx_profiles import WEIGHT_FORMS, OnnxProfile, onnx_profile
-from builders.progress import Steps
-from runtime.atomic import atomic_write_text, staging_folder
-from runtime.checkpoint import CheckpointError
-from runtime.engine import Engine
-from runtime.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE, EngineFolder, read_manifest
-from runtime.kv_modes import ONNX_KV_MODES, kv_mode
-from runtime.kv_quant import INT8_MAX
-from runtime.kv_storage import KVScales
-from runtime.model import Transformer
-from runtime.onnx_folder import (ONNX_FORMAT, PROMPT_GRAPH, TOKEN_GRAPH, TOKENIZER_DIR, WEIGHTS_FILE,
-                                 KvGraphType, graph_metadata, new_key, new_value, past_key, past_value)
-from runtime.quant_linear import Int4AwqLinear, Int8Linear, Linear, Stacked, unpack_int4
-from runtime.tokenizer_export import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from cabinllm.builders.onnx_profiles import WEIGHT_FORMS, OnnxProfile, onnx_profile
+from cabinllm.builders.progress import Steps
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.formats.atomic import atomic_write_text, staging_folder
+from cabinllm.runtime.formats.engine_folder import (
+    CHECKPOINT_DIR,
+    MANIFEST_FILE,
+    SCALES_FILE,
+    EngineFolder,
+    read_manifest,
+)
+from cabinllm.runtime.formats.onnx_folder import (
+    ONNX_FORMAT,
+    PROMPT_GRAPH,
+    TOKEN_GRAPH,
+    TOKENIZER_DIR,
+    WEIGHTS_FILE,
+    KvGraphType,
+    graph_metadata,
+    new_key,
+    new_value,
+    past_key,
+    past_value,
+)
+from cabinllm.runtime.formats.scales_file import KVScales
+from cabinllm.runtime.kv.modes import ONNX_KV_MODES, kv_mode
+from cabinllm.runtime.kv.quant import INT8_MAX
+from cabinllm.runtime.model.linear import Int4AwqLinear, Int8Linear, Linear, Stacked, unpack_int4
+from cabinllm.runtime.model.transformer import Transformer
+from cabinllm.runtime.sources.tokenizer_export import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 Log = Callable[[str], None]
 _EXTERNAL_MIN_BYTES = 1024  # tensors at least this large go to weights.bin; small constants stay in the graph
@@ -334,7 +351,7 @@ def _kv_io(g: _Graph, new: str, past: str, out: str, kv: KvGraphType, layer: int
     if kv.scales is not None:
         scale = g.scalar(f"kv_scale.{layer}", kv.scales[layer])
         zero = g.scalar(f"kv_zero_point_{kv.dtype}", kv.zero_point, np.dtype(kv.dtype))
-        limit = INT8_MAX * kv.scales[layer]  # the clamp of runtime.kv_quant.quantize_static, before rounding
+        limit = INT8_MAX * kv.scales[layer]  # the clamp of cabinllm.runtime.kv.quant.quantize_static, before rounding
         clipped = g.op("Clip", new, g.scalar(f"kv_min.{layer}", -limit), g.scalar(f"kv_max.{layer}", limit))
         g.op("QuantizeLinear", clipped, scale, zero, name=out)
         return g.op("DequantizeLinear", out, scale, zero), g.op("DequantizeLinear", past, scale, zero)

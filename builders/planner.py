@@ -7,36 +7,34 @@ the plan sizes ``max_seq_len`` (the model's context, or less when the pool is sm
 prefill is unavailable, as with INT8 KV on TensorRT) and the pool's blocks, and turns
 the pool into turns of a typical in-car dialogue (``dialogue_turns.TYPICAL_TURN``).
 On an ONNX target ``max_seq_len`` is the graphs' KV window and ``max_num_tokens`` the
-prompt graph's tokens, sized by ``builders.graph_plan`` as cabin-export arguments.
+prompt graph's tokens, sized by ``cabinllm.builders.graph_plan`` as cabin-export arguments.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from builders.dialogue_turns import TYPICAL_TURN, TurnTokens
-from builders.graph_plan import GraphPlan, graph_limit, npu_weight_bytes, size_graphs, tokens_held
-from builders.memory_model import (WEIGHT_FORMATS, activation_bytes, blocks_for, kv_bytes_per_token,
-                                   parameter_count, weights_bytes)
-from builders.targets import GIB, Backend, Target, load_targets
-from builders.trtllm import EngineShape, build_args, flag_set
-from runtime.checkpoint import ModelConfig
-from runtime.kv_cache import KvCacheConfig
-from runtime.kv_modes import kv_mode
+from cabinllm.builders.dialogue_turns import TYPICAL_TURN, TurnTokens
+from cabinllm.builders.graph_plan import GraphPlan, graph_limit, npu_weight_bytes, size_graphs, tokens_held
+from cabinllm.builders.memory_model import (
+    WEIGHT_FORMATS,
+    activation_bytes,
+    blocks_for,
+    kv_bytes_per_token,
+    parameter_count,
+    weights_bytes,
+)
+from cabinllm.builders.targets import GIB, Backend, Target, load_targets
+from cabinllm.builders.trtllm import EngineShape, build_args, flag_set
+from cabinllm.runtime.errors import PlanRefused
+from cabinllm.runtime.formats.checkpoint import ModelConfig
+from cabinllm.runtime.kv.cache import KvCacheConfig
+from cabinllm.runtime.kv.modes import kv_mode
 
 MAX_BATCH_SIZE = 1  # one dialogue at a time in the cabin
 REPLY_TOKENS = 256  # longest reply the engine is built for: max_seq_len - max_input_len
 CHUNK_TOKENS = 2048  # max_num_tokens where prefill can be chunked
 MIN_TURNS = 4  # a KV dtype whose pool holds fewer turns than this does not fit
 MIB = 1 << 20
-
-
-class PlanRefused(ValueError):
-    """The request cannot work on the target: ``reason`` says why, ``nearest`` is the closest plan that works."""
-
-    def __init__(self, reason: str, nearest: "Plan | None") -> None:
-        hint = f"; nearest working config: {nearest.summary()}" if nearest else "; no listed target fits this model"
-        super().__init__(reason + hint)
-        self.reason, self.nearest = reason, nearest
 
 
 @dataclass(frozen=True)
@@ -256,7 +254,7 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
 
 def size_onnx(config: ModelConfig, target: Target, kv_dtype: str, budget: int, turn: TurnTokens,
               weights: str) -> KVPlan:
-    """The graphs' window and chunk for one KV dtype on an ONNX target (builders.graph_plan), as KV limits."""
+    """The graphs' window and chunk for one KV dtype on an ONNX target (cabinllm.builders.graph_plan), as KV limits."""
     tpb = target.tokens_per_block
     per_token = kv_bytes_per_token(config, kv_dtype, tpb)
     graphs = size_graphs(config, target, kv_dtype, budget, weights)

@@ -1,11 +1,11 @@
 """Where a build's KV scales come from: a calibrated ``kv_scales.json``, a calibration run now
-(calibration.calibrate), or a quick abs-max measurement on sample exchanges (calibration.quick_scales).
+(cabinllm.calibration.calibrate), or a quick abs-max measurement on sample exchanges (cabinllm.calibration.quick_scales).
 
 A file's scales are checked against the model's own K/V range, measured quickly on the sample exchanges: a range
 (scale x 127) far from it makes INT8 clip nearly every value or round it to 0, and the engine answer garbage.
 
 With ``--equalize`` the calibrated per-channel ranges are folded into the weights
-(calibration.equalize) and the scales that fit the new weights replace the calibrated ones.
+(cabinllm.calibration.equalize) and the scales that fit the new weights replace the calibrated ones.
 """
 from __future__ import annotations
 
@@ -16,17 +16,18 @@ from typing import Callable
 
 import torch
 
-from calibration.calibrate import CalibrationRequest, calibrate
-from calibration.equalize import FIRST_TOKEN, equalize as fold, equalized_ranges
-from calibration.quick_scales import SAMPLES_FILE, quick_kv_scales
-from runtime.checkpoint import ModelConfig
-from runtime.engine_folder import EngineFolder
-from runtime.kv_quant import INT8_MAX
-from runtime.kv_scales import LayerRanges, ScalesError, ScalesFile, load_scales_file, save_scales
-from runtime.kv_storage import KVScales
-from runtime.model import Transformer
-from runtime.model_source import LoadedModel
-from runtime.tokenizer import ChatTokenizer
+from cabinllm.calibration.calibrate import CalibrationRequest, calibrate
+from cabinllm.calibration.equalize import FIRST_TOKEN, equalized_ranges
+from cabinllm.calibration.equalize import equalize as fold
+from cabinllm.calibration.quick_scales import SAMPLES_FILE, quick_kv_scales
+from cabinllm.runtime.errors import ScalesError
+from cabinllm.runtime.formats.checkpoint import ModelConfig
+from cabinllm.runtime.formats.engine_folder import EngineFolder
+from cabinllm.runtime.formats.scales_file import KVScales, LayerRanges, ScalesFile, load_scales_file, save_scales
+from cabinllm.runtime.kv.quant import INT8_MAX
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.model.transformer import Transformer
+from cabinllm.runtime.sources.model_source import LoadedModel
 
 Log = Callable[[str], None]
 RANGE_FACTOR = 100.0  # a file's K/V range this many times above or below the model's own is refused
@@ -100,7 +101,7 @@ def clipping_warning(path: Path, ranges: list[LayerRanges] | None) -> str | None
 
 def calibrated_scales(data: str, config: ModelConfig, weights: dict[str, torch.Tensor], checkpoint: Path,
                       fingerprint: str, equalize: bool, out: Path) -> BuildScales:
-    """Scales calibrated now on dialogues (``builtin``, ``sharegpt`` or a file; calibration.calibrate)."""
+    """Scales calibrated now on dialogues (``builtin``, ``sharegpt`` or a file; cabinllm.calibration.calibrate)."""
     model = LoadedModel("build", config, weights, ChatTokenizer(checkpoint), fingerprint)
     request = CalibrationRequest(data=data, grade=False)  # max_tokens: the default, capped at the context
     found = calibrate(model, request, progress=False).scales_file
@@ -113,7 +114,7 @@ def calibrated_scales(data: str, config: ModelConfig, weights: dict[str, torch.T
 
 def equalized(found: ScalesFile, config: ModelConfig, weights: dict[str, torch.Tensor], source: str,
               out: Path) -> BuildScales:
-    """Weights with the equalization of ``found.ranges`` (and of its first token, calibration.equalize) folded in,
+    """Weights with the equalization of ``found.ranges`` (and of its first token, cabinllm.calibration.equalize) folded in,
     and the scales that fit them."""
     new_weights, scales = fold(config, weights, found.ranges, first_token=found.data.get(FIRST_TOKEN))
     method = f"{found.method}+equalized"
@@ -123,7 +124,7 @@ def equalized(found: ScalesFile, config: ModelConfig, weights: dict[str, torch.T
 
 def quick_scales(config: ModelConfig, weights: dict[str, torch.Tensor], checkpoint: Path, fingerprint: str,
                  out: Path) -> BuildScales:
-    """Abs-max scales measured on the built-in sample exchanges (calibration.quick_scales)."""
+    """Abs-max scales measured on the built-in sample exchanges (cabinllm.calibration.quick_scales)."""
     scales = quick_kv_scales(Transformer(config, weights), ChatTokenizer(checkpoint))
     source = f"calibration/data/{SAMPLES_FILE}"
     save_scales(out, scales, fingerprint, "quick-max", {"source": source})

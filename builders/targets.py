@@ -1,4 +1,4 @@
-"""Target profiles (``engines/targets.toml``): memory, backend, KV dtypes and the engine line or NPU graph limits
+"""Target profiles (``builders/data/targets.toml``): memory, backend, KV dtypes and the engine line or NPU graph limits
 per device. Every value is parsed and checked here, once."""
 from __future__ import annotations
 
@@ -6,24 +6,22 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
+from importlib import resources
 from pathlib import Path
 
-from builders.onnx_profiles import ONNX_PROFILES
-from runtime.kv_modes import ONNX_KV_MODES
-from runtime.ort_session import ORT_PROVIDERS
+from cabinllm.builders.onnx_profiles import ONNX_PROFILES
+from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
+from cabinllm.runtime.errors import TargetError
+from cabinllm.runtime.kv.modes import ONNX_KV_MODES
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-TARGETS_FILE = Path(__file__).resolve().parents[1] / "engines" / "targets.toml"
+TARGETS_FILE = Path(str(resources.files("cabinllm.builders") / "data" / "targets.toml"))
 TARGETS_ENV = "CABIN_TARGETS"
 GIB = 1 << 30
-
-
-class TargetError(ValueError):
-    """An unknown target or a malformed profile; the message lists what is known."""
 
 
 class Backend(str, Enum):
@@ -77,7 +75,7 @@ class Target:
 
 
 def targets_path() -> Path:
-    """The profiles file: ``$CABIN_TARGETS`` or ``engines/targets.toml``."""
+    """The profiles file: ``$CABIN_TARGETS`` or ``builders/data/targets.toml``."""
     return Path(os.environ.get(TARGETS_ENV, TARGETS_FILE))
 
 
@@ -87,7 +85,7 @@ def load_targets(path: Path | None = None) -> dict[str, Target]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as err:
-        raise TargetError(f"{path}: unreadable target profiles ({err}); restore engines/targets.toml") from err
+        raise TargetError(f"{path}: unreadable target profiles ({err}); restore builders/data/targets.toml") from err
     return {name: _parse(name, profile, path) for name, profile in data.items()}
 
 

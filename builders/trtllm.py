@@ -19,16 +19,13 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from runtime.engine_folder import CHECKPOINT_DIR, TRT_ENGINE_DIR, TRTLLM_LOG_FILE
-from runtime.kv_modes import kv_mode
+from cabinllm.runtime.errors import TrtllmError
+from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR, TRT_ENGINE_DIR, TRTLLM_LOG_FILE
+from cabinllm.runtime.kv.modes import kv_mode
 
 LEGACY_FLAGS = "v0.12"
 MODERN_FLAGS = "1.x"
 TRTLLM_BUILD = "trtllm-build"
-
-
-class TrtllmError(RuntimeError):
-    """trtllm-build is unusable here or failed; the message says why and where its log is."""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """The weight step of cabin-build: which weight format a build writes, and quantizing to it with ModelOpt.
 
 Order of a quantized build: KV equalization is folded into the full-precision weights first (scales_source),
-then the linear weights are quantized (calibration.weight_quant: ModelOpt, calibrated on dialogues), then the
+then the linear weights are quantized (cabinllm.calibration.weight_quant: ModelOpt, calibrated on dialogues), then the
 KV scales are attached (kv_attach). The checkpoint's tensors and ``quantization`` block are what ModelOpt's
-export wrote; the other config keys stay the imported model's (calibration.weight_quant.quantize_weights).
+export wrote; the other config keys stay the imported model's (cabinllm.calibration.weight_quant.quantize_weights).
 """
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 
-from calibration.weight_quant import calibration_tokens, quantize_weights
-from runtime.checkpoint import CheckpointError, ModelConfig
-from runtime.kv_scales import load_scales_file, save_scales
-from runtime.tokenizer import ChatTokenizer
-from runtime.weight_formats import WeightFormat, weight_format
+from cabinllm.calibration.weight_quant import calibration_tokens, quantize_weights
+from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.formats.checkpoint import ModelConfig
+from cabinllm.runtime.formats.scales_file import load_scales_file, save_scales
+from cabinllm.runtime.formats.weight_formats import WeightFormat, weight_format
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 FULL_PRECISION = "fp16"
 DEFAULT_DATA = "builtin"

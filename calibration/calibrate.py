@@ -1,12 +1,12 @@
 """The calibration job: dialogues -> K/V statistics -> per-layer scales with ranges, ready for kv_scales.json.
 
 With ``builtin`` data the statistics come from long cabin sessions (in-car dialogues of the train split
-stitched under one system prompt, calibration.sessions) and, unless ``mix`` is ``none``, long ShareGPT
+stitched under one system prompt, cabinllm.calibration.stitch) and, unless ``mix`` is ``none``, long ShareGPT
 dialogue of its train split. One more session or dialogue per source, never in the statistics, is the
-validation part that the ``kl`` method chooses clips on (calibration.clip_search). The held-out split of
+validation part that the ``kl`` method chooses clips on (cabinllm.calibration.clip_search). The held-out split of
 the same sources grades the scales the run wrote (KL, top-1, perplexity change of the shared, equalized
 and dynamic modes), so the report says how good they are without a second command. The token every sequence
-starts with is recorded (``first_token``), for equalization to store its K and V exactly (calibration.equalize).
+starts with is recorded (``first_token``), for equalization to store its K and V exactly (cabinllm.calibration.equalize).
 """
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from calibration.clip_search import SEARCH_METHOD, CandidateScore, choose_clips
-from calibration.dialogues import DataError
-from calibration.equalize import FIRST_TOKEN
-from calibration.evaluate import ModeResult, evaluate
-from calibration.scales import DEFAULT_PERCENTILE, METHODS, LayerClips, compute_clips, layer_ranges
-from calibration.selection import TokenizedDialogue, prepare_dialogues
-from calibration.stats import KVStats, collect_stats
-from runtime.kv_scales import ScalesFile, save_scales
-from runtime.model_source import LoadedModel
+from cabinllm.calibration.clip_search import SEARCH_METHOD, CandidateScore, choose_clips
+from cabinllm.calibration.clips import DEFAULT_PERCENTILE, METHODS, LayerClips, compute_clips, layer_ranges
+from cabinllm.calibration.equalize import FIRST_TOKEN
+from cabinllm.calibration.evaluate import ModeResult, evaluate
+from cabinllm.calibration.selection import TokenizedDialogue, prepare_dialogues
+from cabinllm.calibration.stats import KVStats, collect_stats
+from cabinllm.runtime.errors import DataError
+from cabinllm.runtime.formats.scales_file import ScalesFile, save_scales
+from cabinllm.runtime.sources.model_source import LoadedModel
 
 CALIBRATION_METHODS = (SEARCH_METHOD, *METHODS)
 NO_MIX = "none"

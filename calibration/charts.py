@@ -8,9 +8,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from calibration.evaluate import REFERENCE_MODE, ModeResult  # noqa: E402
-from calibration.scales import LayerClips  # noqa: E402
-from calibration.stats import KVStats  # noqa: E402
+from cabinllm.calibration.clips import LayerClips  # noqa: E402
+from cabinllm.calibration.evaluate import REFERENCE_MODE, ModeResult  # noqa: E402
+from cabinllm.calibration.stats import KVStats  # noqa: E402
 
 
 def _save(fig, path: Path) -> None:

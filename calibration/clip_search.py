@@ -16,22 +16,21 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from calibration.equalize import equalize
-from calibration.evaluate import Totals, accumulate, run_logits
-from calibration.scales import LayerClips, compute_clips, layer_ranges
-from calibration.selection import TokenizedDialogue
-from calibration.stats import KVStats
-from runtime.kv_modes import kv_mode
-from runtime.model import Transformer
-from runtime.model_source import LoadedModel
-
+from cabinllm.calibration.clips import LayerClips, compute_clips, layer_ranges
+from cabinllm.calibration.equalize import equalize
+from cabinllm.calibration.evaluate import Totals, accumulate, run_logits
+from cabinllm.calibration.selection import TokenizedDialogue
+from cabinllm.calibration.stats import KVStats
+from cabinllm.runtime.kv.modes import kv_mode
+from cabinllm.runtime.model.transformer import Transformer
+from cabinllm.runtime.sources.model_source import LoadedModel
 
 SEARCH_METHOD = "kl"  # cabin-calibrate's name for choosing among CANDIDATES by validation KL
 
 
 @dataclass(frozen=True)
 class ClipRule:
-    """How every layer's (and channel's) clip is read from the statistics: a method of calibration.scales."""
+    """How every layer's (and channel's) clip is read from the statistics: a method of cabinllm.calibration.clips."""
 
     method: str
     percentile: float = 100.0
@@ -72,7 +71,7 @@ def reference_logprobs(model: Transformer, dialogues: list[TokenizedDialogue]) -
 def score_clips(model: LoadedModel, stats: KVStats, clips: LayerClips, dialogues: list[TokenizedDialogue],
                 references: list[torch.Tensor], first_token: int | None = None) -> tuple[Totals, torch.Tensor]:
     """KL and top-1 sums of int8-shared-eq with these clips over the validation dialogues, and the KL of every
-    validation position (``first_token``: the token equalization puts on the grid, calibration.equalize)."""
+    validation position (``first_token``: the token equalization puts on the grid, cabinllm.calibration.equalize)."""
     weights, scales = equalize(model.config, model.weights, layer_ranges(stats, clips), first_token=first_token)
     equalized = Transformer(model.config, weights)
     totals, token_kl = Totals(), []

@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from runtime.checkpoint import ModelConfig, layer_prefix
-from runtime.generate import run_tokens
-from runtime.kv_cache import KVScales
-from runtime.kv_quant import INT8_MAX
-from runtime.kv_scales import LayerRanges
-from runtime.model import Transformer
+from cabinllm.runtime.formats.checkpoint import ModelConfig, layer_prefix
+from cabinllm.runtime.formats.scales_file import KVScales, LayerRanges
+from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.kv.quant import INT8_MAX
+from cabinllm.runtime.model.transformer import Transformer
 
 MAX_FACTOR = 64.0  # bounds factors so fp16 weights neither overflow nor lose precision
 FIRST_TOKEN = "first_token"  # kv_scales.json's data key: the token every calibration sequence starts with

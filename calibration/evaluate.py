@@ -4,15 +4,15 @@ For every dialogue the model runs once with an fp32 cache (the reference) and
 once per mode with a fresh cache of that mode; each run is one prefill of the
 whole dialogue, so every position attends to K/V as the mode stores them.
 A mode that keeps the newest tokens at higher precision (``int4``'s fp16 window)
-is prefilled in chunks of one block (runtime.generate.run_tokens): every position
+is prefilled in chunks of one block (cabinllm.runtime.generation.generate.run_tokens): every position
 then sees 96 to 127 earlier tokens at full precision (with the default 128-token
 window), as in decode, where it sees 127 or more. The modes measured are the
-reference engine's KV modes (runtime.kv_modes) under their eval names, plus each
+reference engine's KV modes (cabinllm.runtime.kv.modes) under their eval names, plus each
 shared-scale mode on weights with KV equalization folded in (``-eq``).
 Per mode: perplexity of the dialogue's next tokens, mean KL(reference || mode)
 of the next-token distributions, and how often the top-1 token agrees; KL and
 top-1 also per bucket of positions (POSITION_BUCKETS), so drift with dialogue
-length shows. Quantized weights (calibration.weight_quant) are measured the same way against the same
+length shows. Quantized weights (cabinllm.calibration.weight_quant) are measured the same way against the same
 reference (fp32 weights, fp32 KV), alone (fp32 KV) and with each KV mode.
 """
 from __future__ import annotations
@@ -24,17 +24,17 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from calibration.equalize import FIRST_TOKEN, equalize
-from calibration.selection import TokenizedDialogue
-from calibration.weight_quant import stored_bytes
-from runtime.checkpoint import ModelConfig
-from runtime.generate import run_tokens
-from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK
-from runtime.kv_modes import KV_MODES, KVMode, kv_mode
-from runtime.kv_scales import ScalesFile
-from runtime.kv_storage import KVLayout, KVScales
-from runtime.model import Transformer
-from runtime.model_source import LoadedModel
+from cabinllm.calibration.equalize import FIRST_TOKEN, equalize
+from cabinllm.calibration.selection import TokenizedDialogue
+from cabinllm.calibration.weight_quant import stored_bytes
+from cabinllm.runtime.formats.checkpoint import ModelConfig
+from cabinllm.runtime.formats.scales_file import KVScales, ScalesFile
+from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK
+from cabinllm.runtime.kv.modes import KV_MODES, KVMode, kv_mode
+from cabinllm.runtime.kv.storage import KVLayout
+from cabinllm.runtime.model.transformer import Transformer
+from cabinllm.runtime.sources.model_source import LoadedModel
 
 REFERENCE_MODE = "fp32"
 REFERENCE_WEIGHTS = "fp32"
@@ -91,8 +91,8 @@ class ModeResult:
     kl: float
     top1_agree: float
     kv_bytes_per_token: int  # at the mean dialogue length; int4 includes its fp16 window
-    weights: str = REFERENCE_WEIGHTS  # the weights the row ran on (calibration.weight_quant.EVAL_WEIGHTS)
-    weight_bytes: int = 0  # their checkpoint bytes, floats as fp16 (calibration.weight_quant.stored_bytes)
+    weights: str = REFERENCE_WEIGHTS  # the weights the row ran on (cabinllm.calibration.weight_quant.EVAL_WEIGHTS)
+    weight_bytes: int = 0  # their checkpoint bytes, floats as fp16 (cabinllm.calibration.weight_quant.stored_bytes)
     by_position: dict[str, PositionResult] = field(default_factory=dict)
 
 

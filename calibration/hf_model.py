@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.checkpoint import ModelConfig, layer_prefix
-from runtime.quant_linear import full_precision
+from cabinllm.runtime.formats.checkpoint import ModelConfig, layer_prefix
+from cabinllm.runtime.model.linear import full_precision, linear_op
 
 HF_LINEARS = {"attention.dense": "self_attn.o_proj", "mlp.fc": "mlp.gate_proj", "mlp.gate": "mlp.up_proj",
               "mlp.proj": "mlp.down_proj"}
@@ -36,7 +36,7 @@ def transformers_model(config: ModelConfig, weights: dict[str, torch.Tensor]):
         p, h = layer_prefix(i), f"model.layers.{i}"
 
         def dense(name: str) -> torch.Tensor:
-            return full_precision(fmt.linear({s: weights[f"{p}.{name}.{s}"] for s in fmt.tensors},
+            return full_precision(linear_op(fmt, {s: weights[f"{p}.{name}.{s}"] for s in fmt.tensors},
                                              config.quantization))
 
         q_w, k_w, v_w = dense("attention.qkv").split([q, kv, kv])

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from calibration.dialogues import Dialogue, LoadReport, check_messages
+from cabinllm.calibration.dialogue_data import Dialogue, LoadReport, check_messages
 
 
 def load_jsonl(path: Path, report: LoadReport) -> Iterator[Dialogue]:

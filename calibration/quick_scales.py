@@ -12,21 +12,21 @@ from pathlib import Path
 
 import torch
 
-from calibration.dialogues import LoadReport
-from calibration.jsonl import load_jsonl
-from runtime.generate import run_tokens
-from runtime.kv_quant import INT8_MAX
-from runtime.kv_scales import ScalesError
-from runtime.kv_storage import KVScales
-from runtime.model import Transformer
-from runtime.tokenizer import ChatTokenizer
+from cabinllm.calibration.dialogue_data import LoadReport
+from cabinllm.calibration.jsonl import load_jsonl
+from cabinllm.runtime.errors import ScalesError
+from cabinllm.runtime.formats.scales_file import KVScales
+from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.kv.quant import INT8_MAX
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.model.transformer import Transformer
 
 SAMPLES_FILE = "sample_exchanges.jsonl"
 
 
 def sample_exchanges_path() -> Path:
     """The sample exchanges shipped as package data."""
-    return Path(str(resources.files("calibration") / "data" / SAMPLES_FILE))
+    return Path(str(resources.files("cabinllm.calibration") / "data" / SAMPLES_FILE))
 
 
 def quick_kv_scales(model: Transformer, tokenizer: ChatTokenizer) -> KVScales:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from calibration.calibrate import CalibrationResult, describe_mix, short_coverage_warning
-from calibration.charts import plot_ranges
-from runtime.atomic import atomic_write_text
+from cabinllm.calibration.calibrate import CalibrationResult, describe_mix, short_coverage_warning
+from cabinllm.calibration.charts import plot_ranges
+from cabinllm.runtime.formats.atomic import atomic_write_text
 
 RANGES_PNG = "ranges.png"
 SUMMARY_MD = "summary.md"

@@ -11,10 +11,11 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterable
 
-from calibration.dialogues import DataError, Dialogue, LoadReport
-from calibration.sessions import conversation_order, stitch
-from calibration.sources import open_source
-from runtime.tokenizer import ChatTokenizer
+from cabinllm.calibration.dialogue_data import Dialogue, LoadReport
+from cabinllm.calibration.sources import open_source
+from cabinllm.calibration.stitch import conversation_order, stitch
+from cabinllm.runtime.errors import DataError
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 SPLITS = ("train", "heldout", "all")  # "all": every dialogue, whatever its split
 HELDOUT_PERCENT = 20
@@ -86,7 +87,7 @@ def prepare_dialogues(data: str, split: str, count: int | None, seed: int, token
     """Load, split, select and tokenize ``count`` dialogues (None: every one) of ``min_tokens``..``max_tokens`` tokens.
 
     With ``sessions``, each is a session stitched from consecutive dialogues of the split until it has
-    ``min_tokens`` (calibration.sessions), for positions no single dialogue reaches.
+    ``min_tokens`` (cabinllm.calibration.stitch), for positions no single dialogue reaches.
     Returns them with a data summary (source, load report, split, seed, token counts).
     """
     if count is None and sessions:

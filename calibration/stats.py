@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from calibration.selection import TokenizedDialogue
-from runtime.generate import run_tokens
-from runtime.model import Transformer
+from cabinllm.calibration.selection import TokenizedDialogue
+from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.transformer import Transformer
 
 HIST_BINS = 1024  # 1.8 % wide each
 HIST_LOW, HIST_HIGH = 1e-4, 1e4  # |x| below HIST_LOW counts in bin 0, above HIST_HIGH in the last bin

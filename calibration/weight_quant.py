@@ -1,6 +1,6 @@
 """Weight-only quantization of a checkpoint through NVIDIA ModelOpt, calibrated on dialogues.
 
-The checkpoint's weights go into a transformers LlamaForCausalLM (calibration.hf_model);
+The checkpoint's weights go into a transformers LlamaForCausalLM (cabinllm.calibration.hf_model);
 ``modelopt.torch.quantization.quantize`` with ``INT8_WEIGHT_ONLY_CFG`` (W8A16) or ``INT4_AWQ_CFG`` (W4A16_AWQ,
 group size set per model) runs the calibration forward passes, and ``modelopt.torch.export.
 export_tensorrt_llm_checkpoint`` writes the TensorRT-LLM checkpoint, read back as it was written: tensor names,
@@ -20,12 +20,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from calibration.hf_model import transformers_model
-from calibration.selection import prepare_dialogues
-from runtime.checkpoint import CONFIG_FILE, WEIGHTS_FILE, ModelConfig, layer_prefix, linear_inputs
-from runtime.quant_linear import INT4_MAX, INT4_MIN, pack_int4
-from runtime.tokenizer import ChatTokenizer
-from runtime.weight_formats import PREQUANT, SCALE, WEIGHT_FORMATS, W4A16Awq, W8A16, WeightFormat, awq_group_size
+from cabinllm.calibration.hf_model import transformers_model
+from cabinllm.calibration.selection import prepare_dialogues
+from cabinllm.runtime.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, ModelConfig, layer_prefix, linear_inputs
+from cabinllm.runtime.formats.weight_formats import (
+    PREQUANT,
+    SCALE,
+    W8A16,
+    WEIGHT_FORMATS,
+    W4A16Awq,
+    WeightFormat,
+    awq_group_size,
+)
+from cabinllm.runtime.model.linear import INT4_MAX, INT4_MIN, pack_int4
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 EVAL_WEIGHTS = ("fp32", "int8", "int4-awq", "int4-rtn")  # cabin-eval's weights axis: fp32 is the model as loaded
 RTN = "int4-rtn"

@@ -1,17 +1,17 @@
-"""A built engine folder (runtime.engine_folder) loaded for the reference engine: weights, tokenizer, KV scales."""
+"""A built engine folder (cabinllm.runtime.formats.engine_folder) loaded for the reference engine: weights, tokenizer, KV scales."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.checkpoint import CheckpointError, ModelConfig
-from runtime.engine_folder import SCALES_FILE, EngineFolder
-from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
-from runtime.kv_modes import KV_MODES
-from runtime.kv_scales import load_scales
-from runtime.kv_storage import KVScales
-from runtime.model import Transformer
-from runtime.tokenizer import ChatTokenizer
+from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.formats.checkpoint import ModelConfig
+from cabinllm.runtime.formats.engine_folder import SCALES_FILE, EngineFolder
+from cabinllm.runtime.formats.scales_file import KVScales, load_scales
+from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
+from cabinllm.runtime.kv.modes import KV_MODES
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.model.transformer import Transformer
 
 DEFAULT_KV_BUDGET = 64 << 20
 

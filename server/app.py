@@ -1,6 +1,6 @@
 """The HTTP face of the scheduler: OpenAI's chat completions, models, health and Prometheus metrics.
 
-Each request renders and plans its prompt (server.conversation), queues on the scheduler and waits for
+Each request renders and plans its prompt (cabinllm.server.conversation), queues on the scheduler and waits for
 its output; the scheduler runs in one engine thread started with the app. A client that disconnects
 cancels its request, which frees its KV blocks at the next step.
 """
@@ -12,12 +12,13 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from runtime.engine import Engine
-from runtime.overflow import CapacityError, OverflowPolicy, capacity_hint
-from runtime.sampling import SamplingParams
-from server.conversation import plan_prompt
-from server.protocol import ApiError, ChatRequest, chunk, completion, parse_chat_request, usage
-from server.scheduler import QueueFull, Request, Scheduler
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_hint
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.errors import CapacityError, QueueFull
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.server.conversation import plan_prompt
+from cabinllm.server.openai_api import ApiError, ChatRequest, chunk, completion, parse_chat_request, usage
+from cabinllm.server.scheduler import Request, Scheduler
 
 RETRY_AFTER_S = 1  # what a client told to come back later waits
 
@@ -33,7 +34,8 @@ class ServeConfig:
 
 def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig):
     """The FastAPI app; starts the scheduler's thread on startup and stops it on shutdown."""
-    from fastapi import FastAPI, Request as HttpRequest
+    from fastapi import FastAPI
+    from fastapi import Request as HttpRequest
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
     stop = threading.Event()

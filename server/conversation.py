@@ -2,12 +2,12 @@
 
 The whole conversation is rendered every request (the API is stateless); the cache finds its already
 computed prefix by block hash. A conversation longer than one sequence can hold is cut by the server's
-overflow policy (runtime.overflow), the same policies a dialogue session uses.
+overflow policy (cabinllm.runtime.dialogue.overflow), the same policies a dialogue session uses.
 """
 from __future__ import annotations
 
-from runtime.overflow import OverflowPolicy, Room, TurnPlan, plan_overflow
-from runtime.tokenizer import ChatTokenizer
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, plan_overflow
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 
 def plan_prompt(tokenizer: ChatTokenizer, messages: list[dict], max_new_tokens: int, capacity: int,

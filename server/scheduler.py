@@ -11,7 +11,7 @@ Data structures: a bounded FIFO ``waiting`` queue of requests and a ``running`` 
    tokens, the next prompt chunks of sequences still prefilling, oldest first: one pass over the weights.
 
 A new request's prompt starts from the longest prefix of full blocks the cache already holds (block
-hashes, runtime.block_manager): a conversation re-sent with one more turn prefills only the new tokens.
+hashes, cabinllm.runtime.kv.blocks): a conversation re-sent with one more turn prefills only the new tokens.
 A block is allocated and hashed in the step that computes its K/V, so a prefix hit always finds K/V.
 Nothing here knows HTTP; results go to each request's ``on_output`` callback, called from the thread
 that runs ``step``.
@@ -27,18 +27,15 @@ from typing import Callable
 
 import torch
 
-from runtime.block_manager import Sequence
-from runtime.engine import Engine
-from runtime.kv_cache import CacheStats, PagedKVCache
-from runtime.model import Span
-from runtime.sampling import SamplingParams, make_generator, sample
-from runtime.streaming import TextStream
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.errors import QueueFull
+from cabinllm.runtime.generation.sampling import SamplingParams, make_generator, sample
+from cabinllm.runtime.generation.streaming import TextStream
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import CacheStats, PagedKVCache
+from cabinllm.runtime.model.transformer import Span
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue holds ``max_queue`` requests already."""
 
 
 @dataclass(frozen=True)

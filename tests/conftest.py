@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from builders.engine_build import BuildRequest, build_engine
+from cabinllm.builders.engine_build import BuildRequest, build_engine
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.sources.import_cache import CACHE_ENV
+
 from fakes.tiny_model import write_tiny_llama
-from runtime.engine import Engine
-from runtime.import_cache import CACHE_ENV
 
 DEFAULT_MODEL_FIXTURES = {"default_engine", "default_engine_dir"}
 # head size 32: every KV mode works (int4 needs head sizes divisible by its value groups of 32)

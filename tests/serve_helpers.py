@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from server.cli import build, parse_args
+from cabinllm.cli.serve import build, parse_args
 
 
 def free_port() -> int:

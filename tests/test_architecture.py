@@ -1,7 +1,9 @@
-"""The layers import one way: runtime <- calibration <- builders <- server <- benchmarks, with no circles.
+"""The layers import one way: runtime <- calibration <- builders <- server <- cli <- benchmarks, and inside
+runtime its rooms in their order, with no circles.
 
 Walks the import statements of every module (AST, nothing is imported) and fails on an import of a
-higher layer, on a cycle between modules, and on a function-level import of a project package.
+higher layer or room, on a cycle between modules, on a function-level import of a project package, and on
+an import of a bare top-level name of ours (``runtime``, ``builders``, ...) instead of ``cabinllm.*``.
 """
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("runtime", "calibration", "builders", "server", "benchmarks")  # each may import only those before it
+LAYERS = ("runtime", "calibration", "builders", "server", "cli", "benchmarks")  # each may import only those before it
+# Inside runtime, each room may import only itself and those before it; the package's face (its __init__) sits above.
+RUNTIME_ROOMS = ("errors", "kernels", "formats", "kv", "model", "generation", "sources", "engine", "dialogue",
+                 "backends")
+NAMESPACE = "cabinllm"
 
 
 def project_modules() -> dict[str, Path]:
@@ -20,7 +26,7 @@ def project_modules() -> dict[str, Path]:
     for package in LAYERS:
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
-            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+            modules[".".join((NAMESPACE,) + (parts[:-1] if parts[-1] == "__init__" else parts))] = path
     return modules
 
 
@@ -35,8 +41,20 @@ def imports_of(path: Path) -> list[tuple[str, bool]]:
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module]
-        found += [(name, id(node) in top) for name in names if name.split(".")[0] in LAYERS]
+        found += [(name, id(node) in top) for name in names
+                  if name.split(".")[0] in (NAMESPACE, *LAYERS)]
     return found
+
+
+def layer(module: str) -> str:
+    """The layer of a dotted module name (``cabinllm.runtime.kv.cache`` -> ``runtime``)."""
+    return module.split(".")[1]
+
+
+def runtime_rank(module: str) -> int:
+    """The room of a runtime module by its place in RUNTIME_ROOMS; the package's face ranks above every room."""
+    parts = module.split(".")
+    return len(RUNTIME_ROOMS) if len(parts) == 2 else RUNTIME_ROOMS.index(parts[2])
 
 
 def graph() -> dict[str, set[str]]:
@@ -79,9 +97,22 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 def test_no_package_imports_a_higher_layer():
     upward = []
     for name, targets in graph().items():
-        rank = LAYERS.index(name.split(".")[0])
-        upward += [f"{name} -> {t}" for t in targets if LAYERS.index(t.split(".")[0]) > rank]
+        rank = LAYERS.index(layer(name))
+        upward += [f"{name} -> {t}" for t in targets if LAYERS.index(layer(t)) > rank]
     assert not upward, f"upward imports: {upward}"
+
+
+def test_runtime_rooms_import_in_their_order():
+    runtime = {name: targets for name, targets in graph().items() if layer(name) == "runtime"}
+    upward = [f"{name} -> {t}" for name, targets in runtime.items() for t in targets
+              if layer(t) == "runtime" and runtime_rank(t) > runtime_rank(name)]
+    assert not upward, f"imports against the order of runtime's rooms {RUNTIME_ROOMS}: {upward}"
+
+
+def test_every_import_of_ours_goes_through_the_namespace():
+    bare = [f"{name}: {target}" for name, path in project_modules().items()
+            for target, _ in imports_of(path) if target.split(".")[0] != NAMESPACE]
+    assert not bare, f"imports of bare top-level names (use cabinllm.*): {bare}"
 
 
 def test_no_import_cycles():

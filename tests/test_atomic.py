@@ -13,10 +13,11 @@ from typing import Callable
 
 import pytest
 
-from builders.engine_build import BuildRequest, build_engine
+from cabinllm.builders.engine_build import BuildRequest, build_engine
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.formats.atomic import atomic_write_text, clean_leftovers, staging_folder
+
 from fakes.tiny_model import write_tiny_llama
-from runtime.atomic import atomic_write_text, clean_leftovers, staging_folder
-from runtime.engine import Engine
 
 OLD = {"a.txt": "old", "sub/b.txt": "old"}
 NEW = {"a.txt": "new", "sub/b.txt": "new"}

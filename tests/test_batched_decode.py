@@ -3,9 +3,10 @@ chunk of one sequence in the same step as the decode of others."""
 import pytest
 import torch
 
-from runtime.block_manager import OutOfBlocks, Sequence
-from runtime.generate import decode_batch, prefill
-from runtime.model import Span
+from cabinllm.runtime.errors import OutOfBlocks
+from cabinllm.runtime.generation.generate import decode_batch, prefill
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.model.transformer import Span
 
 VOCAB = 20  # the tiny model's vocabulary is small
 PROMPTS = [[5, 17, 3, 2, 9], [i % VOCAB for i in range(40, 87)], [11, 7, 7, 4, 3, 12, 19, 15, 1]]

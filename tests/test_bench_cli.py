@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from benchmarks.cli import main
-from builders.engine_build import BuildRequest, build_engine
-from builders.onnx_export import OnnxExportRequest, export_onnx
+from cabinllm.benchmarks.cli import main
+from cabinllm.builders.engine_build import BuildRequest, build_engine
+from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
+
 from fakes.tiny_model import write_tiny_llama
 
 

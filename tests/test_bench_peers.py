@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks import runner as runner_module
-from benchmarks.runner import Runner, Unavailable
-from benchmarks.runner_llamacpp import llamacpp_runners
-from benchmarks.runner_transformers import SETTINGS, cache_bytes, transformers_runners
+from cabinllm.benchmarks.runners import base as runner_module
+from cabinllm.benchmarks.runners.base import Runner, Unavailable
+from cabinllm.benchmarks.runners.llamacpp import llamacpp_runners
+from cabinllm.benchmarks.runners.transformers import SETTINGS, cache_bytes, transformers_runners
 
 
 def block_imports(monkeypatch, blocked: set[str]) -> None:

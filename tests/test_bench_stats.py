@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.claims import check_claims
-from benchmarks.machine import oversubscribed
-from benchmarks.multiturn import growth
-from benchmarks.runner import KVFootprint, Runner, RunTiming
-from benchmarks.speed import SpeedSamples, measure_speed, rotated, speed_ratios, speed_rows
-from benchmarks.stats import PairRatio, paired_ratio
+from cabinllm.benchmarks.claims import check_claims
+from cabinllm.benchmarks.machine import oversubscribed
+from cabinllm.benchmarks.multiturn import growth
+from cabinllm.benchmarks.paired import PairRatio, paired_ratio
+from cabinllm.benchmarks.runners.base import KVFootprint, Runner, RunTiming
+from cabinllm.benchmarks.speed import SpeedSamples, measure_speed, rotated, speed_ratios, speed_rows
 
 
 def fake_runner(name: str, family: str, decode: list[float], calls: list[str], fail_at: int | None = None) -> Runner:

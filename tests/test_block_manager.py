@@ -11,10 +11,12 @@ blocks, which an append never writes into: no copy-on-write is needed.)
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from runtime.block_manager import BlockManager, BlockStats, OutOfBlocks, Sequence
+from cabinllm.runtime.errors import OutOfBlocks
+from cabinllm.runtime.kv.blocks import BlockManager, BlockStats, Sequence
 
 
 def cdiv(a: int, b: int) -> int:

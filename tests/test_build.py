@@ -7,18 +7,24 @@ import math
 import pytest
 import torch
 
-from builders.engine_build import BuildRequest, build_engine
-from builders.planner import PlanRefused
-from builders.targets import TargetError
+from cabinllm.builders.engine_build import BuildRequest, build_engine
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.errors import PlanRefused, ScalesError, TargetError
+from cabinllm.runtime.formats.checkpoint import layer_prefix, load_checkpoint
+from cabinllm.runtime.formats.scales_file import (
+    KVScales,
+    LayerRanges,
+    load_scales,
+    load_scales_file,
+    model_fingerprint,
+    save_scales,
+)
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
+from cabinllm.runtime.model.transformer import Transformer
+from cabinllm.runtime.sources.model_source import import_model
+
 from fakes.tiny_model import write_tiny_llama
-from runtime.block_manager import Sequence
-from runtime.checkpoint import layer_prefix, load_checkpoint
-from runtime.engine import Engine
-from runtime.kv_cache import KvCacheConfig, PagedKVCache
-from runtime.kv_scales import LayerRanges, ScalesError, load_scales, load_scales_file, model_fingerprint, save_scales
-from runtime.kv_storage import KVScales
-from runtime.model import Transformer
-from runtime.model_source import import_model
 
 PROMPT = [1, 4, 3, 6, 7, 8, 9, 2, 1, 5, 10, 11, 12]  # ids of the tiny vocabulary
 SCALE = "attention.kv_cache_scaling_factor"
@@ -137,7 +143,7 @@ def test_built_engine_checkpoint_scales_equal_its_scales_file(engine_dir):
 
 
 def test_cli_reports_errors_with_exit_code_2(tiny, tmp_path, capsys):
-    from builders.cli import main
+    from cabinllm.cli.build import main
 
     code = main(["--model", str(tiny["model"]), "--target", "orin-nano-8gb", "--kv-cache", "fp8",
                  "--output", str(tmp_path / "x")])

@@ -7,23 +7,24 @@ import json
 import pytest
 import torch
 from conftest import TINY_ENGINE_SHAPE
-from fakes.tiny_model import write_tiny_llama
 from safetensors.torch import load_file
 
-from benchmarks.runner_cabin import weights_note
-from builders.cli import main as build_main
-from builders.engine_build import BuildRequest, build_engine
-from calibration.hf_model import transformers_model
-from calibration.weight_quant import calibration_tokens, modelopt_config
-from runtime.block_manager import Sequence
-from runtime.checkpoint import linear_inputs, load_checkpoint
-from runtime.engine import Engine
-from runtime.engine_folder import CHECKPOINT_DIR
-from runtime.generate import decode_batch, prefill, run_tokens
-from runtime.model_source import import_model
-from runtime.native_kernels import decode_step
-from runtime.tokenizer import ChatTokenizer
-from runtime.weight_formats import WEIGHT_FORMATS, awq_group_size
+from cabinllm.benchmarks.runners.cabin import weights_note
+from cabinllm.builders.engine_build import BuildRequest, build_engine
+from cabinllm.calibration.hf_model import transformers_model
+from cabinllm.calibration.weight_quant import calibration_tokens, modelopt_config
+from cabinllm.cli.build import main as build_main
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.formats.checkpoint import linear_inputs, load_checkpoint
+from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
+from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS, awq_group_size
+from cabinllm.runtime.generation.generate import decode_batch, prefill, run_tokens
+from cabinllm.runtime.kernels.bindings import decode_step
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.sources.model_source import import_model
+
+from fakes.tiny_model import write_tiny_llama
 
 QUIET = {"log": lambda _msg: None}
 

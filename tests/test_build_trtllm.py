@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-import builders.engine_build
-from builders.cli import main as cabin_build
-from builders.engine_build import BuildRequest, build_engine
-from builders.trtllm import TrtllmError
+import cabinllm.builders.engine_build
+from cabinllm.builders.engine_build import BuildRequest, build_engine
+from cabinllm.cli.build import main as cabin_build
+from cabinllm.runtime.errors import TrtllmError
+
 from fakes.tiny_model import write_tiny_llama
 
 FAKES = Path(__file__).parent / "fakes"
@@ -27,7 +28,7 @@ def fake_trtllm(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(bin_dir))
     monkeypatch.setenv("FAKE_TRTLLM_ARGV", str(tmp_path / "argv.json"))
     monkeypatch.syspath_prepend(str(FAKES))
-    monkeypatch.setattr(builders.engine_build, "local_sm", lambda: None)  # no GPU visible, as on a CPU host
+    monkeypatch.setattr(cabinllm.builders.engine_build, "local_sm", lambda: None)  # no GPU visible, as on a CPU host
     sys.modules.pop("tensorrt_llm", None)
     yield tmp_path / "argv.json"
     sys.modules.pop("tensorrt_llm", None)

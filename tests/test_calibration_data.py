@@ -5,12 +5,13 @@ import json
 
 import pytest
 
-from calibration import sharegpt
-from calibration.dialogues import DataError, Dialogue, LoadReport, check_messages
-from calibration.sessions import conversation_order, stitch
-from calibration.jsonl import load_jsonl
-from calibration.selection import prepare_dialogues, select_dialogues, split_of, tokenize_dialogue
-from calibration.sources import builtin_path, open_source
+from cabinllm.calibration import sharegpt
+from cabinllm.calibration.dialogue_data import Dialogue, LoadReport, check_messages
+from cabinllm.calibration.jsonl import load_jsonl
+from cabinllm.calibration.selection import prepare_dialogues, select_dialogues, split_of, tokenize_dialogue
+from cabinllm.calibration.sources import builtin_path, open_source
+from cabinllm.calibration.stitch import conversation_order, stitch
+from cabinllm.runtime.errors import DataError
 
 
 def test_builtin_set_is_big_bilingual_multi_turn_and_canonical():

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from calibration.clip_search import CANDIDATES, SEARCH_METHOD, ClipRule, clearly_lower
-from calibration.scales import compute_clips, layer_ranges, mse_clips, percentile_clips, quantization_mse
-from calibration.selection import prepare_dialogues
-from calibration.stats import KVStats, RangeStats, bin_edges, collect_stats
-from runtime.block_manager import Sequence
-from runtime.kv_scales import LayerRanges, ScalesError, load_scales, load_scales_file, save_scales
-from runtime.kv_storage import KVScales
+from cabinllm.calibration.clip_search import CANDIDATES, SEARCH_METHOD, ClipRule, clearly_lower
+from cabinllm.calibration.clips import compute_clips, layer_ranges, mse_clips, percentile_clips, quantization_mse
+from cabinllm.calibration.selection import prepare_dialogues
+from cabinllm.calibration.stats import KVStats, RangeStats, bin_edges, collect_stats
+from cabinllm.runtime.errors import ScalesError
+from cabinllm.runtime.formats.scales_file import KVScales, LayerRanges, load_scales, load_scales_file, save_scales
+from cabinllm.runtime.kv.blocks import Sequence
 
 
 def _stats_of(x: torch.Tensor) -> RangeStats:

@@ -5,11 +5,12 @@ import shutil
 import sys
 import types
 
-from builders.engine_build import DEFAULT_SYSTEM_PROMPT, BuildRequest, build_engine
+from cabinllm.builders.engine_build import DEFAULT_SYSTEM_PROMPT, BuildRequest, build_engine
+from cabinllm.cli.chat import main
+from cabinllm.runtime.dialogue.session_file import read_session_file
+from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, TRT_ENGINE_DIR, EngineFolder
+
 from fakes.tiny_model import write_tiny_llama
-from runtime.cli_chat import main
-from runtime.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, TRT_ENGINE_DIR, EngineFolder
-from runtime.session_store import read_session_file
 
 FIELDS = {"turn", "reply", "token_ids", "prefill_tokens", "reused_tokens", "ttft_s", "decode_tok_s",
           "kv_bytes_used", "kv_bytes_budget", "finish_reason"}

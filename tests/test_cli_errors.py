@@ -9,14 +9,16 @@ import sys
 
 import pytest
 
-import builders.engine_build
-import calibration.cli_eval
-import runtime.cli_args
-import runtime.cli_chat
-import runtime.session
-from builders import cli as build_cli, plan_cli
-from calibration import cli_calibrate, cli_eval
-from runtime.sampling import SamplingParams
+import cabinllm.builders.engine_build
+import cabinllm.cli.args
+import cabinllm.cli.chat
+import cabinllm.cli.eval
+import cabinllm.runtime.dialogue.session
+from cabinllm.cli import build as build_cli
+from cabinllm.cli import calibrate as cli_calibrate
+from cabinllm.cli import eval as cli_eval
+from cabinllm.cli import plan as plan_cli
+from cabinllm.runtime.generation.sampling import SamplingParams
 
 
 def run_cli(main, argv, capsys) -> tuple[int, str, str]:
@@ -63,52 +65,52 @@ CHAT_FLAGS = [("--kv-budget-mb", "inf"), ("--kv-budget-mb", "nan"), ("--kv-budge
 
 @pytest.mark.parametrize("flag,value", CHAT_FLAGS)
 def test_chat_numbers_out_of_range_are_one_error_naming_the_flag(tiny_engine_dir, script, capsys, flag, value):
-    code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
+    code, _, err = run_cli(cabinllm.cli.chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
                                                    flag, value], capsys)
     assert_one_error(code, err, flag, repr(value))
 
 
 def test_chat_budget_above_the_machines_memory_is_refused_before_allocating(tiny_engine_dir, script, capsys,
                                                                              monkeypatch):
-    monkeypatch.setattr(runtime.cli_args, "available_memory", lambda: 8 << 30)
-    code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
+    monkeypatch.setattr(cabinllm.cli.args, "available_memory", lambda: 8 << 30)
+    code, _, err = run_cli(cabinllm.cli.chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
                                                    "--kv-budget-mb", "1e6"], capsys)
     assert_one_error(code, err, "--kv-budget-mb 1e+06", "8,192 MiB of memory this machine has available")
 
 
 def test_chat_budget_below_one_byte_is_one_error(tiny_engine_dir, script, capsys):
-    code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
+    code, _, err = run_cli(cabinllm.cli.chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
                                                    "--kv-budget-mb", "1e-9"], capsys)
     assert_one_error(code, err, "--kv-budget-mb 1e-09 is less than one byte")
 
 
 def test_chat_budget_check_reads_this_machines_memory():
-    assert 0 < runtime.cli_args.available_memory() < 1 << 60
+    assert 0 < cabinllm.cli.args.available_memory() < 1 << 60
 
 
 def test_lone_surrogate_in_a_script_is_refused_naming_the_line(tiny_engine_dir, tmp_path, capsys, monkeypatch):
     script = tmp_path / "dialogue.jsonl"
     script.write_text('{"role": "user", "content": "set cabin"}\n{"role": "user", "content": "jazz \\ud800"}\n')
-    monkeypatch.setattr(runtime.cli_chat.Engine, "load", lambda path: pytest.fail("the engine was loaded"))
-    code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script)], capsys)
+    monkeypatch.setattr(cabinllm.cli.chat.Engine, "load", lambda path: pytest.fail("the engine was loaded"))
+    code, _, err = run_cli(cabinllm.cli.chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script)], capsys)
     assert_one_error(code, err, f"{script}:2", "lone surrogate \\ud800 at character 6")
 
 
 def test_lone_surrogate_in_the_system_prompt_is_refused(tiny_engine_dir, script, capsys):
-    code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
+    code, _, err = run_cli(cabinllm.cli.chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
                                                    "--system", "Be brief\udce9"], capsys)
     assert_one_error(code, err, "--system has a lone surrogate \\udce9 at character 9")
 
 
 def test_chat_json_output_on_a_full_disk_is_one_error(tiny_engine_dir, script, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdout", FullDisk())
-    code, _, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
+    code, _, err = run_cli(cabinllm.cli.chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script),
                                                    "--json", "--max-new-tokens", "2"], capsys)
     assert_one_error(code, err, "/mnt/full/out.jsonl", "the disk is full")
 
 
 def test_interactive_failures_keep_the_session(tiny_engine_dir, capsys, monkeypatch):
-    real_generate, calls = runtime.session.generate, []
+    real_generate, calls = cabinllm.runtime.dialogue.session.generate, []
 
     def generate_failing_once(*args, **kwargs):
         calls.append(1)
@@ -116,14 +118,14 @@ def test_interactive_failures_keep_the_session(tiny_engine_dir, capsys, monkeypa
             raise RuntimeError("the kernel failed")
         return real_generate(*args, **kwargs)
 
-    monkeypatch.setattr(runtime.session, "generate", generate_failing_once)
+    monkeypatch.setattr(cabinllm.runtime.dialogue.session, "generate", generate_failing_once)
     typed = iter(["set cabin temperature", "/foo bar", "play \ud800 jazz", "/stats", "play some jazz", "/quit"])
     monkeypatch.setattr(builtins, "input", lambda prompt="": next(typed))
-    code, out, err = run_cli(runtime.cli_chat.main, ["--engine", str(tiny_engine_dir), "--max-new-tokens", "3"],
+    code, out, err = run_cli(cabinllm.cli.chat.main, ["--engine", str(tiny_engine_dir), "--max-new-tokens", "3"],
                              capsys)
     assert code == 0 and "Traceback" not in out + err
     assert "error: the kernel failed (the conversation is kept)" in out
-    assert f"unknown command /foo; {runtime.cli_chat.HELP_COMMANDS}" in out
+    assert f"unknown command /foo; {cabinllm.cli.chat.HELP_COMMANDS}" in out
     assert "error: the message has a lone surrogate \\ud800" in out
     assert len(calls) == 2 and out.count("prefill") == 1  # neither /foo nor the surrogate went to the model
 
@@ -134,7 +136,7 @@ def test_build_on_a_full_disk_is_one_error_naming_the_file(tiny_engine_dir, tmp_
     def save_on_full_disk(folder, config, weights_):
         raise OSError(errno.ENOSPC, "No space left on device", str(weights))
 
-    monkeypatch.setattr(builders.engine_build, "save_checkpoint", save_on_full_disk)
+    monkeypatch.setattr(cabinllm.builders.engine_build, "save_checkpoint", save_on_full_disk)
     code, _, err = run_cli(build_cli.main, ["--model", str(tiny_engine_dir.parent / "model"), "--dtype", "float32",
                                             "--output", str(tmp_path / "out")], capsys)
     assert_one_error(code, err, str(weights), "the disk is full")
@@ -183,7 +185,7 @@ def test_eval_results_on_a_full_disk_are_one_error(tiny_engine_dir, tmp_path, ca
     def write_on_full_disk(path, text):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(calibration.cli_eval, "atomic_write_text", write_on_full_disk)
+    monkeypatch.setattr(cabinllm.cli.eval, "atomic_write_text", write_on_full_disk)
     code, _, err = run_cli(cli_eval.main, ["--model", str(tiny_engine_dir), "--output", str(tmp_path / "eval"),
                                            "--kv-cache", "fp16", "--num-dialogues", "1", "--max-tokens", "16"], capsys)
     assert_one_error(code, err, str(tmp_path / "eval"), "the disk is full")

@@ -8,19 +8,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from calibration.equalize import (MAX_FACTOR, MIN_PAIR_SCALE, equalization_factors, equalize, equalized_ranges,
-                                  first_token_kv, grid_rotation, pair_multipliers)
-from calibration.scales import compute_clips, layer_ranges
-from calibration.selection import prepare_dialogues
-from calibration.stats import collect_stats
-from runtime.block_manager import Sequence
-from runtime.checkpoint import load_checkpoint, layer_prefix
-from runtime.engine import Engine
-from runtime.engine_folder import CHECKPOINT_DIR
-from runtime.kv_cache import KvCacheConfig, PagedKVCache
-from runtime.kv_modes import bytes_per_token
-from runtime.kv_scales import LayerRanges
-from runtime.model import Transformer
+from cabinllm.calibration.clips import compute_clips, layer_ranges
+from cabinllm.calibration.equalize import (
+    MAX_FACTOR,
+    MIN_PAIR_SCALE,
+    equalization_factors,
+    equalize,
+    equalized_ranges,
+    first_token_kv,
+    grid_rotation,
+    pair_multipliers,
+)
+from cabinllm.calibration.selection import prepare_dialogues
+from cabinllm.calibration.stats import collect_stats
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.formats.checkpoint import layer_prefix, load_checkpoint
+from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
+from cabinllm.runtime.formats.scales_file import LayerRanges
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
+from cabinllm.runtime.kv.modes import bytes_per_token
+from cabinllm.runtime.model.transformer import Transformer
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import int8_ceiling, kv_oracle
-from calibration import cli_calibrate, cli_eval
-from calibration.calibrate import CalibrationRequest, calibrate
-from calibration.clip_search import CANDIDATES
-from calibration.evaluate import EVAL_MODES, Totals, accumulate, evaluate, stored_bytes_per_token
-from calibration.scales import DEFAULT_PERCENTILE, compute_clips
-from calibration.selection import prepare_dialogues, split_of
-from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK
-from runtime.kv_int4 import Int4KV
-from runtime.kv_modes import bytes_per_token, kv_mode
-from runtime.generate import run_tokens
-from runtime.kv_scales import load_scales_file
-from runtime.model_source import load_model
+from cabinllm.benchmarks.studies import int8_ceiling, kv_oracle
+from cabinllm.calibration.calibrate import CalibrationRequest, calibrate
+from cabinllm.calibration.clip_search import CANDIDATES
+from cabinllm.calibration.clips import DEFAULT_PERCENTILE, compute_clips
+from cabinllm.calibration.evaluate import EVAL_MODES, Totals, accumulate, evaluate, stored_bytes_per_token
+from cabinllm.calibration.selection import prepare_dialogues, split_of
+from cabinllm.cli import calibrate as cli_calibrate
+from cabinllm.cli import eval as cli_eval
+from cabinllm.runtime.formats.scales_file import load_scales_file
+from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK
+from cabinllm.runtime.kv.int4 import Int4KV
+from cabinllm.runtime.kv.modes import bytes_per_token, kv_mode
+from cabinllm.runtime.sources.model_source import load_model
 
 
 @pytest.fixture(scope="module")

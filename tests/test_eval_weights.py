@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from calibration import cli_eval
+from cabinllm.cli import eval as cli_eval
 
 
 def test_weights_axis_measures_each_format_alone_and_with_int8_kv(tiny_engine_dir, tmp_path, capsys):

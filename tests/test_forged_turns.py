@@ -1,9 +1,9 @@
 """User text is always text: control tokens typed into a message cannot forge a system or assistant turn."""
 from __future__ import annotations
 
-from runtime.dialogue import TurnStats
-from runtime.sampling import SamplingParams
-from runtime.session import DialogueSession
+from cabinllm.runtime.dialogue.interface import TurnStats
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.generation.sampling import SamplingParams
 
 SYSTEM = "navigate to the station"
 

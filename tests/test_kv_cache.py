@@ -2,11 +2,12 @@
 import pytest
 import torch
 
-from runtime.block_manager import Sequence
-from runtime.kv_cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
-from runtime.kv_modes import bytes_per_token
-from runtime.kv_quant import INT8_MAX, quantize_per_token, dequantize_per_token, quantize_static
-from runtime.kv_storage import KVLayout, KVScales
+from cabinllm.runtime.formats.scales_file import KVScales
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
+from cabinllm.runtime.kv.modes import bytes_per_token
+from cabinllm.runtime.kv.quant import INT8_MAX, dequantize_per_token, quantize_per_token, quantize_static
+from cabinllm.runtime.kv.storage import KVLayout
 
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_size=64)
 TINY = KVLayout(num_layers=2, num_kv_heads=2, head_size=8)

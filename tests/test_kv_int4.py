@@ -6,12 +6,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.block_manager import Sequence
-from runtime.kv_cache import KvCacheConfig, PagedKVCache
-from runtime.kv_int4 import (VALUE_GROUP, Int4KV, buffers_per_sequence, dequantize_keys, dequantize_values,
-                             pack_nibbles, quantize_keys, quantize_values, unpack_nibbles)
-from runtime.kv_modes import REFERENCE_KV_MODES, bytes_per_token
-from runtime.kv_storage import KVLayout, KVScales
+from cabinllm.runtime.formats.scales_file import KVScales
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
+from cabinllm.runtime.kv.int4 import (
+    VALUE_GROUP,
+    Int4KV,
+    buffers_per_sequence,
+    dequantize_keys,
+    dequantize_values,
+    pack_nibbles,
+    quantize_keys,
+    quantize_values,
+    unpack_nibbles,
+)
+from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES, bytes_per_token
+from cabinllm.runtime.kv.storage import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=64)
 TPB = 8

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from builders.hf_export import to_transformers
-from runtime.block_manager import Sequence
-from runtime.engine_folder import CHECKPOINT_DIR
-from runtime.generate import generate
-from runtime.sampling import SamplingParams
+from cabinllm.builders.hf_export import to_transformers
+from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
+from cabinllm.runtime.generation.generate import generate
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.blocks import Sequence
 
 
 @pytest.fixture(scope="module")

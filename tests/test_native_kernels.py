@@ -7,15 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import native_kernels
-from runtime.block_manager import Sequence
-from runtime.checkpoint import load_checkpoint
-from runtime.engine_folder import EngineFolder
-from runtime.kv_cache import KvCacheConfig, PagedKVCache
-from runtime.kv_modes import kv_mode
-from runtime.kv_storage import KVLayout, KVScales
-from runtime.model import Transformer, grouped_attention
-from runtime.native_kernels import StoredKV
+from cabinllm.runtime.formats.checkpoint import load_checkpoint
+from cabinllm.runtime.formats.engine_folder import EngineFolder
+from cabinllm.runtime.formats.scales_file import KVScales
+from cabinllm.runtime.kernels import bindings as native_kernels
+from cabinllm.runtime.kernels.bindings import StoredKV
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
+from cabinllm.runtime.kv.modes import kv_mode
+from cabinllm.runtime.kv.storage import KVLayout
+from cabinllm.runtime.model.transformer import Transformer, grouped_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the kernels")
 
@@ -84,7 +85,7 @@ def test_decode_attention_equals_torch_path(mode, kv_heads, group, head_size, to
 
 
 def test_int4_dequantize_equals_torch(monkeypatch):
-    from runtime.kv_int4 import dequantize_keys, dequantize_values, quantize_keys, quantize_values
+    from cabinllm.runtime.kv.int4 import dequantize_keys, dequantize_values, quantize_keys, quantize_values
     gen = torch.Generator().manual_seed(3)
     keys, values = torch.randn(5, 8, 2, 64, generator=gen), torch.randn(5, 8, 2, 64, generator=gen) * 4
     k, v = quantize_keys(keys), quantize_values(values)

@@ -12,20 +12,20 @@ import onnx
 import pytest
 import torch
 
-from benchmarks.onnx_compare import RUNS, perplexities
-from builders.export_cli import main as export_main
-from builders.onnx_export import OnnxExportRequest, export_onnx
-from builders.onnx_profiles import onnx_profile
-from runtime.checkpoint import CheckpointError
-from runtime.cli_chat import main as chat_main
-from runtime.engine_folder import MANIFEST_FILE, SCALES_FILE
-from runtime.generate import run_tokens
-from runtime.kv_cache import sized_config
-from runtime.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH
-from runtime.ort_session import load_onnx_engine
-from runtime.overflow import OverflowPolicy
-from runtime.sampling import SamplingParams
-from runtime.session import DialogueSession
+from cabinllm.benchmarks.studies.onnx_compare import RUNS, perplexities
+from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
+from cabinllm.builders.onnx_profiles import onnx_profile
+from cabinllm.cli.chat import main as chat_main
+from cabinllm.cli.export import main as export_main
+from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, SCALES_FILE
+from cabinllm.runtime.formats.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH
+from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import sized_config
 
 CONTEXT, CHUNK = 256, 16
 SYSTEM = "You are the in-car assistant."
@@ -189,7 +189,7 @@ def test_graphs_from_another_export_are_refused(exports, tmp_path):
 
 
 def test_an_interrupted_export_leaves_no_folder(tiny_engine_dir, tmp_path, monkeypatch):
-    import builders.onnx_export as onnx_export
+    import cabinllm.builders.onnx_export as onnx_export
 
     def interrupted(model, profile, name):
         if name == TOKEN_GRAPH:

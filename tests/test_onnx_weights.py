@@ -9,18 +9,19 @@ import onnx
 import pytest
 import torch
 from conftest import TINY_ENGINE_SHAPE
-from fakes.tiny_model import write_tiny_llama
-
-from builders.engine_build import BuildRequest, build_engine
-from builders.export_cli import main as export_main
-from builders.onnx_export import OnnxExportRequest, export_onnx
-from builders.onnx_profiles import onnx_profile
-from runtime.engine import Engine
-from runtime.engine_folder import MANIFEST_FILE
-from runtime.generate import run_tokens
-from runtime.onnx_folder import TOKEN_GRAPH
-from runtime.ort_session import load_onnx_engine
 from test_onnx_backend import SCRIPT, session
+
+from cabinllm.builders.engine_build import BuildRequest, build_engine
+from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
+from cabinllm.builders.onnx_profiles import onnx_profile
+from cabinllm.cli.export import main as export_main
+from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
+from cabinllm.runtime.formats.onnx_folder import TOKEN_GRAPH
+from cabinllm.runtime.generation.generate import run_tokens
+
+from fakes.tiny_model import write_tiny_llama
 
 CONTEXT, CHUNK = 128, 16
 QUIET = {"log": lambda _msg: None}

@@ -3,10 +3,10 @@ import dataclasses
 
 import pytest
 
-from runtime.kv_cache import sized_config
-from runtime.overflow import OverflowPolicy, drop_oldest_turns, sink_window
-from runtime.sampling import SamplingParams
-from runtime.session import DialogueSession
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, drop_oldest_turns, sink_window
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import sized_config
 
 SYSTEM = "You are the in-car assistant. Answer in one short sentence."
 QUESTIONS = ["navigate to the nearest charging station",  # in the tiny model's words too: distinct tokens on both

@@ -2,10 +2,10 @@
 needs, and a turn that cannot fit says what does not fit."""
 from __future__ import annotations
 
-from runtime.kv_cache import sized_config
-from runtime.overflow import OverflowPolicy
-from runtime.sampling import SamplingParams
-from runtime.session import DialogueSession
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import sized_config
 
 SYSTEM = "navigate to the station"
 SHORT = "set cabin temperature"

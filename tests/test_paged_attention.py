@@ -5,11 +5,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.block_manager import Sequence
-from runtime.kv_cache import KvCacheConfig, PagedKVCache
-from runtime.kv_modes import bytes_per_token
-from runtime.kv_storage import KVLayout
-from runtime.model import grouped_attention
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
+from cabinllm.runtime.kv.modes import bytes_per_token
+from cabinllm.runtime.kv.storage import KVLayout
+from cabinllm.runtime.model.transformer import grouped_attention
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=16)
 HEADS = 6

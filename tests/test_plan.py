@@ -10,13 +10,14 @@ from typing import NamedTuple
 
 import pytest
 
-from builders.dialogue_turns import TURNS_SOURCE, TYPICAL_TURN, measure_turn_tokens
-from builders.plan_cli import main as cabin_plan
-from builders.planner import CHUNK_TOKENS, REPLY_TOKENS, PlanRequest, make_plan
-from builders.targets import GIB, get_target, load_targets
-from builders.trtllm import build_args, flag_set
+from cabinllm.builders.dialogue_turns import TURNS_SOURCE, TYPICAL_TURN, measure_turn_tokens
+from cabinllm.builders.planner import CHUNK_TOKENS, REPLY_TOKENS, PlanRequest, make_plan
+from cabinllm.builders.targets import GIB, get_target, load_targets
+from cabinllm.builders.trtllm import build_args, flag_set
+from cabinllm.cli.plan import main as cabin_plan
+from cabinllm.runtime.sources.model_source import load_model_config
+
 from fakes.tiny_model import write_tiny_llama
-from runtime.model_source import load_model_config
 
 LLAMA3_8B = Path(__file__).parent / "data" / "llama3-8b" / "config.json"
 TARGETS = ("orin-nano-8gb", "orin-nx-16gb", "agx-orin-32gb", "agx-orin-64gb", "thor-128gb", "cpu")
@@ -173,7 +174,7 @@ def test_int8_never_asks_for_paged_context_fmha():
 
 
 def test_typical_turn_is_measured_on_the_builtin_set(default_engine):
-    from calibration.sources import open_source
+    from cabinllm.calibration.sources import open_source
 
     dialogues, _ = open_source("builtin")
     messages = [d.messages for d in dialogues]

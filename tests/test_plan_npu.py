@@ -10,16 +10,20 @@ from dataclasses import replace
 import pytest
 from conftest import TINY_ENGINE_SHAPE
 
-from builders.engine_build import GRAPHS_SUFFIX, BuildRequest, build_engine
-from builders.export_cli import export_request, main as cabin_export, parse_args as export_args
-from builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER, graph_plan, npu_weight_bytes
-from builders.memory_model import weights_bytes
-from builders.plan_cli import main as cabin_plan
-from builders.planner import MIN_TURNS, PlanRequest, make_plan
-from builders.targets import GIB, Backend, TargetError, get_target, load_targets
+from cabinllm.builders.engine_build import GRAPHS_SUFFIX, BuildRequest, build_engine
+from cabinllm.builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER, graph_plan, npu_weight_bytes
+from cabinllm.builders.memory_model import weights_bytes
+from cabinllm.builders.planner import MIN_TURNS, PlanRequest, make_plan
+from cabinllm.builders.targets import GIB, Backend, get_target, load_targets
+from cabinllm.cli.export import export_request
+from cabinllm.cli.export import main as cabin_export
+from cabinllm.cli.export import parse_args as export_args
+from cabinllm.cli.plan import main as cabin_plan
+from cabinllm.runtime.errors import TargetError
+from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
+from cabinllm.runtime.sources.model_source import load_model_config
+
 from fakes.tiny_model import write_tiny_llama
-from runtime.engine_folder import MANIFEST_FILE
-from runtime.model_source import load_model_config
 
 NPU_TARGETS = ("sa8295p-16gb", "sa8775p-36gb")
 KV_ELEMENTS = 2 * 3 * 2 * 8  # K and V x 3 layers x 2 KV heads x head size 8: one byte each in int8

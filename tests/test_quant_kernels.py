@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from runtime import native_kernels
-from runtime.quant_linear import Int4AwqLinear, Int8Linear, pack_int4, stack
+from cabinllm.runtime.kernels import bindings as native_kernels
+from cabinllm.runtime.model.linear import Int4AwqLinear, Int8Linear, pack_int4, stack
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the kernels")
 

@@ -5,17 +5,19 @@ import json
 
 import pytest
 import torch
-from fakes.tiny_model import write_tiny_llama
 
-from calibration.hf_model import transformers_model
-from calibration.weight_quant import calibration_tokens, quantize_weights, round_to_nearest
-from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from runtime.generate import run_tokens
-from runtime.model import Transformer
-from runtime.model_source import import_model
-from runtime.quant_linear import pack_int4, unpack_int4
-from runtime.tokenizer import ChatTokenizer
-from runtime.weight_formats import WEIGHT_FORMATS
+from cabinllm.calibration.hf_model import transformers_model
+from cabinllm.calibration.weight_quant import calibration_tokens, quantize_weights, round_to_nearest
+from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.formats.checkpoint import load_checkpoint, save_checkpoint
+from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
+from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.linear import linear_op, pack_int4, unpack_int4
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.model.transformer import Transformer
+from cabinllm.runtime.sources.model_source import import_model
+
+from fakes.tiny_model import write_tiny_llama
 
 SHAPE = {"hidden_size": 128, "intermediate_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2,
          "rope_theta": 100000.0}  # not TensorRT-LLM's default rotary_base: it must survive the export
@@ -83,7 +85,7 @@ def test_round_to_nearest_runs_in_the_awq_format(fp_checkpoint, tmp_path):
     save_checkpoint(tmp_path, config, weights)
     config, weights = load_checkpoint(tmp_path)
     assert config.quantization["group_size"] == 64  # the MLP's 192 inputs are not a multiple of 128
-    op = config.weight_format.linear({s: weights[f"transformer.layers.1.mlp.proj.{s}"]
+    op = linear_op(config.weight_format, {s: weights[f"transformer.layers.1.mlp.proj.{s}"]
                                       for s in config.weight_format.tensors}, config.quantization)
     original = fp_checkpoint[1]["transformer.layers.1.mlp.proj.weight"]
     step = op.scale.repeat_interleave(64, dim=1)

@@ -6,11 +6,12 @@ import time
 
 import pytest
 
-from runtime.block_manager import Sequence
-from runtime.generate import generate
-from runtime.sampling import SamplingParams
-from server.app import _stream
-from server.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
+from cabinllm.runtime.errors import QueueFull
+from cabinllm.runtime.generation.generate import generate
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.server.app import _stream
+from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
 
 VOCAB = 20
 PROMPTS = [[(7 * i + 3) % VOCAB or 1 for i in range(70)], [(5 * i + 1) % VOCAB or 2 for i in range(9)],

@@ -9,13 +9,14 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from runtime.overflow import OverflowPolicy
-from runtime.sampling import SamplingParams
-from runtime.session import DialogueSession
+from cabinllm.cli.serve import main
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.server.app import ServeConfig, create_app
+from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
+
 from serve_helpers import metrics, running_server
-from server.app import ServeConfig, create_app
-from server.cli import main
-from server.scheduler import Request, Scheduler, SchedulerConfig
 
 SYSTEM = " ".join(["what does the light mean"] * 8)  # longer than a KV block: shared by conversations
 TURNS = ["navigate to the nearest charging station", "set cabin temperature", "play some jazz"]

@@ -1,12 +1,12 @@
 """Dialogue sessions on the tiny and the default model: reuse across turns, shared prefixes, capacity, streaming."""
 import pytest
 
-from runtime.block_manager import Sequence
-from runtime.generate import generate
-from runtime.kv_cache import sized_config
-from runtime.sampling import SamplingParams
-from runtime.session import DialogueSession
-from runtime.streaming import TextStream
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.generation.generate import generate
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.generation.streaming import TextStream
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import sized_config
 
 SYSTEM = "You are the in-car assistant. Answer in one sentence."
 TURNS = ["Turn on the seat heating, please.", "How long until we reach Munich?", "Play something calm."]

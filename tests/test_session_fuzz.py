@@ -16,11 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
-from runtime.dialogue import SessionFileError, TurnStats
-from runtime.kv_cache import KvCacheConfig
-from runtime.sampling import SamplingParams
-from runtime.session import DialogueSession
-from runtime.session_store import read_session_file, write_session_file
+from cabinllm.runtime.dialogue.interface import TurnStats
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.dialogue.session_file import read_session_file, write_session_file
+from cabinllm.runtime.errors import SessionFileError
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import KvCacheConfig
 
 FUZZ = settings(max_examples=200, deadline=None)
 # floats below 1e-30 left out: a temperature under about 1e-36 overflows the sampler (logits / temperature)

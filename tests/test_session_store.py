@@ -7,13 +7,13 @@ import os
 import pytest
 from safetensors.torch import save
 
-from runtime import cli_chat
-from runtime.dialogue import SessionFileError
-from runtime.kv_cache import KvCacheConfig, PagedKVCache, sized_config
-from runtime.kv_storage import KVScales
-from runtime.sampling import SamplingParams
-from runtime.session import DialogueSession
-from runtime.session_store import SESSION_FORMAT, read_session_file, write_session_file
+from cabinllm.cli import chat as cli_chat
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.dialogue.session_file import SESSION_FORMAT, read_session_file, write_session_file
+from cabinllm.runtime.errors import SessionFileError
+from cabinllm.runtime.formats.scales_file import KVScales
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache, sized_config
 
 SYSTEM = "You are the in-car assistant. Answer in one sentence."
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from cabinllm.runtime.formats.checkpoint import ModelConfig
+from cabinllm.runtime.sources.model_source import import_model
+
 from fakes.tiny_model import write_tiny_llama
-from runtime.checkpoint import ModelConfig
-from runtime.model_source import import_model
 
 # functional.PositionEmbeddingType: from_string accepts these names (a subset: the ones a decoder checkpoint uses).
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope_gptj", "rope_gpt_neox", "long_rope", "alibi",

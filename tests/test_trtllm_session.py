@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.engine_folder import TRT_ENGINE_DIR
-from runtime.kv_cache import KvCacheConfig
-from runtime.overflow import OverflowPolicy
-from runtime.sampling import SamplingParams
-from runtime.trtllm_session import TrtllmSession
+from cabinllm.runtime.backends.trtllm import TrtllmSession
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy
+from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import KvCacheConfig
 
 SYSTEM = "You are the in-car assistant."
 REPLY = "set cabin temperature"  # the fake engine's reply, in words both the tiny and the default tokenizer spell back

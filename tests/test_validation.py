@@ -11,23 +11,24 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from builders.engine_build import BuildRequest, build_engine
-from builders.scales_source import clipping_warning, scales_from_file
-from calibration.quick_scales import quick_kv_scales
-from fakes.tiny_model import write_tiny_llama
-from runtime.checkpoint import CheckpointError, ModelConfig, load_checkpoint
-from runtime.cli_chat import main as chat_main
-from runtime.engine import Engine
-from runtime.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE
-from runtime.gguf_import import open_gguf
-from runtime.kv_scales import LayerRanges, ScalesError, load_scales_file, model_fingerprint, save_scales
-from runtime.kv_storage import KVScales
-from runtime.model import Transformer
-from runtime.model_source import import_model
-from runtime.tokenizer import ChatTokenizer
-from runtime.weight_plan import iter_weights
 from test_import import write_tiny_gguf
+
+from cabinllm.builders.engine_build import BuildRequest, build_engine
+from cabinllm.builders.scales_source import clipping_warning, scales_from_file
+from cabinllm.calibration.quick_scales import quick_kv_scales
+from cabinllm.cli.chat import main as chat_main
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.errors import CheckpointError, ScalesError
+from cabinllm.runtime.formats.checkpoint import ModelConfig, load_checkpoint
+from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE
+from cabinllm.runtime.formats.scales_file import KVScales, LayerRanges, load_scales_file, model_fingerprint, save_scales
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.model.transformer import Transformer
+from cabinllm.runtime.sources.gguf import open_gguf
+from cabinllm.runtime.sources.model_source import import_model
+from cabinllm.runtime.sources.weight_plan import iter_weights
+
+from fakes.tiny_model import write_tiny_llama
 
 
 def quiet(_msg: str) -> None:

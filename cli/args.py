@@ -1,0 +1,80 @@
+"""What the command-line tools share: argparse types for numbers that must be finite and in range (argparse
+names the flag in its error line and exits with code 2), and one line for a failed read or write."""
+from __future__ import annotations
+
+import argparse
+import errno
+import math
+import os
+from pathlib import Path
+from typing import Callable, TextIO
+
+from cabinllm.runtime.kv.memory import available_memory
+
+
+def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high`` (no upper end when None)."""
+    need = f"an integer >= {low}" + ("" if high is None else f" and <= {high}")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"need {need}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"need {need}, got {text!r}")
+        return value
+
+    return parse
+
+
+def float_range(low: float, high: float = math.inf, low_included: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number above ``low`` (or equal to it when ``low_included``) and at most ``high``."""
+    need = (f"a finite number {'>=' if low_included else '>'} {low:g}"
+            + (f" and <= {high:g}" if math.isfinite(high) else ""))
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"need {need}, got {text!r}") from None
+        if not (math.isfinite(value) and (value >= low if low_included else value > low) and value <= high):
+            raise argparse.ArgumentTypeError(f"need {need}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = int_range(1)
+non_negative_int = int_range(0)
+positive_float = float_range(0)
+non_negative_float = float_range(0, low_included=True)
+reserve_gib = float_range(0, 1024, low_included=True)  # GiB held on a board for other models (none has 1 TiB)
+
+
+def os_error_message(err: OSError, path: str | Path) -> str:
+    """One line for a failed read or write of ``path`` (or the file the error names): a full disk says so."""
+    where = err.filename or path
+    if err.errno == errno.ENOSPC:
+        return f"cannot write {where}: the disk is full; free some space (or write elsewhere) and run again"
+    return f"{where}: {err.strerror or err}"
+
+
+def output_name(stream: TextIO) -> str:
+    """The file a stream writes to (where the system can say, e.g. a redirected stdout), else its name."""
+    try:
+        return os.readlink(f"/proc/self/fd/{stream.fileno()}")
+    except (OSError, ValueError):
+        return getattr(stream, "name", "standard output")
+
+
+def kv_budget_bytes(megabytes: float) -> int:
+    """``--kv-budget-mb`` in bytes, refused (ValueError naming the flag) before anything is allocated when it is
+    under one byte or more than this machine's available memory."""
+    requested, available = megabytes * (1 << 20), available_memory()
+    if requested < 1:
+        raise ValueError(f"--kv-budget-mb {megabytes:g} is less than one byte; give a budget of some MiB")
+    if requested > available:
+        raise ValueError(f"--kv-budget-mb {megabytes:g} is more than the {available / 2**20:,.0f} MiB of "
+                         "memory this machine has available; choose a smaller --kv-budget-mb")
+    return int(requested)

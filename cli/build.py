@@ -1,0 +1,78 @@
+"""``cabin-build``: turn a model into an engine folder for a target (checkpoint, KV scales, plan, TensorRT engine)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cabinllm.builders.engine_build import DEFAULT_SYSTEM_PROMPT, BuildRequest, build_engine
+from cabinllm.cli.args import os_error_message, reserve_gib
+from cabinllm.runtime.errors import CheckpointError, PlanRefused, ScalesError, TargetError, TrtllmError
+from cabinllm.runtime.formats.chat_script import text_problem
+from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
+from cabinllm.runtime.kv.modes import KV_MODES
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options of cabin-build."""
+    parser = argparse.ArgumentParser(
+        prog="cabin-build",
+        description="Import a model (GGUF file, Hugging Face folder or TensorRT-LLM checkpoint folder) into a "
+                    "TensorRT-LLM checkpoint (weights full precision, W8A16 or W4A16_AWQ) with KV cache "
+                    "quantization, plan its memory on the target, run trtllm-build where it is installed (else "
+                    "record it as the step to run on the device; on an NPU target, record the planned cabin-export "
+                    "command) and write an engine folder with manifest.json.",
+    )
+    parser.add_argument("--model", default="default",
+                        help="'default' (embedded SmolLM2-135M-Instruct, the default), a .gguf file, an HF model "
+                             "folder or a TensorRT-LLM checkpoint folder (with its tokenizer files)")
+    parser.add_argument("--target", default="cpu", help="target profile from builders/data/targets.toml (default cpu); an "
+                        "NPU target (e.g. sa8775p-36gb) takes the graphs cabin-export writes from the folder next")
+    parser.add_argument("--output", required=True, type=Path, help="engine folder to write, e.g. engines/smollm2-int8")
+    parser.add_argument("--kv-cache", default="int8", choices=tuple(KV_MODES),
+                        help="KV cache storage the engine is built for (default int8); must be one the target takes")
+    parser.add_argument("--scales", type=Path, help="calibrated kv_scales.json for this model (default: a quick "
+                        "abs-max measurement on built-in sample exchanges)")
+    parser.add_argument("--calibrate", metavar="DATA", help="calibrate KV scales now on dialogues: builtin "
+                        "(cockpit set), sharegpt, or a .jsonl / ShareGPT .json file (instead of --scales)")
+    parser.add_argument("--equalize", action=argparse.BooleanOptionalAction, default=False,
+                        help="fold KV equalization into the weights: factors from the calibrated per-channel "
+                             "ranges, and the turn that stores the calibration data's first token's K/V exactly "
+                             "(default off)")
+    parser.add_argument("--reserve-gb", type=reserve_gib,
+                        help="GiB held for co-resident models; default: the profile's")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "float32"),
+                        help="stored dtype of full-precision weights (default float16)")
+    parser.add_argument("--weights", default="fp16", choices=tuple(WEIGHT_FORMATS),
+                        help="weight format: fp16 (full precision, as --dtype), int8 (W8A16) or int4-awq (W4A16_AWQ, "
+                             "group 128 where the input sizes allow, else 64), quantized with ModelOpt on the "
+                             "--calibrate dialogues (default builtin); a TensorRT-LLM checkpoint given as --model "
+                             "keeps its own (default fp16)")
+    parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT,
+                        help="the engine's default system prompt, recorded in manifest.json (cabin-chat --system "
+                             "overrides it; \"\" for none); default: %(default)r")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the output is up to date, or "
+                        "replace an engine folder built from other inputs")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = parse_args(argv)
+    request = BuildRequest(args.model, args.output, args.kv_cache, args.dtype, args.force, args.target, args.scales,
+                           args.equalize, args.reserve_gb, args.calibrate, args.system_prompt, args.weights)
+    try:
+        if problem := text_problem(args.system_prompt):
+            raise ValueError(f"--system-prompt {problem}")
+        build_engine(request, log=lambda msg: print(msg, file=sys.stderr))
+    except (CheckpointError, ScalesError, TargetError, PlanRefused, TrtllmError, FileExistsError, ValueError) as err:
+        print(f"cabin-build: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"cabin-build: error: {os_error_message(err, args.output)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""``cabin-chat``: talk to an engine, interactively or from a scripted dialogue."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import signal
+import sys
+from pathlib import Path
+
+from cabinllm.cli.args import (
+    float_range,
+    int_range,
+    kv_budget_bytes,
+    non_negative_float,
+    non_negative_int,
+    os_error_message,
+    output_name,
+    positive_float,
+    positive_int,
+)
+from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS, load_onnx_engine
+from cabinllm.runtime.backends.trtllm import TrtllmSession
+from cabinllm.runtime.dialogue.interface import Session, TurnStats
+from cabinllm.runtime.dialogue.overflow import OVERFLOW_POLICIES, OverflowPolicy
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.engine import Engine, kv_cache_config
+from cabinllm.runtime.errors import CheckpointError, ScalesError, ScriptError, SessionFileError
+from cabinllm.runtime.formats.chat_script import read_script, text_problem
+from cabinllm.runtime.formats.engine_folder import EngineFolder, read_manifest
+from cabinllm.runtime.formats.onnx_folder import ONNX_FORMAT
+from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
+from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES
+from cabinllm.runtime.kv.storage import KVLayout
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
+
+HELP_COMMANDS = "commands: /reset (new conversation), /stats (KV memory), /save FILE, /quit; Ctrl-C stops a reply"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options of cabin-chat."""
+    parser = argparse.ArgumentParser(prog="cabin-chat", description="Chat with a CabinLLM engine on a paged KV cache.")
+    parser.add_argument("--engine", required=True, type=Path,
+                        help="engine folder written by cabin-build, or graph folder written by cabin-export")
+    parser.add_argument("--script", type=Path, help="JSONL dialogue: optional first system line, then user lines")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per turn")
+    parser.add_argument("--system", help="system prompt (default: the engine's, recorded by cabin-build; \"\" for "
+                        "none; a script's system line wins)")
+    parser.add_argument("--kv-cache", choices=REFERENCE_KV_MODES, help="KV storage (default: what the engine was "
+                        "built for); static int8 modes use the engine's kv_scales.json")
+    parser.add_argument("--kv-budget-mb", type=positive_float, default=64.0,
+                        help="KV cache budget in MiB (default 64)")
+    parser.add_argument("--tokens-per-block", type=positive_int,
+                        help="tokens per KV block (default: the engine's target's)")
+    parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="sink-window",
+                        help="when a turn does not fit the budget: keep the system prompt and the most recent tokens "
+                             "(sink-window, default), drop the oldest turns (drop-turns), or refuse the turn (error)")
+    parser.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
+                        help="tensorrt-llm runs the engine's trt_engine/ through ModelRunnerCpp (needs tensorrt_llm); "
+                             "onnxruntime runs the graphs of a cabin-export folder on our paged cache; reference runs "
+                             "the PyTorch engine; auto picks by the folder (tensorrt-llm when both are present)")
+    parser.add_argument("--ort-provider", choices=tuple(ORT_PROVIDERS), default="cpu",
+                        help="ONNX Runtime execution provider of --backend onnxruntime (default cpu)")
+    parser.add_argument("--restore", type=Path, help="continue a session saved with /save (default: a new one)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128,
+                        help="longest reply in tokens (default 128)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
+                        help="sampling temperature; 0 = greedy (default 0)")
+    parser.add_argument("--top-k", type=non_negative_int, default=0,
+                        help="sample from the k most likely tokens (default 0 = all)")
+    parser.add_argument("--top-p", type=float_range(0, 1), default=1.0,
+                        help="nucleus sampling threshold, in (0, 1] (default 1.0)")
+    parser.add_argument("--seed", type=int_range(0, MAX_SEED), default=None,
+                        help="random seed for sampling (default: none, a fresh one each run)")
+    return parser.parse_args(argv)
+
+
+def open_session(args: argparse.Namespace, system: str | None) -> Session:
+    """Load the engine and start (or restore) a session on the chosen backend."""
+    return BACKENDS[_backend(args)](args, system)
+
+
+def _open_reference(args: argparse.Namespace, system: str | None) -> Session:
+    return _open_dialogue(args, system, Engine.load(args.engine))
+
+
+def _open_onnxruntime(args: argparse.Namespace, system: str | None) -> Session:
+    engine = load_onnx_engine(args.engine, args.ort_provider)
+    if args.kv_cache not in (None, engine.default_kv_mode):
+        raise ValueError(f"--kv-cache {args.kv_cache}: the graphs in {args.engine} take {engine.default_kv_mode} K/V; "
+                         f"leave --kv-cache out or export them again with cabin-export --kv-cache {args.kv_cache}")
+    return _open_dialogue(args, system, engine)
+
+
+def _open_dialogue(args: argparse.Namespace, system: str | None, engine: Engine) -> DialogueSession:
+    """A session on our paged cache (restored from --restore if given) for an engine whose model runs anywhere."""
+    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, kv_budget_bytes(args.kv_budget_mb),
+                                                      args.tokens_per_block))
+    if args.restore:
+        session = DialogueSession.restore(args.restore, engine, cache)
+        print(f"cabin-chat: restored {args.restore}: {session.turns} turns ({len(session.messages)} messages), "
+              f"{len(session.seq)} tokens of KV, no re-prefill", file=sys.stderr)
+        return session
+    return DialogueSession(engine, cache, _params(args, engine.stop_token_ids()), system, OverflowPolicy(args.overflow))
+
+
+def _params(args: argparse.Namespace, stop_token_ids: list[int]) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop_token_ids=stop_token_ids)
+
+
+def _backend(args: argparse.Namespace) -> str:
+    """The backend to run: the one asked for, or for auto the folder's kind (an ONNX export, a TensorRT engine where
+    tensorrt_llm is installed, else the reference engine)."""
+    if args.backend != "auto":
+        return args.backend
+    if (read_manifest(args.engine) or {}).get("format") == ONNX_FORMAT:
+        return "onnxruntime"
+    trt_engine = EngineFolder(args.engine).trt_engine
+    return "tensorrt-llm" if trt_engine.is_dir() and importlib.util.find_spec("tensorrt_llm") else "reference"
+
+
+def _open_trtllm_session(args: argparse.Namespace, system: str | None) -> TrtllmSession:
+    folder = EngineFolder(args.engine)
+    if not folder.trt_engine.is_dir():
+        raise CheckpointError(f"{folder.trt_engine}: no TensorRT engine; run the engine build on the device")
+    config = folder.config()
+    layout = KVLayout.of(config)
+    tokenizer = ChatTokenizer(folder.checkpoint)
+    budget = kv_budget_bytes(args.kv_budget_mb)
+    config = kv_cache_config(folder.manifest(), args.kv_cache, budget, args.tokens_per_block)
+    return TrtllmSession(folder.path, tokenizer, layout, config,
+                         _params(args, tokenizer.stop_token_ids), system, OverflowPolicy(args.overflow))
+
+
+BACKENDS = {"reference": _open_reference, "tensorrt-llm": _open_trtllm_session,
+            "onnxruntime": _open_onnxruntime}  # --backend -> opener; auto picks one of them
+
+
+def format_stats(stats: TurnStats) -> str:
+    """One human line of a turn's cost."""
+    return (f"[{stats.finish_reason}] prefill {stats.prefill_tokens} tok, reused {stats.reused_tokens} tok, "
+            f"TTFT {stats.ttft_s * 1000:.0f} ms, {stats.decode_tok_s:.1f} tok/s, "
+            f"KV {stats.kv_mode} {stats.kv_bytes_used / 2**20:.2f}/{stats.kv_bytes_budget / 2**20:.2f} MiB "
+            f"({stats.kv_bytes_per_token} B/token)")
+
+
+def run_script(session: Session, turns: list[str], as_json: bool) -> None:
+    """Play user turns from a script and print each reply."""
+    for text in turns:
+        stats = session.chat(text)
+        if as_json:
+            print(json.dumps(stats.to_dict(), ensure_ascii=False), flush=True)
+        else:
+            print(f"user> {text}\nassistant> {stats.reply}\n  {format_stats(stats)}", flush=True)
+            if stats.error:
+                print(f"  error: {stats.error}", flush=True)
+    if not as_json:
+        print(f"after {session.turns} turns: {session.describe_kv()}")
+
+
+def save_command(session: Session, path: str) -> str:
+    """Run /save FILE and say what happened."""
+    if not path:
+        return "usage: /save FILE"
+    try:
+        tokens = session.save(path)
+    except SessionFileError as err:
+        return f"could not save: {err}"
+    except OSError as err:
+        return f"could not save to {path}: {err.strerror}"
+    return f"saved {len(session.messages)} messages and {tokens} tokens of KV to {path}"
+
+
+def run_command(session: Session, command: str, argument: str) -> str:
+    """Run a slash command other than /quit and say what happened."""
+    if command == "/reset":
+        session.reset()
+        return "(conversation reset)"
+    if command == "/stats":
+        return session.describe_kv()
+    if command == "/save":
+        return save_command(session, argument)
+    return f"unknown command {command}; {HELP_COMMANDS}"
+
+
+def chat_turn(session: Session, text: str) -> None:
+    """Stream the reply to one message; Ctrl-C stops it and keeps the session."""
+    problem = text_problem(text)
+    if problem:
+        print(f"  error: the message {problem}")
+        return
+    interrupted = False
+
+    def on_sigint(signum, frame):
+        nonlocal interrupted
+        interrupted = True
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    print("assistant> ", end="", flush=True)
+    try:
+        stats = session.chat(text, on_text=lambda piece: print(piece, end="", flush=True),
+                             should_stop=lambda: interrupted)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    print(f"\n  {format_stats(stats)}")
+    if stats.error:
+        print(f"  error: {stats.error}")
+
+
+def run_interactive(session: Session) -> None:
+    """A terminal chat with streaming replies; a command or turn that fails is one line and the session is kept."""
+    system = session.messages[0]["content"] if session.messages and session.messages[0]["role"] == "system" else None
+    print(f"cabin-chat: {session.describe_kv()}\nsystem prompt: {system or '(none)'}\n{HELP_COMMANDS}")
+    while True:
+        try:
+            text = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        except UnicodeDecodeError:
+            print("  error: that line is not valid UTF-8 and was not sent; set the terminal to UTF-8")
+            continue
+        command, _, argument = text.partition(" ")
+        if command in ("/quit", "/exit"):
+            return
+        if not text:
+            continue
+        try:
+            if command.startswith("/"):
+                print(run_command(session, command, argument.strip()))
+            else:
+                chat_turn(session, text)
+        except Exception as err:  # one failed command or turn never ends the chat
+            print(f"\n  error: {str(err) or type(err).__name__} (the conversation is kept)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = parse_args(argv)
+    try:
+        system, turns = read_script(args.script) if args.script else (None, [])
+        if args.system and (problem := text_problem(args.system)):
+            raise ValueError(f"--system {problem}")
+        if system is None:
+            system = args.system if args.system is not None else EngineFolder(args.engine).system_prompt()
+        session = open_session(args, system or None)
+    except (CheckpointError, ScalesError, ScriptError, SessionFileError, ValueError) as err:
+        print(f"cabin-chat: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        if args.script:
+            run_script(session, turns, args.json)
+        else:
+            run_interactive(session)
+    except OSError as err:  # the output: a full disk under --json > FILE
+        print(f"cabin-chat: error: {os_error_message(err, output_name(sys.stdout))}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

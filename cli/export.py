@@ -1,0 +1,94 @@
+"""``cabin-export``: turn an engine folder into graphs for another runtime (today: static-shape ONNX)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cabinllm.builders.graph_plan import GraphPlan
+from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
+from cabinllm.builders.onnx_profiles import ONNX_PROFILES
+from cabinllm.builders.planner import PlanRequest, working_plan
+from cabinllm.builders.targets import Backend, get_target, load_targets
+from cabinllm.cli.args import os_error_message, positive_int
+from cabinllm.runtime.errors import CheckpointError, PlanRefused, ScalesError, TargetError
+from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, read_manifest
+from cabinllm.runtime.kv.modes import ONNX_KV_MODES
+from cabinllm.runtime.sources.model_source import load_model_config
+
+EXPORT_FORMATS = {"onnx": export_onnx}  # --format -> exporter
+DEFAULT_CONTEXT, DEFAULT_CHUNK, DEFAULT_KV, DEFAULT_PROFILE = 2048, 64, "int8", "npu"  # without --target
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options of cabin-export."""
+    parser = argparse.ArgumentParser(
+        prog="cabin-export",
+        description="Export an engine folder (cabin-build) to two static-shape ONNX graphs: a prompt graph of --chunk "
+                    "tokens and a token graph of 1, over a fixed KV window of --context tokens passed in and out, "
+                    "with manifest.json beside them. Run them with cabin-chat --backend onnxruntime.")
+    parser.add_argument("--engine", required=True, type=Path, help="engine folder written by cabin-build")
+    parser.add_argument("--format", default="onnx", choices=tuple(EXPORT_FORMATS), help="graph format (default onnx)")
+    parser.add_argument("--output", required=True, type=Path, help="graph folder to write (replaced as a whole)")
+    parser.add_argument("--target", help="an NPU target from builders/data/targets.toml (e.g. sa8775p-36gb): take "
+                        "--context, --chunk, --kv-cache and --profile from cabin-plan's plan of the engine's model "
+                        "there; a flag given as well wins (default: none)")
+    parser.add_argument("--context", type=positive_int,
+                        help=f"KV window the graphs see, in tokens: the longest dialogue they hold (default "
+                             f"{DEFAULT_CONTEXT}, or the --target plan's)")
+    parser.add_argument("--chunk", type=positive_int,
+                        help=f"tokens of the prompt graph (default {DEFAULT_CHUNK}, or the --target plan's)")
+    parser.add_argument("--kv-cache", choices=ONNX_KV_MODES,
+                        help=f"K/V form in and out of the graphs (int8: QDQ with the engine's calibrated scales; "
+                             f"default {DEFAULT_KV}, or the first the --target plan fits)")
+    parser.add_argument("--profile", choices=tuple(ONNX_PROFILES),
+                        help="; ".join(f"{p.name}: {p.description}" for p in ONNX_PROFILES.values())
+                        + f" (default {DEFAULT_PROFILE}, or the --target's)")
+    return parser.parse_args(argv)
+
+
+def export_request(args: argparse.Namespace) -> OnnxExportRequest:
+    """The export the arguments ask for: the flags given, then the --target plan's values, then the defaults."""
+    planned = target_graphs(args.engine, args.target, args.kv_cache) if args.target else None
+    context = args.context or (planned.context if planned else DEFAULT_CONTEXT)
+    chunk = args.chunk or (planned.chunk if planned else DEFAULT_CHUNK)
+    kv_cache = args.kv_cache or (planned.kv_cache if planned else DEFAULT_KV)
+    profile = args.profile or (planned.profile if planned else DEFAULT_PROFILE)
+    return OnnxExportRequest(args.engine, args.output, context, chunk, kv_cache, profile)
+
+
+def target_graphs(engine: Path, target_name: str, kv_cache: str | None) -> GraphPlan:
+    """The graphs cabin-plan plans for the engine's model on an NPU target (the first KV dtype that fits, unless
+    one is given); TargetError for a target that is not an NPU one, PlanRefused when nothing fits."""
+    target = get_target(target_name)
+    if read_manifest(engine) is None:
+        raise CheckpointError(f"{engine}: not an engine folder (no readable {MANIFEST_FILE}); build one with "
+                              f"cabin-build --target {target_name} --output {engine}")
+    if target.backend is not Backend.ONNX:
+        npu = [t.name for t in load_targets().values() if t.backend is Backend.ONNX]
+        raise TargetError(f"--target {target_name} runs {target.backend.value} engines, not ONNX graphs; give an NPU "
+                          f"target ({', '.join(npu)}) or leave --target out")
+    plan = working_plan(PlanRequest(str(engine), target, kv_dtype=kv_cache), load_model_config(str(engine)))
+    return next(kv.graphs for kv in plan.kv.values() if kv.graphs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = parse_args(argv)
+    try:
+        request = export_request(args)
+        EXPORT_FORMATS[args.format](request, log=lambda msg: print(msg, file=sys.stderr))
+    except (CheckpointError, ScalesError, FileExistsError, TargetError, PlanRefused, ValueError) as err:
+        print(f"cabin-export: error: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        print(f"cabin-export: error: {err.name} is not installed; pip install 'cabinllm[onnx]'", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"cabin-export: error: {os_error_message(err, args.output)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

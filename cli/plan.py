@@ -1,0 +1,149 @@
+"""``cabin-plan``: will the model fit the target next to the other models, and for how long a dialogue?"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+from cabinllm.builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER, GraphPlan
+from cabinllm.builders.memory_model import WEIGHT_FORMATS
+from cabinllm.builders.planner import MIB, KVPlan, Plan, PlanRequest, working_plan
+from cabinllm.builders.targets import GIB, Backend, get_target
+from cabinllm.cli.args import os_error_message, output_name, reserve_gib
+from cabinllm.runtime.errors import CheckpointError, PlanRefused, TargetError
+from cabinllm.runtime.sources.model_source import load_model_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options of cabin-plan."""
+    parser = argparse.ArgumentParser(prog="cabin-plan", description=(
+        "Plan a model's memory on a target: weights, KV bytes per token for each KV dtype the target "
+        "allows, activations, KV pool, dialogue turns and the trtllm-build limits, or on an NPU target the "
+        "cabin-export arguments (KV window and prompt-graph tokens) and the cabin-chat budget."))
+    parser.add_argument("--model", default="default",
+                        help="'default' (the embedded SmolLM2-135M-Instruct, the default), a .gguf file, an HF model "
+                             "folder, or a bare HF config.json")
+    parser.add_argument("--target", required=True, help="target profile from builders/data/targets.toml, e.g. orin-nano-8gb, "
+                        "or an NPU target such as sa8775p-36gb")
+    parser.add_argument("--reserve-gb", type=reserve_gib, help="GiB held for co-resident models (ASR, TTS, vision); "
+                        "default: the profile's")
+    parser.add_argument("--weights", default="fp16", choices=WEIGHT_FORMATS, help="weight storage (default fp16)")
+    parser.add_argument("--kv-cache", help="plan one KV dtype only (refused when the target cannot run it); default: "
+                        "every KV dtype the target takes")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
+    return parser.parse_args(argv)
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    """The plan for the arguments; PlanRefused (with the nearest working plan) when it cannot work."""
+    config = load_model_config(args.model)
+    request = PlanRequest(args.model, get_target(args.target), args.weights, args.reserve_gb, args.kv_cache)
+    return working_plan(request, config)
+
+
+def format_table(plan: Plan) -> str:
+    """The plan as text: the memory budget, then one column per KV dtype, then the warnings and the commands."""
+    t, c, turn = plan.target, plan.config, plan.turn
+    line = f", TensorRT-LLM {t.trtllm_line}" if t.trtllm_line else ""
+    sm = f", SM{t.sm}" if t.sm else ""
+    npu = f"; cabin-export --profile {t.npu.onnx_profile}, --ort-provider {t.npu.ort_provider}" if t.npu else ""
+    held = f" (floats as {t.weights_in_memory})" if t.weights_in_memory else ""
+    lines = [
+        f"{plan.request.model} ({c.architecture}, {c.num_hidden_layers} layers, {c.num_key_value_heads} KV heads x "
+        f"{c.head_size}, context {c.max_position_embeddings}) on {t.name}: {t.description}{sm}{line}{npu}",
+        f"memory: {t.memory_gib:.2f} GiB - OS {t.os_reserve_gib:.2f} - co-resident {plan.co_resident_bytes / GIB:.2f}"
+        f" - runtime {t.runtime_overhead_gib:.2f} - {plan.request.weights} weights{held} {plan.weights_bytes / GIB:.2f}"
+        f" = {plan.budget_bytes / GIB:.2f} GiB for activations and KV",
+        f"one turn = {turn.per_turn} tokens (user {turn.user} + assistant {turn.assistant}), system prompt "
+        f"{turn.system}; measured on {turn.measured_on} with the {turn.tokenizer} tokenizer",
+        "",
+    ]
+    rows = GRAPH_ROWS if t.backend is Backend.ONNX else ENGINE_ROWS
+    width = max(len(name) for name, _ in rows) + 2
+    col = max(13, *(len(name) + 2 for name in plan.kv))
+    lines.append(" " * width + "".join(f"{name:>{col}}" for name in plan.kv))
+    for name, cell in rows:
+        lines.append(f"{name:<{width}}" + "".join(f"{cell(kv):>{col}}" for kv in plan.kv.values()))
+    if plan.warnings:
+        lines += ["", "warnings:"] + [f"  - {w}" for w in plan.warnings]
+    for kv in plan.kv.values():
+        if kv.trtllm_build_args:
+            lines.append(f"trtllm-build for {kv.kv_dtype} KV (run in the engine folder): "
+                         f"trtllm-build {' '.join(kv.trtllm_build_args)}")
+        if kv.graphs:
+            lines.append(f"{kv.kv_dtype} KV: {kv.graphs.export_command()}")
+            lines.append(f"  then on the board: {kv.graphs.chat_command()}")
+    if t.backend is Backend.ONNX and any(kv.graphs for kv in plan.kv.values()):
+        weights = f" --weights {plan.request.weights}" if plan.request.weights != "fp16" else ""
+        lines.append(f"{ENGINE_PLACEHOLDER}: the folder cabin-build --target {t.name}{weights} writes; "
+                     f"{GRAPHS_PLACEHOLDER}: where the graphs go")
+    return "\n".join(lines)
+
+
+def _mib(value: int) -> str:
+    return f"{value / MIB:,.0f}"
+
+
+def _graphs(cell: Callable[[GraphPlan], str]) -> Callable[[KVPlan], str]:
+    """A table cell of the graphs' plan; '-' where the dtype does not fit."""
+    return lambda kv: cell(kv.graphs) if kv.graphs else "-"
+
+
+ENGINE_ROWS: list[tuple[str, Callable[[KVPlan], str]]] = [
+    ("KV bytes/token", lambda kv: f"{kv.bytes_per_token:,}"),
+    ("activations MiB", lambda kv: _mib(kv.activation_bytes)),
+    ("KV tokens memory holds", lambda kv: f"{kv.max_kv_tokens:,}"),
+    ("max_seq_len", lambda kv: f"{kv.max_seq_len:,}"),
+    ("max_input_len", lambda kv: f"{kv.max_input_len:,}"),
+    ("max_num_tokens", lambda kv: f"{kv.max_num_tokens:,}"),
+    ("tokens_per_block", lambda kv: str(kv.tokens_per_block)),
+    ("KV blocks", lambda kv: f"{kv.num_blocks:,}"),
+    ("KV pool MiB", lambda kv: _mib(kv.kv_pool_bytes)),
+    ("memory left GiB", lambda kv: f"{kv.memory_left_bytes / GIB:,.2f}"),
+    ("est. turns", lambda kv: f"{kv.est_turns:,}"),
+    ("prefill tokens/turn", lambda kv: f"{kv.prefill_tokens_per_turn['mean']:,}"),
+    ("block reuse", lambda kv: "yes" if kv.block_reuse else "no"),
+    ("fits", lambda kv: "yes" if kv.fits else "NO"),
+]
+GRAPH_ROWS: list[tuple[str, Callable[[KVPlan], str]]] = [
+    ("KV bytes/token", lambda kv: f"{kv.bytes_per_token:,}"),
+    ("--context (KV window)", lambda kv: f"{kv.max_seq_len:,}"),
+    ("--chunk (prompt graph)", lambda kv: f"{kv.max_num_tokens:,}"),
+    ("KV tokens memory holds", lambda kv: f"{kv.max_kv_tokens:,}"),
+    ("graphs' KV in/out MiB", _graphs(lambda g: _mib(g.kv_io_bytes))),
+    ("host window MiB", _graphs(lambda g: _mib(g.window_bytes))),
+    ("host paged cache MiB", _graphs(lambda g: _mib(g.cache_bytes))),
+    ("activations MiB", lambda kv: _mib(kv.activation_bytes)),
+    ("NPU prompt graph MiB", _graphs(lambda g: _mib(g.npu_graph_bytes) if g.npu_graph_bytes else "-")),
+    ("memory left GiB", lambda kv: f"{kv.memory_left_bytes / GIB:,.2f}"),
+    ("est. turns", lambda kv: f"{kv.est_turns:,}"),
+    ("prefill tokens/turn", lambda kv: f"{kv.prefill_tokens_per_turn['mean']:,}"),
+    ("fits", lambda kv: "yes" if kv.fits else "NO"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: exit 0 with the plan, 2 with a refusal (reason and nearest working config) or bad input."""
+    args = parse_args(argv)
+    try:
+        plan = plan_from_args(args)
+    except PlanRefused as refused:
+        if args.json:
+            nearest = refused.nearest.to_json() if refused.nearest else None
+            print(json.dumps({"refused": {"reason": refused.reason, "nearest": nearest}}, indent=2))
+        print(f"cabin-plan: refused: {refused}", file=sys.stderr)
+        return 2
+    except (CheckpointError, TargetError, ValueError) as err:
+        print(f"cabin-plan: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        print(json.dumps(plan.to_json(), indent=2) if args.json else format_table(plan), flush=True)
+    except OSError as err:  # a full disk under --json > FILE
+        print(f"cabin-plan: error: {os_error_message(err, output_name(sys.stdout))}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

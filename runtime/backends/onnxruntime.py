@@ -1,0 +1,202 @@
+"""The ONNX Runtime backend: the exported static graphs (cabinllm.runtime.formats.onnx_folder) run by ONNX Runtime, while our
+paged KV cache holds the dialogue.
+
+``OrtModel`` has the reference model's ``forward`` (tokens at positions [start, start + N) of a sequence
+whose slots are allocated): new tokens go through the prompt graph in chunks of ``chunk`` (the last one
+padded and masked), a single token through the token graph. The graphs see a fixed window of ``context``
+past tokens; the host keeps that window as one array per layer and per K/V, filled from the cache's blocks
+whenever it does not hold the sequence's first ``start`` tokens (a new turn after eviction, another
+sequence) and else only extended by the rows each step returns, which are also written into the cache's
+blocks in its own storage form (int8 codes with the same static scales). So the dialogue machinery of the
+reference engine (``cabinllm.runtime.dialogue.session.DialogueSession``: reuse of earlier turns, block hashes, budget,
+overflow policies, session files) runs unchanged on it; the context it plans against is the graphs'
+``context``. ``logits_over`` scores a cached sequence token by token over the K/V another backend stored, so
+two backends can be compared on the same INT8 codes. onnxruntime is imported only here, only when used.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.formats.onnx_folder import (
+    EXPORT_AGAIN,
+    MASKED,
+    PROMPT_GRAPH,
+    TOKEN_GRAPH,
+    OnnxFolder,
+    new_key,
+    new_value,
+    past_key,
+    past_value,
+)
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import PagedKVCache
+from cabinllm.runtime.kv.storage import KVLayout, gather
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
+
+_UINT8_ZERO_POINT = 128  # int8 codes passed as uint8
+# --ort-provider name -> ONNX Runtime execution provider
+ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
+                 "tensorrt": "TensorrtExecutionProvider", "qnn": "QNNExecutionProvider"}
+
+
+class _Graph:
+    """One loaded graph: its session, its token count and the mask block of its new tokens."""
+
+    def __init__(self, session, tokens: int, layers: int) -> None:
+        self.session, self.tokens = session, tokens
+        self.outputs = ["logits"] + [name for i in range(layers) for name in (new_key(i), new_value(i))]
+        self.causal = np.triu(np.full((tokens, tokens), MASKED, dtype=np.float32), k=1)
+
+
+class OrtModel:
+    """The prompt and token graphs of an export, with the reference model's ``forward``."""
+
+    def __init__(self, folder: OnnxFolder, manifest: dict, provider: str = "cpu", threads: int | None = None) -> None:
+        config = folder.config(manifest)
+        self.context, self.chunk = int(manifest["context"]), int(manifest["chunk"])
+        self.config = replace(config, max_position_embeddings=min(config.max_position_embeddings, self.context))
+        self.kv = folder.kv_graph(manifest)
+        self.kv_dtype = np.dtype(self.kv.dtype)
+        if self.kv.zero_point not in (None, 0, _UINT8_ZERO_POINT):
+            raise CheckpointError(f"{folder.path}: KV zero point {self.kv.zero_point}; the runtime passes int8 codes as "
+                                  f"int8 (zero point 0) or uint8 (zero point {_UINT8_ZERO_POINT}); {EXPORT_AGAIN}")
+        layers = config.num_hidden_layers
+        self.graphs = {tokens: _Graph(_session(folder, manifest, name, provider, threads), tokens, layers)
+                       for name, tokens in ((PROMPT_GRAPH, self.chunk), (TOKEN_GRAPH, 1))}
+        heads, d = config.num_key_value_heads, config.head_size
+        self.window = [np.zeros(shape, self.kv_dtype) for _ in range(layers)  # K0, V0, K1, V1, ...
+                       for shape in ((1, heads, d, self.context), (1, heads, self.context, d))]
+        self.window_tokens: list[int] = []  # the tokens whose K/V the window holds, from position 0
+        self.window_cache: PagedKVCache | None = None
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Shape of this model's KV cache."""
+        return KVLayout.of(self.config)
+
+    def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated; writes their
+        K/V into the cache and returns logits of the last token (vocab,) or of every token (N, vocab)."""
+        end = start_pos + len(token_ids)
+        if end > self.context:  # the session plans against config.max_position_embeddings = context
+            raise ValueError(f"position {end} exceeds the graphs' KV window of {self.context} tokens")
+        self._fill_window(cache, seq, start_pos)
+        graph = self.graphs[1 if len(token_ids) == 1 else self.chunk]
+        logits = [self._run(graph, token_ids[i:i + graph.tokens], start_pos + i, cache, seq)
+                  for i in range(0, len(token_ids), graph.tokens)]
+        return torch.cat(logits) if all_logits else logits[-1][-1]
+
+    def _fill_window(self, cache: PagedKVCache, seq: Sequence, start: int) -> None:
+        """Make the window hold the K/V of the sequence's first ``start`` tokens, from the cache's blocks unless it
+        holds them already."""
+        if cache is self.window_cache and self.window_tokens[:start] == seq.token_ids[:start] \
+                and len(self.window_tokens) >= start:
+            return
+        block_table = cache.block_table(seq)
+        for layer in range(self.config.num_hidden_layers):
+            stored = cache.storage.stored_kv(layer, block_table, start)
+            k, v = (self._to_graph(gather(pool, block_table, start).numpy()) for pool in (stored.k, stored.v))
+            self._set_window(layer, 0, k, v)
+        self.window_cache, self.window_tokens = cache, list(seq.token_ids[:start])
+
+    def logits_over(self, cache: PagedKVCache, seq: Sequence) -> torch.Tensor:
+        """Logits (N, vocab) of each of a cached sequence's N tokens, each from the token graph over the cache's
+        stored K/V of the tokens before it, whoever wrote them; nothing is written back."""
+        if len(seq) > self.context:
+            raise ValueError(f"{len(seq)} tokens exceed the graphs' KV window of {self.context} tokens")
+        self._fill_window(cache, seq, len(seq))
+        graph = self.graphs[1]
+        return torch.cat([self._call(graph, [token], position)[0] for position, token in enumerate(seq.token_ids)])
+
+    def _call(self, graph: _Graph, piece: list[int], start: int) -> tuple[torch.Tensor, list[np.ndarray]]:
+        """One graph call for up to ``graph.tokens`` tokens at ``start`` over the window's first ``start`` tokens;
+        their logits (n, vocab) and the new K/V outputs (each for ``graph.tokens`` rows)."""
+        n, tokens = len(piece), graph.tokens
+        ids, positions = np.zeros((1, tokens), np.int64), np.zeros((1, tokens), np.int64)
+        ids[0, :n], positions[0, :n] = piece, np.arange(start, start + n)
+        mask = np.full((1, 1, tokens, self.context + tokens), MASKED, np.float32)
+        mask[0, 0, :n, :start] = 0.0
+        mask[0, 0, :, self.context:] = graph.causal
+        feeds = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
+        for layer in range(self.config.num_hidden_layers):
+            feeds[past_key(layer)], feeds[past_value(layer)] = self.window[2 * layer], self.window[2 * layer + 1]
+        logits, *kv = graph.session.run(graph.outputs, feeds)
+        return torch.from_numpy(logits[0, :n]), kv
+
+    def _run(self, graph: _Graph, piece: list[int], start: int, cache: PagedKVCache, seq: Sequence) -> torch.Tensor:
+        """One graph call for up to ``graph.tokens`` tokens at ``start``, their K/V stored in the window and the
+        cache; their logits (n, vocab)."""
+        n = len(piece)
+        logits, kv = self._call(graph, piece, start)
+        slots = cache.slots(seq, start, start + n)
+        for layer in range(self.config.num_hidden_layers):
+            k, v = kv[2 * layer][0, :n], kv[2 * layer + 1][0, :n]
+            self._set_window(layer, start, k, v)
+            cache.storage.write_stored(layer, slots, self._to_cache(k), self._to_cache(v))
+        self.window_tokens[start:] = piece
+        return logits
+
+    def _set_window(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Put K/V rows (tokens, kv_heads, head_size) of positions from ``start`` into the layer's window."""
+        end = start + len(k)
+        self.window[2 * layer][0, :, :, start:end] = k.transpose(1, 2, 0)
+        self.window[2 * layer + 1][0, :, start:end] = v.transpose(1, 0, 2)
+
+    def _to_graph(self, stored: np.ndarray) -> np.ndarray:
+        """Cache elements as the graphs take them: an int8 code q as the uint8 q + 128 (q's byte with its top bit
+        flipped) where the graphs take uint8."""
+        if self.kv.zero_point == _UINT8_ZERO_POINT:
+            return (stored.view(np.uint8) ^ np.uint8(_UINT8_ZERO_POINT)).view(self.kv_dtype)
+        return stored
+
+    def _to_cache(self, rows: np.ndarray) -> torch.Tensor:
+        """Graph K/V rows as the cache stores them (uint8 q + 128 back to the int8 code q)."""
+        if self.kv.zero_point == _UINT8_ZERO_POINT:
+            rows = (rows.view(np.uint8) ^ np.uint8(_UINT8_ZERO_POINT)).view(np.int8)
+        return torch.from_numpy(np.ascontiguousarray(rows))
+
+
+def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threads: int | None):
+    """An ONNX Runtime session of one graph, its metadata checked against the manifest."""
+    try:
+        import onnxruntime as ort
+    except ModuleNotFoundError as err:
+        raise CheckpointError(f"{folder.path}: running ONNX graphs needs onnxruntime, which is not installed; "
+                              "pip install 'cabinllm[onnx]'") from err
+    if provider not in ORT_PROVIDERS:
+        raise ValueError(f"unknown ONNX Runtime provider {provider!r}; choose one of {', '.join(ORT_PROVIDERS)}")
+    available = ort.get_available_providers()
+    if ORT_PROVIDERS[provider] not in available:
+        raise ValueError(f"this ONNX Runtime has no {ORT_PROVIDERS[provider]} (it has {', '.join(available)}); "
+                         f"install the onnxruntime package built with it, or choose --ort-provider cpu")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or torch.get_num_threads()  # as many threads as the reference engine
+    # ONNX Runtime maps weights.bin, which both graphs then read in place; prepacking would give each graph its own
+    # packed copy of every MatMul weight (a chat on the default model, measured: 1.34 GB of process memory with it,
+    # 0.32 GB without; decode steps as fast, 64-token prefill chunks about 20% slower)
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    path = folder.path / manifest["graphs"]["prompt" if name == PROMPT_GRAPH else "token"]
+    try:
+        session = ort.InferenceSession(str(path), options, providers=[ORT_PROVIDERS[provider]])
+    except Exception as err:  # onnxruntime raises its own exception types on a bad graph
+        raise CheckpointError(f"{path}: ONNX Runtime cannot load it ({str(err).splitlines()[0]}); "
+                              f"{EXPORT_AGAIN}") from err
+    folder.check_graph(path.name, session.get_modelmeta().custom_metadata_map, manifest)
+    return session
+
+
+def load_onnx_engine(folder: str | Path, provider: str = "cpu", threads: int | None = None) -> Engine:
+    """An exported graph folder as an ``Engine`` whose model runs on ONNX Runtime: sessions
+    (``cabinllm.runtime.dialogue.session.DialogueSession``) and ``run_tokens`` use it as they use the reference engine."""
+    folder = OnnxFolder(Path(folder))
+    manifest = folder.manifest()
+    model = OrtModel(folder, manifest, provider, threads)
+    return Engine(folder.path, model.config, model, ChatTokenizer(folder.tokenizer), manifest,
+                  manifest["model"]["fingerprint"], folder.scales(manifest))

@@ -1,0 +1,133 @@
+"""What to do when the next turn does not fit the KV budget, written once for every backend.
+
+- ``sink-window``: keep the first tokens (system prompt plus a few attention sinks, as in
+  StreamingLLM) and the most recent tokens; the kept window is prefilled again at
+  compacted positions, so RoPE positions stay contiguous and never pass the model's context.
+- ``drop-turns``: drop the oldest whole user/assistant turns, keep the system prompt, and
+  prefill what remains (the system prompt's blocks are found again by their hash).
+- ``error``: refuse the turn with ``finish_reason: "capacity"``; the session stays usable.
+
+A backend that appends each turn to the cached history aims to leave the history at most
+``keep_fraction`` of the budget after an eviction, so the next turns append again instead of
+evicting every turn; when the current turn alone needs more, it evicts just enough for it. A
+backend that prefills the whole history every turn fills the budget. Every policy keeps the
+system prompt and the whole current message; when those and the reply do not fit, the turn
+ends with a clear error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from cabinllm.runtime.errors import CapacityError
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
+
+OVERFLOW_POLICIES = ("sink-window", "drop-turns", "error")
+
+
+@dataclass
+class OverflowPolicy:
+    """Which policy, and how full the budget is after evicting on a backend that appends turns."""
+
+    name: str = "sink-window"
+    keep_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.name not in OVERFLOW_POLICIES:
+            raise ValueError(f"unknown overflow policy {self.name!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
+        if not 0 < self.keep_fraction <= 1:
+            raise ValueError("need 0 < keep_fraction <= 1")
+
+
+@dataclass
+class Room:
+    """What a backend can hold for one conversation."""
+
+    capacity: int  # tokens the conversation could hold, its reply included
+    fits: Callable[[int], bool]  # whether a rebuilt sequence of this many tokens (reply included) fits
+    appends_turns: bool  # the history stays cached and each turn appends to it
+
+
+@dataclass
+class TurnPlan:
+    """What a turn feeds: tokens to prefill, the messages and prompt they stand for, whether the
+    backend's sequence is rebuilt first, and how many tokens of the stream were left out."""
+
+    feed: list[int]
+    messages: list[dict]
+    prompt: str
+    rebuild: bool = True
+    evicted: int = 0
+
+
+def sink_window(tokens: list[int], sink: int, limit: int) -> list[int]:
+    """The first ``sink`` tokens and the most recent ones, ``limit`` tokens in all."""
+    if len(tokens) <= limit:
+        return tokens
+    recent = limit - sink
+    return tokens[:sink] + (tokens[-recent:] if recent > 0 else [])
+
+
+def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) -> list[dict] | None:
+    """Drop the oldest messages after the system prompt until ``fits``; None if even the last message alone does not."""
+    head = messages[:1] if messages and messages[0]["role"] == "system" else []
+    body = messages[len(head):]
+    while body:
+        if fits(head + body):
+            return head + body
+        body = body[1:]
+        while body and body[0]["role"] != "user":  # a turn starts with the user
+            body = body[1:]
+    return None
+
+
+def system_tokens(tokenizer: ChatTokenizer, messages: list[dict]) -> int:
+    """Tokens of the conversation's system prompt as the template renders it (0 without one)."""
+    if not messages or messages[0]["role"] != "system":
+        return 0
+    return len(tokenizer.encode_prompt(tokenizer.render(messages[:1], add_generation_prompt=False)))
+
+
+def capacity_hint(policy: OverflowPolicy, max_new_tokens: int, capacity: int) -> str:
+    """What the user can do about a turn that does not fit, leaving out the policy already chosen."""
+    hints = ["start a new conversation (/reset)", "raise --kv-budget-mb"]
+    if 2 * max_new_tokens > capacity:  # the reply's reservation is most of the budget
+        hints.insert(0, f"lower --max-new-tokens ({max_new_tokens} of the {capacity} tokens the budget holds are "
+                        "kept for the reply)")
+    if policy.name == "error":
+        hints.append("choose --overflow sink-window|drop-turns")
+    return ", ".join(hints[:-1]) + " or " + hints[-1]
+
+
+def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict], prompt: str, stream: list[int],
+                  room: Room, tokenizer: ChatTokenizer, max_new_tokens: int) -> TurnPlan:
+    """Apply the policy to a turn whose token stream (whole history plus the new message) does not fit.
+
+    Whatever the policy keeps, it keeps the system prompt and the whole current message with its
+    template headers; when even those and the reply do not fit, CapacityError says so.
+    """
+    capacity = room.capacity
+    most = capacity - max_new_tokens  # prompt tokens the budget takes at all
+    target = min(most, int(capacity * policy.keep_fraction) - max_new_tokens) if room.appends_turns else most
+    system = system_tokens(tokenizer, messages)
+    message = len(tokenizer.encode(prompt[len(tokenizer.render(messages[:-1], add_generation_prompt=False)):]))
+    if system + message > most:
+        raise CapacityError(f"the message is {message} tokens with its template headers, the system prompt {system} "
+                            f"and the reply may take {max_new_tokens} more: {system + message + max_new_tokens} "
+                            f"tokens, but the KV budget holds {capacity}; shorten the message")
+    if policy.name == "sink-window":
+        window = max(target, system + message)
+        head = min(system + sink_tokens, window - message)  # the system prompt always, the sink tokens if room
+        kept = sink_window(stream, head, window)
+        if room.fits(len(kept) + max_new_tokens):
+            return TurnPlan(kept, messages, prompt, evicted=len(stream) - len(kept))
+    elif policy.name == "drop-turns":
+        for limit in (target, most):  # leave room for the next turns if possible, else just fit this one
+            kept_messages = drop_oldest_turns(messages,
+                                              lambda m: len(tokenizer.encode_prompt(tokenizer.render(m))) <= limit)
+            if kept_messages:
+                kept_prompt = tokenizer.render(kept_messages)
+                ids = tokenizer.encode_prompt(kept_prompt)
+                return TurnPlan(ids, kept_messages, kept_prompt, evicted=max(0, len(stream) - len(ids)))
+    raise CapacityError(f"the turn needs {len(stream) + max_new_tokens} tokens of KV but the budget holds {capacity} "
+                        f"for this conversation (policy {policy.name})")

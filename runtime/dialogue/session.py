@@ -1,0 +1,182 @@
+"""A multi-turn dialogue on the reference engine and one paged KV cache.
+
+Each turn prefills only what is new since the last turn: the history's KV stays in
+the cache. A shared prefix (the system prompt) is found again through the cache's
+block hashes, so a second session starting the same way reuses its blocks. When a
+turn does not fit the budget, the session's overflow policy (cabinllm.runtime.dialogue.overflow) decides
+what to keep. Sessions are saved to and restored from session files (cabinllm.runtime.dialogue.session_file).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from cabinllm.runtime.dialogue.interface import TurnStats
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_hint, plan_overflow
+from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file, within_memory, write_session_file
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.errors import CapacityError, OutOfBlocks, SessionFileError
+from cabinllm.runtime.generation.generate import generate
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
+
+
+class DialogueSession:
+    """System, user and assistant messages plus the sequence that holds their KV."""
+
+    def __init__(self, engine: Engine, cache: PagedKVCache, params: SamplingParams | None = None,
+                 system_prompt: str | None = None, overflow: OverflowPolicy | None = None) -> None:
+        self.engine, self.cache = engine, cache
+        self.params = params or SamplingParams(stop_token_ids=engine.stop_token_ids())
+        self.overflow = overflow or OverflowPolicy("error")
+        self.system_prompt = system_prompt
+        self.seq = Sequence()         # the tokens whose K/V are in the cache
+        self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.pending: list[int] = []  # the last sampled token, fed with the next turn
+        self.transcript = ""          # the conversation text the KV and pending token stand for
+        self.turns = 0
+
+    @property
+    def fed(self) -> list[int]:
+        """The tokens whose K/V the cache holds for this conversation."""
+        return self.seq.token_ids
+
+    def chat(self, user_text: str, on_text: Callable[[str], None] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> TurnStats:
+        """Answer one user message; a turn that cannot fit ends with finish_reason 'capacity'."""
+        self.turns += 1
+        messages = self.messages + [{"role": "user", "content": user_text}]
+        try:
+            plan = self._plan(messages)
+            if plan.rebuild:
+                self._release()
+            result = generate(self.engine.model, self.cache, self.seq, plan.feed, self.params,
+                              self.engine.tokenizer.decode_reply, on_text, should_stop)
+        except CapacityError as err:
+            hint = capacity_hint(self.overflow, self.params.max_new_tokens, self._room().capacity)
+            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, f"{err}; {hint}")
+        self.messages = plan.messages + [{"role": "assistant", "content": result.text}]
+        self.pending = result.token_ids[-1:]
+        self.transcript = plan.prompt + self.engine.tokenizer.decode(result.token_ids)
+        return self._stats(result.text, result.token_ids, result.prefill_tokens, result.reused_tokens,
+                           result.ttft_s, result.decode_tok_s, result.finish_reason, plan.evicted)
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays) and release its KV blocks."""
+        self._release()
+        self.messages = self.messages[:1] if self.system_prompt else []
+        self.turns = 0
+
+    def describe_kv(self) -> str:
+        """KV memory of the session in one line."""
+        s = self.cache.stats()
+        return (f"KV {s.mode}: {len(self.seq)} tokens held, {s.bytes_used / 2**20:.2f} of "
+                f"{s.bytes_reserved / 2**20:.2f} MiB in use ({s.bytes_per_token} B/token); blocks free "
+                f"{s.blocks_free}, cached {s.blocks_cached}, in use {s.blocks_in_use}; prefix reuse hits "
+                f"{s.reuse_hits} blocks")
+
+    # -- persistence ---------------------------------------------------------------
+    def save(self, path: str | Path) -> int:
+        """Write messages, the KV of every token in its stored form and fingerprints to path atomically;
+        returns the tokens of KV saved."""
+        storage = self.cache.storage
+        if not self.cache.mode.per_token:
+            raise SessionFileError(f"saving a session needs per-token KV storage; {self.cache.mode.name} stores "
+                                   "whole blocks: chat with another --kv-cache to save")
+        tensors = {}
+        if self.seq:
+            slots = self.cache.slots(self.seq, 0, len(self.seq))
+            tensors = {name: t.flatten(1, 2)[:, slots].contiguous() for name, t in storage.token_tensors().items()}
+        write_session_file(path, {
+            "model_fingerprint": self.engine.fingerprint,
+            "scales_fingerprint": storage.scales_fingerprint(),
+            "kv_cache": self.cache.config.to_dict(),
+            "system_prompt": self.system_prompt,
+            "messages": self.messages,
+            "fed": self.fed,
+            "pending": self.pending,
+            "transcript": self.transcript,
+            "turns": self.turns,
+            "overflow": vars(self.overflow),
+            "params": vars(self.params),
+        }, tensors)
+        return len(self.seq)
+
+    @classmethod
+    def restore(cls, path: str | Path, engine: Engine, cache: PagedKVCache | None = None) -> "DialogueSession":
+        """Continue a saved session on an engine of the same model and scales, without re-prefill
+        (in a new cache like the saved one if none is given)."""
+        header, tensors = read_session_file(path)
+        if header["model_fingerprint"] != engine.fingerprint:
+            raise SessionFileError(f"{path}: saved with model {header['model_fingerprint']}, this engine runs "
+                                   f"{engine.fingerprint}; restore it with the engine it was saved from")
+        config = KvCacheConfig(**header["kv_cache"])
+        try:
+            cache = cache or engine.new_cache(within_memory(config))
+        except ValueError as err:
+            raise SessionFileError(f"{path}: {err}") from err
+        scales = cache.storage.scales_fingerprint()
+        if cache.mode.name != config.kv_mode or scales != header["scales_fingerprint"]:
+            raise SessionFileError(f"{path}: saved with {config.kv_mode} KV and scales "
+                                   f"{header['scales_fingerprint']}, the cache uses {cache.mode.name} and {scales}")
+        check_fits(path, header, tensors, cache.storage.token_tensors(), engine.config.vocab_size,
+                   engine.config.max_position_embeddings)
+        session = cls(engine, cache, SamplingParams(**header["params"]), header["system_prompt"],
+                      OverflowPolicy(**header["overflow"]))
+        fed = header["fed"]
+        if fed:
+            try:
+                reused = cache.allocate(session.seq, fed)
+            except OutOfBlocks as err:
+                raise SessionFileError(f"{path}: the session holds {len(fed)} tokens of KV, more than this cache "
+                                       f"holds ({err}); raise --kv-budget-mb") from err
+            slots = cache.slots(session.seq, reused, len(fed))
+            for name, t in cache.storage.token_tensors().items():
+                t.flatten(1, 2)[:, slots] = tensors[name][:, reused:]
+        session.messages, session.pending = header["messages"], header["pending"]
+        session.transcript, session.turns = header["transcript"], header["turns"]
+        return session
+
+    # -- planning ------------------------------------------------------------------
+    def _plan(self, messages: list[dict]) -> TurnPlan:
+        """Decide what to feed: append the new tokens, or rebuild the sequence under the policy."""
+        tok = self.engine.tokenizer
+        prompt = tok.render(messages)
+        history = self.fed + self.pending
+        if history and prompt.startswith(self.transcript):
+            new = tok.encode(prompt[len(self.transcript):])
+            if self._fits_append(len(self.pending) + len(new)):
+                return TurnPlan(self.pending + new, messages, prompt, rebuild=False)
+            stream = history + new
+        else:
+            stream = tok.encode_prompt(prompt)
+        room = self._room()
+        if room.fits(len(stream) + self.params.max_new_tokens):
+            return TurnPlan(stream, messages, prompt)
+        return plan_overflow(self.overflow, self.cache.config.sink_token_length, messages, prompt, stream, room,
+                             tok, self.params.max_new_tokens)
+
+    def _room(self) -> Room:
+        """What this conversation could hold once its own blocks are released."""
+        context = self.engine.config.max_position_embeddings
+        capacity = self.cache.capacity(self.seq)
+        tpb = self.cache.tokens_per_block
+        return Room(min(capacity, context), lambda n: n <= context and -(-n // tpb) * tpb <= capacity,
+                    appends_turns=True)
+
+    def _fits_append(self, new: int) -> bool:
+        """Whether ``new`` tokens plus a full reply fit after the tokens held now."""
+        total = new + self.params.max_new_tokens
+        return len(self.seq) + total <= self.engine.config.max_position_embeddings and self.cache.fits(self.seq, total)
+
+    def _release(self) -> None:
+        if self.seq:
+            self.cache.free(self.seq)
+        self.pending, self.transcript = [], ""
+
+    def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
+               finish: str, evicted: int, error: str | None = None) -> TurnStats:
+        s = self.cache.stats()
+        return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, s.bytes_used, s.bytes_reserved,
+                         s.bytes_per_token, s.mode, finish, evicted, self.overflow.name, error)

@@ -1,0 +1,51 @@
+"""Reading a scripted dialogue: JSONL with one ``{"role", "content"}`` message per line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cabinllm.runtime.errors import ScriptError
+
+
+def text_problem(text: str) -> str | None:
+    """Why a message cannot be encoded (a lone UTF-16 surrogate, as a JSON escape like "\\ud800" makes), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (f"has a lone surrogate \\u{ord(text[err.start]):04x} at character {err.start + 1}, which is no "
+                "character (an unpaired \\uXXXX escape, or a byte that is not UTF-8); write the character itself")
+    return None
+
+
+def read_script(path: str | Path) -> tuple[str | None, list[str]]:
+    """The optional system prompt (first line only) and the user turns of a script file."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise ScriptError(f"{path}: cannot read ({err.strerror})") from err
+    except UnicodeDecodeError as err:
+        raise ScriptError(f"{path}: not valid UTF-8 at byte {err.start}; save the file as UTF-8") from err
+    system, users = None, []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            message = json.loads(line)
+            role, content = message["role"], message["content"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ScriptError(f"{path}:{number}: expected {{\"role\": ..., \"content\": ...}} ({err})") from err
+        if not isinstance(content, str):
+            raise ScriptError(f"{path}:{number}: content must be a string")
+        problem = text_problem(content)
+        if problem:
+            raise ScriptError(f"{path}:{number}: content {problem}")
+        if role == "system" and system is None and not users:
+            system = content
+        elif role == "user":
+            users.append(content)
+        else:
+            raise ScriptError(f"{path}:{number}: role {role!r} not allowed here; use one first 'system' line, then 'user' lines")
+    if not users:
+        raise ScriptError(f"{path}: no user turns")
+    return system, users

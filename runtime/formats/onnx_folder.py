@@ -1,0 +1,151 @@
+"""The ONNX graph folder cabin-export writes and the ONNX Runtime backend reads: layout, graph inputs and
+outputs, manifest.
+
+Layout::
+
+    NAME/
+      manifest.json        context, chunk, KV mode and its graph type (element type, zero point, scales),
+                           opset, profile, the ops used, the weight format and how the linear layers
+                           carry it, the model (config, fingerprint), the engine's default system prompt
+      prompt.onnx          ``chunk`` new tokens over a window of ``context`` past tokens
+      token.onnx           1 new token over the same window
+      weights.bin          the weights both graphs read (ONNX external data)
+      tokenizer/           tokenizer.json and tokenizer_config.json
+
+Both graphs have static shapes (batch 1)::
+
+    input_ids       int64   [1, T]                 T = chunk (prompt) or 1 (token)
+    position_ids    int64   [1, T]
+    attention_mask  float32 [1, 1, T, context + T] 0 where a new token may attend, MASKED elsewhere:
+                                                   the window's slots first, then the T new tokens
+    past_key.L      KV      [1, kv_heads, head_size, context]   one pair per layer, K after RoPE
+    past_value.L    KV      [1, kv_heads, context, head_size]
+    ->
+    logits          float32 [1, T, vocab]
+    new_key.L       KV      [1, T, kv_heads, head_size]         the new tokens' K/V only
+    new_value.L     KV      [1, T, kv_heads, head_size]
+
+The window comes in the layouts attention multiplies by (K transposed: q @ K, then probs @ V), so no
+graph copies or transposes it; the new rows go out token-major, as the paged cache stores them. Each
+graph's metadata records the model fingerprint, context, chunk and KV mode it was built for; loading
+checks them against the manifest. A folder is written whole (cabinllm.runtime.formats.atomic).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.formats.checkpoint import ModelConfig
+from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, read_manifest
+from cabinllm.runtime.formats.scales_file import KVScales
+
+ONNX_FORMAT = "cabin-onnx/1"
+PROMPT_GRAPH = "prompt.onnx"
+TOKEN_GRAPH = "token.onnx"
+WEIGHTS_FILE = "weights.bin"
+TOKENIZER_DIR = "tokenizer"
+MASKED = -30000.0  # additive mask of a slot a token may not attend to: finite, and in fp16 range for NPUs
+EXPORT_AGAIN = "export it again with cabin-export"
+# metadata every graph carries -> the manifest value it must equal
+GRAPH_METADATA = ("model_fingerprint", "context", "chunk", "kv_cache")
+
+
+def past_key(layer: int) -> str:
+    """Input name of a layer's past K."""
+    return f"past_key.{layer}"
+
+
+def past_value(layer: int) -> str:
+    """Input name of a layer's past V."""
+    return f"past_value.{layer}"
+
+
+def new_key(layer: int) -> str:
+    """Output name of a layer's new K."""
+    return f"new_key.{layer}"
+
+
+def new_value(layer: int) -> str:
+    """Output name of a layer's new V."""
+    return f"new_value.{layer}"
+
+
+@dataclass(frozen=True)
+class KvGraphType:
+    """How the graphs pass K/V in and out: element type, and for 8-bit codes the zero point and per-layer scales
+    (the cache's int8 code q travels as q + zero_point)."""
+
+    dtype: str  # numpy name: float32, float16, int8, uint8
+    zero_point: int | None = None
+    scales: list[float] | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {"dtype": self.dtype, "zero_point": self.zero_point, "scales": self.scales}
+
+
+def graph_metadata(manifest: dict) -> dict[str, str]:
+    """The metadata a graph of this folder carries (strings, as ONNX stores them)."""
+    values = {"model_fingerprint": manifest["model"]["fingerprint"], "context": manifest["context"],
+              "chunk": manifest["chunk"], "kv_cache": manifest["kv_cache"]}
+    return {f"cabin.{key}": str(values[key]) for key in GRAPH_METADATA}
+
+
+@dataclass(frozen=True)
+class OnnxFolder:
+    """An exported graph folder on disk."""
+
+    path: Path
+
+    @property
+    def tokenizer(self) -> Path:
+        """The tokenizer files."""
+        return self.path / TOKENIZER_DIR
+
+    def manifest(self) -> dict:
+        """The manifest, checked for the keys the runtime reads; CheckpointError naming what is wrong."""
+        manifest = read_manifest(self.path)
+        if manifest is None or manifest.get("format") != ONNX_FORMAT:
+            raise CheckpointError(f"{self.path}: no {MANIFEST_FILE} of an ONNX export ({ONNX_FORMAT}); "
+                                  "write one with cabin-export --format onnx")
+        try:
+            context, chunk = int(manifest["context"]), int(manifest["chunk"])
+            self.config(manifest)
+            self.kv_graph(manifest)
+            if not isinstance(manifest["model"]["fingerprint"], str):
+                raise ValueError("the model fingerprint is not a string")
+            graphs = [self.path / manifest["graphs"][name] for name in ("prompt", "token")]
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{self.path / MANIFEST_FILE}: incomplete or malformed ({err!r}); "
+                                  f"{EXPORT_AGAIN}") from err
+        if not 1 <= chunk <= context:
+            raise CheckpointError(f"{self.path / MANIFEST_FILE}: chunk {chunk} and context {context} need "
+                                  f"1 <= chunk <= context; {EXPORT_AGAIN}")
+        for graph in graphs + [self.path / WEIGHTS_FILE]:
+            if not graph.is_file():
+                raise CheckpointError(f"{graph}: missing; {EXPORT_AGAIN}")
+        return manifest
+
+    def config(self, manifest: dict) -> ModelConfig:
+        """The model's config as the manifest records it."""
+        return ModelConfig.from_dict(manifest["model"]["config"], str(self.path / MANIFEST_FILE))
+
+    def kv_graph(self, manifest: dict) -> KvGraphType:
+        """How the graphs pass K/V."""
+        return KvGraphType(**manifest["kv_graph"])
+
+    def scales(self, manifest: dict) -> KVScales | None:
+        """The static INT8 scales the graphs quantize with (one per layer for K and V), or None."""
+        scales = self.kv_graph(manifest).scales
+        return KVScales(list(scales), list(scales)) if scales is not None else None
+
+    def check_graph(self, name: str, metadata: dict[str, str], manifest: dict) -> None:
+        """CheckpointError when a graph's metadata says it was built for another model, window or KV mode."""
+        expected = graph_metadata(manifest)
+        for key, value in expected.items():
+            if metadata.get(key) != value:
+                raise CheckpointError(f"{self.path / name}: built for {key.removeprefix('cabin.')} "
+                                      f"{json.dumps(metadata.get(key))} but {MANIFEST_FILE} says {json.dumps(value)}; "
+                                      f"the graph comes from another export, {EXPORT_AGAIN}")

@@ -1,0 +1,437 @@
+"""Native decode kernels, compiled from C with the system's compiler at first use and cached on disk.
+
+Decoding is bound by memory reads. Five kernels in runtime/kernels/ serve that case:
+- ``matvec.c``: a linear layer for the tokens of a decode step (one per sequence) over the checkpoint's
+  (out, in) fp32 or fp16 weights, read once for all of them;
+- ``quant_matvec.c``: the same over W8A16 and W4A16-AWQ weights, dequantized in registers;
+- ``decode_attention.c``: the attention of one token straight from a paged cache of int8
+  (static or per-token scales), fp16 or fp32 elements, with no gather and no converted copy of
+  the history (built per element type, head size and group);
+- ``int4_dequantize.c``: a sequence's INT4 blocks of one layer to fp32 K and V in one pass
+  (built per head size and value group);
+- ``decode_step.c``: a whole one-token step of one sequence through every layer (norms, the linear kernels
+  above, RoPE, the new K/V stored, attention, MLP) in one call, over a cache whose pools convert with one
+  static scale per layer (fp32, fp16, int8 with static scales; built like the attention kernel).
+
+They are built with ``-O3 -march=native`` into ``$CABIN_KERNEL_DIR`` (default
+``~/.cache/cabinllm/kernels``) and loaded with ctypes. Where no C compiler is found or a build
+fails, a warning names the cause and the model keeps its torch path (same math, slower).
+``CABIN_NATIVE_KERNELS=0`` turns them off; ``CC`` picks the compiler (default ``cc``).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from dataclasses import dataclass
+from enum import IntEnum
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+KERNEL_SOURCES = Path(str(resources.files("cabinllm.runtime.kernels")))
+# -ffast-math only when compiling: linked with it, the library would switch the whole process to
+# flushing subnormal floats to zero when it is loaded.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]
+_POINTER, _SIZE, _REAL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+MATVEC_MAX_TOKENS = 16  # tokens of a step the linear kernel takes (one per decoding sequence); more: BLAS
+ELEMENT_DEFINES = {torch.int8: {"ELEMENT": "int8_t", "INT8_ELEMENTS": 1}, torch.float32: {"ELEMENT": "float"},
+                   torch.float16: {"ELEMENT": "uint16_t", "HALF_ELEMENTS": 1}}
+
+
+@dataclass
+class StoredKV:
+    """One layer's K and V as a cache stores them, for the decode attention kernel to read in place.
+
+    k, v: contiguous pools (blocks, tokens_per_block, kv_heads, head_size) of int8, fp16 or fp32;
+    block_table: int64 block ids of the sequence in those pools; k_scale, v_scale: static INT8 scales
+    (1 otherwise); k_token_scales, v_token_scales: fp16 scales (blocks, tokens_per_block, kv_heads)
+    of a per-token INT8 cache.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_table: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    k_token_scales: torch.Tensor | None = None
+    v_token_scales: torch.Tensor | None = None
+
+
+@dataclass
+class StaticPools:
+    """All layers' K and V pools (layers, blocks, tokens_per_block, kv_heads, head_size) of a cache whose
+    elements are each layer's values divided by one static scale (float32 (layers,); ones for fp32 and fp16
+    pools): what a fused decode step stores into and reads."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor
+    v_scales: torch.Tensor
+
+
+class WeightsKind(IntEnum):
+    """How decode_step.c reads a linear op's weights (its WEIGHTS_* codes)."""
+
+    FP32 = 0
+    FP16 = 1
+    INT8 = 2
+    INT4 = 3
+
+
+@dataclass
+class KernelLinear:
+    """One linear op as decode_step.c runs it: y = W x + b over (rows, cols) weights of ``kind``; INT8: per-row
+    ``scale``; INT4: packed (rows / 2, cols) weights, ``scale`` (rows, cols / group) and the input's
+    ``prequant`` scale (cabinllm.runtime.model.linear's layouts)."""
+
+    kind: WeightsKind
+    weight: torch.Tensor
+    rows: int
+    cols: int
+    scale: torch.Tensor | None = None
+    prequant: torch.Tensor | None = None
+    group: int = 0
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class KernelLayer:
+    """One decoder layer's weights for decode_step.c: fp32 norm weights and its five linear ops."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: KernelLinear
+    dense: KernelLinear
+    fc: KernelLinear
+    gate: KernelLinear
+    proj: KernelLinear
+
+
+def compiler() -> str:
+    """The C compiler the kernels are built with: ``$CC``, else ``cc``."""
+    return os.environ.get("CC", "cc")
+
+
+def _bind(library: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
+    """A C function of the library with its argument types set; it returns nothing."""
+    function = getattr(library, name)
+    function.argtypes, function.restype = argtypes, None
+    return function
+
+
+def native_kernels_enabled() -> bool:
+    """False when ``CABIN_NATIVE_KERNELS=0`` asks for the torch path only."""
+    return os.environ.get("CABIN_NATIVE_KERNELS", "1") != "0"
+
+
+class MatVec:
+    """``F.linear`` for up to ``MATVEC_MAX_TOKENS`` tokens (a decode step), over contiguous fp32 or fp16 (out, in)
+    weights."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fns = {dtype: _bind(library, name, [_POINTER] * 4 + [_SIZE, _SIZE, _SIZE])
+                     for dtype, name in ((torch.float32, "matvec"), (torch.float16, "matvec_half"))}
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (n, in) times weight (out, in) transposed, plus bias (out,); returns (n, out) in fp32. Each token's
+        row is computed as it would be alone; fp16 weights as their exact fp32 values."""
+        rows, cols = weight.shape
+        if (x.dim() != 2 or not 1 <= x.shape[0] <= MATVEC_MAX_TOKENS or x.shape[1] != cols
+                or x.dtype != torch.float32 or weight.dtype not in self._fns
+                or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous())):
+            raise ValueError(f"matvec needs fp32 x of shape (n, {cols}) with 1 <= n <= {MATVEC_MAX_TOKENS} and "
+                             f"contiguous fp32 or fp16 weights, got {x.dtype} {tuple(x.shape)} against "
+                             f"{weight.dtype} weights {tuple(weight.shape)}")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], rows)
+        self._fns[weight.dtype](weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                out.data_ptr(), x.shape[0], rows, cols)
+        return out
+
+
+class QuantMatVec:
+    """``F.linear`` for up to ``MATVEC_MAX_TOKENS`` tokens (a decode step) over W8A16 or W4A16-AWQ weights
+    (cabinllm.runtime.model.linear's layouts), dequantized in registers."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._int8 = _bind(library, "matvec_int8", [_POINTER] * 5 + [_SIZE, _SIZE, _SIZE])
+        self._int4 = _bind(library, "matvec_int4", [_POINTER] * 5 + [_SIZE, _SIZE, _SIZE, _SIZE])
+
+    def int8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (n, in) times int8 weight (out, in) with per-row float32 scales, plus bias; returns (n, out), each
+        token's row as it would be alone."""
+        rows, cols = weight.shape
+        _check_quantized(x, weight, scale, bias, cols, (rows,))
+        out = torch.empty(x.shape[0], rows)
+        self._int8(weight.data_ptr(), scale.data_ptr(), x.contiguous().data_ptr(),
+                   None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], rows, cols)
+        return out
+
+    def int4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (n, in), already times the prequant scale, against packed int4 weights (out / 2, in) with float32
+        scales (out, in / group), plus bias; returns (n, out), each token's row as it would be alone."""
+        rows, cols = 2 * packed.shape[0], packed.shape[1]
+        _check_quantized(x, packed, scale, bias, cols, (rows, cols // group))
+        if cols % group:
+            raise ValueError(f"group size {group} does not divide the {cols} inputs")
+        out = torch.empty(x.shape[0], rows)
+        self._int4(packed.data_ptr(), scale.data_ptr(), x.contiguous().data_ptr(),
+                   None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], rows, cols, group)
+        return out
+
+
+def _check_quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                     cols: int, scale_shape: tuple[int, ...]) -> None:
+    if (x.dim() != 2 or not 1 <= x.shape[0] <= MATVEC_MAX_TOKENS or x.shape[1] != cols
+            or x.dtype != torch.float32 or weight.dtype != torch.int8
+            or not weight.is_contiguous() or scale.dtype != torch.float32 or not scale.is_contiguous()
+            or tuple(scale.shape) != scale_shape or (bias is not None and not bias.is_contiguous())):
+        raise ValueError(f"quantized matvec needs fp32 x (n, {cols}) with 1 <= n <= {MATVEC_MAX_TOKENS}, "
+                         f"contiguous int8 weights and float32 scales {list(scale_shape)}, got {x.dtype} "
+                         f"{tuple(x.shape)}, {weight.dtype} {tuple(weight.shape)}, {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+
+
+class DecodeAttention:
+    """The attention kernel for one element type, head size and group; call it once per layer and decoded token."""
+
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype, head_size: int, group: int) -> None:
+        self.dtype, self.head_size, self.group = dtype, head_size, group
+        self._fn = _bind(library, "decode_attention",
+                         [_POINTER] * 6 + [_SIZE, _SIZE, _SIZE, _REAL, _REAL, _POINTER, _POINTER])
+
+    def __call__(self, q: torch.Tensor, stored: StoredKV, num_tokens: int) -> torch.Tensor:
+        """Attention of q (heads, head_size) over a sequence's first num_tokens cached tokens.
+
+        Returns (1, heads * head_size) in fp32.
+        """
+        _blocks, tokens_per_block, kv_heads, head_size = stored.k.shape
+        token_scales = (stored.k_token_scales, stored.v_token_scales)
+        pools = [stored.k, stored.v] + [t for t in token_scales if t is not None]
+        if (stored.k.dtype != self.dtype or stored.v.dtype != self.dtype or head_size != self.head_size
+                or q.shape[0] != kv_heads * self.group or not all(t.is_contiguous() for t in pools)
+                or any(t is not None and t.dtype != torch.float16 for t in token_scales)):
+            raise ValueError(f"kernel built for {self.dtype}, head size {self.head_size} and group {self.group} "
+                             f"got q {tuple(q.shape)} over {stored.k.dtype} pools {tuple(stored.k.shape)} "
+                             "(contiguous pools and fp16 token scales needed)")
+        block_table = _int64_table(stored.block_table)
+        if len(block_table) * tokens_per_block < num_tokens:
+            raise ValueError(f"{num_tokens} tokens do not fit the {len(block_table)} blocks of the table")
+        q = q.contiguous()
+        scratch = torch.empty(q.shape[0], num_tokens)
+        out = torch.empty(q.shape[0], head_size)
+        self._fn(q.data_ptr(), stored.k.data_ptr(), stored.v.data_ptr(),
+                 *(None if t is None else t.data_ptr() for t in token_scales), block_table.data_ptr(),
+                 num_tokens, tokens_per_block, kv_heads, stored.k_scale / head_size ** 0.5, stored.v_scale,
+                 scratch.data_ptr(), out.data_ptr())
+        return out.view(1, -1)
+
+
+_LAYER_OPS = ("qkv", "dense", "fc", "gate", "proj")  # KernelLayer's linear ops, in the C struct's order
+
+
+class _LinearOp(ctypes.Structure):
+    _fields_ = [("kind", _SIZE), ("rows", _SIZE), ("cols", _SIZE), ("group", _SIZE), ("weight", _POINTER),
+                ("scale", _POINTER), ("prequant", _POINTER), ("bias", _POINTER)]
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [("input_norm", _POINTER), ("post_norm", _POINTER)] + \
+        [(name, _LinearOp) for name in _LAYER_OPS]
+
+
+class StepWeights:
+    """A model's layers as the C structs decode_step.c reads; holds the tensors they point into."""
+
+    def __init__(self, layers: list[KernelLayer]) -> None:
+        self.layers = layers
+        self.array = (_LayerWeights * len(layers))(*(_layer_struct(layer) for layer in layers))
+        first = layers[0]
+        self.hidden, self.intermediate = first.dense.rows, first.fc.rows
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    if tensor is not None and not tensor.is_contiguous():
+        raise ValueError(f"decode step weights must be contiguous, got strides {tensor.stride()}")
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _layer_struct(layer: KernelLayer) -> _LayerWeights:
+    ops = {name: getattr(layer, name) for name in _LAYER_OPS}
+    return _LayerWeights(_pointer(layer.input_norm), _pointer(layer.post_norm),
+                         **{name: _LinearOp(op.kind, op.rows, op.cols, op.group, _pointer(op.weight),
+                                            _pointer(op.scale), _pointer(op.prequant), _pointer(op.bias))
+                            for name, op in ops.items()})
+
+
+class DecodeStep:
+    """The fused one-token step for one element type, head size and group."""
+
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype, head_size: int, group: int) -> None:
+        self.dtype, self.head_size, self.group = dtype, head_size, group
+        self._fn = library.decode_step
+        self._fn.argtypes = [_POINTER, _SIZE, _POINTER, _SIZE, _SIZE, _SIZE, _REAL, _POINTER, _POINTER,
+                             _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(self, weights: StepWeights, x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 pools: StaticPools, block_table: torch.Tensor, slot: int, num_tokens: int) -> torch.Tensor:
+        """Run the token whose embedding is x (hidden,) at the position of the cos / sin rows (head_size,)
+        through every layer: stores its K/V at ``slot`` and attends over the first ``num_tokens`` tokens of the
+        sequence's blocks. Returns the last hidden state (hidden,)."""
+        layers, blocks, tokens_per_block, kv_heads, head_size = pools.k.shape
+        if (pools.k.dtype != self.dtype or pools.v.dtype != self.dtype or head_size != self.head_size
+                or layers != len(weights.layers) or not pools.k.is_contiguous() or not pools.v.is_contiguous()
+                or x.shape != (weights.hidden,) or cos.shape != (head_size,)):
+            raise ValueError(f"decode step built for {self.dtype} pools of head size {self.head_size} got "
+                             f"{pools.k.dtype} pools {tuple(pools.k.shape)}, x {tuple(x.shape)} and "
+                             f"{len(weights.layers)} layers of weights")
+        block_table = _int64_table(block_table)
+        if len(block_table) * tokens_per_block < num_tokens:
+            raise ValueError(f"{num_tokens} tokens do not fit the {len(block_table)} blocks of the table")
+        x = x.float().contiguous().clone()
+        k_scales, v_scales = pools.k_scales.float().contiguous(), pools.v_scales.float().contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        status = self._fn(ctypes.addressof(weights.array), layers, x.data_ptr(), weights.hidden, kv_heads,
+                          weights.intermediate, eps, cos.data_ptr(), sin.data_ptr(), pools.k.data_ptr(),
+                          pools.v.data_ptr(), blocks * tokens_per_block * kv_heads * head_size,
+                          k_scales.data_ptr(), v_scales.data_ptr(), block_table.data_ptr(), slot, num_tokens,
+                          tokens_per_block)
+        if status != 0:
+            raise MemoryError("the decode step could not allocate its work buffers")
+        return x
+
+
+class Int4Dequantize:
+    """The INT4 block dequantizer for one head size and value group."""
+
+    def __init__(self, library: ctypes.CDLL, head_size: int, value_group: int) -> None:
+        self.head_size, self.value_group = head_size, value_group
+        self._fn = _bind(library, "int4_dequantize", [_POINTER] * 7 + [_SIZE, _SIZE, _SIZE, _POINTER, _POINTER])
+
+    def __call__(self, k: tuple[torch.Tensor, ...], v: tuple[torch.Tensor, ...],
+                 block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K and V (blocks, tokens_per_block, kv_heads, head_size) of the blocks in block_table.
+
+        k, v: one layer's (codes, scale, zero) pools as cabinllm.runtime.kv.int4.Int4KV holds them.
+        """
+        k_codes = k[0]
+        _blocks, tokens_per_block, kv_heads, half = k_codes.shape
+        if (half * 2 != self.head_size or v[1].shape[-1] * self.value_group != self.head_size
+                or any(t.dtype != torch.float16 for t in (*k[1:], *v[1:]))
+                or not all(t.is_contiguous() for t in (*k, *v))):
+            raise ValueError(f"kernel built for head size {self.head_size} and value groups of {self.value_group} "
+                             f"got codes {tuple(k_codes.shape)} and value scales {tuple(v[1].shape)}")
+        block_table = _int64_table(block_table)
+        k_out = torch.empty(len(block_table), tokens_per_block, kv_heads, self.head_size)
+        v_out = torch.empty_like(k_out)
+        self._fn(*(t.data_ptr() for t in (*k, *v, block_table)), len(block_table), tokens_per_block, kv_heads,
+                 k_out.data_ptr(), v_out.data_ptr())
+        return k_out, v_out
+
+
+def _int64_table(block_table: torch.Tensor) -> torch.Tensor:
+    if block_table.dtype != torch.int64:
+        raise ValueError(f"block tables are int64 block ids, got {block_table.dtype}")
+    return block_table.contiguous()
+
+
+@functools.cache
+def matvec() -> MatVec | None:
+    """The one-token linear kernel, built on first use; None (after a warning) if it cannot be."""
+    library = _load("matvec", {})
+    return MatVec(library) if library else None
+
+
+@functools.cache
+def quant_matvec() -> QuantMatVec | None:
+    """The decode-step kernels over int8 and int4 weights, built on first use; None (after a warning) if they
+    cannot be."""
+    library = _load("quant_matvec", {})
+    return QuantMatVec(library) if library else None
+
+
+@functools.cache
+def decode_attention(dtype: torch.dtype, head_size: int, group: int) -> DecodeAttention | None:
+    """The attention kernel for pools of this dtype (int8, float16, float32), head size and group,
+    built on first use; None for another dtype (no kernel: the torch path) or, after a warning, if it
+    cannot be built."""
+    if dtype not in ELEMENT_DEFINES:
+        return None
+    library = _load("decode_attention", {**ELEMENT_DEFINES[dtype], "HEAD_SIZE": head_size, "GROUP": group})
+    return DecodeAttention(library, dtype, head_size, group) if library else None
+
+
+@functools.cache
+def decode_step(dtype: torch.dtype, head_size: int, group: int) -> DecodeStep | None:
+    """The fused one-token step for pools of this dtype (int8, float16, float32), head size and group, built
+    on first use; None for another dtype or, after a warning, if it cannot be built."""
+    if dtype not in ELEMENT_DEFINES:
+        return None
+    library = _load("decode_step", {**ELEMENT_DEFINES[dtype], "HEAD_SIZE": head_size, "GROUP": group})
+    return DecodeStep(library, dtype, head_size, group) if library else None
+
+
+@functools.cache
+def int4_dequantize(head_size: int, value_group: int) -> Int4Dequantize | None:
+    """The INT4 dequantizer for this head size and value group, built on first use; None (after a warning)
+    if it cannot be."""
+    library = _load("int4_dequantize", {"HEAD_SIZE": head_size, "VALUE_GROUP": value_group})
+    return Int4Dequantize(library, head_size, value_group) if library else None
+
+
+def _load(name: str, defines: dict[str, int | str]) -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(str(_build(name, defines)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        warnings.warn(f"native kernel {name} unavailable ({detail}); decoding on the slower torch path. "
+                      "Install a C compiler (gcc or clang, or set CC) to enable it.", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _build(name: str, defines: dict[str, int | str]) -> Path:
+    """Compile one kernel into the cache folder (atomically) unless an identical build is there."""
+    cc = compiler()
+    if shutil.which(cc) is None:
+        raise FileNotFoundError(f"no C compiler {cc!r} on PATH")
+    source = KERNEL_SOURCES / f"{name}.c"
+    flags = COMPILE_FLAGS + [f"-D{key}={value}" for key, value in defines.items()]
+    sources = sorted(p for p in KERNEL_SOURCES.iterdir() if p.suffix in (".c", ".h"))  # kernels include each other
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in sources))
+    for part in (cc, *flags, platform.machine(), _cpu_flags()):
+        key.update(part.encode())
+    folder = Path(os.environ.get("CABIN_KERNEL_DIR", Path.home() / ".cache" / "cabinllm" / "kernels"))
+    library = folder / f"{name}-{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as temp:
+        objects, built = Path(temp) / f"{name}.o", Path(temp) / library.name
+        subprocess.run([cc, *flags, "-c", str(source), "-o", str(objects)], check=True, capture_output=True,
+                       text=True)
+        subprocess.run([cc, "-shared", str(objects), "-o", str(built), "-lm"], check=True, capture_output=True,
+                       text=True)
+        os.replace(built, library)
+    return library
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature list, so a build made for one CPU is not loaded on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

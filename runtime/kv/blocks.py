@@ -1,0 +1,262 @@
+"""Paged KV-cache bookkeeping: which block holds which tokens, with prefix reuse.
+
+Pure Python, no tensors. A ``Sequence`` owns its tokens and its block table
+(block ids, one per ``block_size`` tokens); the ``BlockManager`` is the operations
+on it. Full blocks are keyed by a chained content hash so a new sequence with the
+same token prefix reuses their KV instead of recomputing it. Blocks nobody
+references but whose hash is known stay cached (LRU, oldest evicted first) until
+a new block is needed and the free list is empty.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from cabinllm.runtime.errors import OutOfBlocks
+
+
+@dataclass
+class BlockStats:
+    """Block counts; ``reuse_hits`` is the cumulative number of blocks served from the prefix cache."""
+
+    num_blocks: int
+    free: int
+    cached: int
+    in_use: int
+    reuse_hits: int
+
+
+@dataclass
+class _Block:
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence's tokens, the KV blocks that hold them and the chained hash of each full block.
+
+    Empty until a BlockManager allocates it, empty again once freed; only the manager writes it.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block, registered or not
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def _chain_hash(prev: bytes, token_ids: list[int]) -> bytes:
+    """blake2b of the previous block's hash followed by this block's token ids."""
+    h = hashlib.blake2b(prev, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences, with prefix caching and LRU eviction of cached blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_block_reuse: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must both be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_block_reuse = enable_block_reuse
+        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed blocks, oldest first
+        self._hash_to_block: dict[bytes, int] = {}
+        self._seqs: set[Sequence] = set()
+        self._reuse_hits = 0
+
+    # -- sequences ---------------------------------------------------------
+
+    def allocate(self, seq: Sequence, token_ids: list[int]) -> int:
+        """Fill an empty sequence with ``token_ids``; return how many leading tokens already have cached KV."""
+        if seq:
+            raise ValueError(f"the sequence already holds {len(seq)} tokens; free it first")
+        if not token_ids:
+            raise ValueError("token_ids is empty")
+        token_ids = list(token_ids)
+        bs = self.block_size
+        hashes = self._full_block_hashes(b"", token_ids, 0)
+        hits = self._prefix_hits(hashes, len(token_ids))
+        num_new = _cdiv(len(token_ids), bs) - len(hits)
+        available = self.num_free_blocks() - sum(self._blocks[b].ref_count == 0 for b in hits)
+        self._check_available(num_new, available)
+        for block_id in hits:
+            self._acquire(block_id)
+        table = hits + [self._take_block() for _ in range(num_new)]
+        for i in range(len(hits), len(hashes)):
+            self._register(table[i], hashes[i])
+        self._reuse_hits += len(hits)
+        seq.token_ids, seq.block_table, seq.hashes = token_ids, table, hashes
+        self._seqs.add(seq)
+        return len(hits) * bs
+
+    def append(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Extend a sequence with new blocks as needed.
+
+        Only full blocks are ever shared (prefix reuse never hands out the block of a sequence's last
+        token), so the partial last block written here is always the sequence's own: no copy-on-write.
+        """
+        self._check_live(seq)
+        if not token_ids:
+            return
+        self._check_available(self.blocks_needed(seq, len(token_ids)), self.num_free_blocks())
+        bs = self.block_size
+        seq.token_ids.extend(token_ids)
+        while len(seq.block_table) < _cdiv(len(seq.token_ids), bs):
+            seq.block_table.append(self._take_block())
+        prev = seq.hashes[-1] if seq.hashes else b""
+        new_hashes = self._full_block_hashes(prev, seq.token_ids, len(seq.hashes))
+        for i, h in enumerate(new_hashes, start=len(seq.hashes)):
+            self._register(seq.block_table[i], h)
+        seq.hashes.extend(new_hashes)
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence and empty it; its hashed blocks stay cached until evicted."""
+        self._check_live(seq)
+        for block_id in reversed(seq.block_table):  # tail first, so prefixes are evicted last
+            self._release(block_id)
+        self._seqs.remove(seq)
+        seq.token_ids, seq.block_table, seq.hashes = [], [], []
+
+    # -- queries -----------------------------------------------------------
+
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Flat KV slot (``block * block_size + offset``) of each token position in ``[start, end)``."""
+        if not 0 <= start <= end <= len(seq.token_ids):
+            raise ValueError(f"positions [{start}, {end}) outside the sequence's [0, {len(seq.token_ids)})")
+        bs = self.block_size
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def blocks_to_admit(self, token_ids: list[int], reserve_tokens: int) -> tuple[int, int]:
+        """For a new sequence of ``token_ids`` that may grow by ``reserve_tokens``: the free or evictable blocks
+        it would take (new blocks plus reused cached ones that leave the LRU) and the tokens reused."""
+        hits = self._prefix_hits(self._full_block_hashes(b"", token_ids, 0), len(token_ids))
+        new = _cdiv(len(token_ids) + reserve_tokens, self.block_size) - len(hits)
+        return new + sum(self._blocks[b].ref_count == 0 for b in hits), len(hits) * self.block_size
+
+    def num_free_blocks(self) -> int:
+        """Blocks available for new tokens: free plus evictable cached ones."""
+        return len(self._free) + len(self._lru)
+
+    def blocks_needed(self, seq: Sequence | None, num_new_tokens: int) -> int:
+        """Worst-case new blocks for an allocate (``seq`` None or empty) or an append, ignoring prefix reuse."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if not seq:
+            return _cdiv(num_new_tokens, self.block_size)
+        n = len(seq.token_ids)
+        return _cdiv(n + num_new_tokens, self.block_size) - _cdiv(n, self.block_size)
+
+    def stats(self) -> BlockStats:
+        """Current block counts."""
+        in_use = sum(b.ref_count > 0 for b in self._blocks)
+        return BlockStats(self.num_blocks, len(self._free), len(self._lru), in_use, self._reuse_hits)
+
+    def check_invariants(self) -> None:
+        """Assert the internal bookkeeping is consistent (for tests and debugging)."""
+        refs = [0] * self.num_blocks
+        for seq in self._seqs:
+            assert len(seq.block_table) == _cdiv(len(seq.token_ids), self.block_size)
+            assert len(seq.hashes) == len(seq.token_ids) // self.block_size
+            assert len(set(seq.block_table)) == len(seq.block_table)
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+            if len(seq) % self.block_size:
+                last = self._blocks[seq.block_table[-1]]
+                assert last.ref_count == 1 and last.hash is None, "a partial last block is shared or hashed"
+        free, cached = set(self._free), set(self._lru)
+        assert len(free) == len(self._free) and not free & cached
+        for block_id, block in enumerate(self._blocks):
+            assert block.ref_count == refs[block_id], f"block {block_id}: ref {block.ref_count} != {refs[block_id]}"
+            if block_id in free:
+                assert block.ref_count == 0 and block.hash is None, f"free block {block_id} is referenced or hashed"
+            elif block_id in cached:
+                assert block.ref_count == 0 and block.hash is not None, f"cached block {block_id} is in use or unhashed"
+            else:
+                assert block.ref_count > 0, f"block {block_id} is leaked"
+            if block.hash is not None:
+                assert self._hash_to_block.get(block.hash) == block_id
+        for h, block_id in self._hash_to_block.items():
+            assert self._blocks[block_id].hash == h
+
+    # -- internals ---------------------------------------------------------
+
+    def _check_live(self, seq: Sequence) -> None:
+        if seq not in self._seqs:
+            raise KeyError("the sequence is not allocated in this cache; allocate it first")
+
+    def _full_block_hashes(self, prev: bytes, token_ids: list[int], first: int) -> list[bytes]:
+        """Chained hashes of full blocks ``first``, ``first + 1``, ...; ``prev`` is the hash of block ``first - 1``."""
+        bs, hashes = self.block_size, []
+        for i in range(first, len(token_ids) // bs):
+            prev = _chain_hash(prev, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(prev)
+        return hashes
+
+    def _prefix_hits(self, hashes: list[bytes], num_tokens: int) -> list[int]:
+        """Cached blocks holding the leading full blocks of a new sequence; its last token is always left to compute."""
+        hits: list[int] = []
+        for h in hashes[: (num_tokens - 1) // self.block_size] if self.enable_block_reuse else []:
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _check_available(self, needed: int, available: int) -> None:
+        if needed > available:
+            raise OutOfBlocks(
+                f"need {needed} KV blocks but only {available} of {self.num_blocks} are free or evictable; "
+                f"raise the KV cache budget (more blocks) or use shorter or fewer sequences"
+            )
+
+    def _take_block(self) -> int:
+        """A fresh unreferenced, unhashed block with refcount 1: free list first, else evict the LRU cached one."""
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._lru.popitem(last=False)
+            self._unregister(block_id)
+        block = self._blocks[block_id]
+        assert block.ref_count == 0 and block.hash is None
+        block.ref_count = 1
+        return block_id
+
+    def _acquire(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._lru[block_id]
+        block.ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} released twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self._lru[block_id] = None
+            else:
+                self._free.append(block_id)
+
+    def _register(self, block_id: int, h: bytes) -> None:
+        """Key a just-filled block by its hash, unless another block already holds that content."""
+        assert self._blocks[block_id].hash is None
+        if h not in self._hash_to_block:
+            self._hash_to_block[h] = block_id
+            self._blocks[block_id].hash = h
+
+    def _unregister(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        del self._hash_to_block[block.hash]
+        block.hash = None

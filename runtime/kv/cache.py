@@ -1,0 +1,173 @@
+"""The paged KV cache: a block pool preallocated from a byte budget, in one storage mode.
+
+``KvCacheConfig`` says which mode, how many bytes and how the pool is paged; the
+block manager (``cabinllm.runtime.kv.blocks``) decides which block each token of a
+``Sequence`` goes to; the mode's storage class (``cabinllm.runtime.kv.modes``) holds the
+blocks' contents. Writes of a sequence come in position order, layer by layer.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from cabinllm.runtime.formats.scales_file import KVScales
+from cabinllm.runtime.kv.blocks import BlockManager, Sequence
+from cabinllm.runtime.kv.modes import KVMode, kv_mode
+from cabinllm.runtime.kv.storage import KVLayout
+
+DEFAULT_TOKENS_PER_BLOCK = 32  # the reference engine's default; a target's profile has its own
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    """The KV cache of one run; fields named as TensorRT-LLM's ``KvCacheConfig`` names them where it has them."""
+
+    kv_mode: str = "fp16"
+    max_bytes: int = 64 << 20  # the byte budget of the pool (TensorRT-LLM sizes it in max_tokens)
+    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
+    enable_block_reuse: bool = True
+    sink_token_length: int = 4  # tokens after the system prompt the sink window always keeps
+
+    def __post_init__(self) -> None:
+        kv_mode(self.kv_mode)
+        if self.tokens_per_block < 1 or self.max_bytes < 1 or self.sink_token_length < 0:
+            raise ValueError(f"need tokens_per_block >= 1, max_bytes >= 1 and sink_token_length >= 0, got "
+                             f"{self.tokens_per_block}, {self.max_bytes} and {self.sink_token_length}")
+
+    @property
+    def mode(self) -> KVMode:
+        """The storage class of ``kv_mode``."""
+        return kv_mode(self.kv_mode)
+
+    def bytes_per_token(self, layout: KVLayout) -> int:
+        """Bytes one token takes in the blocks."""
+        return self.mode.bytes_per_token(layout, self.tokens_per_block)
+
+    def max_tokens(self, layout: KVLayout) -> int:
+        """Tokens the budget holds (TensorRT-LLM's ``max_tokens``)."""
+        return self.max_bytes // self.bytes_per_token(layout)
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return asdict(self)
+
+
+def sized_config(layout: KVLayout, kv_mode_name: str, tokens: int,
+                 tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK) -> KvCacheConfig:
+    """A config whose budget holds one sequence of ``tokens`` tokens, and nothing more."""
+    mode = kv_mode(kv_mode_name)
+    blocks = -(-tokens // tokens_per_block)
+    budget = mode.bytes_per_token(layout, tokens_per_block) * tokens_per_block * blocks
+    return KvCacheConfig(kv_mode_name, budget + mode.reserved_bytes(layout, tokens_per_block), tokens_per_block)
+
+
+@dataclass
+class CacheStats:
+    """Memory and block counters of the cache."""
+
+    mode: str
+    bytes_per_token: int
+    bytes_reserved: int
+    bytes_used: int
+    tokens_capacity: int
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int
+    blocks_in_use: int
+    reuse_hits: int
+    window_bytes: int = 0  # int4: fp16 buffers holding the newest tokens of each sequence
+
+
+class PagedKVCache:
+    """Block pool plus block tables; writes and reads K/V of one sequence at a time."""
+
+    def __init__(self, layout: KVLayout, config: KvCacheConfig, scales: KVScales | None = None,
+                 storage_class: KVMode | None = None, **storage_options) -> None:
+        """``storage_class`` replaces the config's mode by a variant of it (an experiment's); ``storage_options``
+        go to the storage class (int4: ``window``)."""
+        self.layout, self.config = layout, config
+        mode, tpb = storage_class or config.mode, config.tokens_per_block
+        self.bytes_per_block = mode.bytes_per_token(layout, tpb) * tpb
+        reserved = mode.reserved_bytes(layout, tpb, **storage_options)
+        num_blocks = (config.max_bytes - reserved) // self.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV budget of {config.max_bytes} bytes holds no block of {tpb} tokens "
+                f"({self.bytes_per_block} bytes in {mode.name}"
+                + (f", plus {reserved} reserved for the fp16 window" if reserved else "")
+                + f"); raise the budget to at least {self.bytes_per_block + reserved} bytes")
+        self.blocks = BlockManager(num_blocks, tpb, config.enable_block_reuse)
+        self.storage = mode(layout, num_blocks, tpb, scales, **storage_options)
+
+    @property
+    def mode(self) -> KVMode:
+        """The storage class of this cache."""
+        return type(self.storage)
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens per KV block."""
+        return self.config.tokens_per_block
+
+    # -- sequences -----------------------------------------------------------------
+    def allocate(self, seq: Sequence, token_ids: list[int]) -> int:
+        """Fill an empty sequence; returns how many leading tokens are already cached (reused)."""
+        reused = self.blocks.allocate(seq, token_ids)
+        self.storage.follow(seq, reused)
+        return reused
+
+    def append(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Extend a sequence."""
+        written = len(seq)
+        self.blocks.append(seq, token_ids)
+        self.storage.follow(seq, written)
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence; its full blocks stay cached for reuse until evicted."""
+        self.storage.drop(seq)
+        self.blocks.free(seq)
+
+    def block_table(self, seq: Sequence) -> torch.Tensor:
+        """The sequence's block ids as a tensor."""
+        return torch.tensor(seq.block_table, dtype=torch.long)
+
+    def slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """Flat slot indices of token positions [start, end) of a sequence."""
+        return torch.tensor(self.blocks.slots(seq, start, end), dtype=torch.long)
+
+    def read(self, layer: int, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K and V of every token of a sequence in one layer, shape (tokens, kv_heads, head_size)."""
+        return self.storage.read(layer, self.block_table(seq), len(seq))
+
+    # -- capacity ------------------------------------------------------------------
+    def capacity(self, seq: Sequence) -> int:
+        """Tokens a sequence could hold: its own blocks plus every free or evictable one."""
+        return (len(seq.block_table) + self.blocks.num_free_blocks()) * self.tokens_per_block
+
+    def fits(self, seq: Sequence, new_tokens: int) -> bool:
+        """Whether ``new_tokens`` fit after the sequence's tokens in blocks free or evictable now."""
+        return self.blocks.blocks_needed(seq, new_tokens) <= self.blocks.num_free_blocks()
+
+    # -- accounting ----------------------------------------------------------------
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in this cache, scales included (int4: fp16 window buffers not included)."""
+        return self.mode.bytes_per_token(self.layout, self.tokens_per_block)
+
+    def stats(self) -> CacheStats:
+        """Bytes reserved and used, block counters, reuse hits."""
+        b = self.blocks.stats()
+        window_reserved, window_used = self.storage.window_bytes()
+        return CacheStats(
+            mode=self.mode.name,
+            bytes_per_token=self.bytes_per_token(),
+            bytes_reserved=b.num_blocks * self.bytes_per_block + window_reserved,
+            bytes_used=b.in_use * self.bytes_per_block + window_used,
+            tokens_capacity=b.num_blocks * self.tokens_per_block,
+            blocks_total=b.num_blocks,
+            blocks_free=b.free,
+            blocks_cached=b.cached,
+            blocks_in_use=b.in_use,
+            reuse_hits=b.reuse_hits,
+            window_bytes=window_reserved,
+        )

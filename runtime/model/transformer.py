@@ -1,0 +1,246 @@
+"""The reference forward pass of a Llama-family decoder over a paged KV cache.
+
+Computes in fp32 on the CPU whatever dtype the checkpoint stores. A step runs the
+new tokens of one or more sequences (``Span``s) together: each linear layer reads
+its weights once for all of them, and each span attends over its own sequence's
+blocks. Prefill of N tokens and decode of 1 are the same call; batched decode is a
+step of several one-token spans.
+
+Linear weights keep the checkpoint's (out, in) layout and weight format (cabinllm.runtime.formats.weight_formats;
+int8 / int4 ones are dequantized on the fly by cabinllm.runtime.model.linear, an fp16 lm_head is read as fp16 by the
+kernels); the MLP's fc and gate
+weights are one (2 * inter, in) matrix where the format allows, applied in one call. A decode step is
+bound by reading those weights and the KV history, so a step of a few tokens runs
+on the native kernels of cabinllm.runtime.kernels.bindings: a product of the step's tokens
+with each linear layer's weights, read once (int8 / int4 weights dequantized in
+registers), and, per one-token span, attention that reads the cache's elements in their blocks (int4
+is dequantized first). Each token's row is computed exactly as it would be alone. A step of one token of
+one sequence over a cache of static scales (fp32, fp16, int8) runs every layer in one native call
+(decode_step.c), which spares the ~40 small torch ops per layer that otherwise cost a third of the step.
+Longer prefill and machines where the kernels cannot be built run the torch path below (same math).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cabinllm.runtime.formats.checkpoint import ModelConfig, layer_prefix
+from cabinllm.runtime.kernels.bindings import (
+    MATVEC_MAX_TOKENS,
+    KernelLayer,
+    MatVec,
+    StepWeights,
+    decode_attention,
+    decode_step,
+    matvec,
+    native_kernels_enabled,
+)
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import PagedKVCache
+from cabinllm.runtime.kv.storage import KVLayout, KVStorage
+from cabinllm.runtime.model.linear import Linear, halves, kernel_linear, linear_op, stack
+from cabinllm.runtime.model.linear import linear as _linear
+from cabinllm.runtime.model.rope import apply_rope, rope_table
+
+
+@dataclass
+class Span:
+    """New tokens of one sequence in a step: ``token_ids`` at positions [start_pos, start_pos + N)."""
+
+    token_ids: list[int]
+    start_pos: int
+    seq: Sequence
+
+    @property
+    def end(self) -> int:
+        """Tokens attended to by the span's last new token, itself included."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class StepContext:
+    """What every layer of one forward step reads: where the new tokens go and what each span attends to."""
+
+    spans: list[Span]
+    slots: torch.Tensor  # flat KV slot of each new token, spans in order
+    block_tables: list[torch.Tensor]  # each span's sequence's blocks
+    storage: KVStorage
+    native: bool  # one-token spans run attention on the native kernels
+    matvec: MatVec | None  # the linear kernel, for a step of a few tokens where it could be built
+
+
+class Transformer:
+    """Weights of a TensorRT-LLM checkpoint plus the math to run them."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        w = {k: v for k, v in weights.items() if not k.endswith("cache_scaling_factor")}
+        self.embedding = w["transformer.vocab_embedding.weight"].float()
+        self.final_norm = w["transformer.ln_f.weight"].float()
+        self.native_kernels = native_kernels_enabled()
+        self.lm_head = _lm_head(w.pop("lm_head.weight"), self.native_kernels)
+        self.layers = [_layer_weights(w, i, config) for i in range(config.num_hidden_layers)]
+        self.cos, self.sin = rope_table(config.head_size, config.max_position_embeddings,
+                                        config.rotary_base, config.rotary_scaling)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Shape of this model's KV cache."""
+        return KVLayout.of(self.config)
+
+    def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated.
+
+        Writes their K/V into the cache and returns logits of the last token
+        (shape (vocab,)) or of every token (shape (N, vocab)).
+        """
+        logits = self.step([Span(token_ids, start_pos, seq)], cache, all_logits)
+        return logits if all_logits else logits[0]
+
+    @torch.inference_mode()
+    def step(self, spans: list[Span], cache: PagedKVCache, all_logits: bool = False) -> torch.Tensor:
+        """Run the new tokens of several sequences (slots allocated) in one pass over the weights.
+
+        Writes their K/V into the cache and returns the logits of each span's last token (shape
+        (spans, vocab)), or of every token (shape (tokens, vocab)).
+        """
+        c = self.config
+        for span in spans:
+            if span.end > c.max_position_embeddings:
+                raise ValueError(f"position {span.end} exceeds the model's context of {c.max_position_embeddings} "
+                                 "tokens")
+        ids = [t for span in spans for t in span.token_ids]
+        x = self._fused_step(spans[0], cache) if len(ids) == 1 and self.native_kernels else None
+        if x is not None:
+            return _linear(_rms_norm(x[None], self.final_norm, c.norm_epsilon), self.lm_head, matvec())
+        positions = torch.cat([torch.arange(span.start_pos, span.end) for span in spans])
+        x = self.embedding[torch.tensor(ids, dtype=torch.long)]
+        cos, sin = self.cos[positions], self.sin[positions]
+        mv = matvec() if self.native_kernels and len(ids) <= MATVEC_MAX_TOKENS else None
+        ctx = StepContext(spans, torch.cat([cache.slots(s.seq, s.start_pos, s.end) for s in spans]),
+                          [cache.block_table(s.seq) for s in spans], cache.storage, self.native_kernels, mv)
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer["input_norm"], c.norm_epsilon)
+            x = x + self._attention(index, layer, h, cos, sin, ctx)
+            h = _rms_norm(x, layer["post_norm"], c.norm_epsilon)
+            fc, gate = _linear(h, layer["fc_gate"], mv).chunk(2, dim=-1)
+            x = x + _linear(F.silu(fc) * gate, layer["proj"], mv)
+        if not all_logits:
+            x = x[torch.tensor([span.end - span.start_pos for span in spans]).cumsum(0) - 1]
+        h = _rms_norm(x, self.final_norm, c.norm_epsilon)  # one row per span, or per token
+        return _linear(h, self.lm_head, matvec() if self.native_kernels and len(h) <= MATVEC_MAX_TOKENS else None)
+
+    def _fused_step(self, span: Span, cache: PagedKVCache) -> torch.Tensor | None:
+        """One token through every layer in one native call (runtime/kernels/decode_step.c): its last hidden
+        state, or None where the cache's storage, the weights or the compiler do not allow it."""
+        c, pools = self.config, cache.storage.static_pools()
+        kernel = None if pools is None else decode_step(pools.k.dtype, c.head_size,
+                                                        c.num_attention_heads // c.num_key_value_heads)
+        if kernel is None or self._step_weights is None:
+            return None
+        position, seq = span.start_pos, span.seq
+        return kernel(self._step_weights, self.embedding[span.token_ids[0]], c.norm_epsilon, self.cos[position],
+                      self.sin[position], pools, cache.block_table(seq), int(cache.slots(seq, position, span.end)),
+                      span.end)
+
+    @functools.cached_property
+    def _step_weights(self) -> StepWeights | None:
+        """The layers as the fused decode step reads them; None where an op has no form it runs."""
+        layers = []
+        for layer in self.layers:
+            fc, gate = halves(layer["fc_gate"])
+            ops = dict(qkv=kernel_linear(layer["qkv"], layer.get("qkv_bias")), dense=kernel_linear(layer["dense"]),
+                       fc=kernel_linear(fc), gate=kernel_linear(gate), proj=kernel_linear(layer["proj"]))
+            if any(op is None for op in ops.values()):
+                return None
+            layers.append(KernelLayer(layer["input_norm"].contiguous(), layer["post_norm"].contiguous(), **ops))
+        return StepWeights(layers)
+
+    def _attention(self, index: int, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   ctx: StepContext) -> torch.Tensor:
+        c = self.config
+        n, heads, kv_heads, d = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_size
+        qkv = _linear(h, layer["qkv"], ctx.matvec, layer.get("qkv_bias"))
+        qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
+        q, k = apply_rope(qk.view(n, heads + kv_heads, d), cos, sin).split([heads, kv_heads], dim=1)
+        ctx.storage.write(index, ctx.slots, k, v.view(n, kv_heads, d))
+        outs, first = [], 0
+        for span, block_table in zip(ctx.spans, ctx.block_tables):
+            count = len(span.token_ids)
+            outs.append(self._span_attention(index, q[first:first + count], span, block_table, ctx))
+            first += count
+        return _linear(outs[0] if len(outs) == 1 else torch.cat(outs), layer["dense"], ctx.matvec)
+
+    def _span_attention(self, index: int, q: torch.Tensor, span: Span, block_table: torch.Tensor,
+                        ctx: StepContext) -> torch.Tensor:
+        """One span's queries (n, heads, d) over its sequence's cached K/V; returns (n, heads * d)."""
+        heads, d = q.shape[1], q.shape[2]
+        stored = ctx.storage.stored_kv(index, block_table, span.end) if ctx.native and q.shape[0] == 1 else None
+        group = heads // self.config.num_key_value_heads
+        kernel = None if stored is None else decode_attention(stored.k.dtype, d, group)
+        if kernel is not None:
+            return kernel(q[0], stored, span.end)
+        keys, values, k_scale, v_scale = ctx.storage.read_unscaled(index, block_table, span.end)
+        out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, span.start_pos)
+        return out * v_scale if v_scale != 1.0 else out
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """Causal attention of q (n, heads, d) at positions [start_pos, start_pos + n) over keys/values
+    (context, kv_heads, d) of positions [0, context); returns (n, heads * d).
+
+    Decode (n == 1) folds each KV group's query heads into rows of one call, so K/V are never
+    repeated; prefill repeats K/V per query head and uses the fused causal kernel.
+    """
+    n, heads, d = q.shape
+    context, kv_heads = keys.shape[0], keys.shape[1]
+    group = heads // kv_heads
+    if n == 1:
+        q = q.view(kv_heads, group, d)[None]
+        out = F.scaled_dot_product_attention(q, keys.transpose(0, 1)[None], values.transpose(0, 1)[None])
+        return out.reshape(1, heads * d)
+    keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    values = values.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    q = q.transpose(0, 1)[None]
+    if start_pos == 0 and n == context:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+    else:
+        mask = torch.arange(context)[None, :] <= torch.arange(start_pos, start_pos + n)[:, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    return out[0].transpose(0, 1).reshape(n, heads * d)
+
+
+def _layer_weights(w: dict[str, torch.Tensor], layer: int, config: ModelConfig) -> dict[str, torch.Tensor | Linear]:
+    """One layer's norms and linear ops in the checkpoint's weight format (cabinllm.runtime.formats.weight_formats); fc and gate
+    stacked in one op."""
+    p, fmt = layer_prefix(layer), config.weight_format
+
+    def op(name: str) -> Linear:
+        return linear_op(fmt, {s: w.pop(f"{p}.{name}.{s}") for s in fmt.tensors}, config.quantization)
+
+    out = {
+        "input_norm": w[f"{p}.input_layernorm.weight"].float(),
+        "qkv": op("attention.qkv"),
+        "dense": op("attention.dense"),
+        "post_norm": w[f"{p}.post_layernorm.weight"].float(),
+        "fc_gate": stack(op("mlp.fc"), op("mlp.gate")),
+        "proj": op("mlp.proj"),
+    }
+    if config.qkv_bias:
+        out["qkv_bias"] = w[f"{p}.attention.qkv.bias"].float()
+    return out
+
+
+def _lm_head(weight: torch.Tensor, native: bool) -> torch.Tensor:
+    """The output projection as the decode kernels read it fastest: an fp16 one stays fp16 (half the bytes of
+    the largest matrix of a small model; fp32 copy on the torch path only)."""
+    keep = native and weight.dtype == torch.float16
+    return weight.contiguous() if keep else weight.float().contiguous()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight

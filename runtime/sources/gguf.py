@@ -1,0 +1,135 @@
+"""Open a llama.cpp GGUF file for import: config from metadata, dequantized weights."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.formats.checkpoint import SOURCE_FIX, ModelConfig, default_head_size
+from cabinllm.runtime.sources.weight_plan import SourceModel, SourceNames, check_plan, weight_plan
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # Mistral GGUFs say "llama"
+SUPPORTED_TYPES = tuple(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"))
+GGUF_NAMES = SourceNames(
+    embedding="token_embd.weight",
+    final_norm="output_norm.weight",
+    lm_head="output.weight",
+    input_norm="blk.{l}.attn_norm.weight",
+    post_norm="blk.{l}.ffn_norm.weight",
+    q="blk.{l}.attn_q.weight",
+    k="blk.{l}.attn_k.weight",
+    v="blk.{l}.attn_v.weight",
+    dense="blk.{l}.attn_output.weight",
+    mlp_gate="blk.{l}.ffn_gate.weight",
+    mlp_up="blk.{l}.ffn_up.weight",
+    mlp_down="blk.{l}.ffn_down.weight",
+)
+_REQUIRED = object()
+
+
+def read_gguf(path: Path) -> GGUFReader:
+    """Open a GGUF file (memory-mapped, parsed once per process while the file is unchanged);
+    CheckpointError naming it when it is not GGUF or is truncated."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found; pass a .gguf file or an HF model folder")
+    stat = path.stat()
+    return _parse(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _parse(path: Path, size: int, mtime_ns: int) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, OSError) as err:
+        raise CheckpointError(
+            f"{path}: not a readable GGUF file ({err}); if it is one, it may be truncated: download it again"
+        ) from err
+
+
+def _meta(reader: GGUFReader, key: str, path: Path, default: object = _REQUIRED):
+    """One metadata value, or ``default``; CheckpointError naming the key when it is required and absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"{path}: metadata key {key} is missing; the GGUF file is incomplete")
+        return default
+    return field.contents()
+
+
+def config_from_gguf(reader: GGUFReader, path: Path) -> ModelConfig:
+    """A ModelConfig from GGUF metadata; tied embeddings when the file has no ``output.weight``."""
+    arch = _meta(reader, "general.architecture", path)
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    tensor_names = {t.name for t in reader.tensors}
+    scaling = _meta(reader, f"{arch}.rope.scaling.type", path, "none")
+    if "rope_freqs.weight" in tensor_names or scaling != "none":
+        raise CheckpointError(
+            f"{path}: RoPE scaling in GGUF files is not supported; import the model's HF folder instead"
+        )
+    hidden = _meta(reader, f"{arch}.embedding_length", path)
+    heads = _meta(reader, f"{arch}.attention.head_count", path)
+    config = ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=len(_meta(reader, "tokenizer.ggml.tokens", path)),
+        hidden_size=hidden,
+        num_hidden_layers=_meta(reader, f"{arch}.block_count", path),
+        num_attention_heads=heads,
+        num_key_value_heads=_meta(reader, f"{arch}.attention.head_count_kv", path, heads),
+        head_size=_meta(reader, f"{arch}.attention.key_length", path, default_head_size(hidden, heads)),
+        intermediate_size=_meta(reader, f"{arch}.feed_forward_length", path),
+        max_position_embeddings=_meta(reader, f"{arch}.context_length", path),
+        rotary_base=float(_meta(reader, f"{arch}.rope.freq_base", path, 10000.0)),
+        norm_epsilon=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+        qkv_bias=arch == "qwen2",
+        tie_word_embeddings="output.weight" not in tensor_names,
+    )
+    config.check(str(path), SOURCE_FIX)
+    return config
+
+
+def unpermute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation, ``w.reshape(n_head, 2, d // n_head // 2, ...).swapaxes(1, 2)``."""
+    rows = weight.shape[0]
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def open_gguf(path: Path) -> SourceModel:
+    """Read a GGUF file's metadata, check every needed tensor's shape and type, and return a loader."""
+    reader = read_gguf(path)
+    config = config_from_gguf(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    plan = weight_plan(config, GGUF_NAMES)
+    # GGUF lists dims innermost first; numpy (and the plan) outermost first.
+    check_plan(plan, {name: tuple(reversed(t.shape.tolist())) for name, t in tensors.items()}, str(path))
+    for parts in plan.values():
+        for part in parts:
+            kind = tensors[part.name].tensor_type
+            if kind not in SUPPORTED_TYPES:
+                raise CheckpointError(
+                    f"{path}: tensor {part.name} has type {kind.name}, which the importer cannot dequantize; "
+                    f"use a GGUF with {'/'.join(t.name for t in SUPPORTED_TYPES)} tensors or import the HF folder"
+                )
+    # llama.cpp permutes q/k rows of Llama models only (its Qwen2 converter does not).
+    permuted = (
+        {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+        if config.architecture == "LlamaForCausalLM"
+        else {}
+    )
+
+    def load(name: str) -> torch.Tensor:
+        tensor = tensors[name]
+        weight = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
+        n_head = permuted.get(name.split(".")[-2])
+        if n_head is not None:
+            weight = unpermute_rows(weight, n_head)
+        return torch.from_numpy(np.array(weight, dtype=np.float32))
+
+    return SourceModel(config, plan, load)
