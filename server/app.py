@@ -12,15 +12,17 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_hint
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_hints
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CapacityError, QueueFull
+from cabinllm.runtime.errors import CapacityError, Fix, QueueFull, join_hints
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.server.conversation import plan_prompt
 from cabinllm.server.openai_api import ApiError, ChatRequest, chunk, completion, parse_chat_request, usage
 from cabinllm.server.scheduler import Request, Scheduler
 
 RETRY_AFTER_S = 1  # what a client told to come back later waits
+# A client cannot type /reset or pass flags: the server words those fixes in its own terms.
+SERVER_PHRASES = {Fix.NEW_CONVERSATION: "start a new conversation"}
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
         plan = plan_prompt(engine.tokenizer, chat.messages, max_tokens, capacity, scheduler.cache.tokens_per_block,
                            config.overflow, scheduler.cache.config.sink_token_length)
     except CapacityError as err:
-        hint = capacity_hint(config.overflow, max_tokens, capacity).replace(" (/reset)", "")
+        hint = join_hints(capacity_hints(config.overflow, max_tokens, capacity), SERVER_PHRASES)
         raise ApiError(400, f"{err}; {hint}", param="messages", code="context_length_exceeded") from err
     except ValueError as err:  # the chat template refused the messages
         raise ApiError(400, str(err), param="messages") from err

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Callable
 
 from cabinllm.runtime.dialogue.interface import TurnStats
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_hint, plan_overflow
-from cabinllm.runtime.errors import CapacityError, CheckpointError, SessionFileError
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_hints, plan_overflow
+from cabinllm.runtime.errors import CapacityError, CheckpointError, SessionFileError, join_hints
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.generation.streaming import TextStream
@@ -150,7 +150,7 @@ class TrtllmSession:
         try:
             plan = self._plan(self.messages + [{"role": "user", "content": user_text}])
         except CapacityError as err:
-            hint = capacity_hint(self.overflow, self.params.max_new_tokens, self.capacity)
+            hint = join_hints(capacity_hints(self.overflow, self.params.max_new_tokens, self.capacity))
             if self.limits and self.capacity < self.settings.max_tokens_in_paged_kv_cache:  # the engine's limits bind
                 hint += (f" (the engine takes prompts of at most {self.capacity - self.params.max_new_tokens} tokens: "
                          f"max_input_len {self.limits.max_input_len}, max_seq_len {self.limits.max_seq_len} less "

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from cabinllm.runtime.errors import CapacityError
+from cabinllm.runtime.errors import CapacityError, Fix, Hint
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 OVERFLOW_POLICIES = ("sink-window", "drop-turns", "error")
@@ -88,15 +88,15 @@ def system_tokens(tokenizer: ChatTokenizer, messages: list[dict]) -> int:
     return len(tokenizer.encode_prompt(tokenizer.render(messages[:1], add_generation_prompt=False)))
 
 
-def capacity_hint(policy: OverflowPolicy, max_new_tokens: int, capacity: int) -> str:
+def capacity_hints(policy: OverflowPolicy, max_new_tokens: int, capacity: int) -> tuple[Hint, ...]:
     """What the user can do about a turn that does not fit, leaving out the policy already chosen."""
-    hints = ["start a new conversation (/reset)", "raise --kv-budget-mb"]
+    hints = [Hint(Fix.NEW_CONVERSATION), Hint(Fix.RAISE_KV_BUDGET)]
     if 2 * max_new_tokens > capacity:  # the reply's reservation is most of the budget
-        hints.insert(0, f"lower --max-new-tokens ({max_new_tokens} of the {capacity} tokens the budget holds are "
-                        "kept for the reply)")
+        hints.insert(0, Hint(Fix.LOWER_MAX_NEW_TOKENS, f"{max_new_tokens} of the {capacity} tokens the budget holds "
+                                                       "are kept for the reply"))
     if policy.name == "error":
-        hints.append("choose --overflow sink-window|drop-turns")
-    return ", ".join(hints[:-1]) + " or " + hints[-1]
+        hints.append(Hint(Fix.OTHER_OVERFLOW))
+    return tuple(hints)
 
 
 def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict], prompt: str, stream: list[int],
