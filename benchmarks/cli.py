@@ -15,8 +15,9 @@ from cabinllm.benchmarks.machine import oversubscribed
 from cabinllm.benchmarks.plots import write_figures
 from cabinllm.benchmarks.results_page import render_markdown
 from cabinllm.benchmarks.settings import BenchSettings, quick_settings
+from cabinllm.cli.args import entry_point
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CheckpointError, EvalJsonError
+from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text
 
 RESULTS_MD = "RESULTS.md"
@@ -71,7 +72,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
             setattr(settings, name, getattr(args, name))
             settings.overrides.append(name)
     if min(settings.contexts) < 1 or settings.repeats < 1 or settings.decode_steps < 2 or settings.turns < 0:
-        raise ValueError("need contexts >= 1, --repeats >= 1, --decode-steps >= 2 and --turns >= 0")
+        raise ConfigError("need contexts >= 1, --repeats >= 1, --decode-steps >= 2 and --turns >= 0")
     return settings
 
 
@@ -153,11 +154,12 @@ def same_model(engine: Engine, other: Engine) -> Engine:
     """other, checked to hold the engine's model (its layers and vocabulary) in another weight format."""
     shape = ("num_hidden_layers", "hidden_size", "num_key_value_heads", "vocab_size")
     if [getattr(other.config, k) for k in shape] != [getattr(engine.config, k) for k in shape]:
-        raise ValueError(f"--weights-engines {other.folder} holds another model than --engine {engine.folder}; "
+        raise ConfigError(f"--weights-engines {other.folder} holds another model than --engine {engine.folder}; "
                          "build it from the same --model")
     return other
 
 
+@entry_point("cabin-bench")
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         unknown = [f for f in families if f not in PEER_FAMILIES]
         if unknown:
-            raise ValueError(f"unknown --peers {unknown}; choose from {', '.join(PEER_FAMILIES)} or none")
+            raise ConfigError(f"unknown --peers {unknown}; choose from {', '.join(PEER_FAMILIES)} or none")
         settings = settings_from(args)
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         weight_engines = [same_model(engine, Engine.load(folder)) for folder in args.weights_engines]
         peers = make_peers(engine, families, torch.get_num_threads(), args.genai)
         results = run_bench(engine, settings, peers, evaluation, weight_engines, args.onnx)
-    except (CheckpointError, EvalJsonError, ValueError) as err:
+    except CabinError as err:
         print(f"cabin-bench: error: {err}", file=sys.stderr)
         return 2
     results["command"] = shlex.join(["cabin-bench", *(sys.argv[1:] if argv is None else argv)])

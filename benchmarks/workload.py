@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from cabinllm.calibration.sources import open_source
 from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.errors import DataError
 
 
 def sharegpt_stream(engine: Engine, length: int) -> list[int]:
@@ -13,7 +14,7 @@ def sharegpt_stream(engine: Engine, length: int) -> list[int]:
         ids += engine.tokenizer.encode(engine.tokenizer.render(dialogue.messages, add_generation_prompt=False))
         if len(ids) >= length:
             return ids[:length]
-    raise RuntimeError(f"ShareGPT ran out of tokens before {length}")
+    raise DataError(f"ShareGPT ran out of tokens before {length}")
 
 
 def long_sharegpt_dialogue(engine: Engine, turns: int, max_user_tokens: int) -> list[str]:
@@ -24,4 +25,4 @@ def long_sharegpt_dialogue(engine: Engine, turns: int, max_user_tokens: int) -> 
         short = [u for u in users if 0 < len(engine.tokenizer.encode(u)) <= max_user_tokens]
         if len(short) >= turns:
             return short[:turns]
-    raise RuntimeError(f"no ShareGPT dialogue with {turns} user turns of at most {max_user_tokens} tokens")
+    raise DataError(f"no ShareGPT dialogue with {turns} user turns of at most {max_user_tokens} tokens")

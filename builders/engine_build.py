@@ -22,27 +22,13 @@ from cabinllm.builders.progress import Steps
 from cabinllm.builders.scales_source import BuildScales, calibrated_scales, quick_scales, scales_from_file
 from cabinllm.builders.targets import Backend, Target, get_target
 from cabinllm.builders.trtllm import TrtllmInstall, build_args, find_trtllm, flag_set, local_sm, run_trtllm_build
-from cabinllm.builders.weight_build import (
-    build_weight_format,
-    check_equalize,
-    needs_quantizing,
-    quantize_step_text,
-    quantized_checkpoint,
-    refingerprint_scales,
-    weights_record,
-)
+from cabinllm.builders.weight_build import (build_weight_format, check_equalize, needs_quantizing, quantize_step_text,
+                                            quantized_checkpoint, refingerprint_scales, weights_record)
 from cabinllm.runtime.errors import CheckpointError, ScalesError
 from cabinllm.runtime.formats.atomic import atomic_write_text, clean_leftovers, staging_folder
 from cabinllm.runtime.formats.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
-from cabinllm.runtime.formats.engine_folder import (
-    CHECKPOINT_DIR,
-    ENGINE_FORMAT,
-    MANIFEST_FILE,
-    SCALES_FILE,
-    TRT_ENGINE_DIR,
-    TRTLLM_LOG_FILE,
-    read_manifest,
-)
+from cabinllm.runtime.formats.engine_folder import (CHECKPOINT_DIR, ENGINE_FORMAT, MANIFEST_FILE, SCALES_FILE,
+                                                    TRT_ENGINE_DIR, TRTLLM_LOG_FILE, read_manifest)
 from cabinllm.runtime.formats.scales_file import model_fingerprint
 from cabinllm.runtime.sources.model_source import import_model, load_model_config, resolve_model
 

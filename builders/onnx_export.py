@@ -28,28 +28,12 @@ import torch
 from cabinllm.builders.onnx_profiles import WEIGHT_FORMS, OnnxProfile, onnx_profile
 from cabinllm.builders.progress import Steps
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.errors import CheckpointError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text, staging_folder
-from cabinllm.runtime.formats.engine_folder import (
-    CHECKPOINT_DIR,
-    MANIFEST_FILE,
-    SCALES_FILE,
-    EngineFolder,
-    read_manifest,
-)
-from cabinllm.runtime.formats.onnx_folder import (
-    ONNX_FORMAT,
-    PROMPT_GRAPH,
-    TOKEN_GRAPH,
-    TOKENIZER_DIR,
-    WEIGHTS_FILE,
-    KvGraphType,
-    graph_metadata,
-    new_key,
-    new_value,
-    past_key,
-    past_value,
-)
+from cabinllm.runtime.formats.engine_folder import (CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE, EngineFolder,
+                                                    read_manifest)
+from cabinllm.runtime.formats.onnx_folder import (ONNX_FORMAT, PROMPT_GRAPH, TOKEN_GRAPH, TOKENIZER_DIR, WEIGHTS_FILE,
+                                                  KvGraphType, graph_metadata, new_key, new_value, past_key, past_value)
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kv.modes import ONNX_KV_MODES, kv_mode
 from cabinllm.runtime.kv.quant import INT8_MAX
@@ -81,12 +65,12 @@ def check_request(request: OnnxExportRequest) -> OnnxProfile:
     profile = onnx_profile(request.profile)
     kv_mode(request.kv_cache)
     if request.kv_cache not in ONNX_KV_MODES:
-        raise ValueError(f"--kv-cache {request.kv_cache} has no ONNX graph form; choose one of "
+        raise ConfigError(f"--kv-cache {request.kv_cache} has no ONNX graph form; choose one of "
                          f"{', '.join(ONNX_KV_MODES)}")
     if request.chunk < 1 or request.context < 1:
-        raise ValueError(f"need --context and --chunk >= 1, got {request.context} and {request.chunk}")
+        raise ConfigError(f"need --context and --chunk >= 1, got {request.context} and {request.chunk}")
     if request.context < request.chunk:
-        raise ValueError(f"--context {request.context} is smaller than --chunk {request.chunk}: a prompt chunk must "
+        raise ConfigError(f"--context {request.context} is smaller than --chunk {request.chunk}: a prompt chunk must "
                          "fit the KV window; raise --context or lower --chunk")
     existing = read_manifest(request.output)
     if request.output.exists() and (existing is None or existing.get("format") != ONNX_FORMAT):
@@ -118,7 +102,7 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
         engine = Engine.load(request.engine)
     config = engine.config
     if request.context > config.max_position_embeddings:
-        raise ValueError(f"--context {request.context} exceeds the model's context of "
+        raise ConfigError(f"--context {request.context} exceeds the model's context of "
                          f"{config.max_position_embeddings} tokens; lower --context")
     kv = kv_graph_type(request.kv_cache, profile, engine.scales, request.engine)
     manifest = {
@@ -161,7 +145,7 @@ def check_ops(model, profile: OnnxProfile, name: str) -> set[str]:
     used = {f"{node.domain}.{node.op_type}" if node.domain else node.op_type for node in model.graph.node}
     allowed = profile.allowed_ops()
     if allowed is not None and used - allowed:
-        raise ValueError(f"{name}: ops {sorted(used - allowed)} are not on the {profile.name} profile's allow-list "
+        raise ConfigError(f"{name}: ops {sorted(used - allowed)} are not on the {profile.name} profile's allow-list "
                          f"({profile.allow_list})")
     return used
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from cabinllm.runtime.errors import ConfigError
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
@@ -44,7 +46,7 @@ class OnnxProfile:
         if weight_format not in self.weight_formats:
             others = [p.name for p in ONNX_PROFILES.values() if weight_format in p.weight_formats]
             why = " (standard ONNX has int4 tensors only from opset 21)" if "int4" in weight_format else ""
-            raise ValueError(f"the {self.name} profile (opset {self.opset}) cannot write {weight_format} weights{why}; "
+            raise ConfigError(f"the {self.name} profile (opset {self.opset}) cannot write {weight_format} weights{why}; "
                              f"export with --profile {' or '.join(others)}, or build the engine with cabin-build "
                              f"--weights {' or '.join(self.weight_formats)}")
 
@@ -75,4 +77,4 @@ def onnx_profile(name: str) -> OnnxProfile:
     try:
         return ONNX_PROFILES[name]
     except KeyError:
-        raise ValueError(f"unknown ONNX profile {name!r}; choose one of {', '.join(ONNX_PROFILES)}") from None
+        raise ConfigError(f"unknown ONNX profile {name!r}; choose one of {', '.join(ONNX_PROFILES)}") from None

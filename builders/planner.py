@@ -15,14 +15,8 @@ from dataclasses import dataclass, field, replace
 
 from cabinllm.builders.dialogue_turns import TYPICAL_TURN, TurnTokens
 from cabinllm.builders.graph_plan import GraphPlan, graph_limit, npu_weight_bytes, size_graphs, tokens_held
-from cabinllm.builders.memory_model import (
-    WEIGHT_FORMATS,
-    activation_bytes,
-    blocks_for,
-    kv_bytes_per_token,
-    parameter_count,
-    weights_bytes,
-)
+from cabinllm.builders.memory_model import (WEIGHT_FORMATS, activation_bytes, blocks_for, kv_bytes_per_token,
+                                            parameter_count, weights_bytes)
 from cabinllm.builders.targets import GIB, Backend, Target, load_targets
 from cabinllm.builders.trtllm import EngineShape, build_args, flag_set
 from cabinllm.runtime.errors import PlanRefused

@@ -20,7 +20,7 @@ from cabinllm.calibration.equalize import FIRST_TOKEN
 from cabinllm.calibration.evaluate import ModeResult, evaluate
 from cabinllm.calibration.selection import TokenizedDialogue, prepare_dialogues
 from cabinllm.calibration.stats import KVStats, collect_stats
-from cabinllm.runtime.errors import DataError
+from cabinllm.runtime.errors import ConfigError, DataError
 from cabinllm.runtime.formats.scales_file import ScalesFile, save_scales
 from cabinllm.runtime.sources.model_source import LoadedModel
 
@@ -144,7 +144,7 @@ def calibrate(model: LoadedModel, request: CalibrationRequest, progress: bool = 
     """Collect K/V statistics on the train split of the data, compute scales by the requested method and grade
     them on the held-out split."""
     if request.method not in CALIBRATION_METHODS:
-        raise ValueError(f"unknown method {request.method!r}; choose one of {', '.join(CALIBRATION_METHODS)}")
+        raise ConfigError(f"unknown method {request.method!r}; choose one of {', '.join(CALIBRATION_METHODS)}")
     started = time.perf_counter()
     search = request.method == SEARCH_METHOD
     parts = _parts(model, request, "train", 1 if search else 0)

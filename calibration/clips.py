@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cabinllm.calibration.stats import KVStats, RangeStats, bin_edges
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.scales_file import KVScales, LayerRanges
 from cabinllm.runtime.kv.quant import INT8_MAX
 
@@ -51,7 +52,7 @@ def percentile_clips(hist: torch.Tensor, amax: torch.Tensor, percentile: float) 
     ``hist`` is (..., HIST_BINS), ``amax`` (...); the result is float64 of shape (...).
     """
     if not 0 < percentile <= 100:
-        raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+        raise ConfigError(f"percentile must be in (0, 100], got {percentile}")
     cumulative = (hist.cumsum(-1) / hist.sum(-1, keepdim=True)).contiguous()
     target = torch.full((*hist.shape[:-1], 1), percentile / 100, dtype=torch.float64)
     index = torch.searchsorted(cumulative, target).squeeze(-1)
@@ -114,7 +115,7 @@ def _layer_clips(stats: RangeStats, method: str, percentile: float) -> tuple[lis
     hist, amax = stats.layer_hist, stats.layer_amax
     empty = ((amax <= 0) | (hist.sum(-1) == 0)).nonzero().flatten().tolist()
     if empty:
-        raise ValueError(f"layer {empty[0]}: no K/V values collected; calibrate on at least one dialogue")
+        raise ConfigError(f"layer {empty[0]}: no K/V values collected; calibrate on at least one dialogue")
     clips = _clip(hist, amax, method, percentile)
     rates = torch.where(clips < amax.double(), clip_rates(hist, clips), 0.0)
     return clips.tolist(), rates.tolist()
@@ -127,7 +128,7 @@ def _channel_clips(stats: RangeStats, method: str, percentile: float) -> torch.T
 def compute_clips(stats: KVStats, method: str, percentile: float = DEFAULT_PERCENTILE) -> LayerClips:
     """Per-layer K and V clips (and clip rates), and per-channel clips, by one of METHODS."""
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     k, k_rate = _layer_clips(stats.k, method, percentile)
     v, v_rate = _layer_clips(stats.v, method, percentile)
     return LayerClips(k, v, k_rate, v_rate, _channel_clips(stats.k, method, percentile),

@@ -4,8 +4,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from cabinllm.runtime.errors import DataError
-
 ROLES = ("system", "user", "assistant")
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import ModelConfig, layer_prefix
 from cabinllm.runtime.formats.scales_file import KVScales, LayerRanges
 from cabinllm.runtime.generation.generate import run_tokens
@@ -62,7 +63,7 @@ def equalization_factors(ranges: LayerRanges, power_of_two: bool = False) -> tup
     measured = torch.cat([pair_range.flatten(), v_range.flatten()])
     measured = measured[measured > 0]
     if measured.numel() == 0:
-        raise ValueError("a layer has no non-zero K/V range; calibrate on real dialogues before equalizing")
+        raise ConfigError("a layer has no non-zero K/V range; calibrate on real dialogues before equalizing")
     target = measured.log().mean().exp()
 
     def factor(channel_range: torch.Tensor) -> torch.Tensor:
@@ -97,10 +98,10 @@ def equalize(config: ModelConfig, weights: dict[str, torch.Tensor], ranges: list
     With ``first_token``, that token's K and V at position 0 are put on the grid of the shared scale.
     """
     if power_of_two and first_token is not None:
-        raise ValueError("power-of-two factors keep outputs bit for bit, a first token on the grid does not: "
+        raise ConfigError("power-of-two factors keep outputs bit for bit, a first token on the grid does not: "
                          "choose one")
     if len(ranges) != config.num_hidden_layers:
-        raise ValueError(f"ranges cover {len(ranges)} layers, the model has {config.num_hidden_layers}; "
+        raise ConfigError(f"ranges cover {len(ranges)} layers, the model has {config.num_hidden_layers}; "
                          "calibrate this model again")
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_size
     group = heads // kv_heads
@@ -110,7 +111,7 @@ def equalize(config: ModelConfig, weights: dict[str, torch.Tensor], ranges: list
     for layer, layer_ranges in enumerate(ranges):
         k_factor, v_factor = equalization_factors(layer_ranges, power_of_two)
         if tuple(k_factor.shape) != (kv_heads, d):
-            raise ValueError(f"layer {layer}: ranges have shape {list(k_factor.shape)}, the model needs "
+            raise ConfigError(f"layer {layer}: ranges have shape {list(k_factor.shape)}, the model needs "
                              f"[{kv_heads}, {d}]; calibrate this model again")
         q_factor = (1 / k_factor).repeat_interleave(group, dim=0).flatten()  # query head h is in group h // group
         row_factor = torch.cat([q_factor, k_factor.flatten(), v_factor.flatten()])

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from cabinllm.calibration.equalize import FIRST_TOKEN, equalize
 from cabinllm.calibration.selection import TokenizedDialogue
 from cabinllm.calibration.weight_quant import stored_bytes
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.scales_file import KVScales, ScalesFile
 from cabinllm.runtime.generation.generate import run_tokens
@@ -112,15 +113,15 @@ def build_runners(model: LoadedModel, modes: list[str], scales_file: ScalesFile 
     first token of the calibration data on the grid when the file names it)."""
     unknown = [m for m in modes if m not in EVAL_MODES]
     if unknown:
-        raise ValueError(f"unknown KV mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
+        raise ConfigError(f"unknown KV mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
     if scales_file is None and any(m in STATIC_MODES for m in modes):
-        raise ValueError(f"modes {', '.join(STATIC_MODES)} need calibrated scales; pass --scales or calibrate first")
+        raise ConfigError(f"modes {', '.join(STATIC_MODES)} need calibrated scales; pass --scales or calibrate first")
     equalized = [m for m in modes if EVAL_MODES[m].equalized]
     if equalized and scales_file.ranges is None:
-        raise ValueError(f"{', '.join(equalized)} need per-channel ranges in the scales file (schema version 2); "
+        raise ConfigError(f"{', '.join(equalized)} need per-channel ranges in the scales file (schema version 2); "
                          "re-run cabin-calibrate")
     if scales_file is not None and scales_file.equalized:
-        raise ValueError("the scales file belongs to equalized weights; pass the scales of the original model")
+        raise ConfigError("the scales file belongs to equalized weights; pass the scales of the original model")
     base = model.transformer()
     runners = {}
     for name in modes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import ModelConfig, layer_prefix
 from cabinllm.runtime.model.linear import full_precision, linear_op
 
@@ -20,7 +21,7 @@ def transformers_model(config: ModelConfig, weights: dict[str, torch.Tensor]):
     import transformers
 
     if config.qkv_bias:
-        raise ValueError("qkv bias (Qwen2) has no LlamaForCausalLM equivalent; use a Llama or Mistral model")
+        raise ConfigError("qkv bias (Qwen2) has no LlamaForCausalLM equivalent; use a Llama or Mistral model")
     hf_config = transformers.LlamaConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,

@@ -14,7 +14,7 @@ from typing import Iterable
 from cabinllm.calibration.dialogue_data import Dialogue, LoadReport
 from cabinllm.calibration.sources import open_source
 from cabinllm.calibration.stitch import conversation_order, stitch
-from cabinllm.runtime.errors import DataError
+from cabinllm.runtime.errors import ConfigError, DataError
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 SPLITS = ("train", "heldout", "all")  # "all": every dialogue, whatever its split
@@ -44,7 +44,7 @@ def select_dialogues(dialogues: Iterable[Dialogue], split: str, count: int | Non
     only ``count`` dialogues are held in memory.
     """
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+        raise ConfigError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     pool = (d for d in dialogues
             if split in ("all", split_of(d.group or d.id)) and sum(len(m["content"]) for m in d.messages) >= min_chars)
 

@@ -9,6 +9,7 @@ stitched together and in their order.
 from __future__ import annotations
 
 from cabinllm.calibration.dialogue_data import Dialogue
+from cabinllm.runtime.errors import ConfigError
 
 SESSION_JOIN = "+"  # a stitched session's id: its dialogues' ids joined by this
 
@@ -16,7 +17,7 @@ SESSION_JOIN = "+"  # a stitched session's id: its dialogues' ids joined by this
 def stitch(dialogues: list[Dialogue]) -> Dialogue:
     """One conversation: the first dialogue's system prompt (if any), then the other messages of all of them."""
     if not dialogues:
-        raise ValueError("stitch needs at least one dialogue")
+        raise ConfigError("stitch needs at least one dialogue")
     system = [m for m in dialogues[0].messages[:1] if m["role"] == "system"]
     turns = [m for d in dialogues for m in d.messages if m["role"] != "system"]
     return Dialogue(SESSION_JOIN.join(d.id for d in dialogues), system + turns, dialogues[0].group)

@@ -22,16 +22,10 @@ from tqdm import tqdm
 
 from cabinllm.calibration.hf_model import transformers_model
 from cabinllm.calibration.selection import prepare_dialogues
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, ModelConfig, layer_prefix, linear_inputs
-from cabinllm.runtime.formats.weight_formats import (
-    PREQUANT,
-    SCALE,
-    W8A16,
-    WEIGHT_FORMATS,
-    W4A16Awq,
-    WeightFormat,
-    awq_group_size,
-)
+from cabinllm.runtime.formats.weight_formats import (PREQUANT, SCALE, W8A16, WEIGHT_FORMATS, W4A16Awq, WeightFormat,
+                                                     awq_group_size)
 from cabinllm.runtime.model.linear import INT4_MAX, INT4_MIN, pack_int4
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
@@ -57,7 +51,7 @@ def modelopt_config(fmt: WeightFormat, group_size: int | None) -> dict:
     if isinstance(fmt, W8A16):
         return copy.deepcopy(mtq.INT8_WEIGHT_ONLY_CFG)
     if not isinstance(fmt, W4A16Awq):
-        raise ValueError(f"{fmt.name} weights are not quantized; nothing to calibrate")
+        raise ConfigError(f"{fmt.name} weights are not quantized; nothing to calibrate")
     config = copy.deepcopy(mtq.INT4_AWQ_CFG)
     for entry in config["quant_cfg"]:
         if entry.get("quantizer_name") == "*weight_quantizer" and isinstance(entry.get("cfg"), dict):
@@ -75,13 +69,13 @@ def quantize_weights(config: ModelConfig, weights: dict[str, torch.Tensor], fmt:
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
     if config.weight_format.quant_algo is not None:
-        raise ValueError(f"the weights are already quantized ({config.weight_format.quant_algo}); quantize a "
+        raise ConfigError(f"the weights are already quantized ({config.weight_format.quant_algo}); quantize a "
                          "full-precision model")
     group = awq_group_size(list(linear_inputs(config).values())) if isinstance(fmt, W4A16Awq) else None
     try:
         model = transformers_model(config, weights)
     except ValueError as err:
-        raise ValueError(f"{err}; --weights {fmt.name} quantizes Llama-family models without biases") from None
+        raise ConfigError(f"{err}; --weights {fmt.name} quantizes Llama-family models without biases") from None
 
     def forward_loop(model) -> None:
         for ids in tqdm(calibration, desc=f"calibrating {fmt.name} weights", unit="dialogue", file=sys.stderr,
@@ -138,7 +132,7 @@ def eval_weights(name: str, config: ModelConfig, weights: dict[str, torch.Tensor
     fp32 as given, int8 and int4-awq quantized by ModelOpt on ``calibration``, int4-rtn by round to nearest on
     AWQ's groups."""
     if name not in EVAL_WEIGHTS:
-        raise ValueError(f"unknown weights {name!r}; choose from {', '.join(EVAL_WEIGHTS)}")
+        raise ConfigError(f"unknown weights {name!r}; choose from {', '.join(EVAL_WEIGHTS)}")
     if name == EVAL_WEIGHTS[0]:
         return config, weights
     if name == RTN:

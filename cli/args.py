@@ -1,14 +1,19 @@
 """What the command-line tools share: argparse types for numbers that must be finite and in range (argparse
-names the flag in its error line and exits with code 2), and one line for a failed read or write."""
+names the flag in its error line and exits with code 2), one line for a failed read or write, and the entry-point
+wrapper that tells a bug from a user error."""
 from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import math
 import os
+import sys
+import traceback
 from pathlib import Path
 from typing import Callable, TextIO
 
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.kv.memory import available_memory
 
 
@@ -73,8 +78,35 @@ def kv_budget_bytes(megabytes: float) -> int:
     under one byte or more than this machine's available memory."""
     requested, available = megabytes * (1 << 20), available_memory()
     if requested < 1:
-        raise ValueError(f"--kv-budget-mb {megabytes:g} is less than one byte; give a budget of some MiB")
+        raise ConfigError(f"--kv-budget-mb {megabytes:g} is less than one byte; give a budget of some MiB")
     if requested > available:
-        raise ValueError(f"--kv-budget-mb {megabytes:g} is more than the {available / 2**20:,.0f} MiB of "
+        raise ConfigError(f"--kv-budget-mb {megabytes:g} is more than the {available / 2**20:,.0f} MiB of "
                          "memory this machine has available; choose a smaller --kv-budget-mb")
     return int(requested)
+
+
+DEBUG_ENV = "CABIN_DEBUG"  # set to 1: a bug shows its whole traceback
+BUG_EXIT = 70  # EX_SOFTWARE: the command failed by a fault of its own
+
+
+def entry_point(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """Wrap a command's ``main``: it handles the CabinError kinds (user errors, exit code 2) itself; any other
+    exception is a bug, shown as one line that asks for a report (the traceback with CABIN_DEBUG=1, exit code 70),
+    and Ctrl-C ends the command with code 130 and no traceback."""
+    def wrap(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def run(*args, **kwargs) -> int:
+            try:
+                return main(*args, **kwargs)
+            except KeyboardInterrupt:
+                print(f"{prog}: interrupted", file=sys.stderr)
+                return 130
+            except Exception as err:  # the boundary: everything a command did not expect is a bug
+                if os.environ.get(DEBUG_ENV):
+                    traceback.print_exc()
+                print(f"{prog}: internal error: {type(err).__name__}: {err}. This is a bug in CabinLLM, not in what "
+                      f"you gave it; please report it with the command line (run again with {DEBUG_ENV}=1 for the "
+                      "traceback)", file=sys.stderr)
+                return BUG_EXIT
+        return run
+    return wrap

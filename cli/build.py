@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from cabinllm.builders.engine_build import DEFAULT_SYSTEM_PROMPT, BuildRequest, build_engine
-from cabinllm.cli.args import os_error_message, reserve_gib
-from cabinllm.runtime.errors import CheckpointError, PlanRefused, ScalesError, TargetError, TrtllmError
+from cabinllm.cli.args import entry_point, os_error_message, reserve_gib
+from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.chat_script import text_problem
 from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
 from cabinllm.runtime.kv.modes import KV_MODES
@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@entry_point("cabin-build")
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
@@ -63,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                            args.equalize, args.reserve_gb, args.calibrate, args.system_prompt, args.weights)
     try:
         if problem := text_problem(args.system_prompt):
-            raise ValueError(f"--system-prompt {problem}")
+            raise ConfigError(f"--system-prompt {problem}")
         build_engine(request, log=lambda msg: print(msg, file=sys.stderr))
-    except (CheckpointError, ScalesError, TargetError, PlanRefused, TrtllmError, FileExistsError, ValueError) as err:
+    except (CabinError, FileExistsError) as err:
         print(f"cabin-build: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:

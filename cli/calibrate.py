@@ -5,21 +5,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from cabinllm.calibration.calibrate import (
-    BUILTIN,
-    CALIBRATION_METHODS,
-    DEFAULTS,
-    CalibrationRequest,
-    calibrate,
-    describe_mix,
-    short_coverage_warning,
-    write_scales,
-)
+from cabinllm.calibration.calibrate import (BUILTIN, CALIBRATION_METHODS, DEFAULTS, CalibrationRequest, calibrate,
+                                            describe_mix, short_coverage_warning, write_scales)
 from cabinllm.calibration.clip_search import CANDIDATES, SEARCH_METHOD
 from cabinllm.calibration.clips import DEFAULT_PERCENTILE
 from cabinllm.calibration.report import write_calibration_report
-from cabinllm.cli.args import float_range, int_range, non_negative_int, os_error_message, positive_int
-from cabinllm.runtime.errors import CheckpointError, DataError
+from cabinllm.cli.args import entry_point, float_range, int_range, non_negative_int, os_error_message, positive_int
+from cabinllm.runtime.errors import CabinError
 from cabinllm.runtime.sources.model_source import load_model
 
 
@@ -74,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@entry_point("cabin-calibrate")
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
@@ -82,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = load_model(args.model)
         result = calibrate(model, request)
-    except (CheckpointError, DataError, ValueError) as err:
+    except CabinError as err:
         print(f"cabin-calibrate: error: {err}", file=sys.stderr)
         return 2
     try:

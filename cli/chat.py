@@ -2,37 +2,22 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import signal
 import sys
 from pathlib import Path
 
-from cabinllm.cli.args import (
-    float_range,
-    int_range,
-    kv_budget_bytes,
-    non_negative_float,
-    non_negative_int,
-    os_error_message,
-    output_name,
-    positive_float,
-    positive_int,
-)
-from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS, load_onnx_engine
-from cabinllm.runtime.backends.trtllm import TrtllmSession
+from cabinllm.cli.args import (entry_point, float_range, int_range, kv_budget_bytes, non_negative_float,
+                               non_negative_int, os_error_message, output_name, positive_float, positive_int)
+from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
+from cabinllm.runtime.backends.select import BACKENDS, SessionRequest, open_session
 from cabinllm.runtime.dialogue.interface import Session, TurnStats
 from cabinllm.runtime.dialogue.overflow import OVERFLOW_POLICIES, OverflowPolicy
-from cabinllm.runtime.dialogue.session import DialogueSession
-from cabinllm.runtime.engine import Engine, kv_cache_config
-from cabinllm.runtime.errors import CheckpointError, ScalesError, ScriptError, SessionFileError
+from cabinllm.runtime.errors import CabinError, ConfigError, SessionFileError
 from cabinllm.runtime.formats.chat_script import read_script, text_problem
-from cabinllm.runtime.formats.engine_folder import EngineFolder, read_manifest
-from cabinllm.runtime.formats.onnx_folder import ONNX_FORMAT
+from cabinllm.runtime.formats.engine_folder import EngineFolder
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
 from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES
-from cabinllm.runtime.kv.storage import KVLayout
-from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 HELP_COMMANDS = "commands: /reset (new conversation), /stats (KV memory), /save FILE, /quit; Ctrl-C stops a reply"
 
@@ -75,66 +60,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def open_session(args: argparse.Namespace, system: str | None) -> Session:
-    """Load the engine and start (or restore) a session on the chosen backend."""
-    return BACKENDS[_backend(args)](args, system)
+def session_request(args: argparse.Namespace, system: str | None) -> SessionRequest:
+    """The session cabin-chat's flags ask for."""
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    return SessionRequest(args.engine, kv_budget_bytes(args.kv_budget_mb), params, system,
+                          OverflowPolicy(args.overflow), args.kv_cache, args.tokens_per_block, args.backend,
+                          args.ort_provider, args.restore)
 
 
-def _open_reference(args: argparse.Namespace, system: str | None) -> Session:
-    return _open_dialogue(args, system, Engine.load(args.engine))
-
-
-def _open_onnxruntime(args: argparse.Namespace, system: str | None) -> Session:
-    engine = load_onnx_engine(args.engine, args.ort_provider)
-    if args.kv_cache not in (None, engine.default_kv_mode):
-        raise ValueError(f"--kv-cache {args.kv_cache}: the graphs in {args.engine} take {engine.default_kv_mode} K/V; "
-                         f"leave --kv-cache out or export them again with cabin-export --kv-cache {args.kv_cache}")
-    return _open_dialogue(args, system, engine)
-
-
-def _open_dialogue(args: argparse.Namespace, system: str | None, engine: Engine) -> DialogueSession:
-    """A session on our paged cache (restored from --restore if given) for an engine whose model runs anywhere."""
-    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, kv_budget_bytes(args.kv_budget_mb),
-                                                      args.tokens_per_block))
+def open_chat_session(args: argparse.Namespace, system: str | None) -> Session:
+    """Load the engine and start (or restore, saying what it restored) a session on the chosen backend."""
+    session = open_session(session_request(args, system))
     if args.restore:
-        session = DialogueSession.restore(args.restore, engine, cache)
         print(f"cabin-chat: restored {args.restore}: {session.turns} turns ({len(session.messages)} messages), "
               f"{len(session.seq)} tokens of KV, no re-prefill", file=sys.stderr)
-        return session
-    return DialogueSession(engine, cache, _params(args, engine.stop_token_ids()), system, OverflowPolicy(args.overflow))
-
-
-def _params(args: argparse.Namespace, stop_token_ids: list[int]) -> SamplingParams:
-    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop_token_ids=stop_token_ids)
-
-
-def _backend(args: argparse.Namespace) -> str:
-    """The backend to run: the one asked for, or for auto the folder's kind (an ONNX export, a TensorRT engine where
-    tensorrt_llm is installed, else the reference engine)."""
-    if args.backend != "auto":
-        return args.backend
-    if (read_manifest(args.engine) or {}).get("format") == ONNX_FORMAT:
-        return "onnxruntime"
-    trt_engine = EngineFolder(args.engine).trt_engine
-    return "tensorrt-llm" if trt_engine.is_dir() and importlib.util.find_spec("tensorrt_llm") else "reference"
-
-
-def _open_trtllm_session(args: argparse.Namespace, system: str | None) -> TrtllmSession:
-    folder = EngineFolder(args.engine)
-    if not folder.trt_engine.is_dir():
-        raise CheckpointError(f"{folder.trt_engine}: no TensorRT engine; run the engine build on the device")
-    config = folder.config()
-    layout = KVLayout.of(config)
-    tokenizer = ChatTokenizer(folder.checkpoint)
-    budget = kv_budget_bytes(args.kv_budget_mb)
-    config = kv_cache_config(folder.manifest(), args.kv_cache, budget, args.tokens_per_block)
-    return TrtllmSession(folder.path, tokenizer, layout, config,
-                         _params(args, tokenizer.stop_token_ids), system, OverflowPolicy(args.overflow))
-
-
-BACKENDS = {"reference": _open_reference, "tensorrt-llm": _open_trtllm_session,
-            "onnxruntime": _open_onnxruntime}  # --backend -> opener; auto picks one of them
+    return session
 
 
 def format_stats(stats: TurnStats) -> str:
@@ -235,17 +176,18 @@ def run_interactive(session: Session) -> None:
             print(f"\n  error: {str(err) or type(err).__name__} (the conversation is kept)", flush=True)
 
 
+@entry_point("cabin-chat")
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     try:
         system, turns = read_script(args.script) if args.script else (None, [])
         if args.system and (problem := text_problem(args.system)):
-            raise ValueError(f"--system {problem}")
+            raise ConfigError(f"--system {problem}")
         if system is None:
             system = args.system if args.system is not None else EngineFolder(args.engine).system_prompt()
-        session = open_session(args, system or None)
-    except (CheckpointError, ScalesError, ScriptError, SessionFileError, ValueError) as err:
+        session = open_chat_session(args, system or None)
+    except CabinError as err:
         print(f"cabin-chat: error: {err}", file=sys.stderr)
         return 2
     try:

@@ -9,27 +9,13 @@ from pathlib import Path
 
 from cabinllm.calibration.calibrate import CalibrationRequest, calibrate
 from cabinllm.calibration.charts import plot_accuracy
-from cabinllm.calibration.evaluate import (
-    EVAL_MODES,
-    REFERENCE_MODE,
-    REFERENCE_WEIGHTS,
-    STATIC_MODES,
-    WEIGHTS_SEPARATOR,
-    ModeResult,
-    evaluate,
-    results_json,
-)
+from cabinllm.calibration.evaluate import (EVAL_MODES, REFERENCE_MODE, REFERENCE_WEIGHTS, STATIC_MODES,
+                                           WEIGHTS_SEPARATOR, ModeResult, evaluate, results_json)
 from cabinllm.calibration.selection import prepare_dialogues
-from cabinllm.calibration.weight_quant import (
-    DEFAULT_CALIB_DIALOGUES,
-    DEFAULT_CALIB_TOKENS,
-    EVAL_WEIGHTS,
-    RTN,
-    calibration_tokens,
-    eval_weights,
-)
-from cabinllm.cli.args import int_range, non_negative_int, os_error_message, output_name, positive_int
-from cabinllm.runtime.errors import CheckpointError, DataError, ScalesError
+from cabinllm.calibration.weight_quant import (DEFAULT_CALIB_DIALOGUES, DEFAULT_CALIB_TOKENS, EVAL_WEIGHTS, RTN,
+                                               calibration_tokens, eval_weights)
+from cabinllm.cli.args import entry_point, int_range, non_negative_int, os_error_message, output_name, positive_int
+from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.formats.scales_file import ScalesFile, load_scales_file
 from cabinllm.runtime.sources.model_source import LoadedModel, load_model
@@ -136,7 +122,7 @@ def quantized_weights(names: list[str], model: LoadedModel, data: str, seed: int
     if not names:
         return {}
     if model.config.weight_format.quant_algo is not None:
-        raise ValueError(f"--weights {','.join(names)} quantizes full-precision weights, and {model.name} is "
+        raise ConfigError(f"--weights {','.join(names)} quantizes full-precision weights, and {model.name} is "
                          f"{model.config.weight_format.quant_algo}; give the full-precision model")
     tokens = calibration_tokens(data, model.tokenizer, seed=seed) if set(names) - {RTN} else []
     return {name: eval_weights(name, model.config, model.weights, tokens) for name in names}
@@ -153,6 +139,7 @@ def format_position_table(results: dict[str, ModeResult]) -> str:
     return "\n".join(rows)
 
 
+@entry_point("cabin-eval")
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
@@ -161,11 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         unknown = [m for m in modes if m not in EVAL_MODES]
         if unknown or not modes:
-            raise ValueError(f"unknown --kv-cache mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
+            raise ConfigError(f"unknown --kv-cache mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
         weight_names = [w.strip() for w in args.weights.split(",") if w.strip()]
         unknown = [w for w in weight_names if w not in EVAL_WEIGHTS]
         if unknown or not weight_names:
-            raise ValueError(f"unknown --weights {unknown}; choose from {', '.join(EVAL_WEIGHTS)}")
+            raise ConfigError(f"unknown --weights {unknown}; choose from {', '.join(EVAL_WEIGHTS)}")
         model = load_model(args.model)
         scales, scales_source = resolve_scales(args, model, modes)
         split = eval_split(args, scales_source)
@@ -177,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                                             args.max_tokens, args.min_tokens, args.sessions)
         weights = quantized_weights(weight_names, model, args.data, args.seed)
         results = evaluate(model, dialogues, modes, scales, weights=weights)
-    except (CheckpointError, DataError, ScalesError, ValueError) as err:
+    except CabinError as err:
         print(f"cabin-eval: error: {err}", file=sys.stderr)
         return 2
     table = format_table(results) + "\n\n" + format_position_table(results)

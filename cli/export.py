@@ -10,8 +10,8 @@ from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
 from cabinllm.builders.onnx_profiles import ONNX_PROFILES
 from cabinllm.builders.planner import PlanRequest, working_plan
 from cabinllm.builders.targets import Backend, get_target, load_targets
-from cabinllm.cli.args import os_error_message, positive_int
-from cabinllm.runtime.errors import CheckpointError, PlanRefused, ScalesError, TargetError
+from cabinllm.cli.args import entry_point, os_error_message, positive_int
+from cabinllm.runtime.errors import CabinError, CheckpointError, TargetError
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, read_manifest
 from cabinllm.runtime.kv.modes import ONNX_KV_MODES
 from cabinllm.runtime.sources.model_source import load_model_config
@@ -72,13 +72,14 @@ def target_graphs(engine: Path, target_name: str, kv_cache: str | None) -> Graph
     return next(kv.graphs for kv in plan.kv.values() if kv.graphs)
 
 
+@entry_point("cabin-export")
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     try:
         request = export_request(args)
         EXPORT_FORMATS[args.format](request, log=lambda msg: print(msg, file=sys.stderr))
-    except (CheckpointError, ScalesError, FileExistsError, TargetError, PlanRefused, ValueError) as err:
+    except (CabinError, FileExistsError) as err:
         print(f"cabin-export: error: {err}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:

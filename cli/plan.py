@@ -10,8 +10,8 @@ from cabinllm.builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER,
 from cabinllm.builders.memory_model import WEIGHT_FORMATS
 from cabinllm.builders.planner import MIB, KVPlan, Plan, PlanRequest, working_plan
 from cabinllm.builders.targets import GIB, Backend, get_target
-from cabinllm.cli.args import os_error_message, output_name, reserve_gib
-from cabinllm.runtime.errors import CheckpointError, PlanRefused, TargetError
+from cabinllm.cli.args import entry_point, os_error_message, output_name, reserve_gib
+from cabinllm.runtime.errors import CabinError, PlanRefused
 from cabinllm.runtime.sources.model_source import load_model_config
 
 
@@ -123,6 +123,7 @@ GRAPH_ROWS: list[tuple[str, Callable[[KVPlan], str]]] = [
 ]
 
 
+@entry_point("cabin-plan")
 def main(argv: list[str] | None = None) -> int:
     """Entry point: exit 0 with the plan, 2 with a refusal (reason and nearest working config) or bad input."""
     args = parse_args(argv)
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"refused": {"reason": refused.reason, "nearest": nearest}}, indent=2))
         print(f"cabin-plan: refused: {refused}", file=sys.stderr)
         return 2
-    except (CheckpointError, TargetError, ValueError) as err:
+    except CabinError as err:
         print(f"cabin-plan: error: {err}", file=sys.stderr)
         return 2
     try:

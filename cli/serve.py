@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from cabinllm.cli.args import int_range, kv_budget_bytes, positive_float, positive_int
+from cabinllm.cli.args import entry_point, int_range, kv_budget_bytes, positive_float, positive_int
 from cabinllm.runtime.dialogue.overflow import OVERFLOW_POLICIES, OverflowPolicy
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CheckpointError, ScalesError
+from cabinllm.runtime.errors import CabinError
 from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES
 from cabinllm.server.app import ServeConfig, create_app
 from cabinllm.server.scheduler import Scheduler, SchedulerConfig
@@ -62,6 +62,7 @@ def build(args: argparse.Namespace):
     return create_app(engine, scheduler, config)
 
 
+@entry_point("cabin-serve")
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as err:
         print(f"cabin-serve: error: {err.name} is missing; pip install 'cabinllm[serve]'", file=sys.stderr)
         return 2
-    except (CheckpointError, ScalesError, ValueError, OSError) as err:
+    except (CabinError, OSError) as err:
         print(f"cabin-serve: error: {err}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -11,14 +11,8 @@ from cabinllm.builders.engine_build import BuildRequest, build_engine
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import PlanRefused, ScalesError, TargetError
 from cabinllm.runtime.formats.checkpoint import layer_prefix, load_checkpoint
-from cabinllm.runtime.formats.scales_file import (
-    KVScales,
-    LayerRanges,
-    load_scales,
-    load_scales_file,
-    model_fingerprint,
-    save_scales,
-)
+from cabinllm.runtime.formats.scales_file import (KVScales, LayerRanges, load_scales, load_scales_file,
+                                                  model_fingerprint, save_scales)
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
 from cabinllm.runtime.model.transformer import Transformer

@@ -13,7 +13,9 @@ import cabinllm.builders.engine_build
 import cabinllm.cli.args
 import cabinllm.cli.chat
 import cabinllm.cli.eval
+import cabinllm.cli.plan
 import cabinllm.runtime.dialogue.session
+import cabinllm.runtime.engine
 from cabinllm.cli import build as build_cli
 from cabinllm.cli import calibrate as cli_calibrate
 from cabinllm.cli import eval as cli_eval
@@ -91,7 +93,7 @@ def test_chat_budget_check_reads_this_machines_memory():
 def test_lone_surrogate_in_a_script_is_refused_naming_the_line(tiny_engine_dir, tmp_path, capsys, monkeypatch):
     script = tmp_path / "dialogue.jsonl"
     script.write_text('{"role": "user", "content": "set cabin"}\n{"role": "user", "content": "jazz \\ud800"}\n')
-    monkeypatch.setattr(cabinllm.cli.chat.Engine, "load", lambda path: pytest.fail("the engine was loaded"))
+    monkeypatch.setattr(cabinllm.runtime.engine.Engine, "load", lambda path: pytest.fail("the engine was loaded"))
     code, _, err = run_cli(cabinllm.cli.chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script)], capsys)
     assert_one_error(code, err, f"{script}:2", "lone surrogate \\ud800 at character 6")
 
@@ -206,3 +208,20 @@ def test_sampling_params_cut_text_at_the_earliest_stop_string():
     assert params.cut_at_stop("one\n\ntwo END") == "one" and params.cut_at_stop("a END b\n\nc") == "a "
     assert params.cut_at_stop("no stop here") == "no stop here"
     assert SamplingParams().cut_at_stop("END") == "END" and not SamplingParams().stops("END")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_bug_is_one_line_asking_for_a_report_not_a_user_error(tiny_engine_dir, capsys, monkeypatch, debug):
+    def broken(*args, **kwargs):
+        raise TypeError("unsupported operand")
+
+    monkeypatch.setattr(cabinllm.cli.plan, "load_model_config", broken)
+    if debug:
+        monkeypatch.setenv(cabinllm.cli.args.DEBUG_ENV, "1")
+    else:
+        monkeypatch.delenv(cabinllm.cli.args.DEBUG_ENV, raising=False)
+    code, _, err = run_cli(plan_cli.main, ["--model", str(tiny_engine_dir), "--target", "orin-nano-8gb"], capsys)
+    lines = [line for line in err.splitlines() if "internal error" in line]
+    assert code == cabinllm.cli.args.BUG_EXIT and len(lines) == 1 and "error: " not in err.replace("internal error", "")
+    assert "TypeError: unsupported operand" in lines[0] and "report" in lines[0]
+    assert ("Traceback" in err) == debug

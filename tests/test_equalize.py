@@ -9,16 +9,8 @@ import pytest
 import torch
 
 from cabinllm.calibration.clips import compute_clips, layer_ranges
-from cabinllm.calibration.equalize import (
-    MAX_FACTOR,
-    MIN_PAIR_SCALE,
-    equalization_factors,
-    equalize,
-    equalized_ranges,
-    first_token_kv,
-    grid_rotation,
-    pair_multipliers,
-)
+from cabinllm.calibration.equalize import (MAX_FACTOR, MIN_PAIR_SCALE, equalization_factors, equalize, equalized_ranges,
+                                           first_token_kv, grid_rotation, pair_multipliers)
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.calibration.stats import collect_stats
 from cabinllm.runtime.engine import Engine

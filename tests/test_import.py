@@ -20,13 +20,8 @@ from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.sources import import_cache, model_source
 from cabinllm.runtime.sources.gguf import open_gguf
-from cabinllm.runtime.sources.model_source import (
-    DEFAULT_GGUF_NAME,
-    default_gguf_path,
-    import_model,
-    load_model_config,
-    source_label,
-)
+from cabinllm.runtime.sources.model_source import (DEFAULT_GGUF_NAME, default_gguf_path, import_model,
+                                                   load_model_config, source_label)
 from cabinllm.runtime.sources.weight_plan import iter_weights
 
 QKV = "transformer.layers.{}.attention.qkv.weight"

@@ -9,17 +9,8 @@ from hypothesis import strategies as st
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
-from cabinllm.runtime.kv.int4 import (
-    VALUE_GROUP,
-    Int4KV,
-    buffers_per_sequence,
-    dequantize_keys,
-    dequantize_values,
-    pack_nibbles,
-    quantize_keys,
-    quantize_values,
-    unpack_nibbles,
-)
+from cabinllm.runtime.kv.int4 import (VALUE_GROUP, Int4KV, buffers_per_sequence, dequantize_keys, dequantize_values,
+                                      pack_nibbles, quantize_keys, quantize_values, unpack_nibbles)
 from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES, bytes_per_token
 from cabinllm.runtime.kv.storage import KVLayout
 

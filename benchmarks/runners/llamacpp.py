@@ -4,14 +4,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from cabinllm.benchmarks.runners.base import (
-    KVFootprint,
-    Runner,
-    RunTiming,
-    Unavailable,
-    footprint_lengths,
-    missing_module,
-)
+from cabinllm.benchmarks.runners.base import (KVFootprint, Runner, RunTiming, Unavailable, footprint_lengths,
+                                              missing_module)
 
 KV_TYPES = ("f16", "q8_0")
 WEIGHTS = "as stored in the GGUF (Q4_1 for the default model), not the fp32 tensors ours and transformers run"

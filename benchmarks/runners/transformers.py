@@ -6,14 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cabinllm.benchmarks.runners.base import (
-    KVFootprint,
-    Runner,
-    RunTiming,
-    Unavailable,
-    footprint_lengths,
-    missing_module,
-)
+from cabinllm.benchmarks.runners.base import (KVFootprint, Runner, RunTiming, Unavailable, footprint_lengths,
+                                              missing_module)
 
 RESIDUAL = 128  # QuantizedCache's fp32 window of new tokens (its default, set explicitly)
 GROUP = 64  # its quantization group size (its default)

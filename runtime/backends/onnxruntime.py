@@ -22,18 +22,9 @@ import numpy as np
 import torch
 
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CheckpointError
-from cabinllm.runtime.formats.onnx_folder import (
-    EXPORT_AGAIN,
-    MASKED,
-    PROMPT_GRAPH,
-    TOKEN_GRAPH,
-    OnnxFolder,
-    new_key,
-    new_value,
-    past_key,
-    past_value,
-)
+from cabinllm.runtime.errors import CheckpointError, ConfigError
+from cabinllm.runtime.formats.onnx_folder import (EXPORT_AGAIN, MASKED, PROMPT_GRAPH, TOKEN_GRAPH, OnnxFolder, new_key,
+                                                  new_value, past_key, past_value)
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache
 from cabinllm.runtime.kv.storage import KVLayout, gather
@@ -86,7 +77,7 @@ class OrtModel:
         K/V into the cache and returns logits of the last token (vocab,) or of every token (N, vocab)."""
         end = start_pos + len(token_ids)
         if end > self.context:  # the session plans against config.max_position_embeddings = context
-            raise ValueError(f"position {end} exceeds the graphs' KV window of {self.context} tokens")
+            raise ConfigError(f"position {end} exceeds the graphs' KV window of {self.context} tokens")
         self._fill_window(cache, seq, start_pos)
         graph = self.graphs[1 if len(token_ids) == 1 else self.chunk]
         logits = [self._run(graph, token_ids[i:i + graph.tokens], start_pos + i, cache, seq)
@@ -110,7 +101,7 @@ class OrtModel:
         """Logits (N, vocab) of each of a cached sequence's N tokens, each from the token graph over the cache's
         stored K/V of the tokens before it, whoever wrote them; nothing is written back."""
         if len(seq) > self.context:
-            raise ValueError(f"{len(seq)} tokens exceed the graphs' KV window of {self.context} tokens")
+            raise ConfigError(f"{len(seq)} tokens exceed the graphs' KV window of {self.context} tokens")
         self._fill_window(cache, seq, len(seq))
         graph = self.graphs[1]
         return torch.cat([self._call(graph, [token], position)[0] for position, token in enumerate(seq.token_ids)])
@@ -171,10 +162,10 @@ def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threa
         raise CheckpointError(f"{folder.path}: running ONNX graphs needs onnxruntime, which is not installed; "
                               "pip install 'cabinllm[onnx]'") from err
     if provider not in ORT_PROVIDERS:
-        raise ValueError(f"unknown ONNX Runtime provider {provider!r}; choose one of {', '.join(ORT_PROVIDERS)}")
+        raise ConfigError(f"unknown ONNX Runtime provider {provider!r}; choose one of {', '.join(ORT_PROVIDERS)}")
     available = ort.get_available_providers()
     if ORT_PROVIDERS[provider] not in available:
-        raise ValueError(f"this ONNX Runtime has no {ORT_PROVIDERS[provider]} (it has {', '.join(available)}); "
+        raise ConfigError(f"this ONNX Runtime has no {ORT_PROVIDERS[provider]} (it has {', '.join(available)}); "
                          f"install the onnxruntime package built with it, or choose --ort-provider cpu")
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or torch.get_num_threads()  # as many threads as the reference engine

@@ -10,8 +10,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from cabinllm.runtime.errors import SessionFileError
-
 
 @dataclass
 class TurnStats:

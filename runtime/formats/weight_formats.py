@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cabinllm.runtime.errors import WeightFormatError
+from cabinllm.runtime.errors import ConfigError, WeightFormatError
 
 LINEAR_LAYERS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
 SCALE = "weights_scaling_factor"
@@ -100,7 +100,7 @@ def weight_format(name: str) -> WeightFormat:
     try:
         return WEIGHT_FORMATS[name]
     except KeyError:
-        raise ValueError(f"unknown weight format {name!r}; choose one of {', '.join(WEIGHT_FORMATS)}") from None
+        raise ConfigError(f"unknown weight format {name!r}; choose one of {', '.join(WEIGHT_FORMATS)}") from None
 
 
 def checkpoint_format(quantization: dict, linear_inputs: dict[str, int], source: str) -> WeightFormat:
@@ -133,6 +133,6 @@ def awq_group_size(input_sizes: list[int]) -> int:
     for group in AWQ_GROUP_SIZES:
         if all(size % group == 0 for size in input_sizes):
             return group
-    raise ValueError(f"no AWQ group size of {', '.join(map(str, AWQ_GROUP_SIZES))} divides the input sizes "
+    raise ConfigError(f"no AWQ group size of {', '.join(map(str, AWQ_GROUP_SIZES))} divides the input sizes "
                      f"{sorted(set(input_sizes))}; use --weights int8 for this model")
 

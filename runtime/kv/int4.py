@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kernels.bindings import StoredKV, int4_dequantize, native_kernels_enabled
 from cabinllm.runtime.kv.blocks import Sequence
@@ -82,7 +83,7 @@ def dequantize_values(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
 def check_head_size(layout: KVLayout) -> None:
     """Raise ValueError if the head size does not split into int4 value groups."""
     if layout.head_size % VALUE_GROUP:
-        raise ValueError(f"int4 KV needs a head size divisible by {VALUE_GROUP}, this model has "
+        raise ConfigError(f"int4 KV needs a head size divisible by {VALUE_GROUP}, this model has "
                          f"{layout.head_size}; use int8 or int8-dynamic")
 
 
@@ -104,7 +105,7 @@ class Int4KV(KVStorage):
                  window: int = INT4_WINDOW) -> None:
         check_head_size(layout)
         if window < 0:
-            raise ValueError(f"int4 window must be >= 0 tokens, got {window}")
+            raise ConfigError(f"int4 window must be >= 0 tokens, got {window}")
         super().__init__(layout, num_blocks, tokens_per_block, scales)
         layers, kv_heads, d, tpb = layout.num_layers, layout.num_kv_heads, layout.head_size, tokens_per_block
         self.window = window

@@ -6,17 +6,10 @@ Adding a mode: write its storage class (``cabinllm.runtime.kv.storage``, or a mo
 """
 from __future__ import annotations
 
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.kv.int4 import Int4KV
-from cabinllm.runtime.kv.storage import (
-    Fp8KV,
-    Fp16KV,
-    Fp32KV,
-    Int8DynamicKV,
-    Int8KV,
-    Int8SeparateKV,
-    KVLayout,
-    KVStorage,
-)
+from cabinllm.runtime.kv.storage import (Fp8KV, Fp16KV, Fp32KV, Int8DynamicKV, Int8KV, Int8SeparateKV, KVLayout,
+                                         KVStorage)
 
 KVMode = type[KVStorage]
 KV_MODES: dict[str, KVMode] = {mode.name: mode for mode in (
@@ -30,7 +23,7 @@ def kv_mode(name: str) -> KVMode:
     try:
         return KV_MODES[name]
     except KeyError:
-        raise ValueError(f"unknown KV cache mode {name!r}; choose one of {', '.join(KV_MODES)}") from None
+        raise ConfigError(f"unknown KV cache mode {name!r}; choose one of {', '.join(KV_MODES)}") from None
 
 
 def bytes_per_token(layout: KVLayout, name: str, tokens_per_block: int) -> int:

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kernels.bindings import StaticPools, StoredKV
@@ -110,7 +111,7 @@ class KVStorage:
 
     def token_tensors(self) -> dict[str, torch.Tensor]:
         """The per-token pools a session file saves, each (layers, blocks, tokens_per_block, ...)."""
-        raise ValueError(f"saving a session needs per-token KV storage; {self.name} stores whole blocks: "
+        raise ConfigError(f"saving a session needs per-token KV storage; {self.name} stores whole blocks: "
                          "choose another --kv-cache")
 
     def window_bytes(self) -> tuple[int, int]:
@@ -195,7 +196,7 @@ class Int8KV(_PooledKV):
     def __init__(self, layout: KVLayout, num_blocks: int, tokens_per_block: int,
                  scales: KVScales | None = None) -> None:
         if scales is None or len(scales.k) != layout.num_layers:
-            raise ValueError(f"KV mode {self.name} needs static scales for all {layout.num_layers} layers")
+            raise ConfigError(f"KV mode {self.name} needs static scales for all {layout.num_layers} layers")
         super().__init__(layout, num_blocks, tokens_per_block, scales)
         k, v = self._scales(scales)
         # float32 values, kept as Python floats: read every step without a tensor lookup
@@ -299,7 +300,7 @@ class Fp8KV(KVStorage):
 
     def __init__(self, layout: KVLayout, num_blocks: int, tokens_per_block: int,
                  scales: KVScales | None = None) -> None:
-        raise ValueError("fp8 KV runs on TensorRT-LLM only; the reference engine has no FP8 storage: use int8")
+        raise ConfigError("fp8 KV runs on TensorRT-LLM only; the reference engine has no FP8 storage: use int8")
 
     @classmethod
     def bytes_per_token(cls, layout: KVLayout, tokens_per_block: int) -> int:

@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from cabinllm.runtime.errors import ConfigError
+
 
 def inverse_frequencies(head_size: int, base: float, scaling: dict | None = None) -> torch.Tensor:
     """Per-pair inverse frequencies, rescaled as Llama 3.1 does when ``scaling`` says llama3."""
@@ -15,7 +17,7 @@ def inverse_frequencies(head_size: int, base: float, scaling: dict | None = None
     if kind == "linear":
         return (inv_freq / scaling["factor"]).float()
     if kind != "llama3":
-        raise ValueError(f"unsupported rotary_scaling type {kind!r}; supported: linear, llama3")
+        raise ConfigError(f"unsupported rotary_scaling type {kind!r}; supported: linear, llama3")
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_len = scaling["original_max_position_embeddings"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.errors import CheckpointError, ConfigError
 
 CONTENT_ESCAPE = "\u200b"  # zero-width space, put inside control-token strings found in message content
 
@@ -85,4 +85,4 @@ class ChatTokenizer:
 
 
 def _raise_template_error(message: str) -> None:
-    raise ValueError(f"chat template refused the messages: {message}")
+    raise ConfigError(f"chat template refused the messages: {message}")

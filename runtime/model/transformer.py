@@ -27,17 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import ModelConfig, layer_prefix
-from cabinllm.runtime.kernels.bindings import (
-    MATVEC_MAX_TOKENS,
-    KernelLayer,
-    MatVec,
-    StepWeights,
-    decode_attention,
-    decode_step,
-    matvec,
-    native_kernels_enabled,
-)
+from cabinllm.runtime.kernels.bindings import (MATVEC_MAX_TOKENS, KernelLayer, MatVec, StepWeights, decode_attention,
+                                               decode_step, matvec, native_kernels_enabled)
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache
 from cabinllm.runtime.kv.storage import KVLayout, KVStorage
@@ -111,7 +104,7 @@ class Transformer:
         c = self.config
         for span in spans:
             if span.end > c.max_position_embeddings:
-                raise ValueError(f"position {span.end} exceeds the model's context of {c.max_position_embeddings} "
+                raise ConfigError(f"position {span.end} exceeds the model's context of {c.max_position_embeddings} "
                                  "tokens")
         ids = [t for span in spans for t in span.token_ids]
         x = self._fused_step(spans[0], cache) if len(ids) == 1 and self.native_kernels else None

@@ -1,0 +1,94 @@
+"""Which backend opens a dialogue session on a folder, and opening it: the reference engine (PyTorch), TensorRT-LLM
+(an engine folder's ``trt_engine/``) or ONNX Runtime (a cabin-export graph folder), from plain settings (no argparse).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
+from cabinllm.runtime.backends.trtllm import TrtllmSession
+from cabinllm.runtime.dialogue.interface import Session
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.engine import Engine, kv_cache_config
+from cabinllm.runtime.errors import CheckpointError, ConfigError
+from cabinllm.runtime.formats.engine_folder import EngineFolder, read_manifest
+from cabinllm.runtime.formats.onnx_folder import ONNX_FORMAT
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.storage import KVLayout
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    """What a front end asks for: the folder, the backend, the KV cache, sampling, overflow and the conversation."""
+
+    engine: Path  # engine folder (cabin-build) or graph folder (cabin-export)
+    budget_bytes: int  # the KV budget of this conversation
+    params: SamplingParams = field(default_factory=SamplingParams)  # stop ids: the engine's own, always
+    system: str | None = None  # system prompt (None: no system message)
+    overflow: OverflowPolicy = field(default_factory=OverflowPolicy)
+    kv_mode: str | None = None  # None: what the engine was built for
+    tokens_per_block: int | None = None  # None: the engine's target's
+    backend: str = "auto"  # a key of BACKENDS, or auto: by the folder
+    ort_provider: str = "cpu"  # ONNX Runtime's execution provider (backends.onnxruntime.ORT_PROVIDERS)
+    restore: Path | None = None  # a session file to continue (reference and onnxruntime backends)
+
+
+def open_session(request: SessionRequest) -> Session:
+    """Load the folder and start (or restore) a session on the chosen backend."""
+    return BACKENDS[choose_backend(request.engine, request.backend)](request)
+
+
+def choose_backend(engine: Path, backend: str = "auto") -> str:
+    """The backend to run: the one asked for, or for auto the folder's kind (an ONNX export, a TensorRT engine where
+    tensorrt_llm is installed, else the reference engine)."""
+    if backend != "auto":
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {backend!r}; choose auto or one of {', '.join(BACKENDS)}")
+        return backend
+    if (read_manifest(engine) or {}).get("format") == ONNX_FORMAT:
+        return "onnxruntime"
+    trt_engine = EngineFolder(engine).trt_engine
+    return "tensorrt-llm" if trt_engine.is_dir() and importlib.util.find_spec("tensorrt_llm") else "reference"
+
+
+def _open_reference(request: SessionRequest) -> Session:
+    return _open_dialogue(request, Engine.load(request.engine))
+
+
+def _open_onnxruntime(request: SessionRequest) -> Session:
+    engine = load_onnx_engine(request.engine, request.ort_provider)
+    if request.kv_mode not in (None, engine.default_kv_mode):
+        raise ConfigError(f"--kv-cache {request.kv_mode}: the graphs in {request.engine} take "
+                          f"{engine.default_kv_mode} K/V; leave --kv-cache out or export them again with cabin-export "
+                          f"--kv-cache {request.kv_mode}")
+    return _open_dialogue(request, engine)
+
+
+def _open_dialogue(request: SessionRequest, engine: Engine) -> DialogueSession:
+    """A session on our paged cache (restored when asked) for an engine whose model runs anywhere."""
+    cache = engine.new_cache(engine.kv_cache_config(request.kv_mode, request.budget_bytes, request.tokens_per_block))
+    if request.restore:
+        return DialogueSession.restore(request.restore, engine, cache)
+    params = dataclasses.replace(request.params, stop_token_ids=engine.stop_token_ids())
+    return DialogueSession(engine, cache, params, request.system, request.overflow)
+
+
+def _open_trtllm(request: SessionRequest) -> TrtllmSession:
+    folder = EngineFolder(request.engine)
+    if not folder.trt_engine.is_dir():
+        raise CheckpointError(f"{folder.trt_engine}: no TensorRT engine; run the engine build on the device")
+    tokenizer = ChatTokenizer(folder.checkpoint)
+    config = kv_cache_config(folder.manifest(), request.kv_mode, request.budget_bytes, request.tokens_per_block)
+    params = dataclasses.replace(request.params, stop_token_ids=tokenizer.stop_token_ids)
+    return TrtllmSession(folder.path, tokenizer, KVLayout.of(folder.config()), config, params, request.system,
+                         request.overflow)
+
+
+BACKENDS: dict[str, Callable[[SessionRequest], Session]] = {
+    "reference": _open_reference, "tensorrt-llm": _open_trtllm, "onnxruntime": _open_onnxruntime}
