@@ -22,9 +22,10 @@ from cabinllm.benchmarks.runners.transformers import transformers_runners
 from cabinllm.benchmarks.settings import BenchSettings
 from cabinllm.benchmarks.speed import measure_speed, speed_ratios, speed_rows
 from cabinllm.benchmarks.workload import long_sharegpt_dialogue, sharegpt_stream
-from cabinllm.builders.hf_export import to_transformers
+from cabinllm.calibration.hf_model import transformers_model
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.sources.model_source import DEFAULT_GGUF_NAME, default_gguf_path, source_label
 
@@ -48,7 +49,7 @@ def make_peers(engine: Engine, families: list[str], threads: int, genai: Path | 
     onnxruntime-genai, each as a runner or Unavailable."""
     peers: list[Runner | Unavailable] = [genai_runner(genai, threads)] if genai else []
     if "transformers" in families:
-        peers += transformers_runners(to_transformers(engine.folder / CHECKPOINT_DIR))
+        peers += transformers_runners(transformers_model(*load_checkpoint(engine.folder / CHECKPOINT_DIR)))
     if "llama.cpp" in families:
         gguf = engine_gguf(engine)
         if gguf is None:

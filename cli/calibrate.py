@@ -2,11 +2,20 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
-from cabinllm.calibration.calibrate import (BUILTIN, CALIBRATION_METHODS, DEFAULTS, CalibrationRequest, calibrate,
-                                            describe_mix, short_coverage_warning, write_scales)
+from cabinllm.calibration.calibrate import (
+    BUILTIN,
+    CALIBRATION_METHODS,
+    DEFAULTS,
+    CalibrationRequest,
+    calibrate,
+    describe_mix,
+    short_coverage_warning,
+    write_scales,
+)
 from cabinllm.calibration.clip_search import CANDIDATES, SEARCH_METHOD
 from cabinllm.calibration.clips import DEFAULT_PERCENTILE
 from cabinllm.calibration.report import write_calibration_report
@@ -97,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
               f"top-1 {100 * r.top1_agree:.2f}%", file=sys.stderr)
     if args.report:
         try:
-            write_calibration_report(args.report, model.name, result, " ".join(["cabin-calibrate", *sys.argv[1:]]))
+            write_calibration_report(args.report, model.name, result, shlex.join(["cabin-calibrate", *(sys.argv[1:] if argv is None else argv)]))
         except OSError as err:
             print(f"cabin-calibrate: error: {os_error_message(err, args.report)}", file=sys.stderr)
             return 2

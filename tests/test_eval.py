@@ -84,6 +84,12 @@ def test_cabin_calibrate_writes_scales_with_ranges_and_a_report(calibrated_scale
     assert (calibrated_scales / "report" / "ranges.png").stat().st_size > 10_000
 
 
+
+def test_the_report_records_the_command_line_it_was_given(calibrated_scales, engine):
+    summary = (calibrated_scales / "report" / "summary.md").read_text(encoding="utf-8")
+    assert f"- command: `cabin-calibrate --model {engine.folder} --data builtin --num-dialogues 3" in summary
+    assert "--percentile 99.9 --mix none --no-grade" in summary
+
 def test_cabin_calibrate_explains_bad_requests(engine, tmp_path, capsys):
     code = cli_calibrate.main(["--model", str(engine.folder), "--data", str(tmp_path / "none.jsonl"),
                                "--output", str(tmp_path / "s.json")])

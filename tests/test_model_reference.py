@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from cabinllm.builders.hf_export import to_transformers
+from cabinllm.calibration.hf_model import transformers_model
+from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -11,7 +12,7 @@ from cabinllm.runtime.kv.blocks import Sequence
 
 @pytest.fixture(scope="module")
 def hf_model(default_engine_dir):
-    return to_transformers(default_engine_dir / CHECKPOINT_DIR)
+    return transformers_model(*load_checkpoint(default_engine_dir / CHECKPOINT_DIR))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from cabinllm.benchmarks.runners.base import (KVFootprint, Runner, RunTiming, Un
 
 RESIDUAL = 128  # QuantizedCache's fp32 window of new tokens (its default, set explicitly)
 GROUP = 64  # its quantization group size (its default)
-WEIGHTS = "fp32, the same tensors as ours (cabinllm.builders.hf_export)"
+WEIGHTS = "fp32, the same tensors as ours (cabinllm.calibration.hf_model)"
 
 
 @dataclass
