@@ -39,7 +39,7 @@ class OnnxProfile:
     int8_dtype: str  # element type of INT8 KV codes in the graphs
     int8_zero_point: int
     allow_list: str | None  # data file of the ops the graphs may use (None: any op)
-    weight_formats: tuple[str, ...]  # engine weight formats (cabinllm.runtime.formats.weight_formats) the graphs can carry
+    weight_formats: tuple[str, ...]  # engine weight formats (runtime.formats.weight_formats) the graphs can carry
 
     def check_weights(self, weight_format: str) -> None:
         """ValueError naming the fix when this profile cannot write an engine's weight format."""

@@ -1,5 +1,6 @@
 """Where a build's KV scales come from: a calibrated ``kv_scales.json``, a calibration run now
-(cabinllm.calibration.calibrate), or a quick abs-max measurement on sample exchanges (cabinllm.calibration.quick_scales).
+(cabinllm.calibration.calibrate), or a quick abs-max measurement on sample exchanges
+(cabinllm.calibration.quick_scales).
 
 A file's scales are checked against the model's own K/V range, measured quickly on the sample exchanges: a range
 (scale x 127) far from it makes INT8 clip nearly every value or round it to 0, and the engine answer garbage.
@@ -114,8 +115,8 @@ def calibrated_scales(data: str, config: ModelConfig, weights: dict[str, torch.T
 
 def equalized(found: ScalesFile, config: ModelConfig, weights: dict[str, torch.Tensor], source: str,
               out: Path) -> BuildScales:
-    """Weights with the equalization of ``found.ranges`` (and of its first token, cabinllm.calibration.equalize) folded in,
-    and the scales that fit them."""
+    """Weights with the equalization of ``found.ranges`` (and of its first token, cabinllm.calibration.equalize)
+    folded in, and the scales that fit them."""
     new_weights, scales = fold(config, weights, found.ranges, first_token=found.data.get(FIRST_TOKEN))
     method = f"{found.method}+equalized"
     save_scales(out, scales, found.fingerprint, method, found.data, equalized_ranges(found.ranges), equalized=True)

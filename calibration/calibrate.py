@@ -6,7 +6,8 @@ dialogue of its train split. One more session or dialogue per source, never in t
 validation part that the ``kl`` method chooses clips on (cabinllm.calibration.clip_search). The held-out split of
 the same sources grades the scales the run wrote (KL, top-1, perplexity change of the shared, equalized
 and dynamic modes), so the report says how good they are without a second command. The token every sequence
-starts with is recorded (``first_token``), for equalization to store its K and V exactly (cabinllm.calibration.equalize).
+starts with is recorded (``first_token``), for equalization to store its K and V exactly
+(cabinllm.calibration.equalize).
 """
 from __future__ import annotations
 

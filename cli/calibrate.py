@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-grade", dest="grade", action="store_false",
                         help="skip grading the scales on held-out dialogues of the same data")
     parser.add_argument("--seed", type=int, default=0, help="selects which dialogues are used (default 0)")
-    parser.add_argument("--output", type=Path, default=Path("kv_scales.json"), help="scales file to write (default kv_scales.json)")
+    parser.add_argument("--output", type=Path, default=Path("kv_scales.json"),
+                        help="scales file to write (default kv_scales.json)")
     parser.add_argument("--report", type=Path, help="folder for the report (ranges plot, clip rates, summary.md)")
     return parser.parse_args(argv)
 
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
               f"top-1 {100 * r.top1_agree:.2f}%", file=sys.stderr)
     if args.report:
         try:
-            write_calibration_report(args.report, model.name, result, shlex.join(["cabin-calibrate", *(sys.argv[1:] if argv is None else argv)]))
+            command = shlex.join(["cabin-calibrate", *(sys.argv[1:] if argv is None else argv)])
+            write_calibration_report(args.report, model.name, result, command)
         except OSError as err:
             print(f"cabin-calibrate: error: {os_error_message(err, args.report)}", file=sys.stderr)
             return 2

@@ -24,8 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="default",
                         help="'default' (the embedded SmolLM2-135M-Instruct, the default), a .gguf file, an HF model "
                              "folder, or a bare HF config.json")
-    parser.add_argument("--target", required=True, help="target profile from builders/data/targets.toml, e.g. orin-nano-8gb, "
-                        "or an NPU target such as sa8775p-36gb")
+    parser.add_argument("--target", required=True, help="target profile from builders/data/targets.toml, e.g. "
+                        "orin-nano-8gb, or an NPU target such as sa8775p-36gb")
     parser.add_argument("--reserve-gb", type=reserve_gib, help="GiB held for co-resident models (ASR, TTS, vision); "
                         "default: the profile's")
     parser.add_argument("--weights", default="fp16", choices=WEIGHT_FORMATS, help="weight storage (default fp16)")

@@ -15,8 +15,8 @@ GENAI = "onnxruntime-genai"
 
 
 def onnx_runner(engine: Engine) -> Runner:
-    """Our backend on graphs loaded by cabinllm.runtime.backends.onnxruntime.load_onnx_engine, in their KV mode: the paged cache in
-    our runtime, the graphs on ONNX Runtime. Its contexts end at the graphs' window; no accuracy columns (cabin-eval
+    """Our backend on graphs loaded by cabinllm.runtime.backends.onnxruntime.load_onnx_engine, in their KV mode: the
+    paged cache in our runtime, the graphs on ONNX Runtime. Its contexts end at the graphs' window; no accuracy columns (cabin-eval
     runs the reference)."""
     kv = engine.default_kv_mode
     weights = (f"the graphs' initializers ({engine.manifest.get('profile')} profile, window {engine.model.context}, "

@@ -1,6 +1,7 @@
 """Long-dialogue benchmarks of the runtime: TTFT per turn, bounded memory over 200 turns, long-stream quality.
 
-Usage: python -m cabinllm.benchmarks.studies.dialogue_bench --engine DIR [--part ttft budget capacity stream] [--out DIR]
+Usage: python -m cabinllm.benchmarks.studies.dialogue_bench --engine DIR [--part ttft budget capacity stream]
+[--out DIR]
 
 - ttft: a long ShareGPT dialogue played turn by turn with reuse of earlier turns, beside a
   runtime that re-prefills the whole history each turn (as an INT8-KV TensorRT-LLM engine must).

@@ -108,7 +108,8 @@ def measure(model: Transformer, token_lists: list[list[int]], ranges: list[Layer
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: print the table, and the JSON with --json."""
-    parser = argparse.ArgumentParser(prog="python -m cabinllm.benchmarks.studies.int8_ceiling", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cabinllm.benchmarks.studies.int8_ceiling",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default", help="'default' or an engine / checkpoint folder")
     parser.add_argument("--scales", type=Path, required=True, help="kv_scales.json of cabin-calibrate (version 2)")
     parser.add_argument("--data", default="sharegpt", help="'builtin', 'sharegpt' or a dialogue file")

@@ -41,7 +41,8 @@ def fitted_scales(model: LoadedModel, dialogues: list[TokenizedDialogue], percen
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: print the table, and the JSON with --json."""
-    parser = argparse.ArgumentParser(prog="python -m cabinllm.benchmarks.studies.kv_oracle", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cabinllm.benchmarks.studies.kv_oracle",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default", help="'default' or an engine / checkpoint folder")
     parser.add_argument("--data", default="sharegpt", help="'builtin', 'sharegpt' or a dialogue file")
     parser.add_argument("--split", default="heldout", choices=["heldout", "all"],

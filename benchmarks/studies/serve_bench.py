@@ -42,7 +42,8 @@ TURNS = ["Where is the nearest charging station?", "How long will charging take?
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    parser = argparse.ArgumentParser(prog="python -m cabinllm.benchmarks.studies.serve_bench", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m cabinllm.benchmarks.studies.serve_bench",
+                                     description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--engine", required=True, type=Path, help="engine folder written by cabin-build")
     parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads of the server's engine")
@@ -70,7 +71,8 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     import httpx
 
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    process = subprocess.Popen([sys.executable, "-m", "cabinllm.cli.serve", "--engine", str(args.engine), "--port", str(port),
+    process = subprocess.Popen([sys.executable, "-m", "cabinllm.cli.serve", "--engine", str(args.engine),
+                                "--port", str(port),
                                 "--threads", str(args.threads), "--max-sessions", str(args.streams),
                                 "--kv-budget-mb", str(args.kv_budget_mb), "--model-name", "bench"]
                                + (["--tokens-per-block", str(args.tokens_per_block)] if args.tokens_per_block else []),

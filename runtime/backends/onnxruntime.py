@@ -1,5 +1,5 @@
-"""The ONNX Runtime backend: the exported static graphs (cabinllm.runtime.formats.onnx_folder) run by ONNX Runtime, while our
-paged KV cache holds the dialogue.
+"""The ONNX Runtime backend: the exported static graphs (runtime.formats.onnx_folder) run by ONNX Runtime, while
+our paged KV cache holds the dialogue.
 
 ``OrtModel`` has the reference model's ``forward`` (tokens at positions [start, start + N) of a sequence
 whose slots are allocated): new tokens go through the prompt graph in chunks of ``chunk`` (the last one
@@ -184,8 +184,8 @@ def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threa
 
 
 def load_onnx_engine(folder: str | Path, provider: str = "cpu", threads: int | None = None) -> Engine:
-    """An exported graph folder as an ``Engine`` whose model runs on ONNX Runtime: sessions
-    (``cabinllm.runtime.dialogue.session.DialogueSession``) and ``run_tokens`` use it as they use the reference engine."""
+    """An exported graph folder as an ``Engine`` whose model runs on ONNX Runtime: sessions (``DialogueSession``)
+    and ``run_tokens`` use it as they use the reference engine."""
     folder = OnnxFolder(Path(folder))
     manifest = folder.manifest()
     model = OrtModel(folder, manifest, provider, threads)

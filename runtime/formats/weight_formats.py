@@ -3,7 +3,8 @@
 A format names the ``quantization.quant_algo`` of a TensorRT-LLM checkpoint, the tensors each linear layer
 stores (names, shapes, dtypes: what ModelOpt's ``export_tensorrt_llm_checkpoint`` writes and TensorRT-LLM's
 loaders read) and their bytes; the op that runs each format is ``cabinllm.runtime.model.linear.linear_op``.
-Embedding, lm_head and norms stay in the checkpoint's float dtype in every format (ModelOpt exports ``exclude_modules: ["lm_head"]``).
+Embedding, lm_head and norms stay in the checkpoint's float dtype in every format (ModelOpt exports
+``exclude_modules: ["lm_head"]``).
 """
 from __future__ import annotations
 

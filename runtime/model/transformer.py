@@ -208,8 +208,8 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def _layer_weights(w: dict[str, torch.Tensor], layer: int, config: ModelConfig) -> dict[str, torch.Tensor | Linear]:
-    """One layer's norms and linear ops in the checkpoint's weight format (cabinllm.runtime.formats.weight_formats); fc and gate
-    stacked in one op."""
+    """One layer's norms and linear ops in the checkpoint's weight format (runtime.formats.weight_formats); fc and
+    gate stacked in one op."""
     p, fmt = layer_prefix(layer), config.weight_format
 
     def op(name: str) -> Linear:

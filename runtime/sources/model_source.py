@@ -117,8 +117,8 @@ def is_checkpoint_folder(path: Path) -> bool:
 
 
 def import_checkpoint(source: Path, output_dir: Path) -> ModelConfig:
-    """Copy a TensorRT-LLM checkpoint folder (any weight format of cabinllm.runtime.formats.weight_formats, e.g. one ModelOpt
-    exported) into ``output_dir`` after checking it, with the tokenizer files that must sit beside it."""
+    """Copy a TensorRT-LLM checkpoint folder (any weight format of runtime.formats.weight_formats, e.g. one
+    ModelOpt exported) into ``output_dir`` after checking it, with the tokenizer files that must sit beside it."""
     if not (source / "tokenizer.json").is_file():
         raise CheckpointError(f"{source}: a TensorRT-LLM checkpoint folder needs the model's tokenizer beside it; "
                               "copy tokenizer.json and tokenizer_config.json of the HF model into it")
