@@ -1,0 +1,1 @@
+"""One-off measurements behind figures in the docs, each a ``python -m`` command."""

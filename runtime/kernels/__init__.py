@@ -1,0 +1,1 @@
+"""Native decode kernels: the C sources beside this file, and their build, load and call (``bindings``)."""
