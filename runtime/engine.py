@@ -1,4 +1,5 @@
-"""A built engine folder (cabinllm.runtime.formats.engine_folder) loaded for the reference engine: weights, tokenizer, KV scales."""
+"""A loaded engine: a built engine folder (cabinllm.runtime.formats.engine_folder) on the reference engine (weights,
+tokenizer, KV scales), or any backend's model (``ForwardModel``) with its tokenizer and the cache defaults."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,8 +7,10 @@ from pathlib import Path
 
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.formats.checkpoint import ModelConfig
-from cabinllm.runtime.formats.engine_folder import SCALES_FILE, EngineFolder
+from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, SCALES_FILE, EngineFolder
+from cabinllm.runtime.formats.onnx_folder import ONNX_FORMAT
 from cabinllm.runtime.formats.scales_file import KVScales, load_scales
+from cabinllm.runtime.generation.generate import ForwardModel
 from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
 from cabinllm.runtime.kv.modes import KV_MODES
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
@@ -31,11 +34,12 @@ def kv_cache_config(manifest: dict, kv_mode: str | None = None, max_bytes: int =
 
 @dataclass
 class Engine:
-    """A loaded reference engine."""
+    """A loaded engine: its model (the reference ``Transformer`` from ``load``, or another backend's), tokenizer and
+    manifest."""
 
     folder: Path
     config: ModelConfig
-    model: Transformer
+    model: ForwardModel
     tokenizer: ChatTokenizer
     manifest: dict
     fingerprint: str
@@ -46,6 +50,10 @@ class Engine:
         """Load an engine folder written by cabin-build (its checkpoint checked against its manifest)."""
         folder = EngineFolder(Path(folder))
         manifest = folder.manifest()
+        if manifest.get("format") == ONNX_FORMAT:
+            raise CheckpointError(f"{folder.path}: an ONNX graph folder ({ONNX_FORMAT} in {MANIFEST_FILE}), which the "
+                                  "reference engine does not load; chat with it through cabin-chat (--backend "
+                                  "onnxruntime), or give the engine folder it was exported from")
         config, weights, fingerprint = folder.load_checkpoint()
         scales = load_scales(folder.scales, fingerprint, config.num_hidden_layers) if folder.scales.exists() else None
         tokenizer = ChatTokenizer(folder.checkpoint)

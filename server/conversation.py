@@ -6,7 +6,7 @@ overflow policy (cabinllm.runtime.dialogue.overflow), the same policies a dialog
 """
 from __future__ import annotations
 
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, plan_overflow
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, plan_turn
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 
@@ -17,9 +17,5 @@ def plan_prompt(tokenizer: ChatTokenizer, messages: list[dict], max_new_tokens: 
     ``capacity`` is what one sequence may hold in tokens, its reply included; CapacityError when the
     policy cannot make the conversation fit (always under ``error`` once it does not fit).
     """
-    prompt = tokenizer.render(messages)
-    stream = tokenizer.encode_prompt(prompt)
     room = Room(capacity, lambda n: -(-n // tokens_per_block) * tokens_per_block <= capacity, appends_turns=False)
-    if room.fits(len(stream) + max_new_tokens):
-        return TurnPlan(stream, messages, prompt)
-    return plan_overflow(policy, sink_tokens, messages, prompt, stream, room, tokenizer, max_new_tokens)
+    return plan_turn(tokenizer, messages, room, policy, sink_tokens, max_new_tokens)

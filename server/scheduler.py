@@ -13,8 +13,10 @@ Data structures: a bounded FIFO ``waiting`` queue of requests and a ``running`` 
 A new request's prompt starts from the longest prefix of full blocks the cache already holds (block
 hashes, cabinllm.runtime.kv.blocks): a conversation re-sent with one more turn prefills only the new tokens.
 A block is allocated and hashed in the step that computes its K/V, so a prefix hit always finds K/V.
+Admission asks the cache's capacity queries (``PagedKVCache.blocks_to_admit``, ...); each reply's stop rules
+and the text it may show so far are every token loop's ``ReplyStream`` (cabinllm.runtime.generation.stops).
 Nothing here knows HTTP; results go to each request's ``on_output`` callback, called from the thread
-that runs ``step``.
+that runs ``step``. The engine's model must offer the batched step (``BatchedModel``).
 """
 from __future__ import annotations
 
@@ -28,9 +30,10 @@ from typing import Callable
 import torch
 
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import QueueFull
+from cabinllm.runtime.errors import ConfigError, QueueFull
+from cabinllm.runtime.generation.generate import BatchedModel
 from cabinllm.runtime.generation.sampling import SamplingParams, make_generator, sample
-from cabinllm.runtime.generation.streaming import TextStream
+from cabinllm.runtime.generation.stops import ReplyStream
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import CacheStats, PagedKVCache
 from cabinllm.runtime.model.transformer import Span
@@ -49,8 +52,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if min(self.max_sessions, self.max_queue, self.prefill_chunk) < 1 or not self.queue_timeout_s > 0:
-            raise ValueError(f"max_sessions, max_queue and prefill_chunk must be >= 1 and queue_timeout_s > 0, got "
-                             f"{self.max_sessions}, {self.max_queue}, {self.prefill_chunk} and {self.queue_timeout_s}")
+            raise ConfigError(f"max_sessions, max_queue and prefill_chunk must be >= 1 and queue_timeout_s > 0, got "
+                              f"{self.max_sessions}, {self.max_queue}, {self.prefill_chunk} and {self.queue_timeout_s}")
 
 
 @dataclass(eq=False)
@@ -83,9 +86,8 @@ class Request:
 class _Running:
     request: Request
     seq: Sequence
-    stream: TextStream
+    reply: ReplyStream
     generator: torch.Generator
-    sent: int = 0  # characters of reply text handed to on_output
 
     @property
     def prefilling(self) -> bool:
@@ -115,7 +117,12 @@ class Scheduler:
     """Runs every admitted request one model step at a time; see the module docstring."""
 
     def __init__(self, engine: Engine, cache: PagedKVCache, config: SchedulerConfig | None = None) -> None:
-        self.engine, self.cache = engine, cache
+        """ConfigError when the engine's model has no batched step."""
+        if not isinstance(engine.model, BatchedModel):
+            raise ConfigError(f"{engine.folder}: its model ({type(engine.model).__name__}) runs one sequence at a time "
+                              "and the scheduler batches every request in one step; serve an engine folder written "
+                              "by cabin-build (the reference engine), or chat with this one through cabin-chat")
+        self.engine, self.model, self.cache = engine, engine.model, cache
         self.config = config or SchedulerConfig()
         self._waiting: deque[Request] = deque()
         self._running: list[_Running] = []
@@ -142,8 +149,7 @@ class Scheduler:
 
     def capacity_tokens(self) -> int:
         """Tokens one conversation can hold at most: the whole pool, within the model's context."""
-        pool = self.cache.blocks.num_blocks * self.cache.tokens_per_block
-        return min(pool, self.engine.config.max_position_embeddings)
+        return min(self.cache.pool_tokens, self.engine.config.max_position_embeddings)
 
     def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
         """Step until ``stop`` is set, sleeping while there is nothing to do; cancels what is left at the end."""
@@ -190,7 +196,7 @@ class Scheduler:
                 self._cache_stats = self.cache.stats()
             return False
         t0 = time.perf_counter()
-        logits = self.engine.model.step(spans, self.cache)
+        logits = self.model.step(spans, self.cache)
         peak = self.cache.stats()  # the most this step holds: before any sequence finishes
         for running, row in zip(owners, logits):
             if running is not None:
@@ -215,22 +221,21 @@ class Scheduler:
             self._finish(running, "cancelled")
 
     def _admit(self) -> None:
-        blocks = self.cache.blocks
         while len(self._running) < self.config.max_sessions:
             with self._lock:
                 if not self._waiting:
                     return
                 request = self._waiting[0]
-            reserved = sum(blocks.blocks_needed(r.seq, r.target_tokens() - len(r.seq)) for r in self._running)
+            reserved = sum(self.cache.blocks_needed(r.seq, r.target_tokens() - len(r.seq)) for r in self._running)
             prompt = request.prompt_ids
-            needed, cached = blocks.blocks_to_admit(prompt, request.params.max_new_tokens - 1)
-            if needed > blocks.num_free_blocks() - reserved:
+            needed, cached = self.cache.blocks_to_admit(prompt, request.params.max_new_tokens - 1)
+            if needed > self.cache.available_blocks() - reserved:
                 return  # waits for running sequences to finish; those behind it wait too (FIFO)
             with self._lock:
                 self._waiting.popleft()
             request.cached_tokens = cached
-            self._running.append(_Running(request, Sequence(), TextStream(self.engine.tokenizer.decode_reply),
-                                          make_generator(request.params.seed)))
+            reply = ReplyStream(request.params, self.engine.tokenizer.decode_reply)
+            self._running.append(_Running(request, Sequence(), reply, make_generator(request.params.seed)))
             with self._lock:
                 self._stats.prompt_tokens += len(prompt)
                 self._stats.cached_tokens += cached
@@ -267,45 +272,34 @@ class Scheduler:
         return spans, owners
 
     def _sample(self, running: _Running, logits: torch.Tensor) -> None:
-        request, params = running.request, running.request.params
-        token = sample(logits, params, running.generator)
+        request = running.request
+        token = sample(logits, request.params, running.generator)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         request.token_ids.append(token)
         with self._lock:
             self._stats.generated_tokens += 1
-        finish = None
-        if token in params.stop_token_ids:
-            finish = "stop"
-        else:
-            running.stream.push(token)
-            if params.stops(running.stream.text):
-                finish = "stop"
-            elif len(request.token_ids) >= params.max_new_tokens:
-                finish = "length"
-        if finish:
-            self._finish(running, finish)
-            return
-        held = max((len(s) - 1 for s in params.stop_strings), default=0)  # a stop string may be starting
-        safe = running.stream.text[:len(running.stream.text) - held]
-        if len(safe) > running.sent:
-            request.text = safe
-            request.on_output(request, safe[running.sent:], False)
-            running.sent = len(safe)
+        piece = running.reply.push(token)
+        if running.reply.finish_reason:
+            self._finish(running)
+        elif piece:
+            request.text += piece
+            request.on_output(request, piece, False)
 
-    def _finish(self, running: _Running, reason: str) -> None:
-        """Free the sequence, hand over the rest of the text (cut at a stop string) and the finish reason."""
+    def _finish(self, running: _Running, reason: str | None = None) -> None:
+        """Free the sequence, hand over the rest of the text (cut at a stop string) and the finish reason: the
+        reply's stop rule, else ``reason``."""
         self._running.remove(running)
         if running.seq:
             self.cache.free(running.seq)
-        request = running.request
-        text = request.params.cut_at_stop(running.stream.text)
-        request.text, request.finish_reason = text, reason
+        request, reply = running.request, running.reply
+        rest = reply.close(reason)
+        request.text, request.finish_reason = reply.text, reply.finish_reason
         stats = self.cache.stats()
         with self._lock:
             self._stats.requests_done += 1
             self._cache_stats = stats  # a client told it is done finds its blocks freed in the metrics
-        request.on_output(request, text[running.sent:] if reason != "cancelled" else "", True)
+        request.on_output(request, rest if reason != "cancelled" else "", True)
 
     def _finish_unstarted(self, request: Request, reason: str) -> None:
         request.finish_reason = reason

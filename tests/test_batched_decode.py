@@ -4,13 +4,21 @@ import pytest
 import torch
 
 from cabinllm.runtime.errors import OutOfBlocks
-from cabinllm.runtime.generation.generate import decode_batch, prefill
+from cabinllm.runtime.generation.generate import prefill
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.model.transformer import Span
 
 VOCAB = 20  # the tiny model's vocabulary is small
 PROMPTS = [[5, 17, 3, 2, 9], [i % VOCAB for i in range(40, 87)], [11, 7, 7, 4, 3, 12, 19, 15, 1]]
 STEPS = 12
+
+
+def batched_decode(model, cache, seqs, tokens):
+    """One token of each sequence appended and run in one model step, as the server's scheduler decodes."""
+    spans = [Span([token], len(seq), seq) for seq, token in zip(seqs, tokens)]
+    for seq, token in zip(seqs, tokens):
+        cache.append(seq, [token])
+    return model.step(spans, cache)
 
 
 def single_decode(engine, kv_mode, prompt):
@@ -43,7 +51,7 @@ def test_batched_decode_equals_single_sequence_decodes(tiny_engine, kv_mode, tol
         step = [int(row.argmax()) for row in logits]
         for out, token in zip(tokens, step):
             out.append(token)
-        logits = decode_batch(tiny_engine.model, cache, seqs, step)
+        logits = batched_decode(tiny_engine.model, cache, seqs, step)
         all_logits.append(logits)
     got = torch.stack(all_logits, dim=1)
     for index, (want_tokens, want_logits) in enumerate(want):
@@ -77,7 +85,7 @@ def test_batched_decode_out_of_blocks_extends_nothing(tiny_engine):
     for seq in seqs:
         cache.allocate(seq, list(range(1, tpb + 1)))  # one full block each: the next token needs a new block
     with pytest.raises(OutOfBlocks, match="KV blocks"):
-        decode_batch(tiny_engine.model, cache, seqs, [3, 4])
+        batched_decode(tiny_engine.model, cache, seqs, [3, 4])
     assert [len(seq) for seq in seqs] == [tpb, tpb]
     cache.blocks.check_invariants()
 

@@ -18,10 +18,11 @@ from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.formats.checkpoint import linear_inputs, load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS, awq_group_size
-from cabinllm.runtime.generation.generate import decode_batch, prefill, run_tokens
+from cabinllm.runtime.generation.generate import prefill, run_tokens
 from cabinllm.runtime.kernels.bindings import decode_step
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.model.transformer import Span
 from cabinllm.runtime.sources.model_source import import_model
 
 from fakes.tiny_model import write_tiny_llama
@@ -149,7 +150,10 @@ def test_batched_decode_on_quantized_weights_matches_each_sequence_alone(built):
     seqs = [Sequence() for _ in prompts]
     for seq, prompt in zip(seqs, prompts):
         prefill(engine.model, cache, seq, prompt)
-    batched = decode_batch(engine.model, cache, seqs, [4, 4, 4])
+    spans = [Span([4], len(seq), seq) for seq in seqs]  # one token each, in one step, as the scheduler decodes
+    for seq in seqs:
+        cache.append(seq, [4])
+    batched = engine.model.step(spans, cache)
     for prompt, row in zip(prompts, batched):
         alone_cache = engine.new_cache(engine.kv_cache_config("int8", 1 << 20))
         alone = Sequence()

@@ -1,11 +1,15 @@
-"""The TensorRT-LLM backend of a dialogue: the ``Session`` protocol (cabinllm.runtime.dialogue.interface) on a built TensorRT engine.
+"""The TensorRT-LLM backend of a dialogue: the ``Session`` protocol (cabinllm.runtime.dialogue.interface) on a
+built TensorRT engine.
 
 It runs the engine folder's ``trt_engine/`` through ``tensorrt_llm.runtime.ModelRunnerCpp``
 (imported only here, only when used). The KV cache config becomes ModelRunnerCpp's KV
 arguments: the budget ``max_tokens_in_paged_kv_cache``; block reuse across turns is asked for
 only where the KV mode allows it: an INT8-KV engine has no paged context FMHA, so TensorRT-LLM
 cannot reuse blocks and each turn prefills the whole history. Overflow is planned as on the
-reference engine (cabinllm.runtime.dialogue.overflow), on the prompt, before it is sent.
+reference engine (cabinllm.runtime.dialogue.overflow), on the prompt, before it is sent. The runner stops on
+``end_id`` and ``stop_words_list`` (the stop ids) and at ``max_new_tokens`` itself; the reply is still pushed
+through the loops' one set of stop rules (cabinllm.runtime.generation.stops), which classify, cut and stream it
+as every backend does, and a stop string, which the runner does not see, ends the request early.
 
 Sink-window on this backend, on both TensorRT-LLM lines, is the reference engine's: the prompt keeps the
 system prompt, ``sink_token_length`` sink tokens and the most recent tokens, prefilled at compacted
@@ -42,11 +46,11 @@ from pathlib import Path
 from typing import Callable
 
 from cabinllm.runtime.dialogue.interface import TurnStats
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_hints, plan_overflow
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_hints, plan_turn
 from cabinllm.runtime.errors import CapacityError, CheckpointError, SessionFileError, join_hints
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.generation.sampling import SamplingParams
-from cabinllm.runtime.generation.streaming import TextStream
+from cabinllm.runtime.generation.stops import ReplyStream
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
@@ -158,8 +162,7 @@ class TrtllmSession:
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, f"{err}; {hint}")
         ids = plan.feed
         stop_ids = self.params.stop_token_ids
-        stream = TextStream(self.tokenizer.decode_reply)
-        generated: list[int] = []
+        reply = ReplyStream(self.params, self.tokenizer.decode_reply, on_text)
         start, ttft = time.perf_counter(), 0.0
         responses = self.runner.generate(
             batch_input_ids=[torch.tensor(ids, dtype=torch.int32)], max_new_tokens=self.params.max_new_tokens,
@@ -168,33 +171,35 @@ class TrtllmSession:
             temperature=self.params.temperature or 1.0, top_k=1 if self.params.temperature == 0 else self.params.top_k,
             top_p=self.params.top_p, random_seed=self.params.seed, streaming=True, return_dict=True,
             output_sequence_lengths=True)
-        interrupted = finished = False
+        ended, drained = "length", False  # ended: why the reply ends where no stop rule ends it
         try:
             for out in responses:
                 ttft = ttft or time.perf_counter() - start
                 length = int(out["sequence_lengths"][0][0])
-                generated = [int(t) for t in out["output_ids"][0][0][len(ids):length]]
-                for token in generated[len(stream.ids):]:
-                    piece = "" if token in stop_ids else stream.push(token)
-                    if on_text and piece:
-                        on_text(piece)
-                if should_stop and should_stop():
-                    interrupted = True
+                new = [int(t) for t in out["output_ids"][0][0][len(ids) + len(reply.ids):length]]
+                if reply.finish_reason and new:  # the runner goes on past a stop rule it does not see (a stop string)
+                    break
+                for token in new:
+                    reply.push(token)
+                    if reply.finish_reason:
+                        break
+                if not reply.finish_reason and should_stop and should_stop():
+                    ended = "interrupted"
                     break
             else:
-                finished = True
+                drained = True
         finally:
-            if not finished:  # interrupted, or on_text raised: leave no responses for the next turn
+            if not drained:  # past a stop string, interrupted, or on_text raised: no responses left for the next turn
                 _abandon(responses, self.runner)
+        reply.close(ended)
         decode_s = time.perf_counter() - start - ttft
-        reply = stream.text
-        finish = ("interrupted" if interrupted else
-                  "stop" if generated and generated[-1] in stop_ids else "length")
+        generated = reply.ids
         reused = self._reused_tokens(ids) if self.settings.kv_cache_enable_block_reuse else 0
         self.previous_ids = ids + generated
-        self.messages = plan.messages + [{"role": "assistant", "content": reply}]
+        self.messages = plan.messages + [{"role": "assistant", "content": reply.text}]
         tok_s = (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0
-        return self._stats(reply, generated, len(ids) - reused, reused, ttft, tok_s, finish, plan.evicted)
+        return self._stats(reply.text, generated, len(ids) - reused, reused, ttft, tok_s, reply.finish_reason,
+                           plan.evicted)
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""
@@ -211,16 +216,12 @@ class TrtllmSession:
 
     def _plan(self, messages: list[dict]) -> TurnPlan:
         """The whole rendered history, or what the overflow policy keeps of it."""
-        prompt = self.tokenizer.render(messages)
-        ids = self.tokenizer.encode_prompt(prompt)
         capacity = self.capacity
         # sink-window truncates the stream here too: max_input_len and max_seq_len bound the prompt whatever
         # attention window the engine keeps
         room = Room(capacity, lambda n: n <= capacity, appends_turns=False)
-        if room.fits(len(ids) + self.params.max_new_tokens):
-            return TurnPlan(ids, messages, prompt)
-        return plan_overflow(self.overflow, self.config.sink_token_length, messages, prompt, ids, room,
-                             self.tokenizer, self.params.max_new_tokens)
+        return plan_turn(self.tokenizer, messages, room, self.overflow, self.config.sink_token_length,
+                         self.params.max_new_tokens)
 
     def _reused_tokens(self, ids: list[int]) -> int:
         """Tokens TensorRT-LLM can reuse with block reuse on: the common prefix with the previous turn's tokens

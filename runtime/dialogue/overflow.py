@@ -12,14 +12,15 @@ A backend that appends each turn to the cached history aims to leave the history
 evicting every turn; when the current turn alone needs more, it evicts just enough for it. A
 backend that prefills the whole history every turn fills the budget. Every policy keeps the
 system prompt and the whole current message; when those and the reply do not fit, the turn
-ends with a clear error.
+ends with a clear error. ``plan_turn`` is how every backend plans a turn: the whole rendered
+conversation when it fits the backend's ``Room``, else what the policy keeps.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from cabinllm.runtime.errors import CapacityError, Fix, Hint
+from cabinllm.runtime.errors import CapacityError, ConfigError, Fix, Hint
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 OVERFLOW_POLICIES = ("sink-window", "drop-turns", "error")
@@ -34,9 +35,9 @@ class OverflowPolicy:
 
     def __post_init__(self) -> None:
         if self.name not in OVERFLOW_POLICIES:
-            raise ValueError(f"unknown overflow policy {self.name!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
+            raise ConfigError(f"unknown overflow policy {self.name!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
         if not 0 < self.keep_fraction <= 1:
-            raise ValueError("need 0 < keep_fraction <= 1")
+            raise ConfigError("need 0 < keep_fraction <= 1")
 
 
 @dataclass
@@ -97,6 +98,21 @@ def capacity_hints(policy: OverflowPolicy, max_new_tokens: int, capacity: int) -
     if policy.name == "error":
         hints.append(Hint(Fix.OTHER_OVERFLOW))
     return tuple(hints)
+
+
+def plan_turn(tokenizer: ChatTokenizer, messages: list[dict], room: Room, policy: OverflowPolicy, sink_tokens: int,
+              max_new_tokens: int, prompt: str | None = None, stream: list[int] | None = None) -> TurnPlan:
+    """What a turn prefills: the rendered ``messages`` whole when they and the reply fit the room, else what the
+    policy keeps of them (``plan_overflow``).
+
+    ``prompt`` and ``stream`` are the rendering and its tokens where the caller has them already (a backend that
+    appends turns encodes only what is new since the cached history).
+    """
+    prompt = tokenizer.render(messages) if prompt is None else prompt
+    stream = tokenizer.encode_prompt(prompt) if stream is None else stream
+    if room.fits(len(stream) + max_new_tokens):
+        return TurnPlan(stream, messages, prompt)
+    return plan_overflow(policy, sink_tokens, messages, prompt, stream, room, tokenizer, max_new_tokens)
 
 
 def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict], prompt: str, stream: list[int],

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from cabinllm.runtime.dialogue.interface import TurnStats
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_hints, plan_overflow
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_hints, plan_turn
 from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file, within_memory, write_session_file
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import CapacityError, OutOfBlocks, SessionFileError, join_hints
@@ -144,18 +144,14 @@ class DialogueSession:
         tok = self.engine.tokenizer
         prompt = tok.render(messages)
         history = self.fed + self.pending
+        stream = None
         if history and prompt.startswith(self.transcript):
             new = tok.encode(prompt[len(self.transcript):])
             if self._fits_append(len(self.pending) + len(new)):
                 return TurnPlan(self.pending + new, messages, prompt, rebuild=False)
             stream = history + new
-        else:
-            stream = tok.encode_prompt(prompt)
-        room = self._room()
-        if room.fits(len(stream) + self.params.max_new_tokens):
-            return TurnPlan(stream, messages, prompt)
-        return plan_overflow(self.overflow, self.cache.config.sink_token_length, messages, prompt, stream, room,
-                             tok, self.params.max_new_tokens)
+        return plan_turn(tok, messages, self._room(), self.overflow, self.cache.config.sink_token_length,
+                         self.params.max_new_tokens, prompt, stream)
 
     def _room(self) -> Room:
         """What this conversation could hold once its own blocks are released."""

@@ -1,19 +1,46 @@
-"""The token loop: prefill new tokens of a sequence, then decode until a stop condition."""
+"""The token loop: prefill new tokens of a sequence, then decode until a stop rule (``stops.ReplyStream``) ends
+the reply; and what a backend's model offers the loops (``ForwardModel``, ``BatchedModel``)."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
 from cabinllm.runtime.errors import CapacityError, OutOfBlocks
+from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.generation.sampling import SamplingParams, make_generator, sample
-from cabinllm.runtime.generation.streaming import TextStream
+from cabinllm.runtime.generation.stops import ReplyStream
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache, sized_config
-from cabinllm.runtime.model.transformer import Span, Transformer
+from cabinllm.runtime.kv.storage import KVLayout
+from cabinllm.runtime.model.transformer import Span
+
+
+class ForwardModel(Protocol):
+    """What every backend's model offers (the reference ``Transformer``, ONNX Runtime's ``OrtModel``): tokens of
+    one sequence run over the paged cache, prefill and one-token decode alike."""
+
+    config: ModelConfig  # its max_position_embeddings is the context the loops plan against
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Shape of this model's KV cache."""
+
+    def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated, writing their
+        K/V into the cache; logits of the last token (vocab,) or of every token (N, vocab)."""
+
+
+@runtime_checkable
+class BatchedModel(ForwardModel, Protocol):
+    """A model that also runs the new tokens of several sequences in one step (the server's batched decode)."""
+
+    def step(self, spans: list[Span], cache: PagedKVCache, all_logits: bool = False) -> torch.Tensor:
+        """Run each span's tokens (slots allocated) in one pass; logits of each span's last token (spans, vocab)."""
 
 
 @dataclass
@@ -35,7 +62,8 @@ class GenerationResult:
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
 
 
-def prefill(model: Transformer, cache: PagedKVCache, seq: Sequence, new_ids: list[int]) -> tuple[torch.Tensor, int, int]:
+def prefill(model: ForwardModel, cache: PagedKVCache, seq: Sequence,
+            new_ids: list[int]) -> tuple[torch.Tensor, int, int]:
     """Feed new tokens to a sequence (allocated if empty).
 
     Returns the last logits, the tokens reused from the cache (history, or a prefix
@@ -60,10 +88,10 @@ def prefill(model: Transformer, cache: PagedKVCache, seq: Sequence, new_ids: lis
     return logits, start + computed_from, len(new_ids) - computed_from
 
 
-def generate(model: Transformer, cache: PagedKVCache, seq: Sequence, new_ids: list[int], params: SamplingParams,
+def generate(model: ForwardModel, cache: PagedKVCache, seq: Sequence, new_ids: list[int], params: SamplingParams,
              decode_text: Callable[[list[int]], str], on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None) -> GenerationResult:
-    """Prefill new_ids into the sequence, then sample up to max_new_tokens.
+    """Prefill new_ids into the sequence, then sample until a stop rule ends the reply.
 
     The last sampled token is not fed back (a stop token needs no KV); the caller
     feeds it with the next turn. ``should_stop`` lets a UI interrupt a reply.
@@ -71,52 +99,27 @@ def generate(model: Transformer, cache: PagedKVCache, seq: Sequence, new_ids: li
     t0 = time.perf_counter()
     logits, reused, computed = prefill(model, cache, seq, new_ids)
     generator = make_generator(params.seed)
-    stream = TextStream(decode_text)
-    stop_ids = set(params.stop_token_ids)
-    finish, ttft, t_first = "length", 0.0, 0.0
+    reply = ReplyStream(params, decode_text, on_text)
+    ended, ttft, t_first = None, 0.0, 0.0  # ended: a reason of this loop's own
     while True:
         token = sample(logits, params, generator)
-        if not stream.ids:
+        if not reply.ids:
             t_first = time.perf_counter()
             ttft = t_first - t0
-        if token in stop_ids:
-            stream.ids.append(token)
-            finish = "stop"
-            break
-        piece = stream.push(token)
-        if on_text and piece:
-            on_text(piece)
-        if params.stops(stream.text):
-            finish = "stop"
-            break
-        if len(stream.ids) >= params.max_new_tokens:
+        reply.push(token)
+        if reply.finish_reason:
             break
         if should_stop and should_stop():
-            finish = "interrupted"
+            ended = "interrupted"
             break
         position = len(seq)
         if position >= model.config.max_position_embeddings or not _try_append(cache, seq, token):
-            finish = "capacity"
+            ended = "capacity"
             break
         logits = model.forward([token], position, cache, seq)
-    return GenerationResult(stream.ids, params.cut_at_stop(stream.text), finish, computed, reused, ttft,
+    reply.close(ended)
+    return GenerationResult(reply.ids, reply.text, reply.finish_reason, computed, reused, ttft,
                             time.perf_counter() - t_first)
-
-
-def decode_batch(model: Transformer, cache: PagedKVCache, seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
-    """Append one token to each sequence and run them all in one model step (the weights read once).
-
-    Returns the next-token logits of each sequence, shape (len(seqs), vocab). Raises OutOfBlocks, with
-    no sequence extended, when the pool cannot take the new tokens.
-    """
-    positions = [len(seq) for seq in seqs]
-    needed = sum(cache.blocks.blocks_needed(seq, 1) for seq in seqs)
-    if needed > cache.blocks.num_free_blocks():
-        raise OutOfBlocks(f"need {needed} KV blocks for one more token of {len(seqs)} sequences but only "
-                          f"{cache.blocks.num_free_blocks()} are free or evictable")
-    for seq, token in zip(seqs, tokens):
-        cache.append(seq, [token])
-    return model.step([Span([token], position, seq) for seq, token, position in zip(seqs, tokens, positions)], cache)
 
 
 def _try_append(cache: PagedKVCache, seq: Sequence, token: int) -> bool:
@@ -140,7 +143,7 @@ class Prefilled:
         return self.cache.read(layer, self.seq)
 
 
-def run_tokens(model: Transformer, token_ids: list[int], kv_mode: str = "fp32", scales: KVScales | None = None,
+def run_tokens(model: ForwardModel, token_ids: list[int], kv_mode: str = "fp32", scales: KVScales | None = None,
                all_logits: bool = False, cache: PagedKVCache | None = None, chunk: int | None = None) -> Prefilled:
     """Run the model over token_ids on a fresh cache sized to them (or on ``cache``, empty) and hand back its K/V.
 

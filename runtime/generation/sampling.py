@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cabinllm.runtime.errors import ConfigError
+
 MAX_SEED = 2**64 - 1  # the largest seed torch.Generator takes
 
 
@@ -23,17 +25,17 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not _is_number(self.temperature) or not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number > 0 and <= 1, got {self.top_p!r}")
+            raise ConfigError(f"top_p must be a number > 0 and <= 1, got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = all tokens), got {self.top_k!r}")
+            raise ConfigError(f"top_k must be an integer >= 0 (0 = all tokens), got {self.top_k!r}")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}")
+            raise ConfigError(f"seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop_strings):
-            raise ValueError(f"stop strings must be non-empty text, got {self.stop_strings!r}")
+            raise ConfigError(f"stop strings must be non-empty text, got {self.stop_strings!r}")
 
     def stops(self, text: str) -> bool:
         """Whether ``text`` holds one of the stop strings."""

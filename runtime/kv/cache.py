@@ -3,7 +3,8 @@
 ``KvCacheConfig`` says which mode, how many bytes and how the pool is paged; the
 block manager (``cabinllm.runtime.kv.blocks``) decides which block each token of a
 ``Sequence`` goes to; the mode's storage class (``cabinllm.runtime.kv.modes``) holds the
-blocks' contents. Writes of a sequence come in position order, layer by layer.
+blocks' contents. Writes of a sequence come in position order, layer by layer. Whoever plans what fits (a
+session, the server's admission) asks the cache's capacity queries, never the block manager.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kv.blocks import BlockManager, Sequence
 from cabinllm.runtime.kv.modes import KVMode, kv_mode
@@ -32,8 +34,8 @@ class KvCacheConfig:
     def __post_init__(self) -> None:
         kv_mode(self.kv_mode)
         if self.tokens_per_block < 1 or self.max_bytes < 1 or self.sink_token_length < 0:
-            raise ValueError(f"need tokens_per_block >= 1, max_bytes >= 1 and sink_token_length >= 0, got "
-                             f"{self.tokens_per_block}, {self.max_bytes} and {self.sink_token_length}")
+            raise ConfigError(f"need tokens_per_block >= 1, max_bytes >= 1 and sink_token_length >= 0, got "
+                              f"{self.tokens_per_block}, {self.max_bytes} and {self.sink_token_length}")
 
     @property
     def mode(self) -> KVMode:
@@ -92,7 +94,7 @@ class PagedKVCache:
         reserved = mode.reserved_bytes(layout, tpb, **storage_options)
         num_blocks = (config.max_bytes - reserved) // self.bytes_per_block
         if num_blocks < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"KV budget of {config.max_bytes} bytes holds no block of {tpb} tokens "
                 f"({self.bytes_per_block} bytes in {mode.name}"
                 + (f", plus {reserved} reserved for the fp16 window" if reserved else "")
@@ -141,13 +143,31 @@ class PagedKVCache:
         return self.storage.read(layer, self.block_table(seq), len(seq))
 
     # -- capacity ------------------------------------------------------------------
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the whole pool holds, every block."""
+        return self.blocks.num_blocks * self.tokens_per_block
+
+    def available_blocks(self) -> int:
+        """Blocks new tokens can take now: free plus evictable cached ones."""
+        return self.blocks.num_free_blocks()
+
+    def blocks_needed(self, seq: Sequence, new_tokens: int) -> int:
+        """New blocks a sequence (empty: a new one, prefix reuse ignored) takes to grow by ``new_tokens``."""
+        return self.blocks.blocks_needed(seq, new_tokens)
+
+    def blocks_to_admit(self, token_ids: list[int], reserve_tokens: int) -> tuple[int, int]:
+        """For a new sequence of ``token_ids`` that may grow by ``reserve_tokens``: the available blocks it would take
+        (its cached prefix counted where it leaves the evictable ones) and the tokens it reuses."""
+        return self.blocks.blocks_to_admit(token_ids, reserve_tokens)
+
     def capacity(self, seq: Sequence) -> int:
         """Tokens a sequence could hold: its own blocks plus every free or evictable one."""
-        return (len(seq.block_table) + self.blocks.num_free_blocks()) * self.tokens_per_block
+        return (len(seq.block_table) + self.available_blocks()) * self.tokens_per_block
 
     def fits(self, seq: Sequence, new_tokens: int) -> bool:
         """Whether ``new_tokens`` fit after the sequence's tokens in blocks free or evictable now."""
-        return self.blocks.blocks_needed(seq, new_tokens) <= self.blocks.num_free_blocks()
+        return self.blocks_needed(seq, new_tokens) <= self.available_blocks()
 
     # -- accounting ----------------------------------------------------------------
     def bytes_per_token(self) -> int:

@@ -1,0 +1,65 @@
+"""The stop rules of one reply and its text as it streams, written once for every token loop.
+
+The reference loop (``cabinllm.runtime.generation.generate``), the server's scheduler and the TensorRT-LLM
+session push each sampled token into a ``ReplyStream``. A reply ends at a stop token (kept in its ids, not
+in its text), at a stop string (its text cut before it), after ``max_new_tokens`` tokens, or for a reason of
+the loop's own ("interrupted", "capacity", "cancelled", "error"). Text is handed out as it becomes safe to
+show: never half of a UTF-8 character, never the first characters of what may still become a stop string.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.generation.streaming import TextStream
+
+
+class ReplyStream:
+    """One reply as it is sampled: its ids, its text, the pieces safe to show and why it ended."""
+
+    def __init__(self, params: SamplingParams, decode: Callable[[list[int]], str],
+                 on_text: Callable[[str], None] | None = None) -> None:
+        """``on_text`` receives each non-empty piece as it is handed out (``push`` and ``close`` also return it)."""
+        self.params = params
+        self.ids: list[int] = []
+        self.finish_reason: str | None = None  # "stop" or "length" once a stop rule ended the reply
+        self._on_text = on_text
+        self._stream = TextStream(decode)
+        self._stop_ids = set(params.stop_token_ids)
+        self._held = max((len(s) - 1 for s in params.stop_strings), default=0)  # a stop string may be starting
+        self._shown = 0  # characters handed out
+
+    @property
+    def text(self) -> str:
+        """The reply's text so far, cut before a stop string."""
+        return self.params.cut_at_stop(self._stream.text)
+
+    def push(self, token: int) -> str:
+        """Add a sampled token and apply the stop rules; return the text that became safe to show ("" for the
+        token that ends the reply: ``close`` hands out what is left)."""
+        self.ids.append(token)
+        if token in self._stop_ids:
+            self.finish_reason = "stop"
+            return ""
+        self._stream.push(token)
+        if self.params.stops(self._stream.text):
+            self.finish_reason = "stop"
+        elif len(self.ids) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason:
+            return ""
+        return self._hand_out(max(0, len(self._stream.text) - self._held))
+
+    def close(self, reason: str | None = None) -> str:
+        """End the reply for ``reason`` (the loop's own) unless a stop rule ended it already; return the text not
+        shown yet, up to the stop string."""
+        self.finish_reason = self.finish_reason or reason
+        return self._hand_out(len(self.text))
+
+    def _hand_out(self, end: int) -> str:
+        """The text from what was shown up to ``end``, now shown."""
+        piece = self._stream.text[self._shown:end]
+        self._shown = max(self._shown, end)
+        if piece and self._on_text:
+            self._on_text(piece)
+        return piece
