@@ -2,25 +2,49 @@
 
 Each request renders and plans its prompt (cabinllm.server.conversation), queues on the scheduler and waits for
 its output; the scheduler runs in one engine thread started with the app. A client that disconnects
-cancels its request, which frees its KV blocks at the next step.
+cancels its request, which frees its KV blocks at the next step. ``/openapi.json`` and ``/docs`` describe the
+API, from the models of cabinllm.server.openai_api.
 """
+from __future__ import annotations
 
 import asyncio
 import json
 import threading
 import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_hints
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import CapacityError, Fix, QueueFull, join_hints
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.server.conversation import plan_prompt
-from cabinllm.server.openai_api import ApiError, ChatRequest, chunk, completion, parse_chat_request, usage
+from cabinllm.server.openai_api import (ApiError, ChatCompletion, ChatCompletionRequest, ChoiceDelta, ErrorResponse,
+                                        Usage, check_body, chunk, completion, request_error, usage, usage_chunk)
 from cabinllm.server.scheduler import Request, Scheduler
 
 RETRY_AFTER_S = 1  # what a client told to come back later waits
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"  # the text format every Prometheus version reads
+ERROR_ANSWERS: dict[int | str, dict[str, Any]] = {  # "4XX" also keeps FastAPI from listing a 422 never sent
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in [("4XX", "400: a bad request, naming the field; 404: a model not served here; 429: "
+                                        "the queue is full, retry after Retry-After seconds"),
+                                (500, "the model step failed"),
+                                (503, "the server stayed full or is stopping; retry after Retry-After seconds")]}
+STREAM_ANSWER = {"description": "a chat.completion, or with stream true server-sent events of "
+                                "chat.completion.chunk objects ending with data: [DONE]",
+                 "content": {"text/event-stream": {"schema": {"type": "string"}}}}
 # A client cannot type /reset or pass flags: the server words those fixes in its own terms.
 SERVER_PHRASES = {Fix.NEW_CONVERSATION: "start a new conversation"}
 
@@ -34,16 +58,63 @@ class ServeConfig:
     max_tokens: int = 256  # reply limit of a request that gives none (at most half of what a sequence holds)
 
 
-def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig):
-    """The FastAPI app; starts the scheduler's thread on startup and stops it on shutdown."""
-    from fastapi import FastAPI
-    from fastapi import Request as HttpRequest
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+class JsonBodyRoute(APIRoute):
+    """A route whose body is checked as bytes first, so a body that is no UTF-8 JSON object gets the precise 400."""
 
+    def get_route_handler(self) -> Callable[[HttpRequest], Coroutine[Any, Any, Response]]:
+        """FastAPI's handler behind check_body."""
+        handle = super().get_route_handler()
+
+        async def checked(request: HttpRequest) -> Response:
+            check_body(request.headers.get("content-type"), await request.body())
+            return await handle(request)
+
+        return checked
+
+
+class SchedulerMetrics(Collector):
+    """The scheduler's and the KV cache's gauges and counters, read from the scheduler at each scrape."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterator[Metric]:
+        """One family a row, named as Prometheus shows it."""
+        stats, cache = self.scheduler.stats()
+        rows = [
+            ("cabin_kv_bytes_budget", "gauge", "KV cache budget in bytes", self.scheduler.cache.config.max_bytes),
+            ("cabin_kv_bytes_reserved", "gauge", "bytes of the preallocated KV block pool", cache.bytes_reserved),
+            ("cabin_kv_bytes_used", "gauge", "bytes of KV blocks held by sequences", cache.bytes_used),
+            ("cabin_kv_bytes_used_peak", "gauge", "most bytes of KV blocks held at once", stats.kv_bytes_used_peak),
+            ("cabin_kv_blocks_total", "gauge", "KV blocks in the pool", cache.blocks_total),
+            ("cabin_kv_blocks_free", "gauge", "KV blocks holding nothing", cache.blocks_free),
+            ("cabin_kv_blocks_cached", "gauge", "KV blocks kept for prefix reuse, evictable", cache.blocks_cached),
+            ("cabin_kv_blocks_in_use", "gauge", "KV blocks held by sequences", cache.blocks_in_use),
+            ("cabin_prefix_hit_blocks_total", "counter", "KV blocks served from the prefix cache", cache.reuse_hits),
+            ("cabin_prompt_tokens_total", "counter", "prompt tokens of admitted requests", stats.prompt_tokens),
+            ("cabin_cached_tokens_total", "counter", "prompt tokens served from the prefix cache",
+             stats.cached_tokens),
+            ("cabin_generated_tokens_total", "counter", "tokens sampled", stats.generated_tokens),
+            ("cabin_requests_finished_total", "counter", "requests finished or cancelled", stats.requests_done),
+            ("cabin_engine_steps_total", "counter", "model steps run", stats.steps),
+            ("cabin_generated_tokens_per_second", "gauge", "tokens sampled per second of model steps",
+             stats.generated_tokens / stats.busy_s if stats.busy_s else 0.0),
+            ("cabin_queue_length", "gauge", "requests waiting for a session or KV blocks", stats.waiting),
+            ("cabin_active_sequences", "gauge", "sequences prefilling or decoding", stats.running),
+        ]
+        for name, kind, description, value in rows:
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            yield family(name, description, value=value)
+
+
+def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> FastAPI:
+    """The FastAPI app; starts the scheduler's thread on startup and stops it on shutdown."""
     stop = threading.Event()
+    registry = CollectorRegistry()  # the app's own, so several apps in one process do not clash
+    registry.register(SchedulerMetrics(scheduler))
 
     @asynccontextmanager
-    async def lifespan(_app):
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         thread = threading.Thread(target=scheduler.run, args=(stop,), name="cabin-serve-engine", daemon=True)
         thread.start()
         yield
@@ -53,26 +124,32 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig):
     app = FastAPI(title="cabin-serve", lifespan=lifespan)
 
     @app.exception_handler(ApiError)
-    async def api_error(_request, error: ApiError):
+    async def api_error(_request: HttpRequest, error: ApiError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: HttpRequest, error: RequestValidationError) -> JSONResponse:
+        return await api_error(request, request_error(error.errors()))
+
     @app.get("/health")
-    async def health():
+    async def health() -> dict:
         stats, _ = scheduler.stats()
         return {"status": "ok", "model": config.model_name, "running": stats.running, "waiting": stats.waiting}
 
     @app.get("/v1/models")
-    async def models():
+    async def models() -> dict:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "cabinllm"}]}
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(prometheus_text(scheduler), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=PROMETHEUS_TEXT)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: HttpRequest):
-        chat = parse_chat_request(await http.body())
+    chat_routes = APIRouter(route_class=JsonBodyRoute)
+
+    @chat_routes.post("/v1/chat/completions", response_model=ChatCompletion,
+                      responses={200: STREAM_ANSWER, **ERROR_ANSWERS})
+    async def chat_completions(chat: ChatCompletionRequest, http: HttpRequest) -> ChatCompletion | Response:
         if chat.model is not None and chat.model != config.model_name:
             raise ApiError(404, f"model {chat.model!r} is not served here; GET /v1/models lists "
                                 f"{config.model_name!r}", param="model", code="model_not_found")
@@ -104,19 +181,21 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig):
             raise _internal_error(request)
         return completion(request_id, config.model_name, request.text, request.finish_reason, _usage(request))
 
+    app.include_router(chat_routes)
     return app
 
 
-def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: ChatRequest,
+def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: ChatCompletionRequest,
             loop: asyncio.AbstractEventLoop) -> tuple[Request, asyncio.Queue]:
     """Plan the prompt and queue it; outputs arrive on the returned queue as (text, finished)."""
     capacity = scheduler.capacity_tokens()
-    max_tokens = chat.max_tokens or min(config.max_tokens, capacity // 2)  # a small budget keeps room for the prompt
+    max_tokens = chat.reply_limit or min(config.max_tokens, capacity // 2)  # a small budget keeps room for the prompt
     if max_tokens >= capacity:
         raise ApiError(400, f"max_tokens {max_tokens} leaves no room for the prompt: one conversation holds "
                             f"{capacity} tokens here; ask for fewer", param="max_tokens")
+    messages = [message.model_dump() for message in chat.messages]
     try:
-        plan = plan_prompt(engine.tokenizer, chat.messages, max_tokens, capacity, scheduler.cache.tokens_per_block,
+        plan = plan_prompt(engine.tokenizer, messages, max_tokens, capacity, scheduler.cache.tokens_per_block,
                            config.overflow, scheduler.cache.config.sink_token_length)
     except CapacityError as err:
         hint = join_hints(capacity_hints(config.overflow, max_tokens, capacity), SERVER_PHRASES)
@@ -143,23 +222,23 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
 
 
 async def _stream(request: Request, outputs: asyncio.Queue, first: tuple[str, bool], request_id: str, model: str,
-                  chat: ChatRequest):
+                  chat: ChatCompletionRequest) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format; the request is cancelled if the client goes away."""
     try:
-        yield chunk(request_id, model, {"role": "assistant", "content": ""})
+        yield chunk(request_id, model, ChoiceDelta(role="assistant", content=""))
         piece, finished = first
         while True:
             if piece:
-                yield chunk(request_id, model, {"content": piece})
+                yield chunk(request_id, model, ChoiceDelta(content=piece))
             if finished:
                 break
             piece, finished = await outputs.get()
         if request.finish_reason == "error":
             yield f"data: {json.dumps(_internal_error(request).body())}\n\n"
             return
-        yield chunk(request_id, model, {}, request.finish_reason)
+        yield chunk(request_id, model, ChoiceDelta(), request.finish_reason)
         if chat.include_usage:
-            yield chunk(request_id, model, {}, usage_block=_usage(request))
+            yield usage_chunk(request_id, model, _usage(request))
         yield "data: [DONE]\n\n"
     finally:
         if request.finish_reason is None:
@@ -171,35 +250,6 @@ def _internal_error(request: Request) -> ApiError:
                     kind="server_error", code="internal_error")
 
 
-def _usage(request: Request) -> dict:
+def _usage(request: Request) -> Usage:
     return usage(len(request.prompt_ids), len(request.token_ids), request.cached_tokens)
 
-
-def prometheus_text(scheduler: Scheduler) -> str:
-    """The scheduler's and the KV cache's gauges and counters in Prometheus' text format."""
-    stats, cache = scheduler.stats()
-    rows = [
-        ("cabin_kv_bytes_budget", "gauge", "KV cache budget in bytes", scheduler.cache.config.max_bytes),
-        ("cabin_kv_bytes_reserved", "gauge", "bytes of the preallocated KV block pool", cache.bytes_reserved),
-        ("cabin_kv_bytes_used", "gauge", "bytes of KV blocks held by sequences", cache.bytes_used),
-        ("cabin_kv_bytes_used_peak", "gauge", "most bytes of KV blocks held at once", stats.kv_bytes_used_peak),
-        ("cabin_kv_blocks_total", "gauge", "KV blocks in the pool", cache.blocks_total),
-        ("cabin_kv_blocks_free", "gauge", "KV blocks holding nothing", cache.blocks_free),
-        ("cabin_kv_blocks_cached", "gauge", "KV blocks kept for prefix reuse, evictable", cache.blocks_cached),
-        ("cabin_kv_blocks_in_use", "gauge", "KV blocks held by sequences", cache.blocks_in_use),
-        ("cabin_prefix_hit_blocks_total", "counter", "KV blocks served from the prefix cache", cache.reuse_hits),
-        ("cabin_prompt_tokens_total", "counter", "prompt tokens of admitted requests", stats.prompt_tokens),
-        ("cabin_cached_tokens_total", "counter", "prompt tokens served from the prefix cache", stats.cached_tokens),
-        ("cabin_generated_tokens_total", "counter", "tokens sampled", stats.generated_tokens),
-        ("cabin_requests_finished_total", "counter", "requests finished or cancelled", stats.requests_done),
-        ("cabin_engine_steps_total", "counter", "model steps run", stats.steps),
-        ("cabin_generated_tokens_per_second", "gauge", "tokens sampled per second of model steps",
-         stats.generated_tokens / stats.busy_s if stats.busy_s else 0.0),
-        ("cabin_queue_length", "gauge", "requests waiting for a session or KV blocks", stats.waiting),
-        ("cabin_active_sequences", "gauge", "sequences prefilling or decoding", stats.running),
-    ]
-    lines = []
-    for name, kind, description, value in rows:
-        lines += [f"# HELP {name} {description}", f"# TYPE {name} {kind}", f"{name} {value:g}" if isinstance(value, float)
-                  else f"{name} {value}"]
-    return "\n".join(lines) + "\n"

@@ -1,20 +1,30 @@
-"""OpenAI's chat completion API as this server speaks it: request checks, response shapes, error shape.
+"""OpenAI's chat completion API as this server speaks it: request and response models, error shape.
 
-Requests are checked here field by field, so a bad one gets one 400 that names the field and what it
-must be. Fields of the API this server does not act on are accepted and ignored when their value is
-of the right kind (``frequency_penalty``, ``user``, ...); ``n`` must be 1.
+The models mirror OpenAI's (``openai.types.chat``); FastAPI validates each request against
+ChatCompletionRequest and ``/openapi.json`` describes it. Every field's check words its own problem, so a bad
+request gets one 400 in OpenAI's error shape that names the first bad field and what it must be
+(``request_error``). JSON null reads as "not given". Fields of the API this server does not act on are accepted
+and ignored when their value is of the right kind (``frequency_penalty``, ``user``, ...); ``n`` must be 1.
 """
 from __future__ import annotations
 
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import (BaseModel, BeforeValidator, Field, SerializerFunctionWrapHandler, ValidationInfo,
+                      field_validator, model_serializer, model_validator)
+from pydantic_core import PydanticCustomError
 
 from cabinllm.runtime.generation.sampling import MAX_SEED
 
-ROLES = ("system", "user", "assistant")
+Role = Literal["system", "user", "assistant"]
+ROLES = get_args(Role)
+FinishReason = Literal["stop", "length", "cancelled"]  # cancelled: stopped by the server's shutdown or a gone client
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+FIELD_ERROR = "cabin_invalid_field"  # the error type of this module's checks, worded for the client
 
 
 class ApiError(Exception):
@@ -28,30 +38,39 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         """The JSON body."""
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.kind, param=self.param,
+                                               code=self.code)).model_dump()
 
     def headers(self) -> dict[str, str]:
         """Retry-After where the client should retry later."""
         return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
 
 
-@dataclass
-class ChatRequest:
-    """A checked chat completion request."""
+class ErrorDetail(BaseModel):
+    """What went wrong, OpenAI's way: ``type`` is the kind of error, ``param`` the field at fault."""
 
-    messages: list[dict]
-    model: str | None = None
-    stream: bool = False
-    include_usage: bool = False
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+    message: str
+    type: str
+    param: str | None
+    code: str | None
 
 
-def parse_chat_request(body: bytes) -> ChatRequest:
-    """Check a request body; ApiError 400 naming the first problem."""
+class ErrorResponse(BaseModel):
+    """The body of every error answer."""
+
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------- request checks
+
+
+def check_body(content_type: str | None, body: bytes) -> None:
+    """Refuse, before FastAPI reads it, a body that is not a JSON object sent as UTF-8 JSON (ApiError 400)."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        sent = f"Content-Type {content_type}" if content_type else "no Content-Type"
+        raise ApiError(400, f"the request body came with {sent}; send it as JSON with the header Content-Type: "
+                            "application/json")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -63,127 +82,308 @@ def parse_chat_request(body: bytes) -> ChatRequest:
                             f"{err.colno}); send a JSON object") from err
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object with 'model' and 'messages'")
-    request = ChatRequest(messages=_messages(data.get("messages")))
-    request.model = _typed(data, "model", str)
-    request.stream = bool(_typed(data, "stream", bool, False))
-    options = _typed(data, "stream_options", dict, {}) or {}
-    request.include_usage = bool(_typed(options, "include_usage", bool, False, "stream_options."))
-    n = _typed(data, "n", int, 1)
-    if n != 1:
-        raise ApiError(400, f"n must be 1 (one choice per request), got {n}", param="n")
-    limits = [(name, _typed(data, name, int)) for name in ("max_completion_tokens", "max_tokens")]
-    for name, value in limits:
-        if value is not None and value < 1:
-            raise ApiError(400, f"{name} must be an integer >= 1, got {value}", param=name)
-    request.max_tokens = next((value for _, value in limits if value is not None), None)
-    request.temperature = _number(data, "temperature", 0.0, 2.0, 1.0)
-    request.top_p = _number(data, "top_p", 0.0, 1.0, 1.0)
-    if request.top_p == 0:
-        raise ApiError(400, "top_p must be > 0 and <= 1, got 0", param="top_p")
-    request.seed = _typed(data, "seed", int)
-    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
-        raise ApiError(400, f"seed must be an integer from 0 to {MAX_SEED}, got {request.seed}", param="seed")
-    request.stop = _stop(data.get("stop"))
-    for name in ("frequency_penalty", "presence_penalty"):
-        _number(data, name, -2.0, 2.0, 0.0)
-    _typed(data, "user", str)
-    return request
 
 
-def _messages(value: object) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
-    messages = []
-    for index, message in enumerate(value):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise ApiError(400, f"{where} must be an object with role and content", param=where)
-        role = message.get("role")
-        if role not in ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
-        content = _content(message.get("content"), f"{where}.content", allow_empty=role == "assistant")
-        messages.append({"role": role, "content": content})
-    return messages
+def request_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
+    """The 400 for the first problem of a request body that FastAPI's validation found (its loc starts "body")."""
+    error = errors[0]
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"][1:]).lstrip(".")
+    problem = error["msg"] if error["type"] == FIELD_ERROR else f"is invalid: {error['msg']}"
+    return ApiError(400, f"{param} {problem}" if param else problem, param=param or None)
 
 
-def _content(value: object, where: str, allow_empty: bool) -> str:
-    """Message text: a string, or a list of {type: text, text} parts joined (a reply may be empty)."""
-    if isinstance(value, list):
-        parts = []
-        for part in value:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise ApiError(400, f"{where} parts must be {{\"type\": \"text\", \"text\": ...}}; this server takes "
-                                    "text only", param=where)
-            parts.append(part["text"])
-        value = "".join(parts)
-    if not isinstance(value, str):
-        raise ApiError(400, f"{where} must be a string, got {type(value).__name__}", param=where)
-    if not value.strip() and not allow_empty:
-        raise ApiError(400, f"{where} is empty; send some text", param=where)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ApiError(400, f"{where} holds an invalid character (a lone surrogate at {err.start}); send valid "
-                            "UTF-8 text", param=where) from err
-    return value
+def _refuse(problem: str) -> PydanticCustomError:
+    """A validation error worded for the client; request_error puts the field's name in front."""
+    return PydanticCustomError(FIELD_ERROR, "{problem}", {"problem": problem})
 
 
-def _typed(data: dict, name: str, kind: type, default: object = None, prefix: str = ""):
-    value = data.get(name)
-    if value is None:
-        return default
+def _shown(value: Any) -> str:
+    """A client's value as its JSON, cut short."""
+    return json.dumps(value)[:40]
+
+
+_KIND_NAMES = {str: "a string", bool: "true or false", int: "an integer"}
+
+
+def _of_kind(value: Any, kind: type) -> Any:
+    """``value`` if it is a ``kind`` (true and false are no integers here), else the client's error."""
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ApiError(400, f"{prefix}{name} must be {_KIND_NAMES[kind]}, got {json.dumps(value)[:40]}",
-                       param=prefix + name)
+        raise _refuse(f"must be {_KIND_NAMES[kind]}, got {_shown(value)}")
     return value
 
 
-_KIND_NAMES = {str: "a string", bool: "true or false", int: "an integer", dict: "an object"}
+def _kind(kind: type) -> BeforeValidator:
+    """A field of this JSON kind, refused in the client's words otherwise."""
+    return BeforeValidator(lambda value: _of_kind(value, kind))
 
 
-def _number(data: dict, name: str, low: float, high: float, default: float) -> float:
-    value = data.get(name)
-    if value is None:
-        return default
+def _in_range(value: Any, low: float, high: float) -> float:
+    """``value`` if it is a finite JSON number from ``low`` to ``high``, else the client's error."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or not low <= value <= high:
-        raise ApiError(400, f"{name} must be a number from {low:g} to {high:g}, got {json.dumps(value)[:40]}",
-                       param=name)
+        raise _refuse(f"must be a number from {low:g} to {high:g}, got {_shown(value)}")
     return float(value)
 
 
-def _stop(value: object) -> list[str]:
-    if value is None:
-        return []
+def _number(low: float, high: float) -> BeforeValidator:
+    """A field of finite numbers from ``low`` to ``high``, refused in the client's words otherwise."""
+    return BeforeValidator(lambda value: _in_range(value, low, high))
+
+
+def _top_p(value: Any) -> float:
+    top_p = _in_range(value, 0.0, 1.0)
+    if top_p == 0:
+        raise _refuse("must be > 0 and <= 1, got 0")
+    return top_p
+
+
+def _one_choice(value: Any) -> int:
+    if _of_kind(value, int) != 1:
+        raise _refuse(f"must be 1 (one choice per request), got {value}")
+    return value
+
+
+def _reply_limit(value: Any) -> int:
+    if _of_kind(value, int) < 1:
+        raise _refuse(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _seed(value: Any) -> int:
+    if not 0 <= _of_kind(value, int) <= MAX_SEED:
+        raise _refuse(f"must be an integer from 0 to {MAX_SEED}, got {value}")
+    return value
+
+
+def _stop(value: Any) -> list[str]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
             or len(stops) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
-                       param="stop")
+        raise _refuse(f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
     return stops
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    """The usage block, cached tokens as OpenAI reports them."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def _messages(value: Any) -> list:
+    if not isinstance(value, list) or not value:
+        raise _refuse("must be a non-empty list of {role, content} objects")
+    return value
 
 
-def completion(request_id: str, model: str, text: str, finish_reason: str, usage_block: dict) -> dict:
+def _role(value: Any) -> str:
+    if value not in ROLES:
+        raise _refuse(f"must be one of {', '.join(ROLES)}, got {value!r}")
+    return value
+
+
+def _text(value: Any) -> str:
+    """Message text: a string, or a list of {type: text, text} parts joined."""
+    if isinstance(value, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in value):
+            raise _refuse("parts must be {\"type\": \"text\", \"text\": ...}; this server takes text only")
+        value = "".join(part["text"] for part in value)
+    if not isinstance(value, str):
+        raise _refuse(f"must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise _refuse(f"holds an invalid character (a lone surrogate at {err.start}); send valid UTF-8 "
+                      "text") from err
+    return value
+
+
+class _RequestObject(BaseModel):
+    """An object of a request: JSON null reads as "not given"; keys this server does not know are ignored."""
+
+    @classmethod
+    def _not_an_object(cls, value: Any) -> str:
+        """How a value that is no JSON object is refused."""
+        return f"must be an object, got {_shown(value)}"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _given(cls, data: Any) -> dict:
+        """The keys given a value; a required field not given reaches its own check as None."""
+        if not isinstance(data, dict):
+            raise _refuse(cls._not_an_object(data))
+        required = [name for name, info in cls.model_fields.items() if info.is_required()]
+        return {**dict.fromkeys(required), **{key: value for key, value in data.items() if value is not None}}
+
+
+class TextContentPart(BaseModel):
+    """One part of a message's content; this server takes text parts only."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_RequestObject):
+    """One turn of the conversation; only a reply (role assistant) may be empty."""
+
+    role: Annotated[Role, BeforeValidator(_role)]
+    content: Annotated[str, BeforeValidator(_text, json_schema_input_type=str | list[TextContentPart])]
+
+    @classmethod
+    def _not_an_object(cls, value: Any) -> str:
+        return "must be an object with role and content"
+
+    @field_validator("content")
+    @classmethod
+    def _has_text(cls, content: str, info: ValidationInfo) -> str:
+        if info.data.get("role") in ("system", "user") and not content.strip():
+            raise _refuse("is empty; send some text")
+        return content
+
+
+class StreamOptions(_RequestObject):
+    """Options of a streamed reply."""
+
+    include_usage: Annotated[bool, _kind(bool)] = False
+
+
+StopString = Annotated[str, Field(min_length=1)]
+ReplyLimit = Annotated[int, Field(ge=1), BeforeValidator(_reply_limit)]
+Penalty = Annotated[float, Field(ge=-2, le=2), _number(-2.0, 2.0)]
+
+
+class ChatCompletionRequest(_RequestObject):
+    """A chat completion request: the whole conversation, re-sent every turn, and how to sample the reply.
+
+    The fields are checked in the order they are declared; the first problem is the one answered.
+    """
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1), BeforeValidator(_messages)]
+    model: Annotated[str, _kind(str)] | None = None
+    stream: Annotated[bool, _kind(bool)] = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[Literal[1], BeforeValidator(_one_choice)] = 1
+    max_completion_tokens: ReplyLimit | None = None
+    max_tokens: ReplyLimit | None = None
+    temperature: Annotated[float, Field(ge=0, le=2), _number(0.0, 2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1), BeforeValidator(_top_p)] = 1.0
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED), BeforeValidator(_seed)] | None = None
+    stop: Annotated[list[str], BeforeValidator(_stop, json_schema_input_type=StopString | Annotated[
+        list[StopString], Field(max_length=MAX_STOP_STRINGS)])] = Field(default_factory=list)
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    user: Annotated[str, _kind(str)] | None = None
+
+    @property
+    def reply_limit(self) -> int | None:
+        """The reply's token limit the client asked for (``max_completion_tokens`` before ``max_tokens``)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a chunk of token usage."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+# ---------------------------------------------------------------- responses
+
+
+class _Sparse(BaseModel):
+    """A response object whose fields left None are left out, as OpenAI's stream leaves them out."""
+
+    @model_serializer(mode="wrap")
+    def _given(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class PromptTokensDetails(BaseModel):
+    """Where the prompt's tokens came from."""
+
+    cached_tokens: int  # served from the prefix cache, not computed again
+
+
+class Usage(BaseModel):
+    """Tokens of a request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletionMessage(BaseModel):
+    """The reply."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    """The one choice of a completion."""
+
+    index: int = 0
+    message: ChatCompletionMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
     """A whole ``chat.completion`` object."""
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason, "logprobs": None}],
-            "usage": usage_block}
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
 
 
-def chunk(request_id: str, model: str, delta: dict, finish_reason: str | None = None,
-          usage_block: dict | None = None) -> str:
-    """One server-sent event of a streamed ``chat.completion.chunk`` (no choice when it carries usage)."""
-    choices = [] if usage_block else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
-    body = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": choices}
-    if usage_block:
-        body["usage"] = usage_block
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+class ChoiceDelta(_Sparse):
+    """What a chunk adds to the reply: the role first, then pieces of content; empty in the last chunk."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    """The one choice of a chunk."""
+
+    index: int = 0
+    delta: ChoiceDelta
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(_Sparse):
+    """One ``chat.completion.chunk`` of a stream; the last, when usage was asked for, has no choice."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    """The usage block, cached tokens as OpenAI reports them."""
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+def completion(request_id: str, model: str, text: str, finish_reason: FinishReason, usage_block: Usage) \
+        -> ChatCompletion:
+    """A whole ``chat.completion`` object."""
+    return ChatCompletion(id=request_id, created=int(time.time()), model=model, usage=usage_block,
+                          choices=[Choice(message=ChatCompletionMessage(content=text), finish_reason=finish_reason)])
+
+
+def chunk(request_id: str, model: str, delta: ChoiceDelta, finish_reason: FinishReason | None = None) -> str:
+    """One server-sent event of a streamed ``chat.completion.chunk``."""
+    return _event(ChatCompletionChunk(id=request_id, created=int(time.time()), model=model,
+                                      choices=[ChunkChoice(delta=delta, finish_reason=finish_reason)]))
+
+
+def usage_chunk(request_id: str, model: str, usage_block: Usage) -> str:
+    """The server-sent event of a stream's usage: a chunk with no choice."""
+    return _event(ChatCompletionChunk(id=request_id, created=int(time.time()), model=model, choices=[],
+                                      usage=usage_block))
+
+
+def _event(body: ChatCompletionChunk) -> str:
+    return f"data: {body.model_dump_json()}\n\n"

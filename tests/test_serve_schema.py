@@ -1,0 +1,90 @@
+"""cabin-serve on FastAPI's conventions: /openapi.json describes the chat completion request and response, /metrics
+is Prometheus text from prometheus_client with the metric names it always had, and a request the models refuse
+is a 400 in OpenAI's error shape naming the field. The app's engine thread is not started (no lifespan): nothing
+here reaches the scheduler."""
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy
+from cabinllm.server.app import ServeConfig, create_app
+from cabinllm.server.scheduler import Scheduler
+
+METRIC_NAMES = {
+    "cabin_kv_bytes_budget", "cabin_kv_bytes_reserved", "cabin_kv_bytes_used", "cabin_kv_bytes_used_peak",
+    "cabin_kv_blocks_total", "cabin_kv_blocks_free", "cabin_kv_blocks_cached", "cabin_kv_blocks_in_use",
+    "cabin_prefix_hit_blocks_total", "cabin_prompt_tokens_total", "cabin_cached_tokens_total",
+    "cabin_generated_tokens_total", "cabin_requests_finished_total", "cabin_engine_steps_total",
+    "cabin_generated_tokens_per_second", "cabin_queue_length", "cabin_active_sequences",
+}
+PLAY = [{"role": "user", "content": "play"}]
+
+
+def new_app(engine):
+    scheduler = Scheduler(engine, engine.new_cache(engine.kv_cache_config("int8", 1 << 20)))
+    return create_app(engine, scheduler, ServeConfig("tiny", OverflowPolicy("error")))
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine):
+    return TestClient(new_app(tiny_engine))
+
+
+def test_openapi_describes_the_chat_completion_request_and_response(client):
+    spec = client.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    request = schemas["ChatCompletionRequest"]
+    assert {"messages", "model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "temperature",
+            "top_p", "seed", "stop", "n"} <= set(request["properties"])
+    assert request["required"] == ["messages"]
+    assert set(schemas["ChatMessage"]["properties"]["role"]["enum"]) == {"system", "user", "assistant"}
+    post = spec["paths"]["/v1/chat/completions"]["post"]
+    assert post["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatCompletionRequest"}
+    answers = post["responses"]
+    assert answers["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatCompletion"}
+    assert answers["4XX"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert "422" not in answers  # every bad request is a 400
+    assert client.get("/docs").status_code == 200
+
+
+def test_metrics_parse_as_prometheus_text_with_every_name(client, tiny_engine):
+    response = client.get("/metrics")
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    samples = {sample.name: sample.value for family in text_string_to_metric_families(response.text)
+               for sample in family.samples}
+    assert set(samples) == METRIC_NAMES
+    assert samples["cabin_kv_bytes_budget"] == 1 << 20 and samples["cabin_kv_blocks_in_use"] == 0
+    other = TestClient(new_app(tiny_engine)).get("/metrics").text  # each app its own registry: no clash
+    assert {s.name for f in text_string_to_metric_families(other) for s in f.samples} == METRIC_NAMES
+
+
+BAD = [
+    ({"messages": PLAY, "temperature": "hot"}, "temperature", 'temperature must be a number from 0 to 2, got "hot"'),
+    ({"messages": PLAY + [{"role": "tool", "content": "x"}]}, "messages[1].role",
+     "messages[1].role must be one of system, user, assistant, got 'tool'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
+     'messages[0].content parts must be {"type": "text", "text": ...}; this server takes text only'),
+    ({"messages": PLAY, "stream_options": {"include_usage": 1}}, "stream_options.include_usage",
+     "stream_options.include_usage must be true or false, got 1"),
+    ({"messages": PLAY, "n": 2}, "n", "n must be 1 (one choice per request), got 2"),
+    ({"messages": PLAY, "top_p": 0}, "top_p", "top_p must be > 0 and <= 1, got 0"),
+    ({"messages": PLAY, "stop": ["a"] * 5}, "stop", "stop must be a non-empty string or a list of at most 4 of them"),
+    ({"model": "tiny"}, "messages", "messages must be a non-empty list of {role, content} objects"),
+    ([PLAY], None, "the request body must be a JSON object with 'model' and 'messages'"),
+]
+
+
+@pytest.mark.parametrize("body, param, message", BAD, ids=[message for _, _, message in BAD])
+def test_a_refused_request_is_a_400_in_openai_shape(client, body, param, message):
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert response.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                         "code": None}}
+
+
+def test_a_body_not_sent_as_json_is_refused_naming_the_header(client):
+    response = client.post("/v1/chat/completions", content=b'{"messages": []}', headers={"content-type": "text/plain"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == ("the request body came with Content-Type text/plain; send it as "
+                                                   "JSON with the header Content-Type: application/json")
