@@ -29,8 +29,9 @@ def parameter_count(config: ModelConfig) -> int:
 
 
 def weights_bytes(config: ModelConfig, weight_format: str, in_memory: str | None = None) -> int:
-    """Bytes of the weights stored as ``weight_format`` (cabinllm.runtime.formats.weight_formats: the checkpoint's tensors, scales
-    included; AWQ with the group size cabin-build picks), float tensors held as ``in_memory`` (fp32) when given."""
+    """Bytes of the weights stored as ``weight_format`` (cabinllm.runtime.formats.weight_formats: the checkpoint's
+    tensors, scales included; AWQ with the group size cabin-build picks), float tensors (norms, embedding, lm_head,
+    Qwen2's qkv bias) held as ``in_memory`` (fp32) when given."""
     fmt = weight_format_of(weight_format)
     float_bytes = _BYTES[in_memory] if in_memory is not None else 2
     linears = linear_shapes(config)
@@ -38,7 +39,7 @@ def weights_bytes(config: ModelConfig, weight_format: str, in_memory: str | None
     total = 0
     for name, shape in _weight_shapes(config).items():
         suffix = ".".join(name.split(".")[3:-1])
-        if suffix in linears:
+        if suffix in linears and name.endswith(".weight"):  # a linear's bias is a float tensor
             total += fmt.weight_bytes(shape[0], shape[1], quantization, float_bytes)
         else:
             total += math.prod(shape) * float_bytes

@@ -44,7 +44,8 @@ def config_from_hf(data: dict, source: str) -> ModelConfig:
     if data.get("quantization_config"):
         raise CheckpointError(f"{source}: quantized HF checkpoints are not supported; import the unquantized model")
     if data.get("attention_bias") or data.get("mlp_bias"):
-        raise CheckpointError(f"{source}: attention_bias/mlp_bias=true is not supported for {architecture}")
+        raise CheckpointError(f"{source}: attention_bias/mlp_bias=true is not supported for {architecture} (only "
+                              "Qwen2's q/k/v biases are); import a model trained without those biases")
     try:
         heads = data["num_attention_heads"]
         rotary_base, rotary_scaling = _rope(data)
