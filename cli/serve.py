@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import torch
+import uvicorn
 
 from cabinllm.cli.args import entry_point, int_range, kv_budget_bytes, positive_float, positive_int
 from cabinllm.runtime.dialogue.overflow import OVERFLOW_POLICIES, OverflowPolicy
@@ -67,12 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     try:
-        import uvicorn
-
         app = build(args)
-    except ImportError as err:
-        print(f"cabin-serve: error: {err.name} is missing; pip install 'cabinllm[serve]'", file=sys.stderr)
-        return 2
     except (CabinError, OSError) as err:
         print(f"cabin-serve: error: {err}", file=sys.stderr)
         return 2

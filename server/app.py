@@ -31,7 +31,8 @@ from cabinllm.runtime.errors import CapacityError, Fix, QueueFull, join_hints
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.server.conversation import plan_prompt
 from cabinllm.server.openai_api import (ApiError, ChatCompletion, ChatCompletionRequest, ChoiceDelta, ErrorResponse,
-                                        Usage, check_body, chunk, completion, request_error, usage, usage_chunk)
+                                        Usage, check_body, chunk, completion, is_json, request_error, usage,
+                                        usage_chunk)
 from cabinllm.server.scheduler import Request, Scheduler
 
 RETRY_AFTER_S = 1  # what a client told to come back later waits
@@ -59,17 +60,38 @@ class ServeConfig:
 
 
 class JsonBodyRoute(APIRoute):
-    """A route whose body is checked as bytes first, so a body that is no UTF-8 JSON object gets the precise 400."""
+    """A route whose body is checked as bytes first, so a body that is no UTF-8 JSON object gets the precise 400,
+    and read as JSON whatever its Content-Type (``curl -d`` sends a form type)."""
 
     def get_route_handler(self) -> Callable[[HttpRequest], Coroutine[Any, Any, Response]]:
         """FastAPI's handler behind check_body."""
         handle = super().get_route_handler()
 
         async def checked(request: HttpRequest) -> Response:
-            check_body(request.headers.get("content-type"), await request.body())
-            return await handle(request)
+            body = await request.body()
+            check_body(body)
+            if is_json(request.headers.get("content-type")):
+                return await handle(request)
+            return await handle(_as_json(request, body))
 
         return checked
+
+
+def _as_json(request: HttpRequest, body: bytes) -> HttpRequest:
+    """The same request with ``Content-Type: application/json``: its body once, then the client's own messages
+    (a disconnect stays visible)."""
+    headers = [(k, v) for k, v in request.scope["headers"] if k.lower() != b"content-type"]
+    scope = {**request.scope, "headers": headers + [(b"content-type", b"application/json")]}
+    replayed = False
+
+    async def receive() -> dict:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await request.receive()
+
+    return HttpRequest(scope, receive)
 
 
 class SchedulerMetrics(Collector):

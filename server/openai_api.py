@@ -3,8 +3,9 @@
 The models mirror OpenAI's (``openai.types.chat``); FastAPI validates each request against
 ChatCompletionRequest and ``/openapi.json`` describes it. Every field's check words its own problem, so a bad
 request gets one 400 in OpenAI's error shape that names the first bad field and what it must be
-(``request_error``). JSON null reads as "not given". Fields of the API this server does not act on are accepted
-and ignored when their value is of the right kind (``frequency_penalty``, ``user``, ...); ``n`` must be 1.
+(``request_error``). JSON null reads as "not given". A field of the API this server does not act on and that
+would change the reply (``tools``, ``response_format``, ``logprobs``, ``logit_bias``, a non-zero penalty, ...) is
+refused unless it has its neutral value; ``n`` must be 1; ``user`` and unknown keys are ignored.
 """
 from __future__ import annotations
 
@@ -12,10 +13,18 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Callable, Literal, get_args
 
-from pydantic import (BaseModel, BeforeValidator, Field, SerializerFunctionWrapHandler, ValidationInfo,
-                      field_validator, model_serializer, model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from cabinllm.runtime.generation.sampling import MAX_SEED
@@ -64,13 +73,15 @@ class ErrorResponse(BaseModel):
 # ---------------------------------------------------------------- request checks
 
 
-def check_body(content_type: str | None, body: bytes) -> None:
-    """Refuse, before FastAPI reads it, a body that is not a JSON object sent as UTF-8 JSON (ApiError 400)."""
+def is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type header names JSON (``application/json`` or ``application/*+json``)."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
-    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        sent = f"Content-Type {content_type}" if content_type else "no Content-Type"
-        raise ApiError(400, f"the request body came with {sent}; send it as JSON with the header Content-Type: "
-                            "application/json")
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def check_body(body: bytes) -> None:
+    """Refuse, before FastAPI reads it, a body that is not a JSON object in UTF-8 (ApiError 400), whatever its
+    Content-Type says."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -243,7 +254,24 @@ class StreamOptions(_RequestObject):
 
 StopString = Annotated[str, Field(min_length=1)]
 ReplyLimit = Annotated[int, Field(ge=1), BeforeValidator(_reply_limit)]
-Penalty = Annotated[float, Field(ge=-2, le=2), _number(-2.0, 2.0)]
+
+
+def _unapplied(neutral: Callable[[Any], bool], what: str) -> BeforeValidator:
+    """A field this server does not act on: refused unless ``neutral(value)``, so no request is silently answered
+    as if it had not asked for ``what``."""
+    def check(value: Any) -> Any:
+        if not neutral(value):
+            raise _refuse(f"{_shown(value)} asks for {what}, which this server does not do; leave it out")
+        return value
+
+    return BeforeValidator(check, json_schema_input_type=Any)
+
+
+def _zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+Penalty = Annotated[float, Field(ge=-2, le=2), _number(-2.0, 2.0), _unapplied(_zero, "a sampling penalty")]
 
 
 class ChatCompletionRequest(_RequestObject):
@@ -266,6 +294,14 @@ class ChatCompletionRequest(_RequestObject):
         list[StopString], Field(max_length=MAX_STOP_STRINGS)])] = Field(default_factory=list)
     frequency_penalty: Penalty = 0.0
     presence_penalty: Penalty = 0.0
+    logprobs: Annotated[bool, _unapplied(lambda v: v is False, "token log-probabilities")] | None = None
+    top_logprobs: Annotated[int, _unapplied(_zero, "token log-probabilities")] | None = None
+    logit_bias: Annotated[dict, _unapplied(lambda v: v == {}, "biased logits")] | None = None
+    tools: Annotated[list, _unapplied(lambda v: v == [], "tool calls")] | None = None
+    tool_choice: Annotated[str | dict, _unapplied(lambda v: v == "none", "tool calls")] | None = None
+    functions: Annotated[list, _unapplied(lambda v: v == [], "function calls")] | None = None
+    function_call: Annotated[str | dict, _unapplied(lambda v: v == "none", "function calls")] | None = None
+    response_format: Annotated[dict, _unapplied(lambda v: v == {"type": "text"}, "a structured reply")] | None = None
     user: Annotated[str, _kind(str)] | None = None
 
     @property

@@ -83,8 +83,32 @@ def test_a_refused_request_is_a_400_in_openai_shape(client, body, param, message
                                          "code": None}}
 
 
-def test_a_body_not_sent_as_json_is_refused_naming_the_header(client):
-    response = client.post("/v1/chat/completions", content=b'{"messages": []}', headers={"content-type": "text/plain"})
+def test_a_json_body_is_read_whatever_its_content_type(client):
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):  # curl -d sends the form type
+        response = client.post("/v1/chat/completions", content=b'{"messages": []}',
+                               headers={"content-type": content_type})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == ("messages must be a non-empty list of {role, content} "
+                                                       "objects")
+
+
+UNAPPLIED = [("tools", [{"type": "function", "function": {"name": "set_temperature"}}]), ("tool_choice", "required"),
+             ("response_format", {"type": "json_object"}), ("logprobs", True), ("top_logprobs", 3),
+             ("logit_bias", {"42": 5}), ("frequency_penalty", 0.5), ("presence_penalty", -1),
+             ("functions", [{"name": "f"}]), ("function_call", "auto")]
+
+
+@pytest.mark.parametrize("field, value", UNAPPLIED, ids=[field for field, _ in UNAPPLIED])
+def test_a_field_that_would_change_the_reply_and_is_not_applied_is_refused(client, field, value):
+    response = client.post("/v1/chat/completions", json={"messages": PLAY, field: value})
     assert response.status_code == 400
-    assert response.json()["error"]["message"] == ("the request body came with Content-Type text/plain; send it as "
-                                                   "JSON with the header Content-Type: application/json")
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field} ") and "leave it out" in error["message"]
+
+
+@pytest.mark.parametrize("field, value", [("tools", []), ("tool_choice", "none"), ("logprobs", False),
+                                          ("response_format", {"type": "text"}), ("frequency_penalty", 0),
+                                          ("logit_bias", {}), ("top_logprobs", 0)])
+def test_the_neutral_value_of_an_unapplied_field_is_accepted(client, field, value):
+    response = client.post("/v1/chat/completions", json={"messages": PLAY, "model": "other", field: value})
+    assert response.status_code == 404  # past the body's checks: the unknown model is what is answered
