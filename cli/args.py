@@ -1,9 +1,11 @@
 """What the command-line tools share: argparse types for numbers that must be finite and in range (argparse
-names the flag in its error line and exits with code 2), one line for a failed read or write, and the entry-point
-wrapper that tells a bug from a user error."""
+names the flag in its error line and exits with code 2), the flags of a dialogue's KV cache and sampling (defined
+once, their help read from the config dataclasses' field descriptions), one line for a failed read or write, and
+the entry-point wrapper that tells a bug from a user error."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import functools
 import math
@@ -13,8 +15,12 @@ import traceback
 from pathlib import Path
 from typing import Callable, TextIO
 
+from cabinllm.runtime.dialogue.overflow import OVERFLOW_POLICIES, OverflowPolicy
 from cabinllm.runtime.errors import ConfigError
+from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.memory import available_memory
+from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES
 
 
 def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -55,6 +61,41 @@ non_negative_int = int_range(0)
 positive_float = float_range(0)
 non_negative_float = float_range(0, low_included=True)
 reserve_gib = float_range(0, 1024, low_included=True)  # GiB held on a board for other models (none has 1 TiB)
+
+
+def help_of(config: type, name: str) -> str:
+    """The description a config dataclass gives its field ``name``: the help of the flag that sets it."""
+    return next(f for f in dataclasses.fields(config) if f.name == name).metadata["help"]
+
+
+def add_cache_flags(parser: argparse.ArgumentParser, shared_by: str = "") -> None:
+    """--kv-cache, --kv-budget-mb, --tokens-per-block and --overflow of a dialogue on the engine (``shared_by``: who
+    shares the budget, for the help)."""
+    mib = KvCacheConfig.max_bytes / 2**20
+    parser.add_argument("--kv-cache", choices=REFERENCE_KV_MODES,
+                        help=f"{help_of(KvCacheConfig, 'kv_mode')} (default: what the engine was built for)")
+    parser.add_argument("--kv-budget-mb", type=positive_float, default=mib,
+                        help=f"{help_of(KvCacheConfig, 'max_bytes')} in MiB{shared_by} (default {mib:g})")
+    parser.add_argument("--tokens-per-block", type=positive_int,
+                        help=f"{help_of(KvCacheConfig, 'tokens_per_block')} (default: the engine's target's)")
+    parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=OverflowPolicy.name,
+                        help=f"{help_of(OverflowPolicy, 'name')} (default {OverflowPolicy.name})")
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """--max-new-tokens, --temperature, --top-k, --top-p and --seed, with SamplingParams' defaults."""
+    flags = [("max_new_tokens", positive_int), ("temperature", non_negative_float), ("top_k", non_negative_int),
+             ("top_p", float_range(0, 1)), ("seed", int_range(0, MAX_SEED))]
+    for name, kind in flags:
+        default = getattr(SamplingParams, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                            help=help_of(SamplingParams, name) + ("" if default is None else f" (default {default})"))
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The SamplingParams of add_sampling_flags' flags."""
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed)
 
 
 def os_error_message(err: OSError, path: str | Path) -> str:

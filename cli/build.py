@@ -27,7 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="'default' (embedded SmolLM2-135M-Instruct, the default), a .gguf file, an HF model "
                              "folder or a TensorRT-LLM checkpoint folder (with its tokenizer files)")
     parser.add_argument("--target", default="cpu", help="target profile from builders/data/targets.toml (default "
-                        "cpu); an NPU target (e.g. sa8775p-36gb) takes the graphs cabin-export writes from the folder next")
+                        "cpu); an NPU target (e.g. sa8775p-36gb) takes the graphs cabin-export writes from the "
+                        "folder next")
     parser.add_argument("--output", required=True, type=Path, help="engine folder to write, e.g. engines/smollm2-int8")
     parser.add_argument("--kv-cache", default="int8", choices=tuple(KV_MODES),
                         help="KV cache storage the engine is built for (default int8); must be one the target takes")

@@ -7,17 +7,15 @@ import signal
 import sys
 from pathlib import Path
 
-from cabinllm.cli.args import (entry_point, float_range, int_range, kv_budget_bytes, non_negative_float,
-                               non_negative_int, os_error_message, output_name, positive_float, positive_int)
+from cabinllm.cli.args import (add_cache_flags, add_sampling_flags, entry_point, kv_budget_bytes, os_error_message,
+                               output_name, sampling_params)
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.select import BACKENDS, SessionRequest, open_session
 from cabinllm.runtime.dialogue.interface import Session, TurnStats
-from cabinllm.runtime.dialogue.overflow import OVERFLOW_POLICIES, OverflowPolicy
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.errors import CabinError, ConfigError, SessionFileError
 from cabinllm.runtime.formats.chat_script import read_script, text_problem
 from cabinllm.runtime.formats.engine_folder import EngineFolder
-from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
-from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES
 
 HELP_COMMANDS = "commands: /reset (new conversation), /stats (KV memory), /save FILE, /quit; Ctrl-C stops a reply"
 
@@ -31,15 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object per turn")
     parser.add_argument("--system", help="system prompt (default: the engine's, recorded by cabin-build; \"\" for "
                         "none; a script's system line wins)")
-    parser.add_argument("--kv-cache", choices=REFERENCE_KV_MODES, help="KV storage (default: what the engine was "
-                        "built for); static int8 modes use the engine's kv_scales.json")
-    parser.add_argument("--kv-budget-mb", type=positive_float, default=64.0,
-                        help="KV cache budget in MiB (default 64)")
-    parser.add_argument("--tokens-per-block", type=positive_int,
-                        help="tokens per KV block (default: the engine's target's)")
-    parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="sink-window",
-                        help="when a turn does not fit the budget: keep the system prompt and the most recent tokens "
-                             "(sink-window, default), drop the oldest turns (drop-turns), or refuse the turn (error)")
+    add_cache_flags(parser)
     parser.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
                         help="tensorrt-llm runs the engine's trt_engine/ through ModelRunnerCpp (needs tensorrt_llm); "
                              "onnxruntime runs the graphs of a cabin-export folder on our paged cache; reference runs "
@@ -47,24 +37,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ort-provider", choices=tuple(ORT_PROVIDERS), default="cpu",
                         help="ONNX Runtime execution provider of --backend onnxruntime (default cpu)")
     parser.add_argument("--restore", type=Path, help="continue a session saved with /save (default: a new one)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128,
-                        help="longest reply in tokens (default 128)")
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
-                        help="sampling temperature; 0 = greedy (default 0)")
-    parser.add_argument("--top-k", type=non_negative_int, default=0,
-                        help="sample from the k most likely tokens (default 0 = all)")
-    parser.add_argument("--top-p", type=float_range(0, 1), default=1.0,
-                        help="nucleus sampling threshold, in (0, 1] (default 1.0)")
-    parser.add_argument("--seed", type=int_range(0, MAX_SEED), default=None,
-                        help="random seed for sampling (default: none, a fresh one each run)")
+    add_sampling_flags(parser)
     return parser.parse_args(argv)
 
 
 def session_request(args: argparse.Namespace, system: str | None) -> SessionRequest:
     """The session cabin-chat's flags ask for."""
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
-    return SessionRequest(args.engine, kv_budget_bytes(args.kv_budget_mb), params, system,
+    return SessionRequest(args.engine, kv_budget_bytes(args.kv_budget_mb), sampling_params(args), system,
                           OverflowPolicy(args.overflow), args.kv_cache, args.tokens_per_block, args.backend,
                           args.ort_provider, args.restore)
 

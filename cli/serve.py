@@ -8,44 +8,36 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from cabinllm.cli.args import entry_point, int_range, kv_budget_bytes, positive_float, positive_int
-from cabinllm.runtime.dialogue.overflow import OVERFLOW_POLICIES, OverflowPolicy
+from cabinllm.cli.args import add_cache_flags, entry_point, int_range, kv_budget_bytes, positive_float, positive_int
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import CabinError
-from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES
 from cabinllm.server.app import ServeConfig, create_app
 from cabinllm.server.scheduler import Scheduler, SchedulerConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of cabin-serve."""
-    parser = argparse.ArgumentParser(prog="cabin-serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = argparse.ArgumentParser(prog="cabin-serve",
                                      description="Serve a CabinLLM engine over OpenAI's chat completions API: "
                                                  "batched decode of all clients, prefix reuse across requests.")
     parser.add_argument("--engine", required=True, type=Path, help="engine folder written by cabin-build")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int_range(1, 65535), default=8000, help="TCP port")
-    parser.add_argument("--kv-budget-mb", type=positive_float, default=64.0, help="KV cache budget in MiB, "
-                        "shared by every conversation")
-    parser.add_argument("--kv-cache", choices=REFERENCE_KV_MODES, default=None,
-                        help="KV storage (None: what the engine was built for)")
-    parser.add_argument("--tokens-per-block", type=positive_int, default=None,
-                        help="tokens per KV block, the unit of prefix reuse (None: the engine's target's)")
-    parser.add_argument("--max-sessions", type=positive_int, default=4, help="requests decoding together")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int_range(1, 65535), default=8000, help="TCP port (default 8000)")
+    add_cache_flags(parser, ", shared by every conversation")
+    parser.add_argument("--max-sessions", type=positive_int, default=4, help="requests decoding together (default 4)")
     parser.add_argument("--max-queue", type=positive_int, default=16,
-                        help="requests waiting for a session or KV blocks before new ones get 429")
+                        help="requests waiting for a session or KV blocks before new ones get 429 (default 16)")
     parser.add_argument("--queue-timeout", type=positive_float, default=60.0,
-                        help="seconds a request may wait before it gets 503")
-    parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="sink-window",
-                        help="when a conversation does not fit one sequence's budget: keep the system prompt and "
-                             "the most recent tokens, drop the oldest turns, or answer 400 (error)")
+                        help="seconds a request may wait before it gets 503 (default 60)")
     parser.add_argument("--max-tokens", type=positive_int, default=256,
-                        help="reply limit of a request that sets no max_tokens")
+                        help="reply limit of a request that sets no max_tokens (default 256)")
     parser.add_argument("--prefill-chunk", type=positive_int, default=256,
-                        help="prompt tokens computed per step, so decoding clients are not stalled by a long prompt")
+                        help="prompt tokens computed per step, so decoding clients are not stalled by a long prompt "
+                             "(default 256)")
     parser.add_argument("--threads", type=positive_int, default=None,
-                        help="CPU threads of the reference engine (None: torch's default)")
-    parser.add_argument("--model-name", default=None, help="model id clients send (None: the engine folder's name)")
+                        help="CPU threads of the reference engine (default: torch's)")
+    parser.add_argument("--model-name", default=None, help="model id clients send (default: the engine folder's name)")
     return parser.parse_args(argv)
 
 

@@ -17,7 +17,7 @@ conversation when it fits the backend's ``Room``, else what the policy keeps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from cabinllm.runtime.errors import CapacityError, ConfigError, Fix, Hint
@@ -30,7 +30,9 @@ OVERFLOW_POLICIES = ("sink-window", "drop-turns", "error")
 class OverflowPolicy:
     """Which policy, and how full the budget is after evicting on a backend that appends turns."""
 
-    name: str = "sink-window"
+    name: str = field(default="sink-window", metadata={
+        "help": "when a turn does not fit the budget: keep the system prompt and the most recent tokens "
+                "(sink-window), drop the oldest turns (drop-turns), or refuse the turn (error)"})
     keep_fraction: float = 0.5
 
     def __post_init__(self) -> None:

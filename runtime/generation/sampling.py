@@ -13,13 +13,14 @@ MAX_SEED = 2**64 - 1  # the largest seed torch.Generator takes
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 means greedy."""
+    """How to pick tokens and when to stop. temperature 0 means greedy. Each field carries the description the
+    commands' flags show."""
 
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
+    max_new_tokens: int = field(default=128, metadata={"help": "longest reply in tokens"})
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature; 0 = greedy"})
+    top_k: int = field(default=0, metadata={"help": "sample from the k most likely tokens (0 = all)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling threshold, in (0, 1]"})
+    seed: int | None = field(default=None, metadata={"help": "random seed for sampling (none: a fresh one each run)"})
     stop_token_ids: list[int] = field(default_factory=list)
     stop_strings: list[str] = field(default_factory=list)
 

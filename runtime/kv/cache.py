@@ -8,7 +8,7 @@ session, the server's admission) asks the cache's capacity queries, never the bl
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -23,13 +23,19 @@ DEFAULT_TOKENS_PER_BLOCK = 32  # the reference engine's default; a target's prof
 
 @dataclass(frozen=True)
 class KvCacheConfig:
-    """The KV cache of one run; fields named as TensorRT-LLM's ``KvCacheConfig`` names them where it has them."""
+    """The KV cache of one run; fields named as TensorRT-LLM's ``KvCacheConfig`` names them where it has them, each
+    with the description the commands' flags show."""
 
-    kv_mode: str = "fp16"
-    max_bytes: int = 64 << 20  # the byte budget of the pool (TensorRT-LLM sizes it in max_tokens)
-    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
-    enable_block_reuse: bool = True
-    sink_token_length: int = 4  # tokens after the system prompt the sink window always keeps
+    kv_mode: str = field(default="fp16", metadata={
+        "help": "KV storage; static int8 modes use the engine's kv_scales.json"})
+    max_bytes: int = field(default=64 << 20, metadata={  # TensorRT-LLM sizes its pool in max_tokens instead
+        "help": "KV cache budget"})
+    tokens_per_block: int = field(default=DEFAULT_TOKENS_PER_BLOCK, metadata={
+        "help": "tokens per KV block, the unit of prefix reuse"})
+    enable_block_reuse: bool = field(default=True, metadata={
+        "help": "find blocks of a prefix computed before by their hash and share them"})
+    sink_token_length: int = field(default=4, metadata={
+        "help": "tokens after the system prompt the sink window always keeps"})
 
     def __post_init__(self) -> None:
         kv_mode(self.kv_mode)
