@@ -6,16 +6,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from cabinllm.calibration.calibrate import (
-    BUILTIN,
-    CALIBRATION_METHODS,
-    DEFAULTS,
-    CalibrationRequest,
-    calibrate,
-    describe_mix,
-    short_coverage_warning,
-    write_scales,
-)
+from cabinllm.calibration.calibrate import (BUILTIN, CALIBRATION_METHODS, DEFAULTS, CalibrationRequest, calibrate,
+                                            describe_mix, short_coverage_warning, write_scales)
 from cabinllm.calibration.clip_search import CANDIDATES, SEARCH_METHOD
 from cabinllm.calibration.clips import DEFAULT_PERCENTILE
 from cabinllm.calibration.report import write_calibration_report

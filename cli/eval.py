@@ -9,25 +9,11 @@ from pathlib import Path
 
 from cabinllm.calibration.calibrate import CalibrationRequest, calibrate
 from cabinllm.calibration.charts import plot_accuracy
-from cabinllm.calibration.evaluate import (
-    EVAL_MODES,
-    REFERENCE_MODE,
-    REFERENCE_WEIGHTS,
-    STATIC_MODES,
-    WEIGHTS_SEPARATOR,
-    ModeResult,
-    evaluate,
-    results_json,
-)
+from cabinllm.calibration.evaluate import (EVAL_MODES, REFERENCE_MODE, REFERENCE_WEIGHTS, STATIC_MODES,
+                                           WEIGHTS_SEPARATOR, ModeResult, evaluate, results_json)
 from cabinllm.calibration.selection import prepare_dialogues
-from cabinllm.calibration.weight_quant import (
-    DEFAULT_CALIB_DIALOGUES,
-    DEFAULT_CALIB_TOKENS,
-    EVAL_WEIGHTS,
-    RTN,
-    calibration_tokens,
-    eval_weights,
-)
+from cabinllm.calibration.weight_quant import (DEFAULT_CALIB_DIALOGUES, DEFAULT_CALIB_TOKENS, EVAL_WEIGHTS, RTN,
+                                               calibration_tokens, eval_weights)
 from cabinllm.cli.args import entry_point, int_range, non_negative_int, os_error_message, output_name, positive_int
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text

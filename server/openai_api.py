@@ -15,16 +15,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Callable, Literal, get_args
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    Field,
-    SerializerFunctionWrapHandler,
-    ValidationInfo,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from pydantic import (BaseModel, BeforeValidator, Field, SerializerFunctionWrapHandler, ValidationInfo, field_validator,
+                      model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
 from cabinllm.runtime.generation.sampling import MAX_SEED
