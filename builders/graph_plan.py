@@ -15,9 +15,10 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from cabinllm.builders.memory_model import activation_bytes, blocks_for, kv_bytes_per_token, weights_bytes
+from cabinllm.builders.memory_model import activation_bytes, kv_bytes_per_token, weights_bytes
 from cabinllm.builders.targets import GIB, Backend, Target
 from cabinllm.runtime.formats.checkpoint import ModelConfig
+from cabinllm.runtime.kv.blocks import cdiv
 
 ENGINE_PLACEHOLDER = "ENGINE_DIR"  # the engine folder cabin-build wrote, when the plan does not know it
 GRAPHS_PLACEHOLDER = "GRAPHS_DIR"
@@ -56,7 +57,7 @@ class GraphPlan:
 
     def chat_command(self, graphs: str = GRAPHS_PLACEHOLDER) -> str:
         """The cabin-chat command line that runs the graphs with this plan's cache budget."""
-        budget_mib = -(-self.cache_bytes // (1 << 20))
+        budget_mib = cdiv(self.cache_bytes, 1 << 20)
         return shlex.join(["cabin-chat", "--engine", graphs, "--backend", "onnxruntime", "--ort-provider",
                            self.provider, "--kv-cache", self.kv_cache, "--kv-budget-mb", str(budget_mib)])
 
@@ -79,7 +80,7 @@ def graph_plan(config: ModelConfig, target: Target, kv_dtype: str, context: int,
         context=context, chunk=chunk, kv_cache=kv_dtype, profile=target.npu.onnx_profile,
         provider=target.npu.ort_provider,
         kv_io_bytes=((_WINDOW_COPIES - 2) * context + chunk + 1) * per_token, window_bytes=context * per_token,
-        cache_bytes=blocks_for(context, tpb) * tpb * per_token,
+        cache_bytes=cdiv(context, tpb) * tpb * per_token,
         activation_bytes=prompt + activation_bytes(config, 1, context, 1, Backend.ONNX),
         npu_graph_bytes=npu_weight_bytes(config, weights) + (context + chunk) * per_token + prompt
         if target.npu.float16
@@ -114,7 +115,7 @@ def size_graphs(config: ModelConfig, target: Target, kv_dtype: str, budget: int,
 
     chunk = min(target.npu.default_chunk, model_context)
     while chunk >= 1:
-        low, high = -(-chunk // tpb), model_context // tpb  # windows in whole blocks, at least one chunk
+        low, high = cdiv(chunk, tpb), model_context // tpb  # windows in whole blocks, at least one chunk
         if low <= high and fits(graph_plan(config, target, kv_dtype, low * tpb, chunk, weights)):
             while low < high:
                 middle = (low + high + 1) // 2

@@ -13,13 +13,11 @@ import math
 
 from cabinllm.builders.targets import Backend
 from cabinllm.runtime.formats.checkpoint import ModelConfig, expected_shapes, linear_shapes
-from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS as FORMATS
 from cabinllm.runtime.formats.weight_formats import awq_group_size
 from cabinllm.runtime.formats.weight_formats import weight_format as weight_format_of
 from cabinllm.runtime.kv.modes import bytes_per_token
 from cabinllm.runtime.kv.storage import KVLayout
 
-WEIGHT_FORMATS = tuple(FORMATS)  # fp16, int8 (W8A16), int4-awq (W4A16_AWQ)
 _BYTES = {"fp32": 4, "fp16": 2}
 
 
@@ -50,11 +48,6 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tokens_per_block: int
     """KV cache bytes of one token, all layers, K and V (scales of int8-dynamic included)."""
     layout = KVLayout.of(config)
     return bytes_per_token(layout, kv_dtype, tokens_per_block)
-
-
-def blocks_for(tokens: int, tokens_per_block: int) -> int:
-    """KV blocks that hold ``tokens`` tokens."""
-    return -(-tokens // tokens_per_block)
 
 
 def activation_bytes(config: ModelConfig, num_tokens: int, context: int, batch: int, backend: Backend) -> int:

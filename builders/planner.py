@@ -15,12 +15,13 @@ from dataclasses import dataclass, field, replace
 
 from cabinllm.builders.dialogue_turns import TYPICAL_TURN, TurnTokens
 from cabinllm.builders.graph_plan import GraphPlan, graph_limit, npu_weight_bytes, size_graphs, tokens_held
-from cabinllm.builders.memory_model import (WEIGHT_FORMATS, activation_bytes, blocks_for, kv_bytes_per_token,
-                                            parameter_count, weights_bytes)
+from cabinllm.builders.memory_model import activation_bytes, kv_bytes_per_token, parameter_count, weights_bytes
 from cabinllm.builders.targets import GIB, Backend, Target, load_targets
 from cabinllm.builders.trtllm import EngineShape, build_args, flag_set
 from cabinllm.runtime.errors import PlanRefused
 from cabinllm.runtime.formats.checkpoint import ModelConfig
+from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
+from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.modes import kv_mode
 
@@ -218,7 +219,7 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
         return max_input, num_tokens, activation_bytes(config, num_tokens, seq, MAX_BATCH_SIZE, target.backend)
 
     def fits_in_budget(seq: int) -> bool:
-        return limits(seq)[2] + blocks_for(seq * MAX_BATCH_SIZE, tpb) * tpb * per_token <= budget
+        return limits(seq)[2] + cdiv(seq * MAX_BATCH_SIZE, tpb) * tpb * per_token <= budget
 
     if fits_in_budget(context):
         seq = context
@@ -230,7 +231,7 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
         seq = low * tpb
     max_input, num_tokens, activations = limits(seq)
     capacity = max(budget - activations, 0) // per_token
-    num_blocks = blocks_for(seq * MAX_BATCH_SIZE, tpb)
+    num_blocks = cdiv(seq * MAX_BATCH_SIZE, tpb)
     pool = num_blocks * tpb * per_token
     turns = max((seq - turn.system) // turn.per_turn, 0)
     fits = turns >= MIN_TURNS
@@ -260,7 +261,7 @@ def size_onnx(config: ModelConfig, target: Target, kv_dtype: str, budget: int, t
         activation_bytes=graphs.activation_bytes if graphs else 0,
         max_kv_tokens=tokens_held(graphs, budget, per_token) if graphs else 0, max_seq_len=seq,
         max_input_len=seq - min(REPLY_TOKENS, seq // 2), max_num_tokens=chunk, tokens_per_block=tpb,
-        num_blocks=blocks_for(seq, tpb), kv_pool_bytes=graphs.cache_bytes if graphs else 0,
+        num_blocks=cdiv(seq, tpb), kv_pool_bytes=graphs.cache_bytes if graphs else 0,
         memory_left_bytes=budget - (graphs.total_bytes if graphs else 0), est_turns=turns,
         prefill_tokens_per_turn=prefill_per_turn(turn, turns, tpb, True), trtllm_build_args=None, fits=fits,
         graphs=graphs if fits else None,
@@ -356,7 +357,8 @@ def onnx_warnings(plan: Plan) -> list[str]:
 
 
 def nearest_working(request: PlanRequest, config: ModelConfig, targets: dict[str, Target],
-                    weight_formats: tuple[str, ...] = WEIGHT_FORMATS, turn: TurnTokens = TYPICAL_TURN) -> Plan | None:
+                    weight_formats: tuple[str, ...] = tuple(WEIGHT_FORMATS),
+                    turn: TurnTokens = TYPICAL_TURN) -> Plan | None:
     """The closest plan that works: another KV dtype here, lighter weights here, then larger targets.
 
     ``weight_formats`` limits the weights tried.

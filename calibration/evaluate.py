@@ -31,6 +31,7 @@ from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.scales_file import KVScales, ScalesFile
 from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK
 from cabinllm.runtime.kv.modes import KV_MODES, KVMode, kv_mode
 from cabinllm.runtime.kv.storage import KVLayout
@@ -159,7 +160,7 @@ def stored_bytes_per_token(layout: KVLayout, mode: KVMode, tokens: int) -> int:
     """Bytes per token of a sequence of ``tokens`` tokens, scales and what the mode reserves (int4's fp16
     window) included."""
     tpb = DEFAULT_TOKENS_PER_BLOCK
-    return -(-(mode.bytes_per_token(layout, tpb) * tokens + mode.reserved_bytes(layout, tpb)) // tokens)
+    return cdiv(mode.bytes_per_token(layout, tpb) * tokens + mode.reserved_bytes(layout, tpb), tokens)
 
 
 def _bucket_sums() -> torch.Tensor:

@@ -7,11 +7,11 @@ import sys
 from typing import Callable
 
 from cabinllm.builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER, GraphPlan
-from cabinllm.builders.memory_model import WEIGHT_FORMATS
 from cabinllm.builders.planner import MIB, KVPlan, Plan, PlanRequest, working_plan
 from cabinllm.builders.targets import GIB, Backend, get_target
 from cabinllm.cli.args import entry_point, os_error_message, output_name, reserve_gib
 from cabinllm.runtime.errors import CabinError, PlanRefused
+from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
 from cabinllm.runtime.sources.model_source import load_model_config
 
 
@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "orin-nano-8gb, or an NPU target such as sa8775p-36gb")
     parser.add_argument("--reserve-gb", type=reserve_gib, help="GiB held for co-resident models (ASR, TTS, vision); "
                         "default: the profile's")
-    parser.add_argument("--weights", default="fp16", choices=WEIGHT_FORMATS, help="weight storage (default fp16)")
+    parser.add_argument("--weights", default="fp16", choices=tuple(WEIGHT_FORMATS), help="weight storage (default fp16)")
     parser.add_argument("--kv-cache", help="plan one KV dtype only (refused when the target cannot run it); default: "
                         "every KV dtype the target takes")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")

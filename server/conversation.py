@@ -7,6 +7,7 @@ overflow policy (cabinllm.runtime.dialogue.overflow), the same policies a dialog
 from __future__ import annotations
 
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, plan_turn
+from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 
@@ -17,5 +18,5 @@ def plan_prompt(tokenizer: ChatTokenizer, messages: list[dict], max_new_tokens: 
     ``capacity`` is what one sequence may hold in tokens, its reply included; CapacityError when the
     policy cannot make the conversation fit (always under ``error`` once it does not fit).
     """
-    room = Room(capacity, lambda n: -(-n // tokens_per_block) * tokens_per_block <= capacity, appends_turns=False)
+    room = Room(capacity, lambda n: cdiv(n, tokens_per_block) * tokens_per_block <= capacity, appends_turns=False)
     return plan_turn(tokenizer, messages, room, policy, sink_tokens, max_new_tokens)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from cabinllm.builders.memory_model import WEIGHT_FORMATS, parameter_count, weights_bytes
+from cabinllm.builders.memory_model import parameter_count, weights_bytes
 from cabinllm.cli import build as build_cli
 from cabinllm.cli import export as export_cli
 from cabinllm.cli import plan as plan_cli
@@ -22,6 +22,7 @@ from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
+from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
 from cabinllm.runtime.generation.generate import run_tokens
 
 WORDS = "navigate to the nearest charging station play some jazz".split()

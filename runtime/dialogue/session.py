@@ -18,7 +18,7 @@ from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import CapacityError, OutOfBlocks, SessionFileError, join_hints
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.sampling import SamplingParams
-from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
 
 
@@ -158,7 +158,7 @@ class DialogueSession:
         context = self.engine.config.max_position_embeddings
         capacity = self.cache.capacity(self.seq)
         tpb = self.cache.tokens_per_block
-        return Room(min(capacity, context), lambda n: n <= context and -(-n // tpb) * tpb <= capacity,
+        return Room(min(capacity, context), lambda n: n <= context and cdiv(n, tpb) * tpb <= capacity,
                     appends_turns=True)
 
     def _fits_append(self, new: int) -> bool:

@@ -56,7 +56,8 @@ def _chain_hash(prev: bytes, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the blocks of ``b`` tokens that ``a`` tokens take."""
     return -(-a // b)
 
 
@@ -88,7 +89,7 @@ class BlockManager:
         bs = self.block_size
         hashes = self._full_block_hashes(b"", token_ids, 0)
         hits = self._prefix_hits(hashes, len(token_ids))
-        num_new = _cdiv(len(token_ids), bs) - len(hits)
+        num_new = cdiv(len(token_ids), bs) - len(hits)
         available = self.num_free_blocks() - sum(self._blocks[b].ref_count == 0 for b in hits)
         self._check_available(num_new, available)
         for block_id in hits:
@@ -113,7 +114,7 @@ class BlockManager:
         self._check_available(self.blocks_needed(seq, len(token_ids)), self.num_free_blocks())
         bs = self.block_size
         seq.token_ids.extend(token_ids)
-        while len(seq.block_table) < _cdiv(len(seq.token_ids), bs):
+        while len(seq.block_table) < cdiv(len(seq.token_ids), bs):
             seq.block_table.append(self._take_block())
         prev = seq.hashes[-1] if seq.hashes else b""
         new_hashes = self._full_block_hashes(prev, seq.token_ids, len(seq.hashes))
@@ -142,7 +143,7 @@ class BlockManager:
         """For a new sequence of ``token_ids`` that may grow by ``reserve_tokens``: the free or evictable blocks
         it would take (new blocks plus reused cached ones that leave the LRU) and the tokens reused."""
         hits = self._prefix_hits(self._full_block_hashes(b"", token_ids, 0), len(token_ids))
-        new = _cdiv(len(token_ids) + reserve_tokens, self.block_size) - len(hits)
+        new = cdiv(len(token_ids) + reserve_tokens, self.block_size) - len(hits)
         return new + sum(self._blocks[b].ref_count == 0 for b in hits), len(hits) * self.block_size
 
     def num_free_blocks(self) -> int:
@@ -154,9 +155,9 @@ class BlockManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if not seq:
-            return _cdiv(num_new_tokens, self.block_size)
+            return cdiv(num_new_tokens, self.block_size)
         n = len(seq.token_ids)
-        return _cdiv(n + num_new_tokens, self.block_size) - _cdiv(n, self.block_size)
+        return cdiv(n + num_new_tokens, self.block_size) - cdiv(n, self.block_size)
 
     def stats(self) -> BlockStats:
         """Current block counts."""
@@ -167,7 +168,7 @@ class BlockManager:
         """Assert the internal bookkeeping is consistent (for tests and debugging)."""
         refs = [0] * self.num_blocks
         for seq in self._seqs:
-            assert len(seq.block_table) == _cdiv(len(seq.token_ids), self.block_size)
+            assert len(seq.block_table) == cdiv(len(seq.token_ids), self.block_size)
             assert len(seq.hashes) == len(seq.token_ids) // self.block_size
             assert len(set(seq.block_table)) == len(seq.block_table)
             for block_id in seq.block_table:

@@ -14,7 +14,7 @@ import torch
 
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.scales_file import KVScales
-from cabinllm.runtime.kv.blocks import BlockManager, Sequence
+from cabinllm.runtime.kv.blocks import BlockManager, Sequence, cdiv
 from cabinllm.runtime.kv.modes import KVMode, kv_mode
 from cabinllm.runtime.kv.storage import KVLayout
 
@@ -65,7 +65,7 @@ def sized_config(layout: KVLayout, kv_mode_name: str, tokens: int,
                  tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK) -> KvCacheConfig:
     """A config whose budget holds one sequence of ``tokens`` tokens, and nothing more."""
     mode = kv_mode(kv_mode_name)
-    blocks = -(-tokens // tokens_per_block)
+    blocks = cdiv(tokens, tokens_per_block)
     budget = mode.bytes_per_token(layout, tokens_per_block) * tokens_per_block * blocks
     return KvCacheConfig(kv_mode_name, budget + mode.reserved_bytes(layout, tokens_per_block), tokens_per_block)
 

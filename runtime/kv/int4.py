@@ -28,7 +28,7 @@ import torch
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kernels.bindings import StoredKV, int4_dequantize, native_kernels_enabled
-from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.runtime.kv.memory import committed_zeros
 from cabinllm.runtime.kv.storage import Fp16KV, KVLayout, KVStorage
 
@@ -89,7 +89,7 @@ def check_head_size(layout: KVLayout) -> None:
 
 def buffers_per_sequence(tokens_per_block: int, window: int) -> int:
     """fp16 block buffers one sequence can hold: the blocks its window touches plus a partial one."""
-    return -(-window // tokens_per_block) + 1
+    return cdiv(window, tokens_per_block) + 1
 
 
 class Int4KV(KVStorage):
@@ -132,7 +132,7 @@ class Int4KV(KVStorage):
         block_bytes = (tokens_per_block * channels  # K and V codes, half a byte each
                        + channels * _META_BYTES  # key groups: one per channel per block
                        + tokens_per_block * channels // VALUE_GROUP * _META_BYTES)  # value groups
-        return -(-block_bytes * layout.num_layers // tokens_per_block)
+        return cdiv(block_bytes * layout.num_layers, tokens_per_block)
 
     @classmethod
     def reserved_bytes(cls, layout: KVLayout, tokens_per_block: int, window: int = INT4_WINDOW) -> int:
