@@ -8,10 +8,10 @@ import io
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
+from test_cli_errors import run_cli
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from cabinllm.builders.memory_model import parameter_count, weights_bytes
@@ -68,16 +68,6 @@ def write_hf_folder(folder: Path, family: str, seed: int, **overrides: object) -
             param.copy_(torch.randn(param.shape, generator=gen) * 0.2 + (1.0 if "norm" in name else 0.0))
     model.save_pretrained(folder)
     return model
-
-
-def run_cli(main: Callable[[list[str]], int], argv: list[str], capsys) -> tuple[int, str, str]:
-    """Exit code, stdout and stderr of a CLI's ``main``."""
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
