@@ -5,6 +5,7 @@ keeps the budget under every overflow policy; over the INT8 codes the reference 
 the reference does, within float rounding; the npu profile's graphs are strict, static and on the allow-list;
 bad input is one clear error."""
 import json
+import sys
 import random
 import shutil
 
@@ -215,6 +216,16 @@ def test_cabin_chat_on_the_onnxruntime_backend(exports, tmp_path, capsys):
     assert chat_main(base + ["--backend", "onnxruntime", "--ort-provider", "qnn"]) == 2
     assert "no QNNExecutionProvider" in capsys.readouterr().err
 
+
+
+def test_graphs_without_onnxruntime_installed_are_one_error_naming_the_install(exports, tmp_path, capsys,
+                                                                              monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime raises ModuleNotFoundError
+    script = tmp_path / "d.jsonl"
+    script.write_text(json.dumps({"role": "user", "content": SCRIPT[0]}), encoding="utf-8")
+    assert chat_main(["--engine", str(exports["int8"]), "--script", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "needs onnxruntime, which is not installed" in err and "pip install" in err and "Traceback" not in err
 
 def test_a_session_saved_on_the_reference_continues_on_the_onnx_backend(tiny_engine, exports, tmp_path):
     reference = session(tiny_engine, "int8")

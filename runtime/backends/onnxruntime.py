@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CheckpointError, ConfigError
+from cabinllm.runtime.errors import CheckpointError, ConfigError, MissingDependency
 from cabinllm.runtime.formats.onnx_folder import (EXPORT_AGAIN, MASKED, PROMPT_GRAPH, TOKEN_GRAPH, OnnxFolder, new_key,
                                                   new_value, past_key, past_value)
 from cabinllm.runtime.kv.blocks import Sequence
@@ -159,8 +159,8 @@ def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threa
     try:
         import onnxruntime as ort
     except ModuleNotFoundError as err:
-        raise CheckpointError(f"{folder.path}: running ONNX graphs needs onnxruntime, which is not installed; "
-                              "pip install 'cabinllm[onnx]'") from err
+        raise MissingDependency(f"{folder.path}: running ONNX graphs needs onnxruntime, which is not installed; "
+                                "pip install 'cabinllm[onnx]'") from err
     if provider not in ORT_PROVIDERS:
         raise ConfigError(f"unknown ONNX Runtime provider {provider!r}; choose one of {', '.join(ORT_PROVIDERS)}")
     available = ort.get_available_providers()
