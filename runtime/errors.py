@@ -2,9 +2,9 @@
 
 A kind says what went wrong (a checkpoint, a scales file, a session file, the KV capacity, ...); its
 message names the problem and the fix. Where the fix is a choice the user makes in a front end (a
-flag, a command, an API field), the error also carries structured ``hints`` (``Hint``: a ``Fix`` and
-a detail) that each front end words in its own terms: the command line names flags and ``/reset``,
-the server names neither. Commands catch ``CabinError`` only, so any other exception is a bug, shown
+flag, a command, an API field), the library states it as structured hints (``Hint``: a ``Fix`` and a
+detail; e.g. ``runtime.dialogue.overflow.capacity_message``) that each front end words in its own terms:
+the command line names flags and ``/reset``, the server names neither. Commands catch ``CabinError`` only, so any other exception is a bug, shown
 as one line that asks for a report. Each kind keeps the builtin base it always had (``ValueError``
 for bad input, ``RuntimeError`` for a state that cannot go on), so callers that catch those still do.
 """
@@ -44,10 +44,6 @@ def join_hints(hints: tuple[Hint, ...] | list[Hint], phrases: dict[Fix, str] | N
 
 class CabinError(Exception):
     """An error the user can act on; the message names the problem and the fix."""
-
-    def __init__(self, message: str, hints: tuple[Hint, ...] = ()) -> None:
-        super().__init__(message)
-        self.hints = hints
 
 
 class ConfigError(CabinError, ValueError):

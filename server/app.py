@@ -25,9 +25,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_hints
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_message
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CapacityError, Fix, QueueFull, join_hints
+from cabinllm.runtime.errors import CapacityError, Fix, QueueFull
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.server.conversation import plan_prompt
 from cabinllm.server.openai_api import (ApiError, ChatCompletion, ChatCompletionRequest, ChoiceDelta, ErrorResponse,
@@ -220,8 +220,8 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
         plan = plan_prompt(engine.tokenizer, messages, max_tokens, capacity, scheduler.cache.tokens_per_block,
                            config.overflow, scheduler.cache.config.sink_token_length)
     except CapacityError as err:
-        hint = join_hints(capacity_hints(config.overflow, max_tokens, capacity), SERVER_PHRASES)
-        raise ApiError(400, f"{err}; {hint}", param="messages", code="context_length_exceeded") from err
+        raise ApiError(400, capacity_message(err, config.overflow, max_tokens, capacity, SERVER_PHRASES),
+                       param="messages", code="context_length_exceeded") from err
     except ValueError as err:  # the chat template refused the messages
         raise ApiError(400, str(err), param="messages") from err
     params = SamplingParams(max_new_tokens=max_tokens, temperature=chat.temperature, top_p=chat.top_p,

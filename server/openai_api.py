@@ -263,7 +263,15 @@ def _zero(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
-Penalty = Annotated[float, Field(ge=-2, le=2), _number(-2.0, 2.0), _unapplied(_zero, "a sampling penalty")]
+def _penalty(value: Any) -> float:
+    """A penalty is a number from -2 to 2 (OpenAI's range); this server applies none, so only 0 is taken."""
+    penalty = _in_range(value, -2.0, 2.0)
+    if penalty != 0:
+        raise _refuse(f"{_shown(value)} asks for a sampling penalty, which this server does not do; leave it out")
+    return penalty
+
+
+Penalty = Annotated[float, Field(ge=-2, le=2), BeforeValidator(_penalty)]
 
 
 class ChatCompletionRequest(_RequestObject):

@@ -68,6 +68,8 @@ BAD = [
     ({"messages": PLAY, "stream_options": {"include_usage": 1}}, "stream_options.include_usage",
      "stream_options.include_usage must be true or false, got 1"),
     ({"messages": PLAY, "n": 2}, "n", "n must be 1 (one choice per request), got 2"),
+    ({"messages": PLAY, "frequency_penalty": "hot"}, "frequency_penalty",
+     'frequency_penalty must be a number from -2 to 2, got "hot"'),
     ({"messages": PLAY, "top_p": 0}, "top_p", "top_p must be > 0 and <= 1, got 0"),
     ({"messages": PLAY, "stop": ["a"] * 5}, "stop", "stop must be a non-empty string or a list of at most 4 of them"),
     ({"model": "tiny"}, "messages", "messages must be a non-empty list of {role, content} objects"),

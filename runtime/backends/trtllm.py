@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Callable
 
 from cabinllm.runtime.dialogue.interface import TurnStats
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_hints, plan_turn
-from cabinllm.runtime.errors import CapacityError, CheckpointError, SessionFileError, join_hints
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
+from cabinllm.runtime.errors import CapacityError, CheckpointError, SessionFileError
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.generation.stops import ReplyStream
@@ -154,12 +154,12 @@ class TrtllmSession:
         try:
             plan = self._plan(self.messages + [{"role": "user", "content": user_text}])
         except CapacityError as err:
-            hint = join_hints(capacity_hints(self.overflow, self.params.max_new_tokens, self.capacity))
-            if self.limits and self.capacity < self.settings.max_tokens_in_paged_kv_cache:  # the engine's limits bind
-                hint += (f" (the engine takes prompts of at most {self.capacity - self.params.max_new_tokens} tokens: "
+            message = capacity_message(err, self.overflow, self.params.max_new_tokens, self.capacity)
+            if self.capacity < self.settings.max_tokens_in_paged_kv_cache:  # the engine's limits bind
+                message += (f" (the engine takes prompts of at most {self.capacity - self.params.max_new_tokens} tokens: "
                          f"max_input_len {self.limits.max_input_len}, max_seq_len {self.limits.max_seq_len} less "
                          f"{self.params.max_new_tokens} for the reply)")
-            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, f"{err}; {hint}")
+            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, message)
         ids = plan.feed
         stop_ids = self.params.stop_token_ids
         reply = ReplyStream(self.params, self.tokenizer.decode_reply, on_text)

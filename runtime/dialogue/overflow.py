@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cabinllm.runtime.errors import CapacityError, ConfigError, Fix, Hint
+from cabinllm.runtime.errors import CapacityError, ConfigError, Fix, Hint, join_hints
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 OVERFLOW_POLICIES = ("sink-window", "drop-turns", "error")
@@ -89,6 +89,12 @@ def system_tokens(tokenizer: ChatTokenizer, messages: list[dict]) -> int:
     if not messages or messages[0]["role"] != "system":
         return 0
     return len(tokenizer.encode_prompt(tokenizer.render(messages[:1], add_generation_prompt=False)))
+
+
+def capacity_message(err: CapacityError, policy: OverflowPolicy, max_new_tokens: int, capacity: int,
+                     phrases: dict[Fix, str] | None = None) -> str:
+    """A refused turn's message: what did not fit and what the user can do, in a front end's ``phrases``."""
+    return f"{err}; {join_hints(capacity_hints(policy, max_new_tokens, capacity), phrases)}"
 
 
 def capacity_hints(policy: OverflowPolicy, max_new_tokens: int, capacity: int) -> tuple[Hint, ...]:

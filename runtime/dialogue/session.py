@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Callable
 
 from cabinllm.runtime.dialogue.interface import TurnStats
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_hints, plan_turn
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
 from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file, within_memory, write_session_file
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CapacityError, OutOfBlocks, SessionFileError, join_hints
+from cabinllm.runtime.errors import CapacityError, OutOfBlocks, SessionFileError
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence, cdiv
@@ -54,8 +54,8 @@ class DialogueSession:
             result = generate(self.engine.model, self.cache, self.seq, plan.feed, self.params,
                               self.engine.tokenizer.decode_reply, on_text, should_stop)
         except CapacityError as err:
-            hint = join_hints(capacity_hints(self.overflow, self.params.max_new_tokens, self._room().capacity))
-            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, f"{err}; {hint}")
+            message = capacity_message(err, self.overflow, self.params.max_new_tokens, self._room().capacity)
+            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, message)
         self.messages = plan.messages + [{"role": "assistant", "content": result.text}]
         self.pending = result.token_ids[-1:]
         self.transcript = plan.prompt + self.engine.tokenizer.decode(result.token_ids)
