@@ -16,8 +16,11 @@ from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.errors import CabinError, ConfigError, SessionFileError
 from cabinllm.runtime.formats.chat_script import read_script, text_problem
 from cabinllm.runtime.formats.engine_folder import EngineFolder
+from cabinllm.runtime.model.tools import Tool, read_tools
 
 HELP_COMMANDS = "commands: /reset (new conversation), /stats (KV memory), /save FILE, /quit; Ctrl-C stops a reply"
+TOOLS_HELP = "; /tool RESULT answers the reply's call"
+BUILTIN_TOOLS = Path(__file__).parent / "data" / "vehicle_functions.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,15 +40,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ort-provider", choices=tuple(ORT_PROVIDERS), default="cpu",
                         help="ONNX Runtime execution provider of --backend onnxruntime (default cpu)")
     parser.add_argument("--restore", type=Path, help="continue a session saved with /save (default: a new one)")
+    parser.add_argument("--tools", help="functions the replies may call: 'builtin' (the car's climate, seats, windows, "
+                        "lights, media, navigation and charging) or a JSON file of OpenAI tool definitions; each call "
+                        "is printed and answered by a script's tool line or /tool RESULT (default: none)")
+    parser.add_argument("--tool-choice", default="auto",
+                        help="with --tools: auto (call or answer), required (always call), none, or one function's "
+                             "name (default auto); replies are constrained to valid calls by a grammar")
     add_sampling_flags(parser)
     return parser.parse_args(argv)
+
+
+def chat_tools(args: argparse.Namespace) -> tuple[Tool, ...]:
+    """The tools of --tools, --tool-choice checked against them."""
+    if not args.tools:
+        if args.tool_choice != "auto":
+            raise ConfigError("--tool-choice needs --tools: name the functions the replies may call")
+        return ()
+    tools = read_tools(BUILTIN_TOOLS if args.tools == "builtin" else args.tools)
+    names = [tool.name for tool in tools]
+    if args.tool_choice not in ("auto", "required", "none", *names):
+        raise ConfigError(f"--tool-choice {args.tool_choice!r}: choose auto, required, none or one of the tools: "
+                          f"{', '.join(names)}")
+    return tuple(tools)
 
 
 def session_request(args: argparse.Namespace, system: str | None) -> SessionRequest:
     """The session cabin-chat's flags ask for."""
     return SessionRequest(args.engine, kv_budget_bytes(args.kv_budget_mb), sampling_params(args), system,
                           OverflowPolicy(args.overflow), args.kv_cache, args.tokens_per_block, args.backend,
-                          args.ort_provider, args.restore)
+                          args.ort_provider, args.restore, chat_tools(args), args.tool_choice)
 
 
 def open_chat_session(args: argparse.Namespace, system: str | None) -> Session:
@@ -65,14 +88,45 @@ def format_stats(stats: TurnStats) -> str:
             f"({stats.kv_bytes_per_token} B/token)")
 
 
-def run_script(session: Session, turns: list[str], as_json: bool) -> None:
-    """Play user turns from a script and print each reply."""
-    for text in turns:
-        stats = session.chat(text)
+def format_calls(stats: TurnStats) -> str:
+    """The reply's calls, one line each."""
+    return "\n".join(f"call {c['id']}: {c['function']['name']}({c['function']['arguments']})" for c in stats.tool_calls)
+
+
+class CallsToAnswer:
+    """The calls of the last reply that no tool result has answered yet."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def after(self, stats: TurnStats) -> None:
+        """Note the calls a reply made."""
+        self.ids = [call["id"] for call in stats.tool_calls]
+
+    def result(self, message: dict) -> dict:
+        """A tool message answering the next call (its tool_call_id filled in); ConfigError when none is open."""
+        if not self.ids:
+            raise ConfigError("a tool result answers a call, and the reply before it made none")
+        return {**message, "tool_call_id": message.get("tool_call_id") or self.ids.pop(0)}
+
+
+def run_script(session: Session, turns: list[dict], as_json: bool) -> None:
+    """Play user turns (and tool results) from a script and print each reply."""
+    calls = CallsToAnswer()
+    for number, message in enumerate(turns, start=1):
+        if message["role"] == "tool":
+            try:
+                message = calls.result(message)
+            except ConfigError as err:
+                print(f"  error: message {number} of the script: {err}; it was not sent", flush=True)
+                continue
+        stats = session.chat(message)
+        calls.after(stats)
         if as_json:
             print(json.dumps(stats.to_dict(), ensure_ascii=False), flush=True)
         else:
-            print(f"user> {text}\nassistant> {stats.reply}\n  {format_stats(stats)}", flush=True)
+            reply = format_calls(stats) if stats.tool_calls else stats.reply
+            print(f"{message['role']}> {message['content']}\nassistant> {reply}\n  {format_stats(stats)}", flush=True)
             if stats.error:
                 print(f"  error: {stats.error}", flush=True)
     if not as_json:
@@ -104,9 +158,9 @@ def run_command(session: Session, command: str, argument: str) -> str:
     return f"unknown command {command}; {HELP_COMMANDS}"
 
 
-def chat_turn(session: Session, text: str) -> None:
+def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer) -> None:
     """Stream the reply to one message; Ctrl-C stops it and keeps the session."""
-    problem = text_problem(text)
+    problem = text_problem(text if isinstance(text, str) else text["content"])
     if problem:
         print(f"  error: the message {problem}")
         return
@@ -123,6 +177,9 @@ def chat_turn(session: Session, text: str) -> None:
                              should_stop=lambda: interrupted)
     finally:
         signal.signal(signal.SIGINT, previous)
+    calls.after(stats)
+    if stats.tool_calls:
+        print(f"\n{format_calls(stats)}", end="")
     print(f"\n  {format_stats(stats)}")
     if stats.error:
         print(f"  error: {stats.error}")
@@ -131,7 +188,12 @@ def chat_turn(session: Session, text: str) -> None:
 def run_interactive(session: Session) -> None:
     """A terminal chat with streaming replies; a command or turn that fails is one line and the session is kept."""
     system = session.messages[0]["content"] if session.messages and session.messages[0]["role"] == "system" else None
-    print(f"cabin-chat: {session.describe_kv()}\nsystem prompt: {system or '(none)'}\n{HELP_COMMANDS}")
+    calls = CallsToAnswer()
+    tools = session.tools
+    print(f"cabin-chat: {session.describe_kv()}\nsystem prompt: {system or '(none)'}\n{HELP_COMMANDS}"
+          f"{TOOLS_HELP if tools else ''}")
+    if tools:
+        print(f"tools: {', '.join(tool.name for tool in tools)}")
     while True:
         try:
             text = input("you> ").strip()
@@ -147,10 +209,14 @@ def run_interactive(session: Session) -> None:
         if not text:
             continue
         try:
-            if command.startswith("/"):
+            if command == "/tool" and not argument.strip():
+                print("usage: /tool RESULT (the result of the reply's call, e.g. {\"ok\": true})")
+            elif command == "/tool":
+                chat_turn(session, calls.result({"role": "tool", "content": argument.strip()}), calls)
+            elif command.startswith("/"):
                 print(run_command(session, command, argument.strip()))
             else:
-                chat_turn(session, text)
+                chat_turn(session, text, calls)
         except Exception as err:  # one failed command or turn never ends the chat
             print(f"\n  error: {str(err) or type(err).__name__} (the conversation is kept)", flush=True)
 

@@ -3,6 +3,7 @@ tokenizer, KV scales), or any backend's model (``ForwardModel``) with its tokeni
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from cabinllm.runtime.errors import CheckpointError
@@ -11,6 +12,7 @@ from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, SCALES_FILE, E
 from cabinllm.runtime.formats.onnx_folder import ONNX_FORMAT
 from cabinllm.runtime.formats.scales_file import KVScales, load_scales
 from cabinllm.runtime.generation.generate import ForwardModel
+from cabinllm.runtime.generation.grammar import Vocabulary
 from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
 from cabinllm.runtime.kv.modes import KV_MODES
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
@@ -64,6 +66,11 @@ class Engine:
         """The KV mode the engine was built for (fp16 where the reference engine has no such storage, e.g. fp8)."""
         mode = KV_MODES.get(built_kv_mode(self.manifest))
         return mode.name if mode is not None and mode.reference else "fp16"
+
+    @cached_property
+    def vocabulary(self) -> Vocabulary:
+        """The model's tokens for constrained decoding (built on first use)."""
+        return Vocabulary(self.tokenizer.to_json(), self.config.vocab_size, self.stop_token_ids())
 
     def stop_token_ids(self) -> list[int]:
         """Every id that ends an assistant turn."""

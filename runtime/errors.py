@@ -79,6 +79,10 @@ class DataError(CabinError, ValueError):
     """Dialogue data is missing, unreadable or too small for the request; the message says what to do."""
 
 
+class GrammarError(CabinError, ValueError):
+    """A grammar, JSON schema or tool definition that cannot constrain decoding; the message names the part."""
+
+
 class CapacityError(CabinError, RuntimeError):
     """The tokens to prefill do not fit the KV budget or the model's context."""
 

@@ -27,12 +27,14 @@ from prometheus_client.registry import Collector
 
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_message
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CapacityError, Fix, QueueFull
+from cabinllm.runtime.errors import CapacityError, Fix, GrammarError, QueueFull
+from cabinllm.runtime.generation.grammar import GrammarState, json_schema_grammar, reply_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.model.tools import Tool, ToolCall
 from cabinllm.server.conversation import plan_prompt
 from cabinllm.server.openai_api import (ApiError, ChatCompletion, ChatCompletionRequest, ChoiceDelta, ErrorResponse,
-                                        Usage, check_body, chunk, completion, is_json, request_error, usage,
-                                        usage_chunk)
+                                        Usage, call_deltas, check_body, chunk, completion, is_json, reply_message,
+                                        request_error, usage, usage_chunk)
 from cabinllm.server.scheduler import Request, Scheduler
 
 RETRY_AFTER_S = 1  # what a client told to come back later waits
@@ -191,8 +193,9 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> Fas
         if first[1] and request.finish_reason == "cancelled":
             raise ApiError(503, "the server is shutting down; retry on its next start", kind="server_error",
                            code="server_stopping", retry_after_s=RETRY_AFTER_S)
+        reply = Reply(chat, engine)
         if chat.stream:
-            return StreamingResponse(_stream(request, outputs, first, request_id, config.model_name, chat),
+            return StreamingResponse(_stream(request, outputs, first, request_id, config.model_name, chat, reply),
                                      media_type="text/event-stream")
         finished = first[1]
         while not finished:
@@ -201,7 +204,9 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> Fas
             _, finished = await outputs.get()
         if request.finish_reason == "error":
             raise _internal_error(request)
-        return completion(request_id, config.model_name, request.text, request.finish_reason, _usage(request))
+        calls = reply.calls(request.text)
+        return completion(request_id, config.model_name, reply_message(request.text, calls),
+                          reply.finish_reason(request, calls), _usage(request))
 
     app.include_router(chat_routes)
     return app
@@ -215,10 +220,12 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
     if max_tokens >= capacity:
         raise ApiError(400, f"max_tokens {max_tokens} leaves no room for the prompt: one conversation holds "
                             f"{capacity} tokens here; ask for fewer", param="max_tokens")
-    messages = [message.model_dump() for message in chat.messages]
+    messages = [message.to_message() for message in chat.messages]
+    tools = [tool.to_tool() for tool in chat.tools or []]
+    grammar = _grammar(engine, chat, tools)
     try:
-        plan = plan_prompt(engine.tokenizer, messages, max_tokens, capacity, scheduler.cache.tokens_per_block,
-                           config.overflow, scheduler.cache.config.sink_token_length)
+        plan = plan_prompt(engine.tokenizer.with_tools(tools), messages, max_tokens, capacity,
+                           scheduler.cache.tokens_per_block, config.overflow, scheduler.cache.config.sink_token_length)
     except CapacityError as err:
         raise ApiError(400, capacity_message(err, config.overflow, max_tokens, capacity, SERVER_PHRASES),
                        param="messages", code="context_length_exceeded") from err
@@ -234,7 +241,7 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
         except RuntimeError:  # the event loop is gone: nobody waits for this output any more
             pass
 
-    request = Request(plan.feed, params, on_output)
+    request = Request(plan.feed, params, on_output, grammar=grammar)
     try:
         scheduler.submit(request)
     except QueueFull as err:
@@ -243,14 +250,60 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
     return request, outputs
 
 
+def _grammar(engine: Engine, chat: ChatCompletionRequest, tools: list[Tool]) -> GrammarState | None:
+    """The grammar the reply follows (``tools`` and ``response_format``); a 400 naming the schema it cannot use."""
+    schema = chat.response_format.schema if chat.response_format else None
+    try:
+        for i, tool in enumerate(tools):
+            param = f"tools[{i}].function.parameters"
+            engine.vocabulary.check(json_schema_grammar(tool.parameters))
+        param = "response_format.json_schema.schema"
+        if schema is not None:
+            engine.vocabulary.check(json_schema_grammar(schema))
+        param = "tools"
+        grammar = reply_grammar(engine.tokenizer.tool_format, tools, chat.tool_mode, chat.parallel_tool_calls, schema)
+        return engine.vocabulary.start(grammar) if grammar else None
+    except GrammarError as err:
+        raise ApiError(400, f"{param} {err}", param=param) from err
+
+
+class Reply:
+    """How a request's reply reads back: text, or calls of its tools in the model's tool format."""
+
+    def __init__(self, chat: ChatCompletionRequest, engine: Engine) -> None:
+        self.tool_format = engine.tokenizer.tool_format
+        self.may_call = chat.tool_mode != "none"
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        """The calls the reply made (None: it is text)."""
+        return self.tool_format.read_calls(text) if self.may_call else None
+
+    def finish_reason(self, request: Request, calls: list[ToolCall] | None) -> str:
+        """OpenAI's reason: tool_calls for a reply that ended by calling."""
+        return "tool_calls" if calls and request.finish_reason == "stop" else request.finish_reason
+
+    def is_call(self, text: str) -> bool | None:
+        """Whether a reply beginning with ``text`` is calls (None: cannot tell yet)."""
+        opener = self.tool_format.opener
+        if not self.may_call or not (text.startswith(opener) or opener.startswith(text)):
+            return False
+        return True if text.startswith(opener) else None
+
+
 async def _stream(request: Request, outputs: asyncio.Queue, first: tuple[str, bool], request_id: str, model: str,
-                  chat: ChatCompletionRequest) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format; the request is cancelled if the client goes away."""
+                  chat: ChatCompletionRequest, reply: Reply) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format; the request is cancelled if the client goes away. Text that
+    may begin a call is held back until it is clear; calls are sent whole once the reply ends."""
     try:
         yield chunk(request_id, model, ChoiceDelta(role="assistant", content=""))
         piece, finished = first
+        held, is_call = "", None
         while True:
-            if piece:
+            if is_call is None:
+                held += piece
+                is_call = reply.is_call(held) if held else None
+                piece = held if is_call is False else ""
+            if piece and not is_call:
                 yield chunk(request_id, model, ChoiceDelta(content=piece))
             if finished:
                 break
@@ -258,7 +311,13 @@ async def _stream(request: Request, outputs: asyncio.Queue, first: tuple[str, bo
         if request.finish_reason == "error":
             yield f"data: {json.dumps(_internal_error(request).body())}\n\n"
             return
-        yield chunk(request_id, model, ChoiceDelta(), request.finish_reason)
+        calls = reply.calls(request.text)
+        if calls:
+            for delta in call_deltas(calls):
+                yield chunk(request_id, model, delta)
+        elif is_call is not False and request.text:  # held back, and no whole call after all
+            yield chunk(request_id, model, ChoiceDelta(content=request.text))
+        yield chunk(request_id, model, ChoiceDelta(), reply.finish_reason(request, calls))
         if chat.include_usage:
             yield usage_chunk(request_id, model, _usage(request))
         yield "data: [DONE]\n\n"

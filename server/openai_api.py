@@ -3,9 +3,10 @@
 The models mirror OpenAI's (``openai.types.chat``); FastAPI validates each request against
 ChatCompletionRequest and ``/openapi.json`` describes it. Every field's check words its own problem, so a bad
 request gets one 400 in OpenAI's error shape that names the first bad field and what it must be
-(``request_error``). JSON null reads as "not given". A field of the API this server does not act on and that
-would change the reply (``tools``, ``response_format``, ``logprobs``, ``logit_bias``, a non-zero penalty, ...) is
-refused unless it has its neutral value; ``n`` must be 1; ``user`` and unknown keys are ignored.
+(``request_error``). JSON null reads as "not given". ``tools`` / ``tool_choice`` and ``response_format`` constrain
+the reply by a grammar. A field of the API this server does not act on and that would change the reply
+(``logprobs``, ``logit_bias``, a non-zero penalty, the old ``functions``, ...) is refused unless it has its
+neutral value; ``n`` must be 1; ``user`` and unknown keys are ignored.
 """
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ from pydantic import (BaseModel, BeforeValidator, Field, SerializerFunctionWrapH
 from pydantic_core import PydanticCustomError
 
 from cabinllm.runtime.generation.sampling import MAX_SEED
+from cabinllm.runtime.model.tools import NAME_PATTERN, Tool, ToolCall, schema_problem
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 ROLES = get_args(Role)
-FinishReason = Literal["stop", "length", "cancelled"]  # cancelled: stopped by the server's shutdown or a gone client
+# cancelled: stopped by the server's shutdown or a gone client; tool_calls: the reply is calls
+FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
+TOOL_CHOICES = ("none", "auto", "required")
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 FIELD_ERROR = "cabin_invalid_field"  # the error type of this module's checks, worded for the client
 
@@ -220,11 +224,46 @@ class TextContentPart(BaseModel):
     text: str
 
 
+def _function_name(value: Any) -> str:
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
+        raise _refuse(f"must be 1 to 64 letters, digits, _ or -, got {_shown(value)}")
+    return value
+
+
+def _schema(value: Any) -> dict:
+    problem = schema_problem(value)
+    if problem:
+        raise _refuse(problem)
+    return value
+
+
+FunctionName = Annotated[str, BeforeValidator(_function_name)]
+
+
+class FunctionCall(_RequestObject):
+    """A function a reply called: its name and its arguments as JSON text."""
+
+    name: FunctionName
+    arguments: Annotated[str, _kind(str)]
+
+
+class ToolCallMessagePart(_RequestObject):
+    """One call of an earlier reply, as the reply gave it."""
+
+    id: Annotated[str, _kind(str)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_RequestObject):
-    """One turn of the conversation; only a reply (role assistant) may be empty."""
+    """One turn of the conversation: a reply (role assistant) may be empty or calls; a tool message answers the
+    call ``tool_call_id``."""
 
     role: Annotated[Role, BeforeValidator(_role)]
-    content: Annotated[str, BeforeValidator(_text, json_schema_input_type=str | list[TextContentPart])]
+    content: Annotated[str, BeforeValidator(_text, json_schema_input_type=str | list[TextContentPart])] = Field(
+        default="", validate_default=True)
+    tool_calls: list[ToolCallMessagePart] | None = None
+    tool_call_id: Annotated[str, _kind(str)] | None = Field(default=None, validate_default=True)
 
     @classmethod
     def _not_an_object(cls, value: Any) -> str:
@@ -233,9 +272,111 @@ class ChatMessage(_RequestObject):
     @field_validator("content")
     @classmethod
     def _has_text(cls, content: str, info: ValidationInfo) -> str:
-        if info.data.get("role") in ("system", "user") and not content.strip():
+        if info.data.get("role") in ("system", "user", "tool") and not content.strip():
             raise _refuse("is empty; send some text")
         return content
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _from_assistant(cls, calls: list | None, info: ValidationInfo) -> list | None:
+        if calls and info.data.get("role") != "assistant":
+            raise _refuse("is for assistant messages only")
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("role") == "tool" and not call_id:
+            raise _refuse("is missing; a tool message names the call it answers")
+        return call_id
+
+    def to_message(self) -> dict:
+        """The message as the chat template takes it."""
+        message: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(_RequestObject):
+    """A function the reply may call; ``parameters`` is the JSON Schema of its arguments (an object)."""
+
+    name: FunctionName
+    description: Annotated[str, _kind(str)] = ""
+    parameters: Annotated[dict, BeforeValidator(_schema, json_schema_input_type=dict)] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}})
+    strict: Annotated[bool, _kind(bool)] | None = None
+
+
+class ToolDefinition(_RequestObject):
+    """One tool of ``tools``: a function."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    def to_tool(self) -> Tool:
+        """The runtime's tool."""
+        return Tool(self.function.name, self.function.description, self.function.parameters)
+
+
+class NamedFunction(_RequestObject):
+    """The function ``tool_choice`` names."""
+
+    name: FunctionName
+
+
+class NamedToolChoice(_RequestObject):
+    """``tool_choice`` naming one function the reply must call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+def _tool_choice(value: Any) -> Any:
+    if isinstance(value, str) and value not in TOOL_CHOICES:
+        raise _refuse(f"must be one of {', '.join(TOOL_CHOICES)} or {{\"type\": \"function\", \"function\": "
+                      f"{{\"name\": ...}}}}, got {_shown(value)}")
+    return value
+
+
+class JsonSchemaFormat(_RequestObject):
+    """The schema a structured reply follows."""
+
+    name: FunctionName
+    description: Annotated[str, _kind(str)] = ""
+    schema_: Annotated[dict, BeforeValidator(_schema, json_schema_input_type=dict)] = Field(
+        default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: Annotated[bool, _kind(bool)] | None = None
+
+
+class ResponseFormat(_RequestObject):
+    """The form of the reply: free text, any JSON object, or JSON valid against ``json_schema``."""
+
+    type: Annotated[Literal["text", "json_object", "json_schema"], BeforeValidator(
+        lambda v: v if v in ("text", "json_object", "json_schema") else _raise(_refuse(
+            f"must be text, json_object or json_schema, got {_shown(v)}")))]
+    json_schema: JsonSchemaFormat | None = Field(default=None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _given_for_json_schema(cls, json_schema: JsonSchemaFormat | None, info: ValidationInfo) \
+            -> JsonSchemaFormat | None:
+        if info.data.get("type") == "json_schema" and json_schema is None:
+            raise _refuse("is missing; type json_schema needs {\"name\": ..., \"schema\": {...}}")
+        return json_schema
+
+    @property
+    def schema(self) -> dict | None:
+        """The JSON Schema the reply must follow (None for free text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema.schema_ if self.type == "json_schema" and self.json_schema else None
+
+
+def _raise(error: Exception) -> Any:
+    raise error
 
 
 class StreamOptions(_RequestObject):
@@ -297,12 +438,35 @@ class ChatCompletionRequest(_RequestObject):
     logprobs: Annotated[bool, _unapplied(lambda v: v is False, "token log-probabilities")] | None = None
     top_logprobs: Annotated[int, _unapplied(_zero, "token log-probabilities")] | None = None
     logit_bias: Annotated[dict, _unapplied(lambda v: v == {}, "biased logits")] | None = None
-    tools: Annotated[list, _unapplied(lambda v: v == [], "tool calls")] | None = None
-    tool_choice: Annotated[str | dict, _unapplied(lambda v: v == "none", "tool calls")] | None = None
-    functions: Annotated[list, _unapplied(lambda v: v == [], "function calls")] | None = None
-    function_call: Annotated[str | dict, _unapplied(lambda v: v == "none", "function calls")] | None = None
-    response_format: Annotated[dict, _unapplied(lambda v: v == {"type": "text"}, "a structured reply")] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
+                           BeforeValidator(_tool_choice)] | None = None
+    parallel_tool_calls: Annotated[bool, _kind(bool)] = True
+    functions: Annotated[list, _unapplied(lambda v: v == [], "the old function calls (send tools)")] | None = None
+    function_call: Annotated[str | dict, _unapplied(lambda v: v == "none",
+                                                    "the old function calls (send tool_choice)")] | None = None
+    response_format: ResponseFormat | None = None
     user: Annotated[str, _kind(str)] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _names_a_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        names = [tool.function.name for tool in tools]
+        if choice is not None and choice != "none" and not tools:
+            raise _refuse("needs tools: send the functions the reply may call")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _refuse(f"names {choice.function.name!r}, which is not one of the tools ({', '.join(names)})")
+        return choice
+
+    @property
+    def tool_mode(self) -> str:
+        """How the reply may call tools: "none", "auto", "required" or the one function's name."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
 
     @property
     def reply_limit(self) -> int | None:
@@ -341,11 +505,27 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionCallOut(BaseModel):
+    """The function a reply calls and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    """One call of the reply."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatCompletionMessage(BaseModel):
-    """The reply."""
+    """The reply: text, or calls of tools (content null then)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class Choice(BaseModel):
@@ -368,11 +548,28 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(_Sparse):
+    """What a chunk adds to a call: its name first, then its arguments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Sparse):
+    """What a chunk adds to the call ``index``: its id, type and name first."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChoiceDelta(_Sparse):
-    """What a chunk adds to the reply: the role first, then pieces of content; empty in the last chunk."""
+    """What a chunk adds to the reply: the role first, then pieces of content or calls; empty in the last chunk."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):
@@ -402,11 +599,32 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-def completion(request_id: str, model: str, text: str, finish_reason: FinishReason, usage_block: Usage) \
-        -> ChatCompletion:
+def completion(request_id: str, model: str, message: ChatCompletionMessage, finish_reason: FinishReason,
+               usage_block: Usage) -> ChatCompletion:
     """A whole ``chat.completion`` object."""
     return ChatCompletion(id=request_id, created=int(time.time()), model=model, usage=usage_block,
-                          choices=[Choice(message=ChatCompletionMessage(content=text), finish_reason=finish_reason)])
+                          choices=[Choice(message=message, finish_reason=finish_reason)])
+
+
+def reply_message(text: str, calls: list[ToolCall] | None) -> ChatCompletionMessage:
+    """The reply as text, or as its calls."""
+    if not calls:
+        return ChatCompletionMessage(content=text)
+    return ChatCompletionMessage(content=None, tool_calls=[
+        ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments)) for call in calls])
+
+
+def call_deltas(calls: list[ToolCall]) -> list[ChoiceDelta]:
+    """The chunks' deltas of a reply's calls, as OpenAI streams them: per call its id and name, then its
+    arguments."""
+    deltas = []
+    for index, call in enumerate(calls):
+        deltas.append(ChoiceDelta(tool_calls=[ToolCallDelta(index=index, id=call.id, type="function",
+                                                            function=FunctionCallDelta(name=call.name,
+                                                                                       arguments=""))]))
+        deltas.append(ChoiceDelta(tool_calls=[ToolCallDelta(index=index,
+                                                            function=FunctionCallDelta(arguments=call.arguments))]))
+    return deltas
 
 
 def chunk(request_id: str, model: str, delta: ChoiceDelta, finish_reason: FinishReason | None = None) -> str:

@@ -32,6 +32,7 @@ import torch
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import ConfigError, QueueFull
 from cabinllm.runtime.generation.generate import BatchedModel
+from cabinllm.runtime.generation.grammar import GrammarState
 from cabinllm.runtime.generation.sampling import SamplingParams, make_generator, sample
 from cabinllm.runtime.generation.stops import ReplyStream
 from cabinllm.runtime.kv.blocks import Sequence
@@ -76,6 +77,7 @@ class Request:
     first_token_at: float | None = None
     cancelled: bool = False
     error: str | None = None  # what failed, for finish_reason "error"
+    grammar: GrammarState | None = None  # the grammar the reply follows (None: free text)
 
     def cancel(self) -> None:
         """Ask the scheduler to stop this request and free its blocks (safe from any thread)."""
@@ -234,7 +236,7 @@ class Scheduler:
             with self._lock:
                 self._waiting.popleft()
             request.cached_tokens = cached
-            reply = ReplyStream(request.params, self.engine.tokenizer.decode_reply)
+            reply = ReplyStream(request.params, self.engine.tokenizer.decode_reply, grammar=request.grammar)
             self._running.append(_Running(request, Sequence(), reply, make_generator(request.params.seed)))
             with self._lock:
                 self._stats.prompt_tokens += len(prompt)
@@ -273,7 +275,7 @@ class Scheduler:
 
     def _sample(self, running: _Running, logits: torch.Tensor) -> None:
         request = running.request
-        token = sample(logits, request.params, running.generator)
+        token = sample(running.reply.constrain(logits), request.params, running.generator)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         request.token_ids.append(token)

@@ -63,6 +63,22 @@ def tiny_engine(tiny_engine_dir) -> Engine:
     return Engine.load(tiny_engine_dir)
 
 
+@pytest.fixture(scope="session")
+def bytes_engine_dir(tmp_path_factory):
+    """The tiny engine with a tokenizer of every byte (it can write JSON, so constrained replies can be tested)."""
+    root = tmp_path_factory.mktemp("bytes-engine")
+    model = write_tiny_llama(root / "model", byte_tokens=True, **TINY_ENGINE_SHAPE, max_position_embeddings=4096)
+    folder = root / "bytes-int8"
+    build_engine(BuildRequest(str(model), folder, kv_cache="int8", dtype="float32"), log=lambda _msg: None)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def bytes_engine(bytes_engine_dir) -> Engine:
+    """The byte-tokenizer tiny engine, loaded once."""
+    return Engine.load(bytes_engine_dir)
+
+
 ENGINES = ["tiny", pytest.param("default", marks=pytest.mark.slow)]
 
 

@@ -37,7 +37,8 @@ def test_openapi_describes_the_chat_completion_request_and_response(client):
     assert {"messages", "model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "temperature",
             "top_p", "seed", "stop", "n"} <= set(request["properties"])
     assert request["required"] == ["messages"]
-    assert set(schemas["ChatMessage"]["properties"]["role"]["enum"]) == {"system", "user", "assistant"}
+    assert set(schemas["ChatMessage"]["properties"]["role"]["enum"]) == {"system", "user", "assistant", "tool"}
+    assert {"tools", "tool_choice", "parallel_tool_calls", "response_format"} <= set(request["properties"])
     post = spec["paths"]["/v1/chat/completions"]["post"]
     assert post["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ChatCompletionRequest"}
@@ -61,8 +62,10 @@ def test_metrics_parse_as_prometheus_text_with_every_name(client, tiny_engine):
 
 BAD = [
     ({"messages": PLAY, "temperature": "hot"}, "temperature", 'temperature must be a number from 0 to 2, got "hot"'),
-    ({"messages": PLAY + [{"role": "tool", "content": "x"}]}, "messages[1].role",
-     "messages[1].role must be one of system, user, assistant, got 'tool'"),
+    ({"messages": PLAY + [{"role": "robot", "content": "x"}]}, "messages[1].role",
+     "messages[1].role must be one of system, user, assistant, tool, got 'robot'"),
+    ({"messages": PLAY + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id",
+     "messages[1].tool_call_id is missing; a tool message names the call it answers"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
      'messages[0].content parts must be {"type": "text", "text": ...}; this server takes text only'),
     ({"messages": PLAY, "stream_options": {"include_usage": 1}}, "stream_options.include_usage",
@@ -94,8 +97,7 @@ def test_a_json_body_is_read_whatever_its_content_type(client):
                                                        "objects")
 
 
-UNAPPLIED = [("tools", [{"type": "function", "function": {"name": "set_temperature"}}]), ("tool_choice", "required"),
-             ("response_format", {"type": "json_object"}), ("logprobs", True), ("top_logprobs", 3),
+UNAPPLIED = [("logprobs", True), ("top_logprobs", 3),
              ("logit_bias", {"42": 5}), ("frequency_penalty", 0.5), ("presence_penalty", -1),
              ("functions", [{"name": "f"}]), ("function_call", "auto")]
 

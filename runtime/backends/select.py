@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
-from cabinllm.runtime.backends.trtllm import TrtllmSession
+from cabinllm.runtime.backends.trtllm import TRTLLM_NO_GRAMMAR, TrtllmSession
 from cabinllm.runtime.dialogue.interface import Session
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.dialogue.session import DialogueSession
@@ -21,6 +21,7 @@ from cabinllm.runtime.formats.onnx_folder import ONNX_FORMAT
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.model.tools import Tool
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class SessionRequest:
     backend: str = "auto"  # a key of BACKENDS, or auto: by the folder
     ort_provider: str = "cpu"  # ONNX Runtime's execution provider (backends.onnxruntime.ORT_PROVIDERS)
     restore: Path | None = None  # a session file to continue (reference and onnxruntime backends)
+    tools: tuple[Tool, ...] = ()  # functions the replies may call (reference and onnxruntime backends)
+    tool_choice: str = "auto"  # how: auto, required, none or one tool's name
 
 
 def open_session(request: SessionRequest) -> Session:
@@ -76,10 +79,13 @@ def _open_dialogue(request: SessionRequest, engine: Engine) -> DialogueSession:
     if request.restore:
         return DialogueSession.restore(request.restore, engine, cache)
     params = dataclasses.replace(request.params, stop_token_ids=engine.stop_token_ids())
-    return DialogueSession(engine, cache, params, request.system, request.overflow)
+    return DialogueSession(engine, cache, params, request.system, request.overflow, list(request.tools),
+                           request.tool_choice)
 
 
 def _open_trtllm(request: SessionRequest) -> TrtllmSession:
+    if request.tools:
+        raise ConfigError(TRTLLM_NO_GRAMMAR)
     folder = EngineFolder(request.engine)
     if not folder.trt_engine.is_dir():
         raise CheckpointError(f"{folder.trt_engine}: no TensorRT engine; run the engine build on the device")

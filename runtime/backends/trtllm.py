@@ -54,6 +54,17 @@ from cabinllm.runtime.generation.stops import ReplyStream
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.model.tools import Tool
+
+# Constrained decoding on TensorRT-LLM, from its source: 0.12 (v0.12.0-jetson, 20a7cec9) has none:
+# runtime/model_runner_cpp.py L406-408 refuses a logits_processor ("Logits processor is not supported in C++
+# session") and executor.h names no guided decoding. It came in 0.16.0 (docs/source/release-notes.md L88) through
+# the LLM API: GuidedDecodingParams (tensorrt_llm/sampling_params.py L13-29 at 1.0.0rc4, 000a01de) with
+# guided_decoding_backend xgrammar|llguidance; ModelRunnerCpp, which this backend runs, takes no grammar in 1.x
+# either (its generate, L527-790 at 03832911, has only logits_post_processor names).
+TRTLLM_NO_GRAMMAR = ("tools need constrained decoding, which TensorRT-LLM's ModelRunnerCpp (this backend) does not "
+                     "do (0.12 has no guided decoding; 1.x has it only in its LLM API); chat with --backend reference "
+                     "or onnxruntime")
 
 
 @dataclass
@@ -144,15 +155,17 @@ class TrtllmSession:
         self.capacity = self.limits.capacity(budget, params.max_new_tokens)
         self.previous_ids: list[int] = []
         self.turns = 0
+        self.tools: list[Tool] = []  # constrained decoding is not available here: TRTLLM_NO_GRAMMAR
 
-    def chat(self, user_text: str, on_text: Callable[[str], None] | None = None,
+    def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None) -> TurnStats:
-        """Answer one user message, streaming the reply text to on_text."""
+        """Answer one message (text: the user's), streaming the reply text to on_text."""
         import torch
 
         self.turns += 1
         try:
-            plan = self._plan(self.messages + [{"role": "user", "content": user_text}])
+            plan = self._plan(self.messages + [message if isinstance(message, dict) else
+                                               {"role": "user", "content": message}])
         except CapacityError as err:
             message = capacity_message(err, self.overflow, self.params.max_new_tokens, self.capacity)
             if self.capacity < self.settings.max_tokens_in_paged_kv_cache:  # the engine's limits bind

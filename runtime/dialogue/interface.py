@@ -6,9 +6,11 @@ only this surface, never the concrete class.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
+
+from cabinllm.runtime.model.tools import Tool
 
 
 @dataclass
@@ -30,6 +32,7 @@ class TurnStats:
     evicted_tokens: int = 0
     policy: str = "error"
     error: str | None = None
+    tool_calls: list[dict] = field(default_factory=list)  # the reply's calls in OpenAI's form (finish "tool_calls")
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -41,11 +44,12 @@ class Session(Protocol):
 
     messages: list[dict]
     turns: int
+    tools: list[Tool]  # the functions its replies may call
 
-    def chat(self, user_text: str, on_text: Callable[[str], None] | None = None,
+    def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None) -> TurnStats:
-        """Answer one user message, streaming the reply's text; a turn that cannot fit ends with
-        finish_reason 'capacity' and the session stays usable."""
+        """Answer one message (text: the user's; a dict: a message such as a tool's result), streaming the reply's
+        text; a turn that cannot fit ends with finish_reason 'capacity' and the session stays usable."""
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""

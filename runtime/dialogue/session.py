@@ -5,6 +5,9 @@ the cache. A shared prefix (the system prompt) is found again through the cache'
 block hashes, so a second session starting the same way reuses its blocks. When a
 turn does not fit the budget, the session's overflow policy (cabinllm.runtime.dialogue.overflow) decides
 what to keep. Sessions are saved to and restored from session files (cabinllm.runtime.dialogue.session_file).
+A session given ``tools`` shows them to the model and constrains each reply by ``tool_choice``
+(cabinllm.runtime.generation.grammar); a reply that calls them comes back as ``TurnStats.tool_calls`` and the
+next message answers them (role ``tool``).
 """
 from __future__ import annotations
 
@@ -17,17 +20,23 @@ from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import CapacityError, OutOfBlocks, SessionFileError
 from cabinllm.runtime.generation.generate import generate
+from cabinllm.runtime.generation.grammar import reply_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
+from cabinllm.runtime.model.tools import Tool
 
 
 class DialogueSession:
     """System, user and assistant messages plus the sequence that holds their KV."""
 
     def __init__(self, engine: Engine, cache: PagedKVCache, params: SamplingParams | None = None,
-                 system_prompt: str | None = None, overflow: OverflowPolicy | None = None) -> None:
+                 system_prompt: str | None = None, overflow: OverflowPolicy | None = None,
+                 tools: list[Tool] | None = None, tool_choice: str = "auto") -> None:
+        """``tools`` the replies may call as ``tool_choice`` allows ("auto", "required", "none" or a tool's name)."""
         self.engine, self.cache = engine, cache
+        self.tools, self.tool_choice = list(tools or []), tool_choice
+        self.tokenizer = engine.tokenizer.with_tools(self.tools)
         self.params = params or SamplingParams(stop_token_ids=engine.stop_token_ids())
         self.overflow = overflow or OverflowPolicy("error")
         self.system_prompt = system_prompt
@@ -42,25 +51,33 @@ class DialogueSession:
         """The tokens whose K/V the cache holds for this conversation."""
         return self.seq.token_ids
 
-    def chat(self, user_text: str, on_text: Callable[[str], None] | None = None,
+    def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None) -> TurnStats:
-        """Answer one user message; a turn that cannot fit ends with finish_reason 'capacity'."""
+        """Answer one message (text: the user's; or a message dict, e.g. a tool's result); a turn that cannot fit
+        ends with finish_reason 'capacity'."""
         self.turns += 1
-        messages = self.messages + [{"role": "user", "content": user_text}]
+        messages = self.messages + [message if isinstance(message, dict) else {"role": "user", "content": message}]
+        grammar = reply_grammar(self.tokenizer.tool_format, self.tools, self.tool_choice)
         try:
             plan = self._plan(messages)
             if plan.rebuild:
                 self._release()
             result = generate(self.engine.model, self.cache, self.seq, plan.feed, self.params,
-                              self.engine.tokenizer.decode_reply, on_text, should_stop)
+                              self.engine.tokenizer.decode_reply, on_text, should_stop,
+                              self.engine.vocabulary.start(grammar) if grammar else None)
         except CapacityError as err:
             message = capacity_message(err, self.overflow, self.params.max_new_tokens, self._room().capacity)
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, message)
-        self.messages = plan.messages + [{"role": "assistant", "content": result.text}]
+        calls = self.tokenizer.tool_format.read_calls(result.text) if self.tools else None
+        reply = {"role": "assistant", "content": "" if calls else result.text}
+        if calls:
+            reply["tool_calls"] = [call.to_openai() for call in calls]
+        self.messages = plan.messages + [reply]
         self.pending = result.token_ids[-1:]
         self.transcript = plan.prompt + self.engine.tokenizer.decode(result.token_ids)
+        finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
         return self._stats(result.text, result.token_ids, result.prefill_tokens, result.reused_tokens,
-                           result.ttft_s, result.decode_tok_s, result.finish_reason, plan.evicted)
+                           result.ttft_s, result.decode_tok_s, finish, plan.evicted, tool_calls=reply.get("tool_calls"))
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and release its KV blocks."""
@@ -100,6 +117,8 @@ class DialogueSession:
             "turns": self.turns,
             "overflow": vars(self.overflow),
             "params": vars(self.params),
+            "tools": [tool.to_openai() for tool in self.tools],
+            "tool_choice": self.tool_choice,
         }, tensors)
         return len(self.seq)
 
@@ -122,8 +141,9 @@ class DialogueSession:
                                    f"{header['scales_fingerprint']}, the cache uses {cache.mode.name} and {scales}")
         check_fits(path, header, tensors, cache.storage.token_tensors(), engine.config.vocab_size,
                    engine.config.max_position_embeddings)
+        tools = [Tool.from_openai(tool) for tool in header.get("tools", [])]
         session = cls(engine, cache, SamplingParams(**header["params"]), header["system_prompt"],
-                      OverflowPolicy(**header["overflow"]))
+                      OverflowPolicy(**header["overflow"]), tools, header.get("tool_choice", "auto"))
         fed = header["fed"]
         if fed:
             try:
@@ -141,7 +161,7 @@ class DialogueSession:
     # -- planning ------------------------------------------------------------------
     def _plan(self, messages: list[dict]) -> TurnPlan:
         """Decide what to feed: append the new tokens, or rebuild the sequence under the policy."""
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         prompt = tok.render(messages)
         history = self.fed + self.pending
         stream = None
@@ -172,7 +192,7 @@ class DialogueSession:
         self.pending, self.transcript = [], ""
 
     def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
-               finish: str, evicted: int, error: str | None = None) -> TurnStats:
+               finish: str, evicted: int, error: str | None = None, tool_calls: list[dict] | None = None) -> TurnStats:
         s = self.cache.stats()
         return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, s.bytes_used, s.bytes_reserved,
-                         s.bytes_per_token, s.mode, finish, evicted, self.overflow.name, error)
+                         s.bytes_per_token, s.mode, finish, evicted, self.overflow.name, error, tool_calls or [])

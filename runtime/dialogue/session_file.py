@@ -20,12 +20,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
-from cabinllm.runtime.errors import SessionFileError
+from cabinllm.runtime.errors import GrammarError, SessionFileError
 from cabinllm.runtime.formats.atomic import atomic_write_bytes
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.memory import available_memory
 from cabinllm.runtime.kv.modes import KV_MODES
+from cabinllm.runtime.model.tools import Tool
 
 SESSION_FORMAT = "cabin-session/3"  # 2: the KV cache config as one object; 3: a checksum, a checked header
 CHECKSUM_FIELD = "sha256"
@@ -52,9 +53,21 @@ def _ids(value: object) -> bool:
 
 
 def _messages(value: object) -> bool:
-    return type(value) is list and all(type(m) is dict and m.keys() == {"role", "content"}
-                                       and m["role"] in ("system", "user", "assistant")
-                                       and isinstance(m["content"], str) for m in value)
+    return type(value) is list and all(type(m) is dict and {"role", "content"} <= m.keys() <= MESSAGE_KEYS
+                                       and m["role"] in ("system", "user", "assistant", "tool")
+                                       and isinstance(m["content"], str)
+                                       and type(m.get("tool_calls", [])) is list for m in value)
+
+
+def _tools(value: object) -> bool:
+    try:
+        return type(value) is list and all(Tool.from_openai(tool) for tool in value)
+    except GrammarError:
+        return False
+
+
+MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}
+OPTIONAL = {"tools": [], "tool_choice": "auto"}  # fields a file saved before tools were may lack
 
 
 STRING: Rule = ("a string", lambda v: isinstance(v, str))
@@ -74,7 +87,7 @@ HEADER: Spec = {  # the types; the ranges of kv_cache, overflow and params are t
         "sink_token_length": INTEGER,
     },
     "system_prompt": ("a string or null", lambda v: v is None or isinstance(v, str)),
-    "messages": ("a list of {role: system|user|assistant, content: string} objects", _messages),
+    "messages": ("a list of {role: system|user|assistant|tool, content: string} objects", _messages),
     "fed": ("a list of token ids", _ids),
     "pending": ("a list of at most one token id", lambda v: _ids(v) and len(v) <= 1),
     "transcript": STRING,
@@ -89,6 +102,8 @@ HEADER: Spec = {  # the types; the ranges of kv_cache, overflow and params are t
         "stop_token_ids": ("a list of token ids", _ids),
         "stop_strings": ("a list of strings", lambda v: type(v) is list and all(isinstance(s, str) for s in v)),
     },
+    "tools": ("a list of OpenAI tool definitions", _tools),
+    "tool_choice": STRING,
 }
 CLASSES = {"kv_cache": KvCacheConfig, "overflow": OverflowPolicy, "params": SamplingParams}
 
@@ -143,6 +158,8 @@ def check_header(header: dict, tensors: dict[str, torch.Tensor]) -> None:
     """ValueError naming the first header field that is missing, unknown, of the wrong type or out of range
     (for kv_cache, overflow and params: as their classes check them), or messages that do not follow the
     system prompt, or K/V for another number of tokens than ``fed``."""
+    for key, default in OPTIONAL.items():
+        header.setdefault(key, default)
     _check_object(header, HEADER, "")
     for field, kind in CLASSES.items():
         try:

@@ -1,4 +1,6 @@
-"""Reading a scripted dialogue: JSONL with one ``{"role", "content"}`` message per line."""
+"""Reading a scripted dialogue: JSONL with one ``{"role", "content"}`` message per line: an optional first system
+line, then user lines and tool lines (a tool's result for the call the reply before it made; ``tool_call_id``
+is optional)."""
 from __future__ import annotations
 
 import json
@@ -17,8 +19,8 @@ def text_problem(text: str) -> str | None:
     return None
 
 
-def read_script(path: str | Path) -> tuple[str | None, list[str]]:
-    """The optional system prompt (first line only) and the user turns of a script file."""
+def read_script(path: str | Path) -> tuple[str | None, list[dict]]:
+    """The optional system prompt (first line only) and the messages of a script file (user and tool)."""
     path = Path(path)
     try:
         text = path.read_bytes().decode("utf-8")
@@ -42,10 +44,11 @@ def read_script(path: str | Path) -> tuple[str | None, list[str]]:
             raise ScriptError(f"{path}:{number}: content {problem}")
         if role == "system" and system is None and not users:
             system = content
-        elif role == "user":
-            users.append(content)
+        elif role in ("user", "tool"):
+            users.append({key: message[key] for key in ("role", "content", "tool_call_id") if key in message})
         else:
-            raise ScriptError(f"{path}:{number}: role {role!r} not allowed here; use one first 'system' line, then 'user' lines")
+            raise ScriptError(f"{path}:{number}: role {role!r} not allowed here; use one first 'system' line, then "
+                              "'user' lines (and 'tool' lines with the results of calls)")
     if not users:
         raise ScriptError(f"{path}: no user turns")
     return system, users

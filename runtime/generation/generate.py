@@ -11,6 +11,7 @@ import torch
 from cabinllm.runtime.errors import CapacityError, OutOfBlocks
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.scales_file import KVScales
+from cabinllm.runtime.generation.grammar import GrammarState
 from cabinllm.runtime.generation.sampling import SamplingParams, make_generator, sample
 from cabinllm.runtime.generation.stops import ReplyStream
 from cabinllm.runtime.kv.blocks import Sequence
@@ -90,19 +91,19 @@ def prefill(model: ForwardModel, cache: PagedKVCache, seq: Sequence,
 
 def generate(model: ForwardModel, cache: PagedKVCache, seq: Sequence, new_ids: list[int], params: SamplingParams,
              decode_text: Callable[[list[int]], str], on_text: Callable[[str], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+             should_stop: Callable[[], bool] | None = None, grammar: GrammarState | None = None) -> GenerationResult:
     """Prefill new_ids into the sequence, then sample until a stop rule ends the reply.
 
     The last sampled token is not fed back (a stop token needs no KV); the caller
-    feeds it with the next turn. ``should_stop`` lets a UI interrupt a reply.
+    feeds it with the next turn. ``should_stop`` lets a UI interrupt a reply; ``grammar`` constrains it.
     """
     t0 = time.perf_counter()
     logits, reused, computed = prefill(model, cache, seq, new_ids)
     generator = make_generator(params.seed)
-    reply = ReplyStream(params, decode_text, on_text)
+    reply = ReplyStream(params, decode_text, on_text, grammar)
     ended, ttft, t_first = None, 0.0, 0.0  # ended: a reason of this loop's own
     while True:
-        token = sample(logits, params, generator)
+        token = sample(reply.constrain(logits), params, generator)
         if not reply.ids:
             t_first = time.perf_counter()
             ttft = t_first - t0

@@ -5,11 +5,16 @@ session push each sampled token into a ``ReplyStream``. A reply ends at a stop t
 in its text), at a stop string (its text cut before it), after ``max_new_tokens`` tokens, or for a reason of
 the loop's own ("interrupted", "capacity", "cancelled", "error"). Text is handed out as it becomes safe to
 show: never half of a UTF-8 character, never the first characters of what may still become a stop string.
+A reply under a grammar (``GrammarState``) samples from ``constrain(logits)``; its stop tokens are allowed
+once the grammar is complete.
 """
 from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
+from cabinllm.runtime.generation.grammar import GrammarState
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.generation.streaming import TextStream
 
@@ -18,9 +23,10 @@ class ReplyStream:
     """One reply as it is sampled: its ids, its text, the pieces safe to show and why it ended."""
 
     def __init__(self, params: SamplingParams, decode: Callable[[list[int]], str],
-                 on_text: Callable[[str], None] | None = None) -> None:
-        """``on_text`` receives each non-empty piece as it is handed out (``push`` and ``close`` also return it)."""
-        self.params = params
+                 on_text: Callable[[str], None] | None = None, grammar: GrammarState | None = None) -> None:
+        """``on_text`` receives each non-empty piece as it is handed out (``push`` and ``close`` also return it);
+        ``grammar`` constrains the tokens (None: free text)."""
+        self.params, self.grammar = params, grammar
         self.ids: list[int] = []
         self.finish_reason: str | None = None  # "stop" or "length" once a stop rule ended the reply
         self._on_text = on_text
@@ -34,10 +40,16 @@ class ReplyStream:
         """The reply's text so far, cut before a stop string."""
         return self.params.cut_at_stop(self._stream.text)
 
+    def constrain(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits to sample the next token from: masked by the grammar, if the reply has one."""
+        return self.grammar.constrain(logits) if self.grammar else logits
+
     def push(self, token: int) -> str:
         """Add a sampled token and apply the stop rules; return the text that became safe to show ("" for the
         token that ends the reply: ``close`` hands out what is left)."""
         self.ids.append(token)
+        if self.grammar:
+            self.grammar.push(token)
         if token in self._stop_ids:
             self.finish_reason = "stop"
             return ""

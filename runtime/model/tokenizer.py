@@ -4,13 +4,20 @@ Message content is always text: before the template renders a message, every con
 in its content (``<|im_start|>``, ``<|endoftext|>``, ... : the tokenizer's special tokens) is broken
 by a zero-width space after its first character, so it is tokenized as text. Only the template's own
 structure produces control tokens, so a user cannot forge a system or assistant turn.
+
+The template runs as transformers runs it (``tojson`` keeps key order and non-ASCII text, ``strftime_now``):
+transformers' ``utils/chat_template_utils.py`` ``_compile_jinja_template``. ``with_tools`` gives a view that
+renders the tools a reply may call (cabinllm.runtime.model.tools).
 """
 from __future__ import annotations
 
+import copy
 import json
+from datetime import datetime
 from pathlib import Path
 
 from cabinllm.runtime.errors import CheckpointError, ConfigError
+from cabinllm.runtime.model.tools import HERMES, Tool, ToolFormat, for_template, in_our_words, template_tool_format
 
 CONTENT_ESCAPE = "\u200b"  # zero-width space, put inside control-token strings found in message content
 
@@ -42,7 +49,11 @@ class ChatTokenizer:
                                        reverse=True)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(template)
+        self._native_tools = template_tool_format(template)
+        self.tools: list[Tool] = []
 
     @property
     def vocab_size(self) -> int:
@@ -77,11 +88,40 @@ class ChatTokenizer:
                 text = text.replace(control, control[0] + CONTENT_ESCAPE + control[1:])
         return text
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` holds it."""
+        return self._tok.to_str()
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls: its template's format, else ours (``hermes``)."""
+        return self._native_tools or HERMES
+
+    def with_tools(self, tools: list[Tool]) -> "ChatTokenizer":
+        """A view of this tokenizer whose renderings show ``tools`` to the model."""
+        view = copy.copy(self)
+        view.tools = list(tools)
+        return view
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation, as the model was trained to see it; message content escaped."""
+        """The prompt text of a conversation, as the model was trained to see it; message content escaped.
+        Messages may hold tool calls and results in OpenAI's form."""
+        extra = {}
+        if self._native_tools:
+            messages = for_template(messages)
+            if self.tools:
+                extra["tools"] = [tool.to_openai() for tool in self.tools]
+        else:
+            messages = in_our_words(messages, self.tools)
         messages = [{**m, "content": self.escape(m["content"])} for m in messages]
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token)
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token, **extra)
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """Jinja's ``tojson`` as transformers defines it for chat templates (no HTML escaping, key order kept)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str) -> None:

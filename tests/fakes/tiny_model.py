@@ -1,4 +1,7 @@
-"""A tiny random Llama saved as an HF folder (config.json, model.safetensors, tokenizer files), without transformers."""
+"""A tiny random Llama saved as an HF folder (config.json, model.safetensors, tokenizer files), without transformers.
+
+Its tokenizer knows a few words (the default), or every byte (``byte_tokens``: a byte-level BPE without merges, so
+any text, JSON included, can be written token by token)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +9,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 WORDS = "navigate to the nearest charging station set cabin temperature play some jazz what does light mean".split()
 SPECIAL = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
@@ -16,11 +19,12 @@ SHAPE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "nu
          "num_key_value_heads": 2, "max_position_embeddings": 1024}
 
 
-def write_tiny_llama(folder: Path, seed: int = 0, **shape: int) -> Path:
+def write_tiny_llama(folder: Path, seed: int = 0, byte_tokens: bool = False, **shape: int) -> Path:
     """Write the tiny model (``SHAPE``, with any key overridden by ``shape``) into ``folder`` and return it."""
     folder.mkdir(parents=True, exist_ok=True)
     shape = {**SHAPE, **shape}
-    vocab = {token: i for i, token in enumerate(SPECIAL + WORDS)}
+    words = sorted(pre_tokenizers.ByteLevel.alphabet()) if byte_tokens else WORDS
+    vocab = {token: i for i, token in enumerate(SPECIAL + words)}
     gen = torch.Generator().manual_seed(seed)
     h, inter, heads, kv_heads = (shape[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                                     "num_key_value_heads"))
@@ -44,8 +48,13 @@ def write_tiny_llama(folder: Path, seed: int = 0, **shape: int) -> Path:
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": len(vocab), "rms_norm_eps": 1e-5,
               "rope_theta": 10000.0, "tie_word_embeddings": False, **shape}
     (folder / "config.json").write_text(json.dumps(config))
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if byte_tokens:
+        tokenizer = Tokenizer(models.BPE(vocab, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+    else:
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     tokenizer.save(str(folder / "tokenizer.json"))
     tok_config = {"eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False, "chat_template": TEMPLATE}
