@@ -118,7 +118,8 @@ def run_script(session: Session, turns: list[dict], as_json: bool) -> None:
             try:
                 message = calls.result(message)
             except ConfigError as err:
-                print(f"  error: message {number} of the script: {err}; it was not sent", flush=True)
+                print(f"cabin-chat: error: message {number} of the script: {err}; it was not sent", file=sys.stderr,
+                      flush=True)
                 continue
         stats = session.chat(message)
         calls.after(stats)

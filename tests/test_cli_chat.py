@@ -127,3 +127,36 @@ def test_restore_says_what_it_restored(tiny_engine_dir, tmp_path, monkeypatch, c
     assert chat_interactively(monkeypatch, argv + ["--restore", str(path)], ["/quit"]) == 0
     assert (f"restored {path}: 1 turns (3 messages), {len(header['fed'])} tokens of KV, no re-prefill"
             in capsys.readouterr().err)
+
+
+def test_tools_script_prints_each_call_and_feeds_the_result_back(bytes_engine_dir, tmp_path, capsys):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "set_sunroof", "parameters": {
+        "type": "object", "properties": {"action": {"enum": ["open", "close"]}}, "required": ["action"],
+        "additionalProperties": False}}}]))
+    script = write_script(tmp_path / "d.jsonl", [{"role": "user", "content": "Open the sunroof."},
+                                                 {"role": "tool", "content": '{"ok": true}'}])
+    code = main(["--engine", str(bytes_engine_dir), "--script", str(script), "--json", "--tools", str(tools),
+                 "--tool-choice", "set_sunroof", "--max-new-tokens", "200"])
+    assert code == 0
+    first, second = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert first["finish_reason"] == "tool_calls"
+    (call,) = first["tool_calls"]
+    assert call["function"]["name"] == "set_sunroof"
+    assert json.loads(call["function"]["arguments"])["action"] in ("open", "close")
+    assert second["reused_tokens"] > first["prefill_tokens"]  # the result was appended to the cached call
+    assert all(c["function"]["name"] == "set_sunroof" for c in second["tool_calls"])
+
+
+def test_a_bad_tools_file_or_choice_is_one_clear_line(bytes_engine_dir, tmp_path, capsys):
+    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "nameless.json").write_text('[{"type": "function", "function": {"description": "x"}}]')
+    cases = [(["--tools", str(tmp_path / "missing.json")], "cannot read"),
+             (["--tools", str(tmp_path / "empty.json")], "non-empty list of tool definitions"),
+             (["--tools", str(tmp_path / "nameless.json")], "[0].function.name must be"),
+             (["--tools", "builtin", "--tool-choice", "self_destruct"], "choose auto, required, none or one of"),
+             (["--tool-choice", "required"], "--tool-choice needs --tools")]
+    for flags, problem in cases:
+        assert main(["--engine", str(bytes_engine_dir), *flags]) == 2
+        err = capsys.readouterr().err
+        assert problem in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

@@ -6,8 +6,8 @@ block hashes, so a second session starting the same way reuses its blocks. When 
 turn does not fit the budget, the session's overflow policy (cabinllm.runtime.dialogue.overflow) decides
 what to keep. Sessions are saved to and restored from session files (cabinllm.runtime.dialogue.session_file).
 A session given ``tools`` shows them to the model and constrains each reply by ``tool_choice``
-(cabinllm.runtime.generation.grammar); a reply that calls them comes back as ``TurnStats.tool_calls`` and the
-next message answers them (role ``tool``).
+(cabinllm.runtime.generation.grammar) to one call or none; a reply that calls comes back as
+``TurnStats.tool_calls`` and the next message answers it (role ``tool``).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class DialogueSession:
         ends with finish_reason 'capacity'."""
         self.turns += 1
         messages = self.messages + [message if isinstance(message, dict) else {"role": "user", "content": message}]
-        grammar = reply_grammar(self.tokenizer.tool_format, self.tools, self.tool_choice)
+        grammar = reply_grammar(self.tokenizer.tool_format, self.tools, self.tool_choice, parallel=False)
         try:
             plan = self._plan(messages)
             if plan.rebuild:
