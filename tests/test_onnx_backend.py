@@ -27,6 +27,7 @@ from cabinllm.runtime.formats.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH
 from cabinllm.runtime.generation.generate import run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import sized_config
+from cabinllm.runtime.model.tools import Tool
 
 CONTEXT, CHUNK = 256, 16
 SYSTEM = "You are the in-car assistant."
@@ -246,3 +247,19 @@ def test_the_default_model_answers_as_the_reference_with_fp32_kv(default_engine,
         got, want = ours.chat(text), reference.chat(text)
         assert got.token_ids == want.token_ids and (got.prefill_tokens, got.reused_tokens) == \
             (want.prefill_tokens, want.reused_tokens)
+
+
+def test_a_session_with_tools_on_the_graphs_calls_as_on_the_reference(bytes_engine_dir, bytes_engine, tmp_path):
+    folder = tmp_path / "bytes-int8"
+    export_onnx(OnnxExportRequest(bytes_engine_dir, folder, 2048, 64, "int8", "npu"), log=lambda _m: None)
+    tools = [Tool("set_sunroof", "", {"type": "object", "properties": {"action": {"enum": ["open", "tilt"]}},
+                                      "required": ["action"], "additionalProperties": False})]
+    replies = []
+    for engine in (load_onnx_engine(folder, threads=1), bytes_engine):
+        config = sized_config(engine.model.kv_layout, "int8", 2048, tokens_per_block=16)
+        params = SamplingParams(max_new_tokens=120, stop_token_ids=engine.stop_token_ids())
+        chat = DialogueSession(engine, engine.new_cache(config), params, None, tools=tools, tool_choice="required")
+        replies.append(chat.chat("open it"))
+    onnx_turn, reference_turn = replies
+    assert onnx_turn.finish_reason == "tool_calls" and onnx_turn.tool_calls[0]["function"]["name"] == "set_sunroof"
+    assert onnx_turn.token_ids == reference_turn.token_ids  # the same constrained greedy reply on both backends
