@@ -28,7 +28,8 @@ from prometheus_client.registry import Collector
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_message
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import CapacityError, Fix, GrammarError, QueueFull
-from cabinllm.runtime.generation.grammar import GrammarState, json_schema_grammar, reply_grammar
+from cabinllm.runtime.generation.grammar import (GrammarState, choice_grammar, json_schema_grammar, regex_grammar,
+                                                 reply_grammar)
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.model.tools import Tool, ToolCall
 from cabinllm.server.conversation import plan_prompt
@@ -251,9 +252,15 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
 
 
 def _grammar(engine: Engine, chat: ChatCompletionRequest, tools: list[Tool]) -> GrammarState | None:
-    """The grammar the reply follows (``tools`` and ``response_format``); a 400 naming the schema it cannot use."""
+    """The grammar the reply follows (``tools``, ``response_format``, ``guided_regex`` or ``guided_choice``); a 400
+    naming the part it cannot use."""
     schema = chat.response_format.schema if chat.response_format else None
     try:
+        param = "guided_regex"
+        if chat.guided_regex is not None:
+            return engine.vocabulary.start(regex_grammar(chat.guided_regex))
+        if chat.guided_choice is not None:
+            return engine.vocabulary.start(choice_grammar(chat.guided_choice))
         for i, tool in enumerate(tools):
             param = f"tools[{i}].function.parameters"
             engine.vocabulary.check(json_schema_grammar(tool.parameters))

@@ -334,6 +334,12 @@ class NamedToolChoice(_RequestObject):
     function: NamedFunction
 
 
+def _choices(value: Any) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise _refuse("must be a non-empty list of non-empty strings")
+    return value
+
+
 def _tool_choice(value: Any) -> Any:
     if isinstance(value, str) and value not in TOOL_CHOICES:
         raise _refuse(f"must be one of {', '.join(TOOL_CHOICES)} or {{\"type\": \"function\", \"function\": "
@@ -446,7 +452,22 @@ class ChatCompletionRequest(_RequestObject):
     function_call: Annotated[str | dict, _unapplied(lambda v: v == "none",
                                                     "the old function calls (send tool_choice)")] | None = None
     response_format: ResponseFormat | None = None
+    guided_regex: Annotated[str, _kind(str)] | None = None  # vLLM's extension names
+    guided_choice: Annotated[list[str], BeforeValidator(_choices)] | None = None
     user: Annotated[str, _kind(str)] | None = None
+
+    @field_validator("guided_regex", "guided_choice")
+    @classmethod
+    def _alone(cls, value: Any, info: ValidationInfo) -> Any:
+        """A regex or a choice is the whole reply: no tools, no response format, not both."""
+        data = info.data
+        asked = [name for name, on in (("tools", data.get("tools") and data.get("tool_choice") != "none"),
+                                       ("response_format", data.get("response_format") is not None
+                                        and data["response_format"].type != "text"),
+                                       ("guided_regex", data.get("guided_regex") is not None)) if on]
+        if value is not None and asked:
+            raise _refuse(f"cannot be combined with {asked[0]}; ask for one form of reply")
+        return value
 
     @field_validator("tool_choice")
     @classmethod

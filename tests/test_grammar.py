@@ -12,8 +12,7 @@ import pytest
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.errors import GrammarError
 from cabinllm.runtime.generation.generate import generate
-from cabinllm.runtime.generation.grammar import (choice_grammar, json_object_grammar, json_schema_grammar,
-                                                 regex_grammar, tool_call_grammar)
+from cabinllm.runtime.generation.grammar import choice_grammar, json_schema_grammar, regex_grammar, tool_call_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.model.tools import HERMES, LLAMA3_JSON, Tool
@@ -49,7 +48,7 @@ def test_sampled_json_validates_against_the_schema(bytes_engine, seed):
 
 
 def test_json_object_regex_and_choice(bytes_engine):
-    assert isinstance(json.loads(_reply(bytes_engine, json_object_grammar(), 0)), dict)
+    assert isinstance(json.loads(_reply(bytes_engine, json_schema_grammar({"type": "object"}), 0)), dict)
     assert _reply(bytes_engine, choice_grammar(["open", "close", "vent (a bit)"]), 1) in ("open", "close",
                                                                                            "vent (a bit)")
     reply = _reply(bytes_engine, regex_grammar(r"[0-9]{2}:[0-5][0-9]"), 2)
@@ -145,3 +144,16 @@ def test_a_session_with_tools_calls_answers_and_reuses_its_history(bytes_engine)
     assert second.finish_reason in ("stop", "length") and not second.tool_calls
     assert second.reused_tokens >= first.prefill_tokens  # the call was appended, not prefilled again
     assert session.messages[-2] == {"role": "tool", "tool_call_id": call["id"], "content": '{"ok": true}'}
+
+
+def test_a_saved_session_keeps_its_tools_and_calls(bytes_engine, tmp_path):
+    params = SamplingParams(max_new_tokens=200, seed=0, stop_token_ids=bytes_engine.stop_token_ids())
+    session = DialogueSession(bytes_engine, bytes_engine.new_cache(), params, None, tools=TOOLS,
+                              tool_choice="open_window")
+    call = session.chat("open the window").tool_calls[0]
+    session.save(tmp_path / "s.cabin")
+    restored = DialogueSession.restore(tmp_path / "s.cabin", bytes_engine)
+    assert restored.tools == TOOLS and restored.tool_choice == "open_window"
+    assert restored.messages == session.messages and restored.messages[-1]["tool_calls"] == [call]
+    answer = {"role": "tool", "tool_call_id": call["id"], "content": "done"}
+    assert restored.chat(answer).token_ids == session.chat(answer).token_ids  # restored without re-prefill, the same

@@ -5,6 +5,7 @@ choice is a 400 naming the field."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -104,6 +105,16 @@ def test_json_schema_replies_validate(client, stream):
         jsonschema.validate(json.loads(text), WINDOW)
 
 
+def test_guided_choice_and_regex_replies_are_whole(client):
+    for seed in range(3):
+        choice = client.chat.completions.create(model="tiny", messages=ASK, seed=seed, max_tokens=50,
+                                                extra_body={"guided_choice": ["open", "close", "leave it"]})
+        assert choice.choices[0].message.content in ("open", "close", "leave it")
+        regex = client.chat.completions.create(model="tiny", messages=ASK, seed=seed, max_tokens=50,
+                                               extra_body={"guided_regex": "[0-9]{1,3} ?%"})
+        assert re.fullmatch("[0-9]{1,3} ?%", regex.choices[0].message.content)
+
+
 def test_json_object_replies_are_objects(client):
     reply = client.chat.completions.create(model="tiny", messages=ASK, response_format={"type": "json_object"},
                                            seed=0, max_tokens=300)
@@ -122,6 +133,9 @@ BAD = [
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["on", "off"], "response_format": {"type": "json_object"}}, "guided_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"n": 2}, "n"),
@@ -133,7 +147,7 @@ BAD = [
 @pytest.mark.parametrize("fields, param", BAD, ids=[param for _, param in BAD])
 def test_a_bad_tool_schema_or_choice_is_a_400_naming_the_field(client, server, fields, param):
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, **fields)
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, extra_body=fields)
     error = err.value.body
     assert err.value.status_code == 400 and error["param"] == param and error["message"].startswith(param)
     assert client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2).choices[0].message.content \

@@ -1,8 +1,8 @@
 """Grammar-constrained decoding: a grammar turns into a mask of the tokens allowed next, applied to the logits
 before every sample, so the reply is always a sentence of the grammar.
 
-Grammars are llguidance's (a Lark grammar, a JSON Schema, a regex): ``json_schema_grammar`` and the other
-builders return the grammar text; ``Vocabulary`` holds llguidance's view of one model's tokens (built once
+Grammars are llguidance's: ``json_schema_grammar``, ``regex_grammar``, ``choice_grammar`` and
+``tool_call_grammar`` (a Lark grammar with the tools' JSON Schemas embedded) return the grammar text; ``Vocabulary`` holds llguidance's view of one model's tokens (built once
 per model, about half a second) and starts one ``GrammarState`` per reply. Mask time per token for our
 vocabulary, llguidance against xgrammar: ``python -m cabinllm.benchmarks.studies.grammar_masks``.
 JSON is generated in one layout, ``json.dumps``'s (``", "`` and ``": "``, no other whitespace): a small
@@ -34,11 +34,6 @@ def json_schema_grammar(schema: dict) -> str:
     return _llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
 
 
-def json_object_grammar() -> str:
-    """The grammar of any JSON object."""
-    return json_schema_grammar({"type": "object"})
-
-
 def regex_grammar(pattern: str) -> str:
     """The grammar of the strings that ``pattern`` matches whole."""
     return _llguidance().LLMatcher.grammar_from_regex(pattern)
@@ -47,11 +42,6 @@ def regex_grammar(pattern: str) -> str:
 def choice_grammar(options: list[str]) -> str:
     """The grammar of exactly one of ``options``."""
     return regex_grammar("|".join(_literal(option) for option in options))
-
-
-def lark_grammar(text: str) -> str:
-    """A Lark grammar as llguidance reads it (``%json {schema}`` embeds a JSON Schema as a rule)."""
-    return _llguidance().LLMatcher.grammar_from_lark(text)
 
 
 def tool_call_grammar(tool_format: ToolFormat, tools: list[Tool], choice: str, parallel: bool = True,
@@ -77,7 +67,7 @@ def tool_call_grammar(tool_format: ToolFormat, tools: list[Tool], choice: str, p
             rules.append("reply: TEXT")
             rules.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*{_literal(tool_format.opener)}.*)/")
     start = {"none": "reply", "auto": "calls | reply"}.get(choice, "calls")
-    return lark_grammar("\n".join([f"start: {start}"] + rules))
+    return _llguidance().LLMatcher.grammar_from_lark("\n".join([f"start: {start}"] + rules))
 
 
 def reply_grammar(tool_format: ToolFormat, tools: list[Tool], tool_choice: str = "auto", parallel: bool = True,
