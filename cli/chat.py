@@ -44,8 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "lights, media, navigation and charging) or a JSON file of OpenAI tool definitions; each call "
                         "is printed and answered by a script's tool line or /tool RESULT (default: none)")
     parser.add_argument("--tool-choice", default="auto",
-                        help="with --tools: auto (call or answer), required (always call), none, or one function's "
-                             "name (default auto); replies are constrained to valid calls by a grammar")
+                        help="with --tools, for the replies to user messages: auto (call or answer), required (always "
+                             "call), none, or one function's name (default auto); calls are constrained to valid calls "
+                             "by a grammar; the reply to a tool's result is words")
     add_sampling_flags(parser)
     return parser.parse_args(argv)
 
@@ -93,6 +94,12 @@ def format_calls(stats: TurnStats) -> str:
     return "\n".join(f"call {c['id']}: {c['function']['name']}({c['function']['arguments']})" for c in stats.tool_calls)
 
 
+def reply_choice(message: str | dict) -> str | None:
+    """The tool choice of the reply to a message: a tool's result is answered in words (the user's messages by
+    --tool-choice)."""
+    return "none" if isinstance(message, dict) and message["role"] == "tool" else None
+
+
 class CallsToAnswer:
     """The calls of the last reply that no tool result has answered yet."""
 
@@ -121,7 +128,7 @@ def run_script(session: Session, turns: list[dict], as_json: bool) -> None:
                 print(f"cabin-chat: error: message {number} of the script: {err}; it was not sent", file=sys.stderr,
                       flush=True)
                 continue
-        stats = session.chat(message)
+        stats = session.chat(message, tool_choice=reply_choice(message))
         calls.after(stats)
         if as_json:
             print(json.dumps(stats.to_dict(), ensure_ascii=False), flush=True)
@@ -175,7 +182,7 @@ def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer) -> None:
     print("assistant> ", end="", flush=True)
     try:
         stats = session.chat(text, on_text=lambda piece: print(piece, end="", flush=True),
-                             should_stop=lambda: interrupted)
+                             should_stop=lambda: interrupted, tool_choice=reply_choice(text))
     finally:
         signal.signal(signal.SIGINT, previous)
     calls.after(stats)

@@ -2,7 +2,8 @@
 # The main job on the embedded default model (SmolLM2-135M-Instruct), end to end:
 # set up if needed, calibrate KV scales on the built-in cockpit dialogues, plan memory for a
 # Jetson Orin Nano, build an INT8-KV engine with equalization, play a scripted dialogue with
-# FP16 and with INT8 KV (memory used), and measure INT8 quality against full precision.
+# FP16 and with INT8 KV (memory used), call the car's functions under a grammar, and measure INT8
+# quality against full precision.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -29,7 +30,11 @@ for MODE in fp16 int8; do
         --kv-budget-mb 32 --max-new-tokens 48
 done
 
-echo; echo "=== 5. quality of INT8 KV against full precision (held-out built-in dialogues) ==="
+echo; echo "=== 5. the assistant acts on the car: replies constrained to calls of the car's functions ==="
+"$BIN/cabin-chat" --engine "$ENGINE" --script scripts/demo_tools.jsonl --tools builtin --tool-choice required \
+    --kv-budget-mb 32 --max-new-tokens 128
+
+echo; echo "=== 6. quality of INT8 KV against full precision (held-out built-in dialogues) ==="
 # Evaluated on the original weights: int8-shared-eq applies the same equalization the engine carries.
 "$BIN/cabin-eval" --model default --data builtin --kv-cache fp16,int8-shared,int8-shared-eq,int8-dynamic \
     --scales "$SCALES" --num-dialogues 6 --max-tokens 1024 --output "$OUT/eval"

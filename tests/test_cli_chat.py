@@ -145,7 +145,7 @@ def test_tools_script_prints_each_call_and_feeds_the_result_back(bytes_engine_di
     assert call["function"]["name"] == "set_sunroof"
     assert json.loads(call["function"]["arguments"])["action"] in ("open", "close")
     assert second["reused_tokens"] > first["prefill_tokens"]  # the result was appended to the cached call
-    assert all(c["function"]["name"] == "set_sunroof" for c in second["tool_calls"])
+    assert second["tool_calls"] == [] and second["finish_reason"] in ("stop", "length")  # the result is answered in words
 
 
 def test_a_bad_tools_file_or_choice_is_one_clear_line(bytes_engine_dir, tmp_path, capsys):

@@ -10,7 +10,8 @@ from cabinllm.runtime.errors import QueueFull
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
-from cabinllm.server.app import _stream
+from cabinllm.server.app import Reply, _stream
+from cabinllm.server.openai_api import ChatCompletionRequest
 from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
 
 VOCAB = 20
@@ -103,12 +104,13 @@ def test_cancelling_frees_the_blocks(tiny_engine):
     scheduler.cache.blocks.check_invariants()
 
 
-def test_a_stream_closed_by_its_client_cancels_the_request():
+def test_a_stream_closed_by_its_client_cancels_the_request(tiny_engine):
     request = Request([1, 2], params(), lambda *_: None)
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "go"}], "stream": True})
 
     async def read_one_then_close():
         outputs = asyncio.Queue()
-        stream = _stream(request, outputs, ("navigate", False), "id", "tiny", None)
+        stream = _stream(request, outputs, ("navigate", False), "id", "tiny", chat, Reply(chat, tiny_engine))
         await stream.__anext__()
         await stream.aclose()
 

@@ -83,7 +83,7 @@ BAD = [
     (b"{not json", "not valid JSON"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "caf\xe9"}]}', "not valid UTF-8"),
     (json.dumps({"model": "tiny", "messages": []}).encode(), "messages must be a non-empty list"),
-    (json.dumps({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}).encode(), "role must be one of"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}).encode(), "role must be one of"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": 5}]}).encode(), "must be a string"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "  "}]}).encode(), "is empty"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "play"}], "temperature": "hot"}).encode(),

@@ -22,17 +22,16 @@ import torch
 
 from cabinllm.benchmarks.machine import machine_info
 from cabinllm.benchmarks.studies.tool_calls import COMMANDS, intent_schema, read_commands
+from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
 from cabinllm.cli.chat import BUILTIN_TOOLS
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.grammar import JSON_LAYOUT, json_schema_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.model.tools import read_tools
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 LONG_REPLY = {"type": "object", "properties": {"reply": {"type": "string", "minLength": 400, "maxLength": 800}},
               "required": ["reply"], "additionalProperties": False}  # longer than any run: every run decodes all
 
@@ -155,10 +154,7 @@ def main(argv: list[str] | None = None) -> int:
               "decode": {"tokens": args.tokens, "repeats": args.repeats, "free_tok_s": free,
                          "constrained_tok_s": constrained, "ratio": constrained / free,
                          "free_each": runs[False], "constrained_each": runs[True]}}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.output.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
-    atomic_write_text(args.output.with_suffix(".md"), markdown(result))
-    print(markdown(result))
+    write_results(args.output, result, markdown(result))
     return 0
 
 

@@ -11,7 +11,6 @@ last token. Writes JSON and a markdown table to ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -24,10 +23,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cabinllm.benchmarks.machine import machine_info
+from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
-from cabinllm.runtime.formats.atomic import atomic_write_text
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 SYSTEM = ("You are the assistant of a car. You help the driver and the passengers with navigation, climate, media "
           "and questions about the vehicle. Keep answers short, friendly and safe to hear while driving.")
 STORY_PROMPTS = ["Tell a long story about a road trip along the coast.",
@@ -196,10 +194,7 @@ def main(argv: list[str] | None = None) -> int:
               "single_stream": single, "concurrent_streams": batched,
               "throughput_ratio": batched["decode_tok_s"] / single["decode_tok_s"] if single["decode_tok_s"] else 0.0,
               "turns": turns, "ttft_ratio": turns[-1]["ttft_s"] / turns[0]["ttft_s"]}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.output.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
-    atomic_write_text(args.output.with_suffix(".md"), markdown(result))
-    print(markdown(result))
+    write_results(args.output, result, markdown(result))
     return 0
 
 

@@ -21,16 +21,15 @@ import torch
 from tqdm import tqdm
 
 from cabinllm.benchmarks.machine import machine_info
+from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
 from cabinllm.cli.chat import BUILTIN_TOOLS
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.generation.grammar import json_schema_grammar, reply_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.model.tools import Tool, read_tools
 from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 COMMANDS = Path(__file__).resolve().parents[2] / "tests" / "data" / "vehicle_commands.jsonl"
 SYSTEM = "You are the assistant of a car. Carry out the driver's command."
 
@@ -153,10 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         modes[mode] = {**summary(scored), "seconds": time.perf_counter() - start, "replies_each": [vars(s) for s in scored]}
     result = {"engine": args.engine.name, "commands": len(commands), "threads": args.threads,
               "machine": machine_info(), "modes": modes}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.output.with_suffix(".json"), json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-    atomic_write_text(args.output.with_suffix(".md"), markdown(result))
-    print(markdown(result))
+    write_results(args.output, result, markdown(result))
     return 0
 
 

@@ -158,8 +158,9 @@ class TrtllmSession:
         self.tools: list[Tool] = []  # constrained decoding is not available here: TRTLLM_NO_GRAMMAR
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> TurnStats:
-        """Answer one message (text: the user's), streaming the reply text to on_text."""
+             should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None) -> TurnStats:
+        """Answer one message (text: the user's), streaming the reply text to on_text; no tools here, so
+        ``tool_choice`` changes nothing."""
         import torch
 
         self.turns += 1

@@ -47,9 +47,10 @@ class Session(Protocol):
     tools: list[Tool]  # the functions its replies may call
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> TurnStats:
+             should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None) -> TurnStats:
         """Answer one message (text: the user's; a dict: a message such as a tool's result), streaming the reply's
-        text; a turn that cannot fit ends with finish_reason 'capacity' and the session stays usable."""
+        text; ``tool_choice`` for this reply (None: the session's). A turn that cannot fit ends with finish_reason
+        'capacity' and the session stays usable."""
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""

@@ -52,12 +52,13 @@ class DialogueSession:
         return self.seq.token_ids
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> TurnStats:
-        """Answer one message (text: the user's; or a message dict, e.g. a tool's result); a turn that cannot fit
-        ends with finish_reason 'capacity'."""
+             should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None) -> TurnStats:
+        """Answer one message (text: the user's; or a message dict, e.g. a tool's result); ``tool_choice`` for this
+        reply only (None: the session's). A turn that cannot fit ends with finish_reason 'capacity'."""
         self.turns += 1
         messages = self.messages + [message if isinstance(message, dict) else {"role": "user", "content": message}]
-        grammar = reply_grammar(self.tokenizer.tool_format, self.tools, self.tool_choice, parallel=False)
+        grammar = reply_grammar(self.tokenizer.tool_format, self.tools, tool_choice or self.tool_choice,
+                                parallel=False)
         try:
             plan = self._plan(messages)
             if plan.rebuild:
