@@ -8,11 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from cabinllm.runtime.backends.select import SessionRequest
+from cabinllm.runtime.backends.select import open_session as select_open_session
 from cabinllm.runtime.backends.trtllm import TrtllmSession
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import KvCacheConfig
+from cabinllm.runtime.model.tools import Tool
 
 SYSTEM = "You are the in-car assistant."
 REPLY = "set cabin temperature"  # the fake engine's reply, in words both the tiny and the default tokenizer spell back
@@ -308,3 +312,10 @@ def test_limits_come_from_the_engine_build_config_when_the_runner_lacks_them(eng
     session = open_session(engine, tmp_path, "int8", "error")
     assert (session.limits.max_input_len, session.limits.max_seq_len) == (100, 120)
     assert session.capacity == min(session.settings.max_tokens_in_paged_kv_cache, 100 + 32, 120)
+
+
+def test_tools_on_the_tensorrt_llm_backend_are_refused_naming_the_backends_that_take_them(tmp_path):
+    request = SessionRequest(tmp_path, 8 << 20, backend="tensorrt-llm",
+                             tools=(Tool("set_sunroof", "", {"type": "object"}),))
+    with pytest.raises(ConfigError, match="ModelRunnerCpp .* does not do .* --backend reference or onnxruntime"):
+        select_open_session(request)
