@@ -41,6 +41,12 @@ class SessionRequest:
     tools: tuple[Tool, ...] = ()  # functions the replies may call (reference and onnxruntime backends)
     tool_choice: str = "auto"  # how: auto, required, none or one tool's name
 
+    def __post_init__(self) -> None:
+        """Folders given as text become paths."""
+        object.__setattr__(self, "engine", Path(self.engine))
+        if self.restore is not None:
+            object.__setattr__(self, "restore", Path(self.restore))
+
 
 def open_session(request: SessionRequest) -> Session:
     """Load the folder and start (or restore) a session on the chosen backend."""
