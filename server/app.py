@@ -254,22 +254,23 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
 def _grammar(engine: Engine, chat: ChatCompletionRequest, tools: list[Tool]) -> GrammarState | None:
     """The grammar the reply follows (``tools``, ``response_format``, ``guided_regex`` or ``guided_choice``); a 400
     naming the part it cannot use."""
+    if chat.guided_regex is not None:
+        return _start(engine, "guided_regex", regex_grammar(chat.guided_regex))
+    if chat.guided_choice is not None:
+        return _start(engine, "guided_choice", choice_grammar(chat.guided_choice))
+    for i, tool in enumerate(tools):
+        _start(engine, f"tools[{i}].function.parameters", json_schema_grammar(tool.parameters))
     schema = chat.response_format.schema if chat.response_format else None
+    if schema is not None:
+        _start(engine, "response_format.json_schema.schema", json_schema_grammar(schema))
+    grammar = reply_grammar(engine.tokenizer.tool_format, tools, chat.tool_mode, chat.parallel_tool_calls, schema)
+    return _start(engine, "tools", grammar) if grammar else None
+
+
+def _start(engine: Engine, param: str, grammar: str) -> GrammarState:
+    """A reply's grammar state; the 400 naming ``param`` where the grammar cannot be used."""
     try:
-        param = "guided_regex"
-        if chat.guided_regex is not None:
-            return engine.vocabulary.start(regex_grammar(chat.guided_regex))
-        if chat.guided_choice is not None:
-            return engine.vocabulary.start(choice_grammar(chat.guided_choice))
-        for i, tool in enumerate(tools):
-            param = f"tools[{i}].function.parameters"
-            engine.vocabulary.check(json_schema_grammar(tool.parameters))
-        param = "response_format.json_schema.schema"
-        if schema is not None:
-            engine.vocabulary.check(json_schema_grammar(schema))
-        param = "tools"
-        grammar = reply_grammar(engine.tokenizer.tool_format, tools, chat.tool_mode, chat.parallel_tool_calls, schema)
-        return engine.vocabulary.start(grammar) if grammar else None
+        return engine.vocabulary.start(grammar)
     except GrammarError as err:
         raise ApiError(400, f"{param} {err}", param=param) from err
 

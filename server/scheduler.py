@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import ConfigError, QueueFull
+from cabinllm.runtime.errors import ConfigError, GrammarError, QueueFull
 from cabinllm.runtime.generation.generate import BatchedModel
 from cabinllm.runtime.generation.grammar import GrammarState
 from cabinllm.runtime.generation.sampling import SamplingParams, make_generator, sample
@@ -275,7 +275,12 @@ class Scheduler:
 
     def _sample(self, running: _Running, logits: torch.Tensor) -> None:
         request = running.request
-        token = sample(running.reply.constrain(logits), request.params, running.generator)
+        try:
+            token = sample(running.reply.constrain(logits), request.params, running.generator)
+        except GrammarError as err:  # the grammar's own failure ends its request only
+            request.error = str(err)
+            self._finish(running, "error")
+            return
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         request.token_ids.append(token)

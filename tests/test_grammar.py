@@ -8,6 +8,7 @@ import threading
 
 import jsonschema
 import pytest
+import torch
 
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.errors import GrammarError
@@ -157,3 +158,23 @@ def test_a_saved_session_keeps_its_tools_and_calls(bytes_engine, tmp_path):
     assert restored.messages == session.messages and restored.messages[-1]["tool_calls"] == [call]
     answer = {"role": "tool", "tool_call_id": call["id"], "content": "done"}
     assert restored.chat(answer).token_ids == session.chat(answer).token_ids  # restored without re-prefill, the same
+
+
+def test_a_grammar_that_fails_mid_reply_ends_that_reply_only(bytes_engine, monkeypatch):
+    scheduler = Scheduler(bytes_engine, bytes_engine.new_cache(), SchedulerConfig(max_sessions=2))
+    prompt = bytes_engine.tokenizer.encode_prompt("open the window")
+    params = SamplingParams(max_new_tokens=20, stop_token_ids=bytes_engine.stop_token_ids())
+    nothing = torch.zeros(bytes_engine.config.vocab_size, dtype=torch.bool)
+    broken = bytes_engine.vocabulary.start(json_schema_grammar(WINDOW))
+    monkeypatch.setattr(broken, "allowed", lambda: nothing)
+    failing, free = Request(prompt, params, lambda *_: None, grammar=broken), Request(prompt, params, lambda *_: None)
+    for request in (failing, free):
+        scheduler.submit(request)
+    while free.finish_reason is None:
+        scheduler.step()
+    assert failing.finish_reason == "error" and "allows no token" in failing.error
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
+    session = DialogueSession(bytes_engine, bytes_engine.new_cache(), params, None, tools=TOOLS)
+    monkeypatch.setattr(type(broken), "allowed", lambda self: nothing)
+    turn = session.chat("open it")
+    assert turn.finish_reason == "error" and "allows no token" in turn.error and not session.seq

@@ -18,7 +18,7 @@ from cabinllm.runtime.dialogue.interface import TurnStats
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
 from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file, within_memory, write_session_file
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CapacityError, OutOfBlocks, SessionFileError
+from cabinllm.runtime.errors import CapacityError, GrammarError, OutOfBlocks, SessionFileError
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.grammar import reply_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -69,6 +69,9 @@ class DialogueSession:
         except CapacityError as err:
             message = capacity_message(err, self.overflow, self.params.max_new_tokens, self._room().capacity)
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, message)
+        except GrammarError as err:  # the cache holds part of a reply the messages will not: the next turn rebuilds
+            self._release()
+            return self._stats("", [], 0, 0, 0.0, 0.0, "error", 0, str(err))
         calls = self.tokenizer.tool_format.read_calls(result.text) if self.tools else None
         reply = {"role": "assistant", "content": "" if calls else result.text}
         if calls:
