@@ -347,6 +347,12 @@ def _tool_choice(value: Any) -> Any:
     return value
 
 
+def _format_type(value: Any) -> str:
+    if value not in ("text", "json_object", "json_schema"):
+        raise _refuse(f"must be text, json_object or json_schema, got {_shown(value)}")
+    return value
+
+
 class JsonSchemaFormat(_RequestObject):
     """The schema a structured reply follows."""
 
@@ -360,9 +366,7 @@ class JsonSchemaFormat(_RequestObject):
 class ResponseFormat(_RequestObject):
     """The form of the reply: free text, any JSON object, or JSON valid against ``json_schema``."""
 
-    type: Annotated[Literal["text", "json_object", "json_schema"], BeforeValidator(
-        lambda v: v if v in ("text", "json_object", "json_schema") else _raise(_refuse(
-            f"must be text, json_object or json_schema, got {_shown(v)}")))]
+    type: Annotated[Literal["text", "json_object", "json_schema"], BeforeValidator(_format_type)]
     json_schema: JsonSchemaFormat | None = Field(default=None, validate_default=True)
 
     @field_validator("json_schema")
@@ -379,10 +383,6 @@ class ResponseFormat(_RequestObject):
         if self.type == "json_object":
             return {"type": "object"}
         return self.json_schema.schema_ if self.type == "json_schema" and self.json_schema else None
-
-
-def _raise(error: Exception) -> Any:
-    raise error
 
 
 class StreamOptions(_RequestObject):

@@ -24,6 +24,7 @@ from cabinllm.runtime.generation.grammar import reply_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import Tool
 
 
@@ -36,7 +37,6 @@ class DialogueSession:
         """``tools`` the replies may call as ``tool_choice`` allows ("auto", "required", "none" or a tool's name)."""
         self.engine, self.cache = engine, cache
         self.tools, self.tool_choice = list(tools or []), tool_choice
-        self.tokenizer = engine.tokenizer.with_tools(self.tools)
         self.params = params or SamplingParams(stop_token_ids=engine.stop_token_ids())
         self.overflow = overflow or OverflowPolicy("error")
         self.system_prompt = system_prompt
@@ -45,6 +45,11 @@ class DialogueSession:
         self.pending: list[int] = []  # the last sampled token, fed with the next turn
         self.transcript = ""          # the conversation text the KV and pending token stand for
         self.turns = 0
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        """The engine's tokenizer, rendering this session's tools."""
+        return self.engine.tokenizer.with_tools(self.tools)
 
     @property
     def fed(self) -> list[int]:

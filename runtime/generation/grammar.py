@@ -12,31 +12,24 @@ from __future__ import annotations
 
 import json
 
+import llguidance
 import numpy as np
 import torch
 
-from cabinllm.runtime.errors import GrammarError, MissingDependency
+from cabinllm.runtime.errors import GrammarError
 from cabinllm.runtime.model.tools import Tool, ToolFormat
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _llguidance():
-    try:
-        import llguidance
-    except ImportError as err:
-        raise MissingDependency("constrained decoding needs llguidance: pip install llguidance") from err
-    return llguidance
-
-
 def json_schema_grammar(schema: dict) -> str:
     """The grammar of JSON documents that validate against ``schema``."""
-    return _llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
 
 
 def regex_grammar(pattern: str) -> str:
     """The grammar of the strings that ``pattern`` matches whole."""
-    return _llguidance().LLMatcher.grammar_from_regex(pattern)
+    return llguidance.LLMatcher.grammar_from_regex(pattern)
 
 
 def choice_grammar(options: list[str]) -> str:
@@ -67,7 +60,7 @@ def tool_call_grammar(tool_format: ToolFormat, tools: list[Tool], choice: str, p
             rules.append("reply: TEXT")
             rules.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*{_literal(tool_format.opener)}.*)/")
     start = {"none": "reply", "auto": "calls | reply"}.get(choice, "calls")
-    return _llguidance().LLMatcher.grammar_from_lark("\n".join([f"start: {start}"] + rules))
+    return llguidance.LLMatcher.grammar_from_lark("\n".join([f"start: {start}"] + rules))
 
 
 def reply_grammar(tool_format: ToolFormat, tools: list[Tool], tool_choice: str = "auto", parallel: bool = True,
@@ -90,25 +83,21 @@ def _literal(text: str) -> str:
 
 
 class Vocabulary:
-    """One model's tokens as llguidance sees them: checks grammars and starts a ``GrammarState`` per reply."""
+    """One model's tokens as llguidance sees them: starts a ``GrammarState`` per reply."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, stop_token_ids: list[int]) -> None:
         """``vocab_size`` is the width of the model's logits (rows past the tokenizer's are never allowed);
         ``stop_token_ids`` end a reply once the grammar is complete."""
-        self._ll = _llguidance()
         self.vocab_size = vocab_size
-        self._tokenizer = self._ll.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=stop_token_ids)
-
-    def check(self, grammar: str) -> None:
-        """GrammarError naming the problem when ``grammar`` cannot constrain this model."""
-        problem = self._ll.LLMatcher.validate_grammar(grammar, self._tokenizer)
-        if problem:
-            raise GrammarError(f"the grammar cannot be used: {problem.splitlines()[0]}")
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=stop_token_ids)
 
     def start(self, grammar: str) -> "GrammarState":
-        """The state of a reply that has not begun (GrammarError for a grammar ``check`` refuses)."""
-        self.check(grammar)
-        return GrammarState(self._ll.LLMatcher(self._tokenizer, grammar, log_level=0), self.vocab_size)
+        """The state of a reply that has not begun; GrammarError naming the problem when ``grammar`` cannot
+        constrain this model (compiled once: llguidance's matcher holds the error instead of raising)."""
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the grammar cannot be used: {matcher.get_error().splitlines()[0]}")
+        return GrammarState(matcher, self.vocab_size)
 
 
 class GrammarState:

@@ -115,7 +115,6 @@ class ToolFormat:
 
 HERMES = ToolFormat("hermes", '<tool_call>\n{"name": ', ', "arguments": ', "}\n</tool_call>", "\n", parallel=True)
 LLAMA3_JSON = ToolFormat("llama3-json", '{"name": ', ', "parameters": ', "}", "", parallel=False)
-TOOL_FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
 
 
 def read_tools(path: str | Path) -> list[Tool]:
