@@ -21,6 +21,7 @@ from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.memory import available_memory
 from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES
+from cabinllm.runtime.model.threads import AUTO, CPU_THREADS, parse_threads
 
 
 def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -80,6 +81,27 @@ def add_cache_flags(parser: argparse.ArgumentParser, shared_by: str = "") -> Non
                         help=f"{help_of(KvCacheConfig, 'tokens_per_block')} (default: the engine's target's)")
     parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=OverflowPolicy.name,
                         help=f"{help_of(OverflowPolicy, 'name')} (default {OverflowPolicy.name})")
+
+
+def thread_count(text: str) -> int | str:
+    """An argparse type: ``auto`` or a thread count >= 1."""
+    try:
+        return parse_threads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"need {AUTO} or an integer >= 1, got {text!r}") from None
+
+
+def add_thread_flag(parser: argparse.ArgumentParser) -> None:
+    """--threads of the reference engine: ``auto`` (the default) follows the cores other processes leave idle."""
+    parser.add_argument("--threads", type=thread_count, default=AUTO,
+                        help="CPU threads of the reference engine's ops: N, or auto (the default): before each step "
+                             "as many as the cores other processes (speech, vision) leave idle, at least one, "
+                             "re-read every 0.25 s; a prefill split over a busy core waits for it")
+
+
+def use_threads(args: argparse.Namespace) -> None:
+    """Apply --threads to this process."""
+    CPU_THREADS.use(args.threads)
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:

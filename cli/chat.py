@@ -7,8 +7,8 @@ import signal
 import sys
 from pathlib import Path
 
-from cabinllm.cli.args import (add_cache_flags, add_sampling_flags, entry_point, kv_budget_bytes, os_error_message,
-                               output_name, sampling_params)
+from cabinllm.cli.args import (add_cache_flags, add_sampling_flags, add_thread_flag, entry_point, kv_budget_bytes,
+                               os_error_message, output_name, sampling_params, use_threads)
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.select import BACKENDS, SessionRequest, open_session
 from cabinllm.runtime.dialogue.interface import Session, TurnStats
@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --tools, for the replies to user messages: auto (call or answer), required (always "
                              "call), none, or one function's name (default auto); calls are constrained to valid calls "
                              "by a grammar; the reply to a tool's result is words")
+    add_thread_flag(parser)
     add_sampling_flags(parser)
     return parser.parse_args(argv)
 
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--system {problem}")
         if system is None:
             system = args.system if args.system is not None else EngineFolder(args.engine).system_prompt()
+        use_threads(args)
         session = open_chat_session(args, system or None)
     except CabinError as err:
         print(f"cabin-chat: error: {err}", file=sys.stderr)

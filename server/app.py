@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -21,7 +22,7 @@ from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -33,18 +34,21 @@ from cabinllm.runtime.generation.grammar import (GrammarState, choice_grammar, j
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.model.tools import Tool, ToolCall
 from cabinllm.server.conversation import plan_prompt
+from cabinllm.server.edge import Edge, ServeLimits, Shutdown
 from cabinllm.server.openai_api import (ApiError, ChatCompletion, ChatCompletionRequest, ChoiceDelta, ErrorResponse,
                                         Usage, call_deltas, check_body, chunk, completion, is_json, reply_message,
                                         request_error, usage, usage_chunk)
 from cabinllm.server.scheduler import Request, Scheduler
 
+log = logging.getLogger("cabinllm.server")
 RETRY_AFTER_S = 1  # what a client told to come back later waits
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"  # the text format every Prometheus version reads
 ERROR_ANSWERS: dict[int | str, dict[str, Any]] = {  # "4XX" also keeps FastAPI from listing a 422 never sent
     status: {"model": ErrorResponse, "description": description}
-    for status, description in [("4XX", "400: a bad request, naming the field; 404: a model not served here; 429: "
-                                        "the queue is full, retry after Retry-After seconds"),
-                                (500, "the model step failed"),
+    for status, description in [("4XX", "400: a bad request, naming the field; 401: no or a wrong API key; 404: "
+                                        "a model not served here; 408: the body came too slowly; 413: the body is "
+                                        "too large; 429: the queue is full, retry after Retry-After seconds"),
+                                (500, "the model step failed, or the server failed on this request"),
                                 (503, "the server stayed full or is stopping; retry after Retry-After seconds")]}
 STREAM_ANSWER = {"description": "a chat.completion, or with stream true server-sent events of "
                                 "chat.completion.chunk objects ending with data: [DONE]",
@@ -62,22 +66,26 @@ class ServeConfig:
     max_tokens: int = 256  # reply limit of a request that gives none (at most half of what a sequence holds)
 
 
-class JsonBodyRoute(APIRoute):
-    """A route whose body is checked as bytes first, so a body that is no UTF-8 JSON object gets the precise 400,
-    and read as JSON whatever its Content-Type (``curl -d`` sends a form type)."""
+def json_body_route(limits: ServeLimits) -> type[APIRoute]:
+    """A route class whose body is checked as bytes first (within ``limits``' depth and message count), so a body
+    that is no UTF-8 JSON object gets the precise 400, and read as JSON whatever its Content-Type (``curl -d`` sends
+    a form type)."""
 
-    def get_route_handler(self) -> Callable[[HttpRequest], Coroutine[Any, Any, Response]]:
-        """FastAPI's handler behind check_body."""
-        handle = super().get_route_handler()
+    class JsonBodyRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[HttpRequest], Coroutine[Any, Any, Response]]:
+            """FastAPI's handler behind check_body."""
+            handle = super().get_route_handler()
 
-        async def checked(request: HttpRequest) -> Response:
-            body = await request.body()
-            check_body(body)
-            if is_json(request.headers.get("content-type")):
-                return await handle(request)
-            return await handle(_as_json(request, body))
+            async def checked(request: HttpRequest) -> Response:
+                body = await request.body()
+                check_body(body, limits.max_json_depth, limits.max_messages)
+                if is_json(request.headers.get("content-type")):
+                    return await handle(request)
+                return await handle(_as_json(request, body))
 
-        return checked
+            return checked
+
+    return JsonBodyRoute
 
 
 def _as_json(request: HttpRequest, body: bytes) -> HttpRequest:
@@ -130,23 +138,33 @@ class SchedulerMetrics(Collector):
         for name, kind, description, value in rows:
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(name, description, value=value)
+        yield from self.scheduler.ttft.collect()
+        yield from self.scheduler.token_gap.collect()
 
 
-def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> FastAPI:
-    """The FastAPI app; starts the scheduler's thread on startup and stops it on shutdown."""
-    stop = threading.Event()
+def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, limits: ServeLimits = ServeLimits(),
+               api_key: str | None = None) -> FastAPI:
+    """The FastAPI app behind ``Edge`` (``api_key``: None serves everyone); starts the scheduler's thread on startup
+    and stops it on shutdown. ``app.state.shutdown`` is the server's graceful stop (cabinllm.server.edge)."""
+    shutdown = Shutdown()
     registry = CollectorRegistry()  # the app's own, so several apps in one process do not clash
     registry.register(SchedulerMetrics(scheduler))
+    requests = Counter("cabin_http_requests", "HTTP requests answered, by status", ["status"], registry=registry)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        thread = threading.Thread(target=scheduler.run, args=(stop,), name="cabin-serve-engine", daemon=True)
+        thread = threading.Thread(target=scheduler.run, args=(shutdown.stop,), name="cabin-serve-engine",
+                                  daemon=True)
         thread.start()
         yield
-        stop.set()
+        shutdown.stop.set()
         thread.join()
+        _, cache = scheduler.stats()
+        log.info("stopped: %d of %d KV blocks in use", cache.blocks_in_use, cache.blocks_total)
 
     app = FastAPI(title="cabin-serve", lifespan=lifespan)
+    app.state.shutdown = shutdown
+    app.add_middleware(Edge, limits=limits, api_key=api_key, requests=requests)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: HttpRequest, error: ApiError) -> JSONResponse:
@@ -170,11 +188,13 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> Fas
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=PROMETHEUS_TEXT)
 
-    chat_routes = APIRouter(route_class=JsonBodyRoute)
+    chat_routes = APIRouter(route_class=json_body_route(limits))
 
     @chat_routes.post("/v1/chat/completions", response_model=ChatCompletion,
                       responses={200: STREAM_ANSWER, **ERROR_ANSWERS})
     async def chat_completions(chat: ChatCompletionRequest, http: HttpRequest) -> ChatCompletion | Response:
+        if shutdown.draining.is_set():
+            raise _stopping()
         if chat.model is not None and chat.model != config.model_name:
             raise ApiError(404, f"model {chat.model!r} is not served here; GET /v1/models lists "
                                 f"{config.model_name!r}", param="model", code="model_not_found")
@@ -192,12 +212,11 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> Fas
         if first[1] and request.finish_reason == "error":
             raise _internal_error(request)
         if first[1] and request.finish_reason == "cancelled":
-            raise ApiError(503, "the server is shutting down; retry on its next start", kind="server_error",
-                           code="server_stopping", retry_after_s=RETRY_AFTER_S)
+            raise _stopping()
         reply = Reply(chat, engine)
         if chat.stream:
-            return StreamingResponse(_stream(request, outputs, first, request_id, config.model_name, chat, reply),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_stream(request, outputs, first, request_id, config.model_name, chat, reply,
+                                             shutdown), media_type="text/event-stream")
         finished = first[1]
         while not finished:
             if await http.is_disconnected():
@@ -205,6 +224,8 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> Fas
             _, finished = await outputs.get()
         if request.finish_reason == "error":
             raise _internal_error(request)
+        if request.finish_reason == "cancelled" and shutdown.stop.is_set():
+            raise _stopping()
         calls = reply.calls(request.text)
         return completion(request_id, config.model_name, reply_message(request.text, calls),
                           reply.finish_reason(request, calls), _usage(request))
@@ -299,9 +320,10 @@ class Reply:
 
 
 async def _stream(request: Request, outputs: asyncio.Queue, first: tuple[str, bool], request_id: str, model: str,
-                  chat: ChatCompletionRequest, reply: Reply) -> AsyncIterator[str]:
+                  chat: ChatCompletionRequest, reply: Reply, shutdown: Shutdown) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format; the request is cancelled if the client goes away. Text that
-    may begin a call is held back until it is clear; calls are sent whole once the reply ends."""
+    may begin a call is held back until it is clear; calls are sent whole once the reply ends. A stream the
+    server's stop ends gets an error event instead of the end."""
     try:
         yield chunk(request_id, model, ChoiceDelta(role="assistant", content=""))
         piece, finished = first
@@ -316,8 +338,9 @@ async def _stream(request: Request, outputs: asyncio.Queue, first: tuple[str, bo
             if finished:
                 break
             piece, finished = await outputs.get()
-        if request.finish_reason == "error":
-            yield f"data: {json.dumps(_internal_error(request).body())}\n\n"
+        if request.finish_reason == "error" or (request.finish_reason == "cancelled" and shutdown.stop.is_set()):
+            error = _internal_error(request) if request.finish_reason == "error" else _stopping()
+            yield f"data: {json.dumps(error.body())}\n\n"
             return
         calls = reply.calls(request.text)
         if calls:
@@ -329,9 +352,19 @@ async def _stream(request: Request, outputs: asyncio.Queue, first: tuple[str, bo
         if chat.include_usage:
             yield usage_chunk(request_id, model, _usage(request))
         yield "data: [DONE]\n\n"
+    except Exception as err:  # a fault of ours mid-stream: the client gets an error event, the log one line
+        log.error("stream %s failed: %s: %s", request_id, type(err).__name__, err)
+        error = ApiError(500, f"the server failed on this stream ({request_id}); it goes on serving, retry the "
+                              "request", kind="server_error", code="internal_error")
+        yield f"data: {json.dumps(error.body())}\n\n"
     finally:
         if request.finish_reason is None:
             request.cancel()
+
+
+def _stopping() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry on its next start", kind="server_error",
+                    code="server_stopping", retry_after_s=RETRY_AFTER_S)
 
 
 def _internal_error(request: Request) -> ApiError:

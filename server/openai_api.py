@@ -75,20 +75,40 @@ def is_json(content_type: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def check_body(body: bytes) -> None:
-    """Refuse, before FastAPI reads it, a body that is not a JSON object in UTF-8 (ApiError 400), whatever its
-    Content-Type says."""
+def check_body(body: bytes, max_depth: int, max_messages: int) -> None:
+    """Refuse, before FastAPI reads it, a body that is not a JSON object in UTF-8, nests arrays and objects deeper
+    than ``max_depth`` or holds more than ``max_messages`` messages (ApiError 400), whatever its Content-Type says."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ApiError(400, f"the request body is not valid UTF-8 (byte {err.start}); send UTF-8 JSON") from err
+    too_deep = ApiError(400, f"the request body nests arrays and objects deeper than {max_depth} levels "
+                             "(--max-json-depth); send a flatter body")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise ApiError(400, f"the request body is not valid JSON ({err.msg} at line {err.lineno} column "
                             f"{err.colno}); send a JSON object") from err
+    except RecursionError:  # deeper than Python's parser goes
+        raise too_deep from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object with 'model' and 'messages'")
+    if json_depth(data) > max_depth:
+        raise too_deep
+    messages = data.get("messages")
+    if isinstance(messages, list) and len(messages) > max_messages:
+        raise ApiError(400, f"messages holds {len(messages):,} messages, more than the {max_messages:,} this server "
+                            "takes (--max-messages); send the recent turns (the server's overflow policy keeps the "
+                            "conversation within its KV budget)", param="messages")
+
+
+def json_depth(value: Any) -> int:
+    """Levels of nested arrays and objects in a parsed JSON value (0 for a scalar)."""
+    depth, level = 0, [value]
+    while level := [v for v in level if isinstance(v, (dict, list))]:
+        depth += 1
+        level = [child for v in level for child in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 def request_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from prometheus_client import Histogram
 
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import ConfigError, GrammarError, QueueFull
@@ -40,6 +41,8 @@ from cabinllm.runtime.kv.cache import CacheStats, PagedKVCache
 from cabinllm.runtime.model.transformer import Span
 
 log = logging.getLogger(__name__)
+TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+TOKEN_GAP_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class Request:
     finish_reason: str | None = None
     queued_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    last_token_at: float | None = None
     cancelled: bool = False
     error: str | None = None  # what failed, for finish_reason "error"
     grammar: GrammarState | None = None  # the grammar the reply follows (None: free text)
@@ -132,6 +136,11 @@ class Scheduler:
         self._wake = threading.Condition(self._lock)
         self._stats = SchedulerStats(0, 0, 0, 0, 0, 0, 0, 0.0, 0)
         self._cache_stats = cache.stats()
+        # the scheduler's own histograms (in no registry; the server's metrics collect them)
+        self.ttft = Histogram("cabin_time_to_first_token_seconds", "seconds from a request's arrival to its first "
+                              "token", buckets=TTFT_BUCKETS_S, registry=None)
+        self.token_gap = Histogram("cabin_inter_token_latency_seconds", "seconds between a request's tokens after "
+                                   "the first", buckets=TOKEN_GAP_BUCKETS_S, registry=None)
 
     # -- any thread ------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -281,8 +290,13 @@ class Scheduler:
             request.error = str(err)
             self._finish(running, "error")
             return
+        now = time.perf_counter()
         if request.first_token_at is None:
-            request.first_token_at = time.perf_counter()
+            request.first_token_at = now
+            self.ttft.observe(now - request.queued_at)
+        else:
+            self.token_gap.observe(now - request.last_token_at)
+        request.last_token_at = now
         request.token_ids.append(token)
         with self._lock:
             self._stats.generated_tokens += 1

@@ -6,9 +6,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-import uvicorn
-
-from cabinllm.cli.serve import build, parse_args
+from cabinllm.cli.serve import build, parse_args, server
 
 
 def free_port() -> int:
@@ -21,19 +19,19 @@ def free_port() -> int:
 def running_server(engine_dir, *flags: str):
     """Start cabin-serve with these flags; yields its base URL and stops it at the end."""
     port = free_port()
-    app = build(parse_args(["--engine", str(engine_dir), "--port", str(port), "--model-name", "tiny", *flags]))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    args = parse_args(["--engine", str(engine_dir), "--port", str(port), "--model-name", "tiny", *flags])
+    uvicorn_server = server(build(args), args)  # in a thread: uvicorn leaves the signals alone
+    thread = threading.Thread(target=uvicorn_server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
-    while not server.started:
+    while not uvicorn_server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        server.should_exit = True
+        uvicorn_server.should_exit = True
         thread.join(10)
 
 

@@ -37,6 +37,7 @@ from cabinllm.runtime.kv.storage import KVLayout, KVStorage
 from cabinllm.runtime.model.linear import Linear, halves, kernel_linear, linear_op, stack
 from cabinllm.runtime.model.linear import linear as _linear
 from cabinllm.runtime.model.rope import apply_rope, rope_table
+from cabinllm.runtime.model.threads import CPU_THREADS
 
 
 @dataclass
@@ -102,6 +103,7 @@ class Transformer:
         (spans, vocab)), or of every token (shape (tokens, vocab)).
         """
         c = self.config
+        CPU_THREADS.before_step()
         for span in spans:
             if span.end > c.max_position_embeddings:
                 raise ConfigError(f"position {span.end} exceeds the model's context of {c.max_position_embeddings} "
