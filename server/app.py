@@ -42,6 +42,7 @@ from cabinllm.server.scheduler import Request, Scheduler
 
 log = logging.getLogger("cabinllm.server")
 RETRY_AFTER_S = 1  # what a client told to come back later waits
+CLIENT_GONE = 499  # the status counted for a request whose client left before its first token (nginx's)
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"  # the text format every Prometheus version reads
 ERROR_ANSWERS: dict[int | str, dict[str, Any]] = {  # "4XX" also keeps FastAPI from listing a 422 never sent
     status: {"model": ErrorResponse, "description": description}
@@ -184,7 +185,8 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, limits
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "cabinllm"}]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus' text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=PROMETHEUS_TEXT)
 
@@ -200,11 +202,9 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, limits
                                 f"{config.model_name!r}", param="model", code="model_not_found")
         request, outputs = _submit(engine, scheduler, config, chat, asyncio.get_running_loop())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        try:
-            first = await outputs.get()
-        except asyncio.CancelledError:
-            request.cancel()
-            raise
+        first = await _first_output(request, outputs, http)
+        if first is None:  # the client left while the request waited: nobody reads an answer
+            return Response(status_code=CLIENT_GONE)
         if first[1] and request.finish_reason == "expired":
             raise ApiError(503, f"the server stayed full for {scheduler.config.queue_timeout_s:g} s (every session "
                                 f"or the KV budget in use); retry in {RETRY_AFTER_S} s", kind="server_error",
@@ -270,6 +270,27 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
         raise ApiError(429, f"too many requests: {err}; retry in {RETRY_AFTER_S} s", kind="rate_limit_error",
                        code="rate_limit_exceeded", retry_after_s=RETRY_AFTER_S) from err
     return request, outputs
+
+
+async def _first_output(request: Request, outputs: asyncio.Queue, http: HttpRequest) -> tuple[str, bool] | None:
+    """The request's first output, or None (the request cancelled) when its client disconnects first: a request
+    left in the queue must not keep its place, nor be prefilled."""
+    output = asyncio.ensure_future(outputs.get())
+    gone = asyncio.ensure_future(_disconnect(http))
+    try:
+        await asyncio.wait({output, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not output.done():
+            output.cancel()
+            request.cancel()
+    return output.result() if output.done() and not output.cancelled() else None
+
+
+async def _disconnect(http: HttpRequest) -> None:
+    """Returns when the client disconnects (its body was read already)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _grammar(engine: Engine, chat: ChatCompletionRequest, tools: list[Tool]) -> GrammarState | None:

@@ -186,6 +186,8 @@ async def _answer(send: Send, error: ApiError) -> None:
                *((k.lower().encode(), v.encode()) for k, v in error.headers().items())]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if error.status in (408, 413):  # the rest of the body may still come: this connection is done
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

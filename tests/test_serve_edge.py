@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -154,21 +155,31 @@ def test_a_unix_socket_serves_local_clients(tiny_engine_dir, tmp_path):
         thread.join(10)
 
 
-def start_serve(engine_dir, *flags: str) -> tuple[subprocess.Popen, str]:
-    """cabin-serve as its own process (signals reach it as they would on the board)."""
+@contextmanager
+def serve_process(engine_dir, *flags: str):
+    """cabin-serve as its own process (signals reach it as they would on the board); yields it and its base URL,
+    and kills it if a test left it running."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "cabinllm.cli.serve", "--engine", str(engine_dir), "--port",
                                 str(port), "--model-name", "tiny", *flags], stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                return process, base
-        except httpx.TransportError:
+    try:
+        deadline = time.monotonic() + 60
+        while not _healthy(base):
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"cabin-serve did not start: {process.stderr.read()}")
             time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"cabin-serve did not start: {process.stderr.read()}")
+        yield process, base
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health").status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def stream_lines(base: str, max_tokens: int):
@@ -182,30 +193,44 @@ def stream_lines(base: str, max_tokens: int):
 
 @pytest.mark.slow
 def test_sigterm_lets_a_short_stream_finish_ends_a_long_one_and_exits_0(bytes_engine_dir):
-    process, base = start_serve(bytes_engine_dir, "--shutdown-grace", "1")  # 4,096 positions: a long reply
-    short, long = stream_lines(base, 8), stream_lines(base, 3000)
-    first_short, first_long = next(short), next(long)  # both streaming
-    process.send_signal(signal.SIGTERM)
-    with pytest.raises(httpx.TransportError):  # no new connections
-        for _ in range(50):
-            httpx.get(f"{base}/health", timeout=1)
-            time.sleep(0.1)
-    rest_short, rest_long = [first_short, *short], [first_long, *long]
-    assert rest_short[-1] == "data: [DONE]"  # finished within the grace
-    assert json.loads(rest_long[-1].removeprefix("data: "))["error"]["code"] == "server_stopping"
-    assert process.wait(30) == 0
-    log = process.stderr.read()
-    assert "stopped: 0 of" in log and "Traceback" not in log
+    with serve_process(bytes_engine_dir, "--shutdown-grace", "1") as (process, base):  # 4,096 positions
+        short, long = stream_lines(base, 8), stream_lines(base, 3000)
+        first_short, first_long = next(short), next(long)  # both streaming
+        process.send_signal(signal.SIGTERM)
+        with pytest.raises(httpx.TransportError):  # no new connections
+            for _ in range(50):
+                httpx.get(f"{base}/health", timeout=1)
+                time.sleep(0.1)
+        rest_short, rest_long = [first_short, *short], [first_long, *long]
+        assert rest_short[-1] == "data: [DONE]"  # finished within the grace
+        assert json.loads(rest_long[-1].removeprefix("data: "))["error"]["code"] == "server_stopping"
+        assert process.wait(30) == 0
+        log = process.stderr.read()
+        assert "stopped: 0 of" in log and "Traceback" not in log
 
 
 @pytest.mark.slow
 def test_a_second_signal_exits_at_once(bytes_engine_dir):
-    process, base = start_serve(bytes_engine_dir, "--shutdown-grace", "60")
-    long = stream_lines(base, 3000)
-    next(long)
-    process.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    process.send_signal(signal.SIGINT)
-    assert process.wait(10) == 128 + signal.SIGINT and time.monotonic() - t0 < 5
-    assert "exiting now" in process.stderr.read()
+    with serve_process(bytes_engine_dir, "--shutdown-grace", "60") as (process, base):
+        long = stream_lines(base, 3000)
+        next(long)  # a stream running: the first signal waits for it
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        assert process.wait(10) == 128 + signal.SIGINT and time.monotonic() - t0 < 5
+        assert "exiting now" in process.stderr.read()
+
+
+def test_a_client_that_leaves_the_queue_frees_its_place(bytes_engine_dir):
+    with running_server(bytes_engine_dir, "--max-sessions", "1") as base, httpx.Client(timeout=30) as http:
+        long = stream_lines(base, 3000)
+        next(long)  # holds the one session
+        with pytest.raises(httpx.TimeoutException):
+            http.post(f"{base}/v1/chat/completions", json=PLAY, timeout=0.5)  # waits in the queue, then leaves
+        deadline = time.monotonic() + 5
+        while http.get(f"{base}/health").json()["waiting"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = http.get(f"{base}/health").json()
+        assert health["waiting"] == 0 and health["running"] == 1
+        long.close()
