@@ -7,7 +7,6 @@ import random
 import numpy as np
 import onnx
 import pytest
-import torch
 from conftest import TINY_ENGINE_SHAPE
 from test_onnx_backend import SCRIPT, session
 

@@ -40,7 +40,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,11 +50,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import numpy as np
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from cabinllm.benchmarks.machine import machine_info
 from cabinllm.benchmarks.studies import RESULTS, write_results
+from cabinllm.benchmarks.studies.serve_bench import free_port
 from cabinllm.cli.args import float_range, non_negative_float, non_negative_int, positive_float, positive_int
 from cabinllm.runtime.dialogue.overflow import OVERFLOW_POLICIES
 
@@ -129,13 +131,6 @@ class SoakError(Exception):
     """A problem with the setup (engine, server start), worded with its fix."""
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def server_command(args: argparse.Namespace, port: int) -> list[str]:
     """The cabin-serve command line of this run."""
     return [sys.executable, "-m", "cabinllm.cli.serve", "--engine", str(args.engine), "--port", str(port),
@@ -189,23 +184,13 @@ def last_line(path: str) -> str:
 
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0-100) by linear interpolation; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return float(np.percentile(values, q)) if values else None
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text as {sample name: value}."""
-    rows = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.split()[:2]
-            rows[name] = float(value)
-    return rows
+    """Prometheus text as {sample name: value}, for the samples without labels."""
+    return {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+            if not sample.labels}
 
 
 def user_message(rng: random.Random) -> str:
