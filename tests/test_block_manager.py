@@ -294,10 +294,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = self.seqs[sid]
         bs, n, table = self.bs, len(self.tokens[sid]), self.tables[sid]
         refs = self.refs()
-        if n % bs:  # the partial last block will be written in place: it must be exclusive and unhashed
-            assert refs[table[-1]] == 1, "a partial block is shared, so it would need copy-on-write"
-            assert table[-1] not in self.hashed()
-        needed = cdiv(n + len(new), bs) - cdiv(n, bs)
+        cow = bool(n % bs) and refs[table[-1]] > 1  # a partial last block shared with a fork: copied first
+        if n % bs:
+            assert table[-1] not in self.hashed(), "a partial block is hashed"
+        needed = cdiv(n + len(new), bs) - cdiv(n, bs) + cow
         assert self.bm.blocks_needed(seq, len(new)) == needed
         free_before = self.unhashed_free()
         before = self.snapshot()
@@ -306,10 +306,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.bm.append(seq, new)
             assert self.snapshot() == before
             return
-        self.bm.append(seq, new)
+        copies = self.bm.append(seq, new)
         new_table = list(seq.block_table)
-        assert new_table[: len(table)] == table 
-        self.take_blocks(new_table[len(table) :], list(self.lru), free_before)
+        kept = len(table) - cow
+        assert new_table[:kept] == table[:kept]
+        if cow:
+            assert copies == [(table[-1], new_table[kept])] and new_table[kept] != table[-1]
+            self.content[new_table[kept]] = list(self.content[table[-1]])  # the storage copies the written part
+        else:
+            assert copies == []
+        self.take_blocks(new_table[kept:], list(self.lru), free_before)  # a copied block keeps its other users
         self.tables[sid] = new_table
         self.tokens[sid] = self.tokens[sid] + new
         self.register_full_blocks(sid, n // bs)
@@ -318,6 +324,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert all(refs[b] == 1 for b in written), "an appended position lands in a shared block"
         self.write(sid, n, n + len(new))
         self.history.append(list(self.tokens[sid]))
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def fork(self, data) -> None:
+        parent = self.pick(data)
+        sid, self.next_id = self.next_id, self.next_id + 1
+        child = Sequence()
+        before = self.bm.num_free_blocks()
+        self.bm.fork(self.seqs[parent], child)
+        assert self.bm.num_free_blocks() == before, "a fork takes no block"
+        assert child.block_table == self.tables[parent] and child.token_ids == self.tokens[parent]
+        self.seqs[sid], self.tables[sid], self.tokens[sid] = child, list(self.tables[parent]), list(
+            self.tokens[parent])
+        with pytest.raises(ValueError):  # only into an empty sequence
+            self.bm.fork(self.seqs[parent], child)
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())

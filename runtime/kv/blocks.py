@@ -5,7 +5,10 @@ Pure Python, no tensors. A ``Sequence`` owns its tokens and its block table
 on it. Full blocks are keyed by a chained content hash so a new sequence with the
 same token prefix reuses their KV instead of recomputing it. Blocks nobody
 references but whose hash is known stay cached (LRU, oldest evicted first) until
-a new block is needed and the free list is empty.
+a new block is needed and the free list is empty. A sequence forks into children
+that share all its blocks by reference count; the first write into a shared partial
+last block gives the writer a copy of its own (copy-on-write: ``append`` returns
+the copies the storage must make).
 """
 from __future__ import annotations
 
@@ -102,17 +105,35 @@ class BlockManager:
         self._seqs.add(seq)
         return len(hits) * bs
 
-    def append(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Extend a sequence with new blocks as needed.
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Make the empty ``child`` hold ``parent``'s tokens in the same blocks, shared by reference."""
+        self._check_live(parent)
+        if child:
+            raise ValueError(f"the child already holds {len(child)} tokens; fork into an empty sequence")
+        for block_id in parent.block_table:
+            self._acquire(block_id)
+        child.token_ids, child.block_table, child.hashes = (list(parent.token_ids), list(parent.block_table),
+                                                            list(parent.hashes))
+        self._seqs.add(child)
 
-        Only full blocks are ever shared (prefix reuse never hands out the block of a sequence's last
-        token), so the partial last block written here is always the sequence's own: no copy-on-write.
+    def append(self, seq: Sequence, token_ids: list[int]) -> list[tuple[int, int]]:
+        """Extend a sequence with new blocks as needed; returns the (source, copy) blocks whose written K/V the
+        storage must copy first.
+
+        Prefix reuse shares only full blocks, but a fork shares the parent's partial last block: the first
+        sequence to write into it gets a copy of its own (copy-on-write); the others keep the original.
         """
         self._check_live(seq)
         if not token_ids:
-            return
+            return []
         self._check_available(self.blocks_needed(seq, len(token_ids)), self.num_free_blocks())
         bs = self.block_size
+        copies = []
+        if self._shared_tail(seq):
+            shared = seq.block_table[-1]
+            seq.block_table[-1] = self._take_block()
+            self._release(shared)
+            copies.append((shared, seq.block_table[-1]))
         seq.token_ids.extend(token_ids)
         while len(seq.block_table) < cdiv(len(seq.token_ids), bs):
             seq.block_table.append(self._take_block())
@@ -121,6 +142,7 @@ class BlockManager:
         for i, h in enumerate(new_hashes, start=len(seq.hashes)):
             self._register(seq.block_table[i], h)
         seq.hashes.extend(new_hashes)
+        return copies
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence and empty it; its hashed blocks stay cached until evicted."""
@@ -151,13 +173,15 @@ class BlockManager:
         return len(self._free) + len(self._lru)
 
     def blocks_needed(self, seq: Sequence | None, num_new_tokens: int) -> int:
-        """Worst-case new blocks for an allocate (``seq`` None or empty) or an append, ignoring prefix reuse."""
+        """Worst-case new blocks for an allocate (``seq`` None or empty) or an append (a shared partial last
+        block's copy included), ignoring prefix reuse."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if not seq:
             return cdiv(num_new_tokens, self.block_size)
         n = len(seq.token_ids)
-        return cdiv(n + num_new_tokens, self.block_size) - cdiv(n, self.block_size)
+        copy = int(num_new_tokens > 0 and self._shared_tail(seq))
+        return cdiv(n + num_new_tokens, self.block_size) - cdiv(n, self.block_size) + copy
 
     def stats(self) -> BlockStats:
         """Current block counts."""
@@ -174,8 +198,7 @@ class BlockManager:
             for block_id in seq.block_table:
                 refs[block_id] += 1
             if len(seq) % self.block_size:
-                last = self._blocks[seq.block_table[-1]]
-                assert last.ref_count == 1 and last.hash is None, "a partial last block is shared or hashed"
+                assert self._blocks[seq.block_table[-1]].hash is None, "a partial last block is hashed"
         free, cached = set(self._free), set(self._lru)
         assert len(free) == len(self._free) and not free & cached
         for block_id, block in enumerate(self._blocks):
@@ -196,6 +219,10 @@ class BlockManager:
     def _check_live(self, seq: Sequence) -> None:
         if seq not in self._seqs:
             raise KeyError("the sequence is not allocated in this cache; allocate it first")
+
+    def _shared_tail(self, seq: Sequence) -> bool:
+        """Whether the sequence's last block is partly written and shared with a fork (writing needs a copy)."""
+        return bool(len(seq) % self.block_size) and self._blocks[seq.block_table[-1]].ref_count > 1
 
     def _full_block_hashes(self, prev: bytes, token_ids: list[int], first: int) -> list[bytes]:
         """Chained hashes of full blocks ``first``, ``first + 1``, ...; ``prev`` is the hash of block ``first - 1``."""

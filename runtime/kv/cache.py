@@ -126,10 +126,16 @@ class PagedKVCache:
         return reused
 
     def append(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Extend a sequence."""
+        """Extend a sequence (a partial last block it shares with a fork is copied first)."""
         written = len(seq)
-        self.blocks.append(seq, token_ids)
+        for source, copy in self.blocks.append(seq, token_ids):
+            self.storage.copy_block(source, copy)
         self.storage.follow(seq, written)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Make the empty ``child`` a continuation of ``parent`` on the same blocks (copy-on-write)."""
+        self.blocks.fork(parent, child)
+        self.storage.follow(child, len(child))
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence; its full blocks stay cached for reuse until evicted."""

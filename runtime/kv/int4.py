@@ -190,6 +190,15 @@ class Int4KV(KVStorage):
             if block not in self._kept and bool((block_offsets == tpb - 1).any()):
                 self._quantize_layer(layer, block)
 
+    def copy_block(self, source: int, copy: int) -> None:
+        """Codes, scales and zeros of every layer, and the fp16 buffer where the source has one."""
+        for pool in (self.k_codes, self.v_codes, self.k_scale, self.k_zero, self.v_scale, self.v_zero):
+            pool[:, copy] = pool[:, source]
+        self._in_fp16[:, copy] = self._in_fp16[:, source]
+        if source in self._buffers:
+            for mine, theirs in zip(self._take(copy), self._buffers[source]):
+                mine.copy_(theirs)
+
     def read(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K and V (tokens, kv_heads, head_size) of a sequence's first num_tokens tokens."""
         k, v = self._dequantize(layer, block_table)

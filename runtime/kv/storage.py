@@ -87,6 +87,11 @@ class KVStorage:
         """Store K/V of shape (tokens, kv_heads, head_size) into flat slots of one layer."""
         raise NotImplementedError
 
+    def copy_block(self, source: int, copy: int) -> None:
+        """Give block ``copy`` the contents of block ``source`` in every layer (copy-on-write of a fork)."""
+        for pool in self.token_tensors().values():
+            pool[:, copy] = pool[:, source]
+
     def read(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K and V of a sequence's first num_tokens tokens, shape (tokens, kv_heads, head_size)."""
         raise NotImplementedError
