@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds a request may wait before it gets 503 (default 60)")
     parser.add_argument("--max-tokens", type=positive_int, default=256,
                         help="reply limit of a request that sets no max_tokens (default 256)")
+    parser.add_argument("--max-n", type=positive_int, default=4,
+                        help="most choices (n) one request may ask for, each decoded as one of --max-sessions; they "
+                             "share the prompt's prefill and KV blocks (default 4)")
     parser.add_argument("--prefill-chunk", type=positive_int, default=256,
                         help="prompt tokens computed per step, so decoding clients are not stalled by a long prompt "
                              "(default 256)")
@@ -96,7 +99,7 @@ def build(args: argparse.Namespace) -> FastAPI:
     scheduler = Scheduler(engine, cache, SchedulerConfig(args.max_sessions, args.max_queue, args.prefill_chunk,
                                                          args.queue_timeout))
     config = ServeConfig(args.model_name or Path(args.engine).resolve().name, OverflowPolicy(args.overflow),
-                         args.max_tokens)
+                         args.max_tokens, args.max_n)
     return create_app(engine, scheduler, config, limits(args), key)
 
 

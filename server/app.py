@@ -31,13 +31,13 @@ from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import CapacityError, Fix, GrammarError, QueueFull
 from cabinllm.runtime.generation.grammar import (GrammarState, choice_grammar, json_schema_grammar, regex_grammar,
                                                  reply_grammar)
-from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams, TokenLogprob
 from cabinllm.runtime.model.tools import Tool, ToolCall
 from cabinllm.server.conversation import plan_prompt
 from cabinllm.server.edge import Edge, ServeLimits, Shutdown
-from cabinllm.server.openai_api import (ApiError, ChatCompletion, ChatCompletionRequest, ChoiceDelta, ErrorResponse,
-                                        Usage, call_deltas, check_body, chunk, completion, is_json, reply_message,
-                                        request_error, usage, usage_chunk)
+from cabinllm.server.openai_api import (ApiError, ChatCompletion, ChatCompletionRequest, Choice, ChoiceDelta,
+                                        ChoiceLogprobs, ErrorResponse, Usage, call_deltas, check_body, choice_logprobs,
+                                        chunk, completion, is_json, reply_message, request_error, usage, usage_chunk)
 from cabinllm.server.scheduler import Request, Scheduler
 
 log = logging.getLogger("cabinllm.server")
@@ -65,6 +65,7 @@ class ServeConfig:
     model_name: str
     overflow: OverflowPolicy
     max_tokens: int = 256  # reply limit of a request that gives none (at most half of what a sequence holds)
+    max_n: int = 4  # most choices of one request (each one sequence of --max-sessions)
 
 
 def json_body_route(limits: ServeLimits) -> type[APIRoute]:
@@ -200,51 +201,67 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, limits
         if chat.model is not None and chat.model != config.model_name:
             raise ApiError(404, f"model {chat.model!r} is not served here; GET /v1/models lists "
                                 f"{config.model_name!r}", param="model", code="model_not_found")
-        request, outputs = _submit(engine, scheduler, config, chat, asyncio.get_running_loop())
+        choices, outputs = _submit(engine, scheduler, config, chat, asyncio.get_running_loop())
+        request = choices[0]  # the group's leader: admitted, expired or stopped with every choice
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        first = await _first_output(request, outputs, http)
+        first = await _first_output(choices, outputs, http)
         if first is None:  # the client left while the request waited: nobody reads an answer
             return Response(status_code=CLIENT_GONE)
-        if first[1] and request.finish_reason == "expired":
+        if first.finished and request.finish_reason == "expired":
             raise ApiError(503, f"the server stayed full for {scheduler.config.queue_timeout_s:g} s (every session "
                                 f"or the KV budget in use); retry in {RETRY_AFTER_S} s", kind="server_error",
                            code="server_busy", retry_after_s=RETRY_AFTER_S)
-        if first[1] and request.finish_reason == "error":
+        if first.finished and request.finish_reason == "error":
             raise _internal_error(request)
-        if first[1] and request.finish_reason == "cancelled":
+        if first.finished and request.finish_reason == "cancelled":
             raise _stopping()
         reply = Reply(chat, engine)
         if chat.stream:
-            return StreamingResponse(_stream(request, outputs, first, request_id, config.model_name, chat, reply,
-                                             shutdown), media_type="text/event-stream")
-        finished = first[1]
-        while not finished:
+            return StreamingResponse(_stream(choices, outputs, first, request_id, config.model_name, chat, reply,
+                                             shutdown, engine), media_type="text/event-stream")
+        open_choices = len(choices) - first.finished
+        while open_choices:
             if await http.is_disconnected():
-                request.cancel()
-            _, finished = await outputs.get()
-        if request.finish_reason == "error":
-            raise _internal_error(request)
+                for choice in choices:
+                    choice.cancel()
+            open_choices -= (await outputs.get()).finished
+        failed = next((c for c in choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            raise _internal_error(failed)
         if request.finish_reason == "cancelled" and shutdown.stop.is_set():
             raise _stopping()
-        calls = reply.calls(request.text)
-        return completion(request_id, config.model_name, reply_message(request.text, calls),
-                          reply.finish_reason(request, calls), _usage(request))
+        return completion(request_id, config.model_name,
+                          [_choice(index, choice, reply, engine) for index, choice in enumerate(choices)],
+                          _usage(choices))
 
     app.include_router(chat_routes)
     return app
 
 
+@dataclass(frozen=True)
+class Output:
+    """A piece of one choice's reply text, as the scheduler hands it over."""
+
+    index: int
+    text: str
+    finished: bool
+
+
 def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: ChatCompletionRequest,
-            loop: asyncio.AbstractEventLoop) -> tuple[Request, asyncio.Queue]:
-    """Plan the prompt and queue it; outputs arrive on the returned queue as (text, finished)."""
+            loop: asyncio.AbstractEventLoop) -> tuple[list[Request], asyncio.Queue]:
+    """Plan the prompt and queue its ``n`` choices (one prefill); their outputs arrive on the returned queue."""
     capacity = scheduler.capacity_tokens()
     max_tokens = chat.reply_limit or min(config.max_tokens, capacity // 2)  # a small budget keeps room for the prompt
     if max_tokens >= capacity:
         raise ApiError(400, f"max_tokens {max_tokens} leaves no room for the prompt: one conversation holds "
                             f"{capacity} tokens here; ask for fewer", param="max_tokens")
+    most = min(config.max_n, scheduler.config.max_sessions)
+    if chat.n > most:
+        raise ApiError(400, f"n must be at most {most} here (--max-n {config.max_n}, --max-sessions "
+                            f"{scheduler.config.max_sessions}), got {chat.n}; ask for fewer choices", param="n")
     messages = [message.to_message() for message in chat.messages]
     tools = [tool.to_tool() for tool in chat.tools or []]
-    grammar = _grammar(engine, chat, tools)
+    grammars = [_grammar(engine, chat, tools) for _ in range(chat.n)]  # each choice follows its grammar alone
     try:
         plan = plan_prompt(engine.tokenizer.with_tools(tools), messages, max_tokens, capacity,
                            scheduler.cache.tokens_per_block, config.overflow, scheduler.cache.config.sink_token_length)
@@ -253,28 +270,38 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
                        param="messages", code="context_length_exceeded") from err
     except ValueError as err:  # the chat template refused the messages
         raise ApiError(400, str(err), param="messages") from err
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=chat.temperature, top_p=chat.top_p,
-                            seed=chat.seed, stop_token_ids=engine.stop_token_ids(), stop_strings=chat.stop)
     outputs: asyncio.Queue = asyncio.Queue()
 
-    def on_output(_request: Request, text: str, finished: bool) -> None:
-        try:
-            loop.call_soon_threadsafe(outputs.put_nowait, (text, finished))
-        except RuntimeError:  # the event loop is gone: nobody waits for this output any more
-            pass
+    def on_output(index: int) -> Callable[[Request, str, bool], None]:
+        def put(_request: Request, text: str, finished: bool) -> None:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, Output(index, text, finished))
+            except RuntimeError:  # the event loop is gone: nobody waits for this output any more
+                pass
+        return put
 
-    request = Request(plan.feed, params, on_output, grammar=grammar)
+    choices = []
+    for index, grammar in enumerate(grammars):
+        seed = None if chat.seed is None else (chat.seed + index) % (MAX_SEED + 1)  # choices differ, reproducibly
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=chat.temperature, top_p=chat.top_p,
+                                seed=seed, stop_token_ids=engine.stop_token_ids(), stop_strings=chat.stop)
+        choices.append(Request(plan.feed, params, on_output(index), grammar=grammar,
+                               logprobs=chat.top_logprobs if chat.logprobs else None))
+    choices[0].followers = choices[1:]
+    problem = scheduler.never_fits(choices[0])
+    if problem:
+        raise ApiError(400, f"{problem}; ask for fewer choices (n) or a smaller max_tokens", param="n")
     try:
-        scheduler.submit(request)
+        scheduler.submit(choices[0])
     except QueueFull as err:
         raise ApiError(429, f"too many requests: {err}; retry in {RETRY_AFTER_S} s", kind="rate_limit_error",
                        code="rate_limit_exceeded", retry_after_s=RETRY_AFTER_S) from err
-    return request, outputs
+    return choices, outputs
 
 
-async def _first_output(request: Request, outputs: asyncio.Queue, http: HttpRequest) -> tuple[str, bool] | None:
-    """The request's first output, or None (the request cancelled) when its client disconnects first: a request
-    left in the queue must not keep its place, nor be prefilled."""
+async def _first_output(choices: list[Request], outputs: asyncio.Queue, http: HttpRequest) -> Output | None:
+    """The first output of any choice, or None (every choice cancelled) when the client disconnects first: a
+    request left in the queue must not keep its place, nor be prefilled."""
     output = asyncio.ensure_future(outputs.get())
     gone = asyncio.ensure_future(_disconnect(http))
     try:
@@ -283,7 +310,8 @@ async def _first_output(request: Request, outputs: asyncio.Queue, http: HttpRequ
         gone.cancel()
         if not output.done():
             output.cancel()
-            request.cancel()
+            for choice in choices:
+                choice.cancel()
     return output.result() if output.done() and not output.cancelled() else None
 
 
@@ -340,38 +368,70 @@ class Reply:
         return True if text.startswith(opener) else None
 
 
-async def _stream(request: Request, outputs: asyncio.Queue, first: tuple[str, bool], request_id: str, model: str,
-                  chat: ChatCompletionRequest, reply: Reply, shutdown: Shutdown) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format; the request is cancelled if the client goes away. Text that
-    may begin a call is held back until it is clear; calls are sent whole once the reply ends. A stream the
-    server's stop ends gets an error event instead of the end."""
-    try:
-        yield chunk(request_id, model, ChoiceDelta(role="assistant", content=""))
-        piece, finished = first
-        held, is_call = "", None
-        while True:
-            if is_call is None:
-                held += piece
-                is_call = reply.is_call(held) if held else None
-                piece = held if is_call is False else ""
-            if piece and not is_call:
-                yield chunk(request_id, model, ChoiceDelta(content=piece))
-            if finished:
-                break
-            piece, finished = await outputs.get()
-        if request.finish_reason == "error" or (request.finish_reason == "cancelled" and shutdown.stop.is_set()):
-            error = _internal_error(request) if request.finish_reason == "error" else _stopping()
-            yield f"data: {json.dumps(error.body())}\n\n"
-            return
-        calls = reply.calls(request.text)
+class ChoiceStream:
+    """One choice's part of a stream: text that may begin a call is held back until it is clear; calls are sent
+    whole once the reply ends; each content chunk carries the log-probabilities of the tokens sampled since the
+    last."""
+
+    def __init__(self, index: int, request: Request, reply: Reply, engine: Engine) -> None:
+        self.index, self.request, self.reply, self.engine = index, request, reply, engine
+        self.held, self.is_call, self.logprobs_sent = "", None, 0
+
+    def pieces(self, piece: str) -> list[tuple[ChoiceDelta, ChoiceLogprobs | None]]:
+        """The content deltas of a new piece of text."""
+        if self.is_call is None:
+            self.held += piece
+            self.is_call = self.reply.is_call(self.held) if self.held else None
+            piece = self.held if self.is_call is False else ""
+        return [(ChoiceDelta(content=piece), self._new_logprobs())] if piece and not self.is_call else []
+
+    def ending(self) -> list[tuple[ChoiceDelta, ChoiceLogprobs | None]]:
+        """The deltas after the last piece: the calls, or text held back for nothing."""
+        text = self.request.text
+        calls = self.reply.calls(text)
         if calls:
-            for delta in call_deltas(calls):
-                yield chunk(request_id, model, delta)
-        elif is_call is not False and request.text:  # held back, and no whole call after all
-            yield chunk(request_id, model, ChoiceDelta(content=request.text))
-        yield chunk(request_id, model, ChoiceDelta(), reply.finish_reason(request, calls))
+            return [(delta, None) for delta in call_deltas(calls)]
+        if self.is_call is not False and text:
+            return [(ChoiceDelta(content=text), self._new_logprobs())]
+        return []
+
+    def _new_logprobs(self) -> ChoiceLogprobs | None:
+        if self.request.logprobs is None:
+            return None
+        sent, self.logprobs_sent = self.logprobs_sent, len(self.request.token_logprobs)
+        return _logprobs(self.request.token_logprobs[sent:self.logprobs_sent], self.engine)
+
+
+async def _stream(choices: list[Request], outputs: asyncio.Queue, first: Output, request_id: str, model: str,
+                  chat: ChatCompletionRequest, reply: Reply, shutdown: Shutdown, engine: Engine) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, each chunk one choice's (``index``); the choices are cancelled
+    if the client goes away. A stream the server's stop ends gets an error event instead of the end."""
+    streams = [ChoiceStream(index, choice, reply, engine) for index, choice in enumerate(choices)]
+    try:
+        for stream in streams:
+            yield chunk(request_id, model, ChoiceDelta(role="assistant", content=""), index=stream.index)
+        output, open_choices = first, len(choices)
+        while True:
+            stream = streams[output.index]
+            for delta, logprobs in stream.pieces(output.text):
+                yield chunk(request_id, model, delta, index=stream.index, logprobs=logprobs)
+            if output.finished:
+                request = stream.request
+                if request.finish_reason == "error" or (request.finish_reason == "cancelled"
+                                                        and shutdown.stop.is_set()):
+                    error = _internal_error(request) if request.finish_reason == "error" else _stopping()
+                    yield f"data: {json.dumps(error.body())}\n\n"
+                    return
+                for delta, logprobs in stream.ending():
+                    yield chunk(request_id, model, delta, index=stream.index, logprobs=logprobs)
+                calls = reply.calls(request.text)
+                yield chunk(request_id, model, ChoiceDelta(), reply.finish_reason(request, calls), index=stream.index)
+                open_choices -= 1
+                if not open_choices:
+                    break
+            output = await outputs.get()
         if chat.include_usage:
-            yield usage_chunk(request_id, model, _usage(request))
+            yield usage_chunk(request_id, model, _usage(choices))
         yield "data: [DONE]\n\n"
     except Exception as err:  # a fault of ours mid-stream: the client gets an error event, the log one line
         log.error("stream %s failed: %s: %s", request_id, type(err).__name__, err)
@@ -379,8 +439,9 @@ async def _stream(request: Request, outputs: asyncio.Queue, first: tuple[str, bo
                               "request", kind="server_error", code="internal_error")
         yield f"data: {json.dumps(error.body())}\n\n"
     finally:
-        if request.finish_reason is None:
-            request.cancel()
+        for choice in choices:
+            if choice.finish_reason is None:
+                choice.cancel()
 
 
 def _stopping() -> ApiError:
@@ -393,6 +454,25 @@ def _internal_error(request: Request) -> ApiError:
                     kind="server_error", code="internal_error")
 
 
-def _usage(request: Request) -> Usage:
-    return usage(len(request.prompt_ids), len(request.token_ids), request.cached_tokens)
+def _usage(choices: list[Request]) -> Usage:
+    """The prompt once (one prefill), the tokens of every choice."""
+    return usage(len(choices[0].prompt_ids), sum(len(c.token_ids) for c in choices), choices[0].cached_tokens)
+
+
+def _logprobs(logprobs: list[TokenLogprob], engine: Engine) -> ChoiceLogprobs:
+    """The log-probabilities of a reply's tokens, its stop token left out (it is no text)."""
+    stops = set(engine.stop_token_ids())
+    try:
+        token_bytes = engine.vocabulary.token_bytes  # exact, a piece of a character included
+    except ValueError:  # a tokenizer llguidance cannot read: each token's own text
+        token_bytes = lambda token: engine.tokenizer.decode([token]).encode("utf-8")  # noqa: E731
+    return choice_logprobs([lp for lp in logprobs if lp.token not in stops], token_bytes)
+
+
+def _choice(index: int, request: Request, reply: Reply, engine: Engine) -> Choice:
+    """One choice of a whole completion."""
+    calls = reply.calls(request.text)
+    logprobs = None if request.logprobs is None else _logprobs(request.token_logprobs, engine)
+    return Choice(index=index, message=reply_message(request.text, calls),
+                  finish_reason=reply.finish_reason(request, calls), logprobs=logprobs)
 

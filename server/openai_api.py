@@ -4,9 +4,10 @@ The models mirror OpenAI's (``openai.types.chat``); FastAPI validates each reque
 ChatCompletionRequest and ``/openapi.json`` describes it. Every field's check words its own problem, so a bad
 request gets one 400 in OpenAI's error shape that names the first bad field and what it must be
 (``request_error``). JSON null reads as "not given". ``tools`` / ``tool_choice`` and ``response_format`` constrain
-the reply by a grammar. A field of the API this server does not act on and that would change the reply
-(``logprobs``, ``logit_bias``, a non-zero penalty, the old ``functions``, ...) is refused unless it has its
-neutral value; ``n`` must be 1; ``user`` and unknown keys are ignored.
+the reply by a grammar; ``n`` choices share one prefill; ``logprobs`` / ``top_logprobs`` report each token's
+log-probability. A field of the API this server does not act on and that would change the reply
+(``logit_bias``, a non-zero penalty, the old ``functions``, ...) is refused unless it has its neutral value;
+``user`` and unknown keys are ignored.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pydantic import (BaseModel, BeforeValidator, Field, SerializerFunctionWrapH
                       model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
-from cabinllm.runtime.generation.sampling import MAX_SEED
+from cabinllm.runtime.generation.sampling import MAX_SEED, TokenLogprob
 from cabinllm.runtime.model.tools import NAME_PATTERN, Tool, ToolCall, schema_problem
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -29,6 +30,8 @@ ROLES = get_args(Role)
 FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_CHOICES = 128  # OpenAI's own limit of n; the server states a lower one (--max-n)
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 FIELD_ERROR = "cabin_invalid_field"  # the error type of this module's checks, worded for the client
 
 
@@ -164,9 +167,15 @@ def _top_p(value: Any) -> float:
     return top_p
 
 
-def _one_choice(value: Any) -> int:
-    if _of_kind(value, int) != 1:
-        raise _refuse(f"must be 1 (one choice per request), got {value}")
+def _choices_count(value: Any) -> int:
+    if not 1 <= _of_kind(value, int) <= MAX_CHOICES:
+        raise _refuse(f"must be an integer from 1 to {MAX_CHOICES}, got {value}")
+    return value
+
+
+def _top_logprobs(value: Any) -> int:
+    if not 0 <= _of_kind(value, int) <= MAX_TOP_LOGPROBS:
+        raise _refuse(f"must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {value}")
     return value
 
 
@@ -426,10 +435,6 @@ def _unapplied(neutral: Callable[[Any], bool], what: str) -> BeforeValidator:
     return BeforeValidator(check, json_schema_input_type=Any)
 
 
-def _zero(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
-
-
 def _penalty(value: Any) -> float:
     """A penalty is a number from -2 to 2 (OpenAI's range); this server applies none, so only 0 is taken."""
     penalty = _in_range(value, -2.0, 2.0)
@@ -451,7 +456,7 @@ class ChatCompletionRequest(_RequestObject):
     model: Annotated[str, _kind(str)] | None = None
     stream: Annotated[bool, _kind(bool)] = False
     stream_options: StreamOptions | None = None
-    n: Annotated[Literal[1], BeforeValidator(_one_choice)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES), BeforeValidator(_choices_count)] = 1
     max_completion_tokens: ReplyLimit | None = None
     max_tokens: ReplyLimit | None = None
     temperature: Annotated[float, Field(ge=0, le=2), _number(0.0, 2.0)] = 1.0
@@ -461,8 +466,9 @@ class ChatCompletionRequest(_RequestObject):
         list[StopString], Field(max_length=MAX_STOP_STRINGS)])] = Field(default_factory=list)
     frequency_penalty: Penalty = 0.0
     presence_penalty: Penalty = 0.0
-    logprobs: Annotated[bool, _unapplied(lambda v: v is False, "token log-probabilities")] | None = None
-    top_logprobs: Annotated[int, _unapplied(_zero, "token log-probabilities")] | None = None
+    logprobs: Annotated[bool, _kind(bool)] = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_top_logprobs)] = Field(
+        default=0, validate_default=True)
     logit_bias: Annotated[dict, _unapplied(lambda v: v == {}, "biased logits")] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
@@ -475,6 +481,13 @@ class ChatCompletionRequest(_RequestObject):
     guided_regex: Annotated[str, _kind(str)] | None = None  # vLLM's extension names
     guided_choice: Annotated[list[str], BeforeValidator(_choices)] | None = None
     user: Annotated[str, _kind(str)] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, top: int, info: ValidationInfo) -> int:
+        if top and not info.data.get("logprobs"):
+            raise _refuse("needs logprobs: true")
+        return top
 
     @field_validator("guided_regex", "guided_choice")
     @classmethod
@@ -569,13 +582,44 @@ class ChatCompletionMessage(BaseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
+class TopLogprob(BaseModel):
+    """A likely token at a place of the reply: its text, log-probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprob):
+    """A token of the reply with the likeliest tokens at its place."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """The log-probabilities of a choice's tokens (of the distribution each was sampled from)."""
+
+    content: list[TokenLogprobOut]
+    refusal: None = None
+
+
+def choice_logprobs(logprobs: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> ChoiceLogprobs:
+    """OpenAI's shape of tokens' log-probabilities; ``token_bytes`` gives each token's bytes."""
+    def top(token: int, logprob: float) -> dict:
+        raw = token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return ChoiceLogprobs(content=[TokenLogprobOut(**top(t.token, t.logprob), top_logprobs=[
+        TopLogprob(**top(i, lp)) for i, lp in t.top]) for t in logprobs])
+
+
 class Choice(BaseModel):
-    """The one choice of a completion."""
+    """A choice of a completion."""
 
     index: int = 0
     message: ChatCompletionMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -614,12 +658,12 @@ class ChoiceDelta(_Sparse):
 
 
 class ChunkChoice(BaseModel):
-    """The one choice of a chunk."""
+    """The choice a chunk adds to."""
 
     index: int = 0
     delta: ChoiceDelta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(_Sparse):
@@ -640,11 +684,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-def completion(request_id: str, model: str, message: ChatCompletionMessage, finish_reason: FinishReason,
-               usage_block: Usage) -> ChatCompletion:
+def completion(request_id: str, model: str, choices: list[Choice], usage_block: Usage) -> ChatCompletion:
     """A whole ``chat.completion`` object."""
-    return ChatCompletion(id=request_id, created=int(time.time()), model=model, usage=usage_block,
-                          choices=[Choice(message=message, finish_reason=finish_reason)])
+    return ChatCompletion(id=request_id, created=int(time.time()), model=model, usage=usage_block, choices=choices)
 
 
 def reply_message(text: str, calls: list[ToolCall] | None) -> ChatCompletionMessage:
@@ -668,10 +710,11 @@ def call_deltas(calls: list[ToolCall]) -> list[ChoiceDelta]:
     return deltas
 
 
-def chunk(request_id: str, model: str, delta: ChoiceDelta, finish_reason: FinishReason | None = None) -> str:
-    """One server-sent event of a streamed ``chat.completion.chunk``."""
-    return _event(ChatCompletionChunk(id=request_id, created=int(time.time()), model=model,
-                                      choices=[ChunkChoice(delta=delta, finish_reason=finish_reason)]))
+def chunk(request_id: str, model: str, delta: ChoiceDelta, finish_reason: FinishReason | None = None, index: int = 0,
+          logprobs: ChoiceLogprobs | None = None) -> str:
+    """One server-sent event of a streamed ``chat.completion.chunk`` of choice ``index``."""
+    return _event(ChatCompletionChunk(id=request_id, created=int(time.time()), model=model, choices=[
+        ChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)]))
 
 
 def usage_chunk(request_id: str, model: str, usage_block: Usage) -> str:

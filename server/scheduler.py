@@ -12,6 +12,9 @@ Data structures: a bounded FIFO ``waiting`` queue of requests and a ``running`` 
 
 A new request's prompt starts from the longest prefix of full blocks the cache already holds (block
 hashes, cabinllm.runtime.kv.blocks): a conversation re-sent with one more turn prefills only the new tokens.
+A request with ``followers`` (choices 1..n-1 of one completion) prefills once: when its prompt is in the cache
+each follower's sequence forks from it (sharing every block; copy-on-write) and samples its first token from the
+same logits, then decodes as a sequence of its own. The group is admitted whole, one session slot per choice.
 A block is allocated and hashed in the step that computes its K/V, so a prefix hit always finds K/V.
 Admission asks the cache's capacity queries (``PagedKVCache.blocks_to_admit``, ...); each reply's stop rules
 and the text it may show so far are every token loop's ``ReplyStream`` (cabinllm.runtime.generation.stops).
@@ -34,9 +37,9 @@ from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import ConfigError, GrammarError, QueueFull
 from cabinllm.runtime.generation.generate import BatchedModel
 from cabinllm.runtime.generation.grammar import GrammarState
-from cabinllm.runtime.generation.sampling import SamplingParams, make_generator, sample
+from cabinllm.runtime.generation.sampling import SamplingParams, TokenLogprob, make_generator, sample, token_logprob
 from cabinllm.runtime.generation.stops import ReplyStream
-from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.runtime.kv.cache import CacheStats, PagedKVCache
 from cabinllm.runtime.model.transformer import Span
 
@@ -82,6 +85,9 @@ class Request:
     cancelled: bool = False
     error: str | None = None  # what failed, for finish_reason "error"
     grammar: GrammarState | None = None  # the grammar the reply follows (None: free text)
+    followers: list["Request"] = field(default_factory=list)  # more choices of the same prompt, one prefill
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest at its place
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def cancel(self) -> None:
         """Ask the scheduler to stop this request and free its blocks (safe from any thread)."""
@@ -94,10 +100,15 @@ class _Running:
     seq: Sequence
     reply: ReplyStream
     generator: torch.Generator
+    leader: "_Running | None" = None  # a follower's leader, until it forks from it
 
     @property
     def prefilling(self) -> bool:
-        return len(self.seq) < len(self.request.prompt_ids)
+        return self.leader is None and len(self.seq) < len(self.request.prompt_ids)
+
+    @property
+    def decoding(self) -> bool:
+        return self.leader is None and len(self.seq) >= len(self.request.prompt_ids)
 
     def target_tokens(self) -> int:
         """Tokens the sequence may hold at most: the prompt and a full reply (its last token is never fed)."""
@@ -158,6 +169,20 @@ class Scheduler:
             return SchedulerStats(**{**vars(self._stats), "waiting": len(self._waiting),
                                      "running": len(self._running)}), self._cache_stats
 
+    def never_fits(self, request: Request) -> str | None:
+        """Why a request and its followers could not be admitted even on an idle server (None: they can)."""
+        choices = 1 + len(request.followers)
+        if choices > self.config.max_sessions:
+            return f"{choices} choices need {choices} sessions and the server decodes {self.config.max_sessions}"
+        tpb = self.cache.tokens_per_block
+        needed = cdiv(len(request.prompt_ids) + request.params.max_new_tokens - 1, tpb) + sum(
+            self._fork_blocks(follower) for follower in request.followers)
+        total = self.cache.blocks.num_blocks
+        if needed > total:
+            return (f"the prompt and {choices} replies of up to {request.params.max_new_tokens} tokens need "
+                    f"{needed} KV blocks of {tpb} tokens and the whole pool holds {total}")
+        return None
+
     def capacity_tokens(self) -> int:
         """Tokens one conversation can hold at most: the whole pool, within the model's context."""
         return min(self.cache.pool_tokens, self.engine.config.max_position_embeddings)
@@ -192,7 +217,8 @@ class Scheduler:
         log.error("model step failed; ending %d running requests: %r", len(self._running), error)
         for running in list(self._running):
             running.request.error = f"{type(error).__name__}: {error}"
-            self._finish(running, "error")
+            if running in self._running:  # a leader's finish ends its followers that have not forked yet
+                self._finish(running, "error")
         self.cache = self.engine.new_cache(self.cache.config)
         with self._lock:
             self._cache_stats = self.cache.stats()
@@ -211,6 +237,10 @@ class Scheduler:
         peak = self.cache.stats()  # the most this step holds: before any sequence finishes
         for running, row in zip(owners, logits):
             if running is not None:
+                for follower in [r for r in self._running if r.leader is running]:
+                    self.cache.fork(running.seq, follower.seq)  # the prompt is in: the follower shares it
+                    follower.leader = None
+                    self._sample(follower, row)
                 self._sample(running, row)
         with self._lock:
             self._stats.steps += 1
@@ -229,27 +259,49 @@ class Scheduler:
         for request in dropped:
             self._finish_unstarted(request, "cancelled" if request.cancelled else "expired")
         for running in [r for r in self._running if r.request.cancelled]:
-            self._finish(running, "cancelled")
+            if running in self._running:  # a leader's cancel ends its followers that have not forked yet
+                self._finish(running, "cancelled")
+
+    def _fork_blocks(self, request: Request) -> int:
+        """Blocks a forked choice may add at most: its copy of the shared last block and its reply's blocks."""
+        return cdiv(request.params.max_new_tokens - 1, self.cache.tokens_per_block) + 1
+
+    def _reserved(self, running: _Running) -> int:
+        """Blocks a running sequence may still take."""
+        if running.leader is not None:
+            return self._fork_blocks(running.request)
+        return self.cache.blocks_needed(running.seq, running.target_tokens() - len(running.seq))
 
     def _admit(self) -> None:
-        while len(self._running) < self.config.max_sessions:
+        while True:
             with self._lock:
                 if not self._waiting:
                     return
                 request = self._waiting[0]
-            reserved = sum(self.cache.blocks_needed(r.seq, r.target_tokens() - len(r.seq)) for r in self._running)
+            if len(self._running) + 1 + len(request.followers) > self.config.max_sessions:
+                return
+            reserved = sum(self._reserved(r) for r in self._running)
             prompt = request.prompt_ids
             needed, cached = self.cache.blocks_to_admit(prompt, request.params.max_new_tokens - 1)
+            needed += sum(self._fork_blocks(follower) for follower in request.followers)
             if needed > self.cache.available_blocks() - reserved:
                 return  # waits for running sequences to finish; those behind it wait too (FIFO)
             with self._lock:
                 self._waiting.popleft()
             request.cached_tokens = cached
-            reply = ReplyStream(request.params, self.engine.tokenizer.decode_reply, grammar=request.grammar)
-            self._running.append(_Running(request, Sequence(), reply, make_generator(request.params.seed)))
+            leader = self._start(request)
+            for follower in request.followers:
+                follower.cached_tokens = cached
+                self._start(follower, leader)
             with self._lock:
                 self._stats.prompt_tokens += len(prompt)
                 self._stats.cached_tokens += cached
+
+    def _start(self, request: Request, leader: _Running | None = None) -> _Running:
+        reply = ReplyStream(request.params, self.engine.tokenizer.decode_reply, grammar=request.grammar)
+        running = _Running(request, Sequence(), reply, make_generator(request.params.seed), leader)
+        self._running.append(running)
+        return running
 
     def _plan_step(self) -> tuple[list[Span], list[_Running | None]]:
         """One decode token per decoding sequence, then prompt chunks within the prefill budget.
@@ -259,7 +311,7 @@ class Scheduler:
         spans: list[Span] = []
         owners: list[_Running | None] = []
         for running in self._running:
-            if not running.prefilling:
+            if running.decoding:
                 token, position = running.request.token_ids[-1], len(running.seq)
                 self.cache.append(running.seq, [token])
                 spans.append(Span([token], position, running.seq))
@@ -285,11 +337,14 @@ class Scheduler:
     def _sample(self, running: _Running, logits: torch.Tensor) -> None:
         request = running.request
         try:
-            token = sample(running.reply.constrain(logits), request.params, running.generator)
+            logits = running.reply.constrain(logits)
+            token = sample(logits, request.params, running.generator)
         except GrammarError as err:  # the grammar's own failure ends its request only
             request.error = str(err)
             self._finish(running, "error")
             return
+        if request.logprobs is not None:
+            request.token_logprobs.append(token_logprob(logits, request.params, token, request.logprobs))
         now = time.perf_counter()
         if request.first_token_at is None:
             request.first_token_at = now
@@ -311,6 +366,9 @@ class Scheduler:
         """Free the sequence, hand over the rest of the text (cut at a stop string) and the finish reason: the
         reply's stop rule, else ``reason``."""
         self._running.remove(running)
+        for follower in [r for r in self._running if r.leader is running]:  # never forked: nothing to share
+            follower.request.error = running.request.error
+            self._finish(follower, reason or "cancelled")
         if running.seq:
             self.cache.free(running.seq)
         request, reply = running.request, running.reply
@@ -323,5 +381,6 @@ class Scheduler:
         request.on_output(request, rest if reason != "cancelled" else "", True)
 
     def _finish_unstarted(self, request: Request, reason: str) -> None:
-        request.finish_reason = reason
-        request.on_output(request, "", True)
+        for one in (request, *request.followers):
+            one.finish_reason = reason
+            one.on_output(one, "", True)

@@ -10,7 +10,7 @@ from cabinllm.runtime.errors import QueueFull
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
-from cabinllm.server.app import Reply, _stream
+from cabinllm.server.app import Output, Reply, _stream
 from cabinllm.server.edge import Shutdown
 from cabinllm.server.openai_api import ChatCompletionRequest
 from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
@@ -111,8 +111,8 @@ def test_a_stream_closed_by_its_client_cancels_the_request(tiny_engine):
 
     async def read_one_then_close():
         outputs = asyncio.Queue()
-        stream = _stream(request, outputs, ("navigate", False), "id", "tiny", chat, Reply(chat, tiny_engine),
-                         Shutdown())
+        stream = _stream([request], outputs, Output(0, "navigate", False), "id", "tiny", chat,
+                         Reply(chat, tiny_engine), Shutdown(), tiny_engine)
         await stream.__anext__()
         await stream.aclose()
 

@@ -73,7 +73,10 @@ BAD = [
      'messages[0].content parts must be {"type": "text", "text": ...}; this server takes text only'),
     ({"messages": PLAY, "stream_options": {"include_usage": 1}}, "stream_options.include_usage",
      "stream_options.include_usage must be true or false, got 1"),
-    ({"messages": PLAY, "n": 2}, "n", "n must be 1 (one choice per request), got 2"),
+    ({"messages": PLAY, "n": 200}, "n", "n must be an integer from 1 to 128, got 200"),
+    ({"messages": PLAY, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "top_logprobs must be an integer from 0 to 20, got 21"),
+    ({"messages": PLAY, "top_logprobs": 3}, "top_logprobs", "top_logprobs needs logprobs: true"),
     ({"messages": PLAY, "frequency_penalty": "hot"}, "frequency_penalty",
      'frequency_penalty must be a number from -2 to 2, got "hot"'),
     ({"messages": PLAY, "top_p": 0}, "top_p", "top_p must be > 0 and <= 1, got 0"),
@@ -100,8 +103,7 @@ def test_a_json_body_is_read_whatever_its_content_type(client):
                                                        "objects")
 
 
-UNAPPLIED = [("logprobs", True), ("top_logprobs", 3),
-             ("logit_bias", {"42": 5}), ("frequency_penalty", 0.5), ("presence_penalty", -1),
+UNAPPLIED = [("logit_bias", {"42": 5}), ("frequency_penalty", 0.5), ("presence_penalty", -1),
              ("functions", [{"name": "f"}]), ("function_call", "auto")]
 
 

@@ -138,8 +138,7 @@ BAD = [
     ({"guided_choice": ["on", "off"], "response_format": {"type": "json_object"}}, "guided_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
-    ({"n": 2}, "n"),
-    ({"logprobs": True}, "logprobs"),
+    ({"n": 5}, "n"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
 ]
 

@@ -91,6 +91,10 @@ class Vocabulary:
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=stop_token_ids)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (b"" for a special token)."""
+        return self._tokenizer.decode_bytes([token])
+
     def start(self, grammar: str) -> "GrammarState":
         """The state of a reply that has not begun; GrammarError naming the problem when ``grammar`` cannot
         constrain this model (compiled once: llguidance's matcher holds the error instead of raising)."""

@@ -67,10 +67,11 @@ def make_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick the next token id from logits of shape (vocab,)."""
+def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The logits a token is drawn from: divided by the temperature, outside top-k and top-p at -inf (greedy: the
+    logits as they are)."""
     if params.temperature == 0:
-        return int(torch.argmax(logits))
+        return logits.float()
     logits = (logits.float() - logits.max()) / params.temperature  # shifted first: a tiny temperature stays finite
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
@@ -80,5 +81,31 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Pick the next token id from logits of shape (vocab,)."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(sampling_logits(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the most likely tokens at its place, (token id, log-probability)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprob(logits: torch.Tensor, params: SamplingParams, token: int, top: int) -> TokenLogprob:
+    """``token``'s log-probability and the ``top`` likeliest under the distribution it was sampled from
+    (``sampling_logits``: after the grammar's mask, the temperature, top-k and top-p); tokens that distribution
+    rules out are not listed."""
+    logprobs = torch.log_softmax(sampling_logits(logits, params), dim=-1)
+    values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
+    return TokenLogprob(token, float(logprobs[token]), [(int(i), float(v)) for i, v in zip(ids, values)
+                                                         if math.isfinite(v)])

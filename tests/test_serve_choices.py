@@ -1,0 +1,121 @@
+"""Forked choices and log-probabilities: ``n`` choices from one prefill on shared KV blocks (the scheduler, and
+cabin-serve through the real openai client, streamed and not), ``logprobs`` / ``top_logprobs`` in OpenAI's shape
+and equal to the model's own, and the limits answered 400 naming the field."""
+import math
+
+import openai
+import pytest
+import torch
+
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.blocks import Sequence, cdiv
+from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
+
+from serve_helpers import running_server
+
+ASK = [{"role": "user", "content": "suggest three songs for the drive"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine_dir):
+    with running_server(tiny_engine_dir, "--max-sessions", "4") as base:
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def run(scheduler: Scheduler, requests: list[Request]) -> int:
+    """Step until every request is done; the most KV blocks in use at once."""
+    peak = 0
+    while any(r.finish_reason is None for r in requests):
+        scheduler.step()
+        peak = max(peak, scheduler.cache.stats().blocks_in_use)
+    return peak
+
+
+def group(prompt: list[int], n: int, max_new: int, temperature: float = 0.0, logprobs: int | None = None):
+    params = [SamplingParams(max_new, temperature=temperature, seed=i, stop_token_ids=[]) for i in range(n)]
+    requests = [Request(prompt, p, lambda *_: None, logprobs=logprobs) for p in params]
+    requests[0].followers = requests[1:]
+    return requests
+
+
+def test_n_choices_prefill_once_and_share_the_prompt_blocks(bytes_engine):
+    prompt = torch.randint(0, 200, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
+    tpb = 32
+    cache = bytes_engine.new_cache(bytes_engine.kv_cache_config("int8", 16 << 20, tpb))
+    scheduler = Scheduler(bytes_engine, cache, SchedulerConfig(max_sessions=4, prefill_chunk=2048))
+    forked = group(prompt, 4, 64)
+    scheduler.submit(forked[0])
+    peak = run(scheduler, forked)
+    assert peak <= cdiv(len(prompt), tpb) + 4 * (cdiv(64, tpb) + 1)
+    assert scheduler.stats()[0].prompt_tokens == len(prompt)  # one prefill
+    assert len({tuple(r.token_ids) for r in forked}) == 1 and all(len(r.token_ids) == 64 for r in forked)
+
+    separate = [Request(prompt, SamplingParams(64, stop_token_ids=[]), lambda *_: None) for _ in range(4)]
+    alone = Scheduler(bytes_engine, bytes_engine.new_cache(bytes_engine.kv_cache_config("int8", 64 << 20, tpb)),
+                      SchedulerConfig(max_sessions=4, prefill_chunk=2048))
+    for request in separate:
+        alone.submit(request)
+    run(alone, separate)
+    assert separate[0].token_ids == forked[0].token_ids  # a choice is the reply a lone request gets
+    assert cache.stats().blocks_in_use == 0
+    cache.blocks.check_invariants()
+
+
+def test_greedy_logprobs_are_the_models_own(bytes_engine):
+    prompt = [72, 101, 108, 108, 111]
+    cache = bytes_engine.new_cache(bytes_engine.kv_cache_config("fp32", 4 << 20, 16))
+    scheduler = Scheduler(bytes_engine, cache)
+    request = group(prompt, 1, 3, logprobs=5)[0]
+    scheduler.submit(request)
+    run(scheduler, [request])
+    seq = Sequence()
+    reference = bytes_engine.new_cache(bytes_engine.kv_cache_config("fp32", 4 << 20, 16))
+    reference.allocate(seq, prompt + request.token_ids[:-1])
+    logits = bytes_engine.model.forward(prompt + request.token_ids[:-1], 0, reference, seq, all_logits=True)
+    want = torch.log_softmax(logits[len(prompt) - 1:], dim=-1)
+    for place, (token, logprob) in enumerate(zip(request.token_ids, request.token_logprobs)):
+        assert logprob.token == token and logprob.top[0][0] == token  # greedy: the likeliest
+        assert math.isclose(logprob.logprob, float(want[place, token]), abs_tol=1e-4)
+        assert [i for i, _ in logprob.top] == torch.topk(want[place], 5).indices.tolist()
+
+
+def test_n_at_temperature_0_gives_identical_greedy_choices(client):
+    one = client.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=8)
+    four = client.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=8, n=4)
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    assert {c.message.content for c in four.choices} == {one.choices[0].message.content}
+    assert four.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt once
+    assert four.usage.completion_tokens == 4 * one.usage.completion_tokens
+
+
+def test_n_3_with_logprobs_round_trips_streamed_and_not(client):
+    asked = dict(model="tiny", messages=ASK, temperature=1.0, seed=7, max_tokens=6, n=3, logprobs=True,
+                 top_logprobs=5)
+    whole = client.chat.completions.create(**asked)
+    texts, logprobs = {}, {}
+    for part in client.chat.completions.create(**asked, stream=True):
+        for choice in part.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.logprobs:
+                logprobs.setdefault(choice.index, []).extend(choice.logprobs.content)
+    assert texts == {c.index: c.message.content for c in whole.choices}  # the same seeds: the same replies
+    for choice in whole.choices:
+        content = choice.logprobs.content
+        assert [t.token for t in content] == [t.token for t in logprobs.get(choice.index, [])]
+        spaced = "".join(t.token for t in content)  # the tiny tokenizer is word-level: its decoder adds the spaces
+        assert spaced == choice.message.content.replace(" ", "")
+        for token in content:
+            assert token.logprob <= 0 and bytes(token.bytes).decode() == token.token
+            assert 1 <= len(token.top_logprobs) <= 5
+            assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs),
+                                                                     reverse=True)
+    assert len({c.message.content for c in whole.choices}) > 1  # sampled with different seeds
+
+
+@pytest.mark.parametrize("fields, param, words", [({"n": 5}, "n", "n must be at most 4"),
+                                                  ({"logprobs": True, "top_logprobs": 21}, "top_logprobs",
+                                                   "from 0 to 20")])
+def test_limits_are_a_400_naming_the_field(client, fields, param, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, extra_body=fields)
+    assert err.value.body["param"] == param and words in err.value.body["message"]
