@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_message
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import CapacityError, Fix, GrammarError, QueueFull
+from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.grammar import (GrammarState, choice_grammar, json_schema_grammar, regex_grammar,
                                                  reply_grammar)
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams, TokenLogprob
@@ -285,12 +286,15 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
         seed = None if chat.seed is None else (chat.seed + index) % (MAX_SEED + 1)  # choices differ, reproducibly
         params = SamplingParams(max_new_tokens=max_tokens, temperature=chat.temperature, top_p=chat.top_p,
                                 seed=seed, stop_token_ids=engine.stop_token_ids(), stop_strings=chat.stop)
+        beam = BeamParams(chat.beam_width, max_tokens, chat.length_penalty, chat.early_stopping,
+                          tuple(engine.stop_token_ids())) if chat.beam_width > 1 else None
         choices.append(Request(plan.feed, params, on_output(index), grammar=grammar,
-                               logprobs=chat.top_logprobs if chat.logprobs else None))
+                               logprobs=chat.top_logprobs if chat.logprobs else None, beam=beam))
     choices[0].followers = choices[1:]
     problem = scheduler.never_fits(choices[0])
     if problem:
-        raise ApiError(400, f"{problem}; ask for fewer choices (n) or a smaller max_tokens", param="n")
+        field = "beam_width" if chat.beam_width > 1 else "n"
+        raise ApiError(400, f"{problem}; ask for a smaller {field} or max_tokens", param=field)
     try:
         scheduler.submit(choices[0])
     except QueueFull as err:

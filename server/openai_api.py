@@ -32,6 +32,7 @@ TOOL_CHOICES = ("none", "auto", "required")
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_CHOICES = 128  # OpenAI's own limit of n; the server states a lower one (--max-n)
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+MAX_BEAMS = 16  # of beam_width, the schema's bound; the server states a lower one (--max-sessions)
 FIELD_ERROR = "cabin_invalid_field"  # the error type of this module's checks, worded for the client
 
 
@@ -170,6 +171,18 @@ def _top_p(value: Any) -> float:
 def _choices_count(value: Any) -> int:
     if not 1 <= _of_kind(value, int) <= MAX_CHOICES:
         raise _refuse(f"must be an integer from 1 to {MAX_CHOICES}, got {value}")
+    return value
+
+
+def _beam_width(value: Any) -> int:
+    if not 1 <= _of_kind(value, int) <= MAX_BEAMS:
+        raise _refuse(f"must be an integer from 1 to {MAX_BEAMS}, got {value}")
+    return value
+
+
+def _early_stopping(value: Any) -> bool | str:
+    if value not in (True, False, "never") or isinstance(value, (int, float)) and not isinstance(value, bool):
+        raise _refuse(f"must be true, false or \"never\", got {_shown(value)}")
     return value
 
 
@@ -480,8 +493,30 @@ class ChatCompletionRequest(_RequestObject):
     response_format: ResponseFormat | None = None
     guided_regex: Annotated[str, _kind(str)] | None = None  # vLLM's extension names
     guided_choice: Annotated[list[str], BeforeValidator(_choices)] | None = None
+    # beam search, named as vLLM's and TensorRT-LLM's extensions name it (transformers' generate rules)
+    beam_width: Annotated[int, Field(ge=1, le=MAX_BEAMS), BeforeValidator(_beam_width)] = 1
+    length_penalty: Annotated[float, Field(ge=-10, le=10), _number(-10.0, 10.0)] = 1.0
+    early_stopping: Annotated[bool | Literal["never"], BeforeValidator(_early_stopping)] = False
     user: Annotated[str, _kind(str)] | None = None
 
+    @field_validator("beam_width")
+    @classmethod
+    def _beams_alone(cls, width: int, info: ValidationInfo) -> int:
+        """A beam search's reply is whole and unsampled: no stream, one choice, no grammar, no log-probabilities."""
+        data = info.data
+        clashes = [("stream", data.get("stream")), ("n", (data.get("n") or 1) > 1), ("logprobs", data.get("logprobs")),
+                   ("temperature", data.get("temperature", 1.0) != 1.0), ("top_p", data.get("top_p", 1.0) != 1.0),
+                   ("seed", data.get("seed") is not None),
+                   ("tools", bool(data.get("tools")) and data.get("tool_choice") != "none"),
+                   ("response_format", data.get("response_format") is not None
+                    and data["response_format"].type != "text"),
+                   ("guided_regex", data.get("guided_regex") is not None),
+                   ("guided_choice", data.get("guided_choice") is not None)]
+        clash = next((name for name, on in clashes if on), None)
+        if width > 1 and clash:
+            raise _refuse(f"{width} cannot be combined with {clash}: a beam search's reply is one whole, unsampled "
+                          "text; leave one of them out")
+        return width
     @field_validator("top_logprobs")
     @classmethod
     def _with_logprobs(cls, top: int, info: ValidationInfo) -> int:

@@ -15,6 +15,9 @@ hashes, cabinllm.runtime.kv.blocks): a conversation re-sent with one more turn p
 A request with ``followers`` (choices 1..n-1 of one completion) prefills once: when its prompt is in the cache
 each follower's sequence forks from it (sharing every block; copy-on-write) and samples its first token from the
 same logits, then decodes as a sequence of its own. The group is admitted whole, one session slot per choice.
+A request with ``beam`` runs a beam search (cabinllm.runtime.generation.beam) once its prompt is in: each step
+runs one token of each of its beams beside the other requests; it holds one session slot per beam and its
+reply (the best beam) comes whole when the search ends.
 A block is allocated and hashed in the step that computes its K/V, so a prefix hit always finds K/V.
 Admission asks the cache's capacity queries (``PagedKVCache.blocks_to_admit``, ...); each reply's stop rules
 and the text it may show so far are every token loop's ``ReplyStream`` (cabinllm.runtime.generation.stops).
@@ -35,6 +38,7 @@ from prometheus_client import Histogram
 
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import ConfigError, GrammarError, QueueFull
+from cabinllm.runtime.generation.beam import BeamParams, BeamSearch
 from cabinllm.runtime.generation.generate import BatchedModel
 from cabinllm.runtime.generation.grammar import GrammarState
 from cabinllm.runtime.generation.sampling import SamplingParams, TokenLogprob, make_generator, sample, token_logprob
@@ -87,6 +91,7 @@ class Request:
     grammar: GrammarState | None = None  # the grammar the reply follows (None: free text)
     followers: list["Request"] = field(default_factory=list)  # more choices of the same prompt, one prefill
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest at its place
+    beam: BeamParams | None = None  # a beam search instead of sampling (its max_new_tokens: params')
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def cancel(self) -> None:
@@ -101,14 +106,20 @@ class _Running:
     reply: ReplyStream
     generator: torch.Generator
     leader: "_Running | None" = None  # a follower's leader, until it forks from it
+    search: BeamSearch | None = None  # a beam request's search, once its prompt is in
 
     @property
     def prefilling(self) -> bool:
-        return self.leader is None and len(self.seq) < len(self.request.prompt_ids)
+        return self.leader is None and self.search is None and len(self.seq) < len(self.request.prompt_ids)
 
     @property
     def decoding(self) -> bool:
-        return self.leader is None and len(self.seq) >= len(self.request.prompt_ids)
+        return self.leader is None and self.search is None and len(self.seq) >= len(self.request.prompt_ids)
+
+    @property
+    def sessions(self) -> int:
+        """Session slots it holds: one per beam."""
+        return self.request.beam.beam_width if self.request.beam else 1
 
     def target_tokens(self) -> int:
         """Tokens the sequence may hold at most: the prompt and a full reply (its last token is never fed)."""
@@ -170,16 +181,20 @@ class Scheduler:
                                      "running": len(self._running)}), self._cache_stats
 
     def never_fits(self, request: Request) -> str | None:
-        """Why a request and its followers could not be admitted even on an idle server (None: they can)."""
-        choices = 1 + len(request.followers)
-        if choices > self.config.max_sessions:
-            return f"{choices} choices need {choices} sessions and the server decodes {self.config.max_sessions}"
+        """Why a request (its followers or beams included) could not be admitted even on an idle server (None:
+        it can)."""
+        sessions, what = _sessions(request), "beams" if request.beam else "choices"
+        if sessions > self.config.max_sessions:
+            return f"{sessions} {what} need {sessions} sessions and the server decodes {self.config.max_sessions}"
         tpb = self.cache.tokens_per_block
-        needed = cdiv(len(request.prompt_ids) + request.params.max_new_tokens - 1, tpb) + sum(
-            self._fork_blocks(follower) for follower in request.followers)
+        if request.beam:
+            needed = cdiv(len(request.prompt_ids), tpb) + self._beam_blocks(request)
+        else:
+            needed = cdiv(len(request.prompt_ids) + request.params.max_new_tokens - 1, tpb) + sum(
+                self._fork_blocks(follower) for follower in request.followers)
         total = self.cache.blocks.num_blocks
         if needed > total:
-            return (f"the prompt and {choices} replies of up to {request.params.max_new_tokens} tokens need "
+            return (f"the prompt and {sessions} {what} of up to {request.params.max_new_tokens} tokens need "
                     f"{needed} KV blocks of {tpb} tokens and the whole pool holds {total}")
         return None
 
@@ -235,13 +250,18 @@ class Scheduler:
         t0 = time.perf_counter()
         logits = self.model.step(spans, self.cache)
         peak = self.cache.stats()  # the most this step holds: before any sequence finishes
+        beams: dict[_Running, list[torch.Tensor]] = {}
         for running, row in zip(owners, logits):
-            if running is not None:
+            if running is not None and running.request.beam:
+                beams.setdefault(running, []).append(row)
+            elif running is not None:
                 for follower in [r for r in self._running if r.leader is running]:
                     self.cache.fork(running.seq, follower.seq)  # the prompt is in: the follower shares it
                     follower.leader = None
                     self._sample(follower, row)
                 self._sample(running, row)
+        for running, rows in beams.items():
+            self._advance_beams(running, torch.stack(rows))
         with self._lock:
             self._stats.steps += 1
             self._stats.busy_s += time.perf_counter() - t0
@@ -266,11 +286,30 @@ class Scheduler:
         """Blocks a forked choice may add at most: its copy of the shared last block and its reply's blocks."""
         return cdiv(request.params.max_new_tokens - 1, self.cache.tokens_per_block) + 1
 
+    def _beam_blocks(self, request: Request, generated: int = 0) -> int:
+        """Blocks a beam search's beams may still add: per beam its reply's rest and one copied block."""
+        rest = request.params.max_new_tokens - generated
+        return request.beam.beam_width * (cdiv(rest, self.cache.tokens_per_block) + 1)
+
     def _reserved(self, running: _Running) -> int:
         """Blocks a running sequence may still take."""
         if running.leader is not None:
             return self._fork_blocks(running.request)
+        if running.search is not None:
+            return self._beam_blocks(running.request, running.search.cur_len - running.search.prompt_len)
+        if running.request.beam:
+            prompt = len(running.request.prompt_ids)
+            return self.cache.blocks_needed(running.seq, prompt - len(running.seq)) + self._beam_blocks(
+                running.request)
         return self.cache.blocks_needed(running.seq, running.target_tokens() - len(running.seq))
+
+    def _admission_blocks(self, request: Request) -> tuple[int, int]:
+        """The available blocks a request (its followers or beams included) takes at most, and its cached tokens."""
+        if request.beam:
+            needed, cached = self.cache.blocks_to_admit(request.prompt_ids, 0)
+            return needed + self._beam_blocks(request), cached
+        needed, cached = self.cache.blocks_to_admit(request.prompt_ids, request.params.max_new_tokens - 1)
+        return needed + sum(self._fork_blocks(follower) for follower in request.followers), cached
 
     def _admit(self) -> None:
         while True:
@@ -278,12 +317,12 @@ class Scheduler:
                 if not self._waiting:
                     return
                 request = self._waiting[0]
-            if len(self._running) + 1 + len(request.followers) > self.config.max_sessions:
+            held = sum(r.sessions for r in self._running)
+            if held + _sessions(request) > self.config.max_sessions:
                 return
             reserved = sum(self._reserved(r) for r in self._running)
             prompt = request.prompt_ids
-            needed, cached = self.cache.blocks_to_admit(prompt, request.params.max_new_tokens - 1)
-            needed += sum(self._fork_blocks(follower) for follower in request.followers)
+            needed, cached = self._admission_blocks(request)
             if needed > self.cache.available_blocks() - reserved:
                 return  # waits for running sequences to finish; those behind it wait too (FIFO)
             with self._lock:
@@ -311,7 +350,11 @@ class Scheduler:
         spans: list[Span] = []
         owners: list[_Running | None] = []
         for running in self._running:
-            if running.decoding:
+            if running.search is not None:
+                beam_spans = running.search.spans()
+                spans += beam_spans
+                owners += [running] * len(beam_spans)
+            elif running.decoding:
                 token, position = running.request.token_ids[-1], len(running.seq)
                 self.cache.append(running.seq, [token])
                 spans.append(Span([token], position, running.seq))
@@ -333,6 +376,29 @@ class Scheduler:
             owners.append(running if end == len(prompt) else None)
             budget -= end - start
         return spans, owners
+
+    def _advance_beams(self, running: _Running, logits: torch.Tensor) -> None:
+        """Start a beam search on its prompt's logits, or advance it; a search that ended gives its best beam as
+        the reply."""
+        request = running.request
+        if running.search is None:
+            running.search = BeamSearch(self.cache, len(request.prompt_ids), request.beam)
+            running.search.start(running.seq, logits[0])
+        else:
+            running.search.advance(logits)
+        with self._lock:
+            self._stats.generated_tokens += len(logits)
+        if not running.search.done:
+            return
+        result = running.search.close()
+        best = result.token_ids[0] if result.token_ids else []
+        request.first_token_at = request.first_token_at or time.perf_counter()
+        for token in best:
+            request.token_ids.append(token)
+            running.reply.push(token)
+            if running.reply.finish_reason:
+                break
+        self._finish(running, "length")
 
     def _sample(self, running: _Running, logits: torch.Tensor) -> None:
         request = running.request
@@ -369,6 +435,8 @@ class Scheduler:
         for follower in [r for r in self._running if r.leader is running]:  # never forked: nothing to share
             follower.request.error = running.request.error
             self._finish(follower, reason or "cancelled")
+        if running.search is not None:
+            running.search.close()  # every beam's sequence, the prompt's among them
         if running.seq:
             self.cache.free(running.seq)
         request, reply = running.request, running.reply
@@ -384,3 +452,8 @@ class Scheduler:
         for one in (request, *request.followers):
             one.finish_reason = reason
             one.on_output(one, "", True)
+
+
+def _sessions(request: Request) -> int:
+    """Session slots a request takes: one per choice, or one per beam."""
+    return request.beam.beam_width if request.beam else 1 + len(request.followers)

@@ -12,6 +12,7 @@ from cabinllm.runtime.generation.beam import BeamParams, beam_search
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
 
 # (length_penalty, early_stopping) as transformers names them
 RULES = [(1.0, False), (0.0, True), (2.0, "never"), (-1.0, False)]
@@ -94,3 +95,20 @@ def test_beams_equal_transformers_on_the_default_model(default_engine, default_e
             cache = default_engine.new_cache(default_engine.kv_cache_config("fp32", 32 << 20, 16))
             got = beam_search(default_engine.model, cache, prompt, params).token_ids[0]
             assert got == hf_beams(hf, prompt, params), question
+
+
+def test_the_scheduler_runs_a_beam_search_beside_a_sampled_request(tiny_engine):
+    stops = tuple(tiny_engine.stop_token_ids())
+    prompt = [1, 5, 9, 2]
+    params = BeamParams(4, 12, 1.0, False, stops)
+    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 8 << 20, 4))
+    scheduler = Scheduler(tiny_engine, cache, SchedulerConfig(max_sessions=5))
+    beam = Request(prompt, SamplingParams(12, stop_token_ids=list(stops)), lambda *_: None, beam=params)
+    other = Request([3, 3, 7], SamplingParams(12, stop_token_ids=list(stops)), lambda *_: None)
+    scheduler.submit(beam)
+    scheduler.submit(other)
+    while beam.finish_reason is None or other.finish_reason is None:
+        scheduler.step()
+    assert beam.token_ids == ours(tiny_engine, prompt, params)
+    assert cache.stats().blocks_in_use == 0
+    cache.blocks.check_invariants()

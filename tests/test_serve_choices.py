@@ -7,6 +7,7 @@ import openai
 import pytest
 import torch
 
+from cabinllm.runtime.generation.beam import BeamParams, beam_search
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
@@ -119,3 +120,25 @@ def test_limits_are_a_400_naming_the_field(client, fields, param, words):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, extra_body=fields)
     assert err.value.body["param"] == param and words in err.value.body["message"]
+
+
+def test_beam_width_gives_the_best_beam(client, tiny_engine):
+    prompt_reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=10,
+                                                  extra_body={"beam_width": 3, "length_penalty": 0.5})
+    tok = tiny_engine.tokenizer
+    prompt = tok.encode(tok.render(ASK))
+    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config(None, 8 << 20))
+    best = beam_search(tiny_engine.model, cache, prompt, BeamParams(3, 10, 0.5, False,
+                                                                    tuple(tiny_engine.stop_token_ids())))
+    assert prompt_reply.choices[0].message.content == tok.decode_reply(best.token_ids[0])
+    assert prompt_reply.usage.completion_tokens == len(best.token_ids[0])
+
+
+@pytest.mark.parametrize("fields, words", [({"stream": True}, "cannot be combined with stream"),
+                                           ({"temperature": 0.7}, "cannot be combined with temperature"),
+                                           ({"beam_width": 5, "stream": False}, "5 beams need 5 sessions")])
+def test_a_beam_search_that_cannot_be_done_as_asked_is_a_400(client, fields, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4,
+                                       extra_body={"beam_width": 3, **fields})
+    assert err.value.body["param"] == "beam_width" and words in err.value.body["message"]
