@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.model.tools import Tool
 
 
@@ -33,6 +34,7 @@ class TurnStats:
     policy: str = "error"
     error: str | None = None
     tool_calls: list[dict] = field(default_factory=list)  # the reply's calls in OpenAI's form (finish "tool_calls")
+    alternatives: list[str] = field(default_factory=list)  # with n > 1 or a beam search: the other replies
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -47,9 +49,12 @@ class Session(Protocol):
     tools: list[Tool]  # the functions its replies may call
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
-             should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None) -> TurnStats:
+             should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None, n: int = 1,
+             beam: BeamParams | None = None) -> TurnStats:
         """Answer one message (text: the user's; a dict: a message such as a tool's result), streaming the reply's
-        text; ``tool_choice`` for this reply (None: the session's). A turn that cannot fit ends with finish_reason
+        text; ``tool_choice`` for this reply (None: the session's). ``n`` > 1 samples that many replies from one
+        prefill, ``beam`` runs a beam search instead of sampling: the conversation goes on with the first reply
+        (the best beam), the others come as ``alternatives``. A turn that cannot fit ends with finish_reason
         'capacity' and the session stays usable."""
 
     def reset(self) -> None:
