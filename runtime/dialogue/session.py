@@ -11,6 +11,8 @@ A session given ``tools`` shows them to the model and constrains each reply by `
 """
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -18,10 +20,13 @@ from cabinllm.runtime.dialogue.interface import TurnStats
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
 from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file, within_memory, write_session_file
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CapacityError, GrammarError, OutOfBlocks, SessionFileError
-from cabinllm.runtime.generation.generate import generate
+from cabinllm.runtime.errors import CapacityError, ConfigError, GrammarError, OutOfBlocks, SessionFileError
+from cabinllm.runtime.generation.beam import BeamParams, BeamSearch
+from cabinllm.runtime.generation.generate import (BatchedModel, GenerationResult, generate, generate_choices,
+                                                  prefill)
 from cabinllm.runtime.generation.grammar import reply_grammar
-from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
+from cabinllm.runtime.generation.stops import ReplyStream
 from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
@@ -57,20 +62,32 @@ class DialogueSession:
         return self.seq.token_ids
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
-             should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None) -> TurnStats:
+             should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None, n: int = 1,
+             beam: BeamParams | None = None) -> TurnStats:
         """Answer one message (text: the user's; or a message dict, e.g. a tool's result); ``tool_choice`` for this
-        reply only (None: the session's). A turn that cannot fit ends with finish_reason 'capacity'."""
+        reply only (None: the session's). ``n`` > 1: that many sampled replies from one prefill (seeds ``seed``,
+        ``seed + 1``, ...); ``beam``: a beam search; the conversation goes on with the first reply (the best beam),
+        the others are ``alternatives`` (neither streams). A turn that cannot fit ends with finish_reason
+        'capacity'."""
+        self._check_forks(n, beam)
         self.turns += 1
         messages = self.messages + [message if isinstance(message, dict) else {"role": "user", "content": message}]
         grammar = reply_grammar(self.tokenizer.tool_format, self.tools, tool_choice or self.tool_choice,
                                 parallel=False)
+        alternatives: list[str] = []
         try:
             plan = self._plan(messages)
             if plan.rebuild:
                 self._release()
-            result = generate(self.engine.model, self.cache, self.seq, plan.feed, self.params,
-                              self.engine.tokenizer.decode_reply, on_text, should_stop,
-                              self.engine.vocabulary.start(grammar) if grammar else None)
+            if beam is not None:
+                result, alternatives = self._beam_search(plan.feed, beam)
+            elif n > 1:
+                result, *others = self._choices(plan.feed, n, grammar)
+                alternatives = [other.text for other in others]
+            else:
+                result = generate(self.engine.model, self.cache, self.seq, plan.feed, self.params,
+                                  self.engine.tokenizer.decode_reply, on_text, should_stop,
+                                  self.engine.vocabulary.start(grammar) if grammar else None)
         except CapacityError as err:
             message = capacity_message(err, self.overflow, self.params.max_new_tokens, self._room().capacity)
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, message)
@@ -86,7 +103,8 @@ class DialogueSession:
         self.transcript = plan.prompt + self.engine.tokenizer.decode(result.token_ids)
         finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
         return self._stats(result.text, result.token_ids, result.prefill_tokens, result.reused_tokens,
-                           result.ttft_s, result.decode_tok_s, finish, plan.evicted, tool_calls=reply.get("tool_calls"))
+                           result.ttft_s, result.decode_tok_s, finish, plan.evicted, tool_calls=reply.get("tool_calls"),
+                           alternatives=alternatives)
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and release its KV blocks."""
@@ -167,6 +185,62 @@ class DialogueSession:
         session.transcript, session.turns = header["transcript"], header["turns"]
         return session
 
+    # -- forks ---------------------------------------------------------------------
+    def _check_forks(self, n: int, beam: BeamParams | None) -> None:
+        """ConfigError where n or a beam search cannot be run as asked."""
+        if n < 1 or (n > 1 and beam is not None):
+            raise ConfigError(f"n must be >= 1, and 1 with a beam search, got n={n}")
+        if (n > 1 or beam is not None) and not isinstance(self.engine.model, BatchedModel):
+            raise ConfigError("several replies per turn need a model that steps several sequences at once (the "
+                              "reference engine); this backend's runs one")
+        if beam is not None and self.tools:
+            raise ConfigError("a beam search follows no grammar: leave tools out of a session that searches beams")
+
+    def _fork_room(self, forks: int, max_new_tokens: int) -> None:
+        """CapacityError unless ``forks`` more replies of ``max_new_tokens`` fit beside the first."""
+        needed = forks * (cdiv(max_new_tokens, self.cache.tokens_per_block) + 1)
+        free = self.cache.available_blocks() - self.cache.blocks_needed(self.seq, max_new_tokens)
+        if needed > free:
+            raise CapacityError(f"{forks + 1} replies of {max_new_tokens} tokens need {needed} more KV blocks and "
+                                f"{max(free, 0)} are free; ask for fewer replies or raise the KV budget")
+
+    def _choices(self, feed: list[int], n: int, grammar: str | None) -> list[GenerationResult]:
+        """``n`` replies sampled from one prefill; the first stays in the session's sequence."""
+        self._fork_room(n - 1, self.params.max_new_tokens)
+        seed = self.params.seed
+        params = [replace(self.params, seed=None if seed is None else (seed + i) % (MAX_SEED + 1)) for i in range(n)]
+        grammars = [self.engine.vocabulary.start(grammar) if grammar else None for _ in range(n)]
+        return generate_choices(self.engine.model, self.cache, self.seq, feed, params,
+                                self.engine.tokenizer.decode_reply, grammars)
+
+    def _beam_search(self, feed: list[int], beam: BeamParams) -> tuple[GenerationResult, list[str]]:
+        """A beam search from the prompt; the best beam is fed back into the session's sequence (its last token
+        pending, as after ``generate``), the other finished beams' texts returned."""
+        self._fork_room(beam.beam_width, beam.max_new_tokens)
+        model, decode = self.engine.model, self.engine.tokenizer.decode_reply
+        t0 = time.perf_counter()
+        logits, reused, computed = prefill(model, self.cache, self.seq, feed)
+        search, start = BeamSearch(self.cache, len(self.seq), beam), Sequence()
+        self.cache.fork(self.seq, start)
+        search.start(start, logits)
+        while not search.done:
+            search.advance(model.step(search.spans(), self.cache))
+        found = search.close()
+        best = found.token_ids[0] if found.token_ids else []
+        reply = ReplyStream(replace(self.params, max_new_tokens=beam.max_new_tokens), decode)
+        for token in best:
+            reply.push(token)
+            if reply.finish_reason:
+                break
+        reply.close("length")
+        fed = reply.ids[:-1]
+        if fed:  # the reply's K/V, as generate leaves it
+            self.cache.append(self.seq, fed)
+            model.forward(fed, len(self.seq) - len(fed), self.cache, self.seq)
+        elapsed = time.perf_counter() - t0
+        result = GenerationResult(reply.ids, reply.text, reply.finish_reason, computed, reused, elapsed, elapsed)
+        return result, [decode(ids) for ids in found.token_ids[1:]]
+
     # -- planning ------------------------------------------------------------------
     def _plan(self, messages: list[dict]) -> TurnPlan:
         """Decide what to feed: append the new tokens, or rebuild the sequence under the policy."""
@@ -201,7 +275,9 @@ class DialogueSession:
         self.pending, self.transcript = [], ""
 
     def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
-               finish: str, evicted: int, error: str | None = None, tool_calls: list[dict] | None = None) -> TurnStats:
+               finish: str, evicted: int, error: str | None = None, tool_calls: list[dict] | None = None,
+               alternatives: list[str] | None = None) -> TurnStats:
         s = self.cache.stats()
         return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, s.bytes_used, s.bytes_reserved,
-                         s.bytes_per_token, s.mode, finish, evicted, self.overflow.name, error, tool_calls or [])
+                         s.bytes_per_token, s.mode, finish, evicted, self.overflow.name, error, tool_calls or [],
+                         alternatives or [])

@@ -123,6 +123,50 @@ def generate(model: ForwardModel, cache: PagedKVCache, seq: Sequence, new_ids: l
                             time.perf_counter() - t_first)
 
 
+def generate_choices(model: BatchedModel, cache: PagedKVCache, seq: Sequence, new_ids: list[int],
+                     params: list[SamplingParams], decode_text: Callable[[list[int]], str],
+                     grammars: list[GrammarState | None] | None = None) -> list[GenerationResult]:
+    """``len(params)`` replies from one prefill of ``new_ids``: the first in ``seq``, the others in forks of it
+    (its blocks shared, copy-on-write), decoded together, one model step for all; the forks are freed at the end.
+    As ``generate``, the last sampled token of each reply is not fed."""
+    t0 = time.perf_counter()
+    logits, reused, computed = prefill(model, cache, seq, new_ids)
+    seqs = [seq] + [Sequence() for _ in params[1:]]
+    for child in seqs[1:]:
+        cache.fork(seq, child)
+    replies = [ReplyStream(p, decode_text, grammar=g) for p, g in zip(params, grammars or [None] * len(params))]
+    generators = [make_generator(p.seed) for p in params]
+    ended: list[str | None] = [None] * len(params)
+    live, rows = list(range(len(params))), [logits] * len(params)
+    ttft = 0.0
+    try:
+        while live:
+            spans, still = [], []
+            for i, row in zip(live, rows):
+                replies[i].push(sample(replies[i].constrain(row), params[i], generators[i]))
+                ttft = ttft or time.perf_counter() - t0
+                if replies[i].finish_reason:
+                    continue
+                position = len(seqs[i])
+                if position >= model.config.max_position_embeddings or not _try_append(cache, seqs[i],
+                                                                                        replies[i].ids[-1]):
+                    ended[i] = "capacity"
+                    continue
+                spans.append(Span(replies[i].ids[-1:], position, seqs[i]))
+                still.append(i)
+            live, rows = still, (model.step(spans, cache) if spans else [])
+    finally:
+        for child in seqs[1:]:
+            if child:
+                cache.free(child)
+    decode_s = time.perf_counter() - t0 - ttft
+    results = []
+    for reply, end in zip(replies, ended):
+        reply.close(end)
+        results.append(GenerationResult(reply.ids, reply.text, reply.finish_reason, computed, reused, ttft, decode_s))
+    return results
+
+
 def _try_append(cache: PagedKVCache, seq: Sequence, token: int) -> bool:
     try:
         cache.append(seq, [token])
