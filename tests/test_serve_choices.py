@@ -142,3 +142,13 @@ def test_a_beam_search_that_cannot_be_done_as_asked_is_a_400(client, fields, wor
         client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4,
                                        extra_body={"beam_width": 3, **fields})
     assert err.value.body["param"] == "beam_width" and words in err.value.body["message"]
+
+
+def test_a_group_that_can_never_fit_is_named_before_it_is_queued(tiny_engine):
+    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 20 * 4 * 1536, 4))  # 20 blocks of 4 tokens
+    scheduler = Scheduler(tiny_engine, cache, SchedulerConfig(max_sessions=4))
+    assert scheduler.never_fits(group(list(range(1, 9)), 2, 12)[0]) is None  # 2 + 3 + 4 blocks
+    problem = scheduler.never_fits(group(list(range(1, 9)), 4, 24)[0])
+    assert problem == "the prompt and 4 choices of up to 24 tokens need 29 KV blocks of 4 tokens and the whole pool " \
+                      "holds 20"
+    assert "5 choices need 5 sessions" in scheduler.never_fits(group([1, 2], 5, 4)[0])
