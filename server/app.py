@@ -468,7 +468,7 @@ def _logprobs(logprobs: list[TokenLogprob], engine: Engine) -> ChoiceLogprobs:
     stops = set(engine.stop_token_ids())
     try:
         token_bytes = engine.vocabulary.token_bytes  # exact, a piece of a character included
-    except ValueError:  # a tokenizer llguidance cannot read: each token's own text
+    except GrammarError:  # a tokenizer llguidance cannot read: each token's own text
         token_bytes = lambda token: engine.tokenizer.decode([token]).encode("utf-8")  # noqa: E731
     return choice_logprobs([lp for lp in logprobs if lp.token not in stops], token_bytes)
 

@@ -234,3 +234,10 @@ def test_a_client_that_leaves_the_queue_frees_its_place(bytes_engine_dir):
         health = http.get(f"{base}/health").json()
         assert health["waiting"] == 0 and health["running"] == 1
         long.close()
+
+
+def test_a_grammar_on_a_tokenizer_llguidance_cannot_read_is_a_400(client):
+    body = {**PLAY, "response_format": {"type": "json_object"}}  # the tiny tokenizer: a word-level decoder
+    error = error_of(client.post("/v1/chat/completions", json=body), 400)
+    assert "cannot drive a grammar" in error["message"] and error["param"].startswith("response_format")
+    still_serves(client)

@@ -87,9 +87,13 @@ class Vocabulary:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, stop_token_ids: list[int]) -> None:
         """``vocab_size`` is the width of the model's logits (rows past the tokenizer's are never allowed);
-        ``stop_token_ids`` end a reply once the grammar is complete."""
+        ``stop_token_ids`` end a reply once the grammar is complete. GrammarError for a tokenizer llguidance
+        cannot read."""
         self.vocab_size = vocab_size
-        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=stop_token_ids)
+        try:
+            self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=stop_token_ids)
+        except ValueError as err:  # a tokenizer.json llguidance cannot read (its decoder, its model kind)
+            raise GrammarError(f"this model's tokenizer cannot drive a grammar ({err})") from err
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for (b"" for a special token)."""
