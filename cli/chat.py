@@ -7,8 +7,9 @@ import signal
 import sys
 from pathlib import Path
 
-from cabinllm.cli.args import (add_cache_flags, add_sampling_flags, add_thread_flag, entry_point, kv_budget_bytes,
-                               os_error_message, output_name, sampling_params, use_threads)
+from cabinllm.cli.args import (add_cache_flags, add_sampling_flags, add_thread_flag, entry_point, help_of,
+                               kv_budget_bytes, os_error_message, output_name, positive_int, sampling_params,
+                               use_threads)
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.select import BACKENDS, SessionRequest, open_session
 from cabinllm.runtime.dialogue.interface import Session, TurnStats
@@ -16,6 +17,7 @@ from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.errors import CabinError, ConfigError, SessionFileError
 from cabinllm.runtime.formats.chat_script import read_script, text_problem
 from cabinllm.runtime.formats.engine_folder import EngineFolder
+from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.model.tools import Tool, read_tools
 
 HELP_COMMANDS = "commands: /reset (new conversation), /stats (KV memory), /save FILE, /quit; Ctrl-C stops a reply"
@@ -47,9 +49,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --tools, for the replies to user messages: auto (call or answer), required (always "
                              "call), none, or one function's name (default auto); calls are constrained to valid calls "
                              "by a grammar; the reply to a tool's result is words")
+    parser.add_argument("--choices", type=positive_int, default=1,
+                        help="replies per turn, sampled from one prefill on shared KV blocks (seeds --seed, --seed + "
+                             "1, ...); the conversation goes on with the first, the others are printed as "
+                             "alternatives (default 1; reference engine)")
+    parser.add_argument("--beam-width", type=positive_int, default=1,
+                        help="beams of a beam search per turn instead of sampling, as transformers' generate "
+                             "(num_beams) defines it; the best beam is the reply (default 1: no search)")
+    parser.add_argument("--length-penalty", type=float, default=BeamParams.length_penalty,
+                        help=f"{help_of(BeamParams, 'length_penalty')} (default {BeamParams.length_penalty:g})")
+    parser.add_argument("--early-stopping", choices=("true", "false", NEVER), default="false",
+                        help=f"{help_of(BeamParams, 'early_stopping')} (default false)")
     add_thread_flag(parser)
     add_sampling_flags(parser)
     return parser.parse_args(argv)
+
+
+def turn_options(args: argparse.Namespace, session: Session) -> dict:
+    """What each turn asks for beyond one sampled reply: --choices or a beam search (ending at the session's stop
+    tokens)."""
+    if args.beam_width == 1:
+        return {"n": args.choices}
+    if args.choices > 1:
+        raise ConfigError("--choices and --beam-width ask for two ways of several replies; give one of them")
+    early = {"true": True, "false": False}.get(args.early_stopping, args.early_stopping)
+    return {"beam": BeamParams(args.beam_width, args.max_new_tokens, args.length_penalty, early,
+                               tuple(session.params.stop_token_ids))}
 
 
 def chat_tools(args: argparse.Namespace) -> tuple[Tool, ...]:
@@ -118,8 +143,8 @@ class CallsToAnswer:
         return {**message, "tool_call_id": message.get("tool_call_id") or self.ids.pop(0)}
 
 
-def run_script(session: Session, turns: list[dict], as_json: bool) -> None:
-    """Play user turns (and tool results) from a script and print each reply."""
+def run_script(session: Session, turns: list[dict], as_json: bool, options: dict | None = None) -> None:
+    """Play user turns (and tool results) from a script and print each reply (``options``: turn_options)."""
     calls = CallsToAnswer()
     for number, message in enumerate(turns, start=1):
         if message["role"] == "tool":
@@ -129,13 +154,14 @@ def run_script(session: Session, turns: list[dict], as_json: bool) -> None:
                 print(f"cabin-chat: error: message {number} of the script: {err}; it was not sent", file=sys.stderr,
                       flush=True)
                 continue
-        stats = session.chat(message, tool_choice=reply_choice(message))
+        stats = session.chat(message, tool_choice=reply_choice(message), **(options or {}))
         calls.after(stats)
         if as_json:
             print(json.dumps(stats.to_dict(), ensure_ascii=False), flush=True)
         else:
             reply = format_calls(stats) if stats.tool_calls else stats.reply
-            print(f"{message['role']}> {message['content']}\nassistant> {reply}\n  {format_stats(stats)}", flush=True)
+            print(f"{message['role']}> {message['content']}\nassistant> {reply}{format_alternatives(stats)}\n  "
+                  f"{format_stats(stats)}", flush=True)
             if stats.error:
                 print(f"  error: {stats.error}", flush=True)
     if not as_json:
@@ -167,8 +193,14 @@ def run_command(session: Session, command: str, argument: str) -> str:
     return f"unknown command {command}; {HELP_COMMANDS}"
 
 
-def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer) -> None:
-    """Stream the reply to one message; Ctrl-C stops it and keeps the session."""
+def format_alternatives(stats: TurnStats) -> str:
+    """The other replies of a turn, a line each (none: empty)."""
+    return "".join(f"\n  alternative {i}> {text}" for i, text in enumerate(stats.alternatives, start=2))
+
+
+def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer, options: dict | None = None) -> None:
+    """Stream the reply to one message (several replies, ``options``, come whole); Ctrl-C stops it and keeps the
+    session."""
     problem = text_problem(text if isinstance(text, str) else text["content"])
     if problem:
         print(f"  error: the message {problem}")
@@ -183,10 +215,12 @@ def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer) -> None:
     print("assistant> ", end="", flush=True)
     try:
         stats = session.chat(text, on_text=lambda piece: print(piece, end="", flush=True),
-                             should_stop=lambda: interrupted, tool_choice=reply_choice(text))
+                             should_stop=lambda: interrupted, tool_choice=reply_choice(text), **(options or {}))
     finally:
         signal.signal(signal.SIGINT, previous)
     calls.after(stats)
+    if stats.alternatives or (options and options.get("beam")):  # not streamed
+        print(f"{stats.reply}{format_alternatives(stats)}", end="")
     if stats.tool_calls:
         print(f"\n{format_calls(stats)}", end="")
     print(f"\n  {format_stats(stats)}")
@@ -194,7 +228,7 @@ def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer) -> None:
         print(f"  error: {stats.error}")
 
 
-def run_interactive(session: Session) -> None:
+def run_interactive(session: Session, options: dict | None = None) -> None:
     """A terminal chat with streaming replies; a command or turn that fails is one line and the session is kept."""
     system = session.messages[0]["content"] if session.messages and session.messages[0]["role"] == "system" else None
     calls = CallsToAnswer()
@@ -221,11 +255,11 @@ def run_interactive(session: Session) -> None:
             if command == "/tool" and not argument.strip():
                 print("usage: /tool RESULT (the result of the reply's call, e.g. {\"ok\": true})")
             elif command == "/tool":
-                chat_turn(session, calls.result({"role": "tool", "content": argument.strip()}), calls)
+                chat_turn(session, calls.result({"role": "tool", "content": argument.strip()}), calls, options)
             elif command.startswith("/"):
                 print(run_command(session, command, argument.strip()))
             else:
-                chat_turn(session, text, calls)
+                chat_turn(session, text, calls, options)
         except Exception as err:  # one failed command or turn never ends the chat
             print(f"\n  error: {str(err) or type(err).__name__} (the conversation is kept)", flush=True)
 
@@ -242,14 +276,18 @@ def main(argv: list[str] | None = None) -> int:
             system = args.system if args.system is not None else EngineFolder(args.engine).system_prompt()
         use_threads(args)
         session = open_chat_session(args, system or None)
+        options = turn_options(args, session)
     except CabinError as err:
         print(f"cabin-chat: error: {err}", file=sys.stderr)
         return 2
     try:
         if args.script:
-            run_script(session, turns, args.json)
+            run_script(session, turns, args.json, options)
         else:
-            run_interactive(session)
+            run_interactive(session, options)
+    except ConfigError as err:  # the backend cannot run the turns as asked (several replies)
+        print(f"cabin-chat: error: {err}", file=sys.stderr)
+        return 2
     except OSError as err:  # the output: a full disk under --json > FILE
         print(f"cabin-chat: error: {os_error_message(err, output_name(sys.stdout))}", file=sys.stderr)
         return 2

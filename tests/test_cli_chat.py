@@ -160,3 +160,19 @@ def test_a_bad_tools_file_or_choice_is_one_clear_line(bytes_engine_dir, tmp_path
         assert main(["--engine", str(bytes_engine_dir), *flags]) == 2
         err = capsys.readouterr().err
         assert problem in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_choices_and_beams_print_the_alternatives(tiny_engine_dir, tmp_path, capsys):
+    script = tmp_path / "s.jsonl"
+    script.write_text('{"role": "user", "content": "play some jazz"}\n{"role": "user", "content": "louder"}\n')
+    assert main(["--engine", str(tiny_engine_dir), "--script", str(script), "--beam-width", "3",
+                 "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("alternative 2> ") == 2 and out.count("alternative 3> ") == 2
+    assert main(["--engine", str(tiny_engine_dir), "--script", str(script), "--choices", "2", "--json",
+                 "--temperature", "1", "--seed", "5", "--max-new-tokens", "6"]) == 0
+    turns = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [len(turn["alternatives"]) for turn in turns] == [1, 1]
+    assert main(["--engine", str(tiny_engine_dir), "--script", str(script), "--choices", "2", "--beam-width",
+                 "2"]) == 2
+    assert "give one of them" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from cabinllm.runtime.generation.beam import BeamParams
+from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.model.tools import Tool
 
 
@@ -47,6 +48,7 @@ class Session(Protocol):
     messages: list[dict]
     turns: int
     tools: list[Tool]  # the functions its replies may call
+    params: SamplingParams  # how its replies are sampled, its stop tokens included
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None, n: int = 1,
