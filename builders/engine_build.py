@@ -53,12 +53,14 @@ class BuildRequest:
     calibrate: str | None = None  # dialogue data to calibrate on now: builtin, sharegpt or a file
     system_prompt: str = DEFAULT_SYSTEM_PROMPT  # the engine's default system prompt; "" for none
     weights: str = "fp16"  # weight format (cabinllm.runtime.formats.weight_formats): fp16 (as --dtype), int8, int4-awq
+    max_beam_width: int = 1  # beams the TensorRT engine can search (trtllm-build --max_beam_width)
 
     def command(self) -> str:
         """The cabin-build command line that makes this request."""
         args = ["cabin-build", "--model", self.model, "--target", self.target, "--kv-cache", self.kv_cache,
                 "--dtype", self.dtype, "--output", str(self.output)]
         args += ["--weights", self.weights] if self.weights != "fp16" else []
+        args += ["--max-beam-width", str(self.max_beam_width)] if self.max_beam_width != 1 else []
         args += ["--scales", str(self.scales)] if self.scales else []
         args += ["--calibrate", self.calibrate] if self.calibrate else []
         args += ["--equalize"] if self.equalize else []
@@ -172,7 +174,8 @@ def scales_step_text(request: BuildRequest) -> str:
 def checked_plan(request: BuildRequest, target: Target, weights: str = "fp16") -> Plan:
     """The memory plan for the requested KV dtype and weight format; PlanRefused (with the nearest working config)
     if it cannot work."""
-    plan_request = PlanRequest(request.model, target, weights, request.reserve_gb, request.kv_cache)
+    plan_request = PlanRequest(request.model, target, weights, request.reserve_gb, request.kv_cache,
+                               request.max_beam_width)
     return working_plan(plan_request, load_model_config(request.model))
 
 
@@ -193,6 +196,8 @@ def build_inputs(request: BuildRequest, target: Target, source: Path, trtllm: Tr
     }
     if request.weights != "fp16":  # recorded only when asked, so engines built before the option stay up to date
         record["weights"] = request.weights
+    if request.max_beam_width != 1:  # likewise
+        record["max_beam_width"] = request.max_beam_width
     return json.loads(json.dumps(record))
 
 

@@ -8,6 +8,11 @@ prefill is unavailable, as with INT8 KV on TensorRT) and the pool's blocks, and 
 the pool into turns of a typical in-car dialogue (``dialogue_turns.TYPICAL_TURN``).
 On an ONNX target ``max_seq_len`` is the graphs' KV window and ``max_num_tokens`` the
 prompt graph's tokens, sized by ``cabinllm.builders.graph_plan`` as cabin-export arguments.
+
+A TensorRT engine built for beam search (``--max-beam-width``) needs a pool for the search over the longest prompt:
+TensorRT-LLM reserves a request's blocks to completion, the prompt's whole blocks once, shared by the beams, and per
+beam its last partial block and the reply (``KVCacheManager::getRemainingBlocksToCompletion``, see
+``cabinllm.runtime.backends.trtllm``), and the pool is sized for the worst prompt up to ``max_input_len``.
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ from cabinllm.builders.graph_plan import GraphPlan, graph_limit, npu_weight_byte
 from cabinllm.builders.memory_model import activation_bytes, kv_bytes_per_token, parameter_count, weights_bytes
 from cabinllm.builders.targets import GIB, Backend, Target, load_targets
 from cabinllm.builders.trtllm import EngineShape, build_args, flag_set
-from cabinllm.runtime.errors import PlanRefused
+from cabinllm.runtime.backends.trtllm import beam_kv_blocks_up_to
+from cabinllm.runtime.errors import ConfigError, PlanRefused
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
 from cabinllm.runtime.kv.blocks import cdiv
@@ -41,6 +47,7 @@ class PlanRequest:
     weights: str = "fp16"
     reserve_gb: float | None = None  # memory of co-resident models in GiB; None = the profile's
     kv_dtype: str | None = None  # one KV dtype; None = every dtype the target allows
+    max_beam_width: int = 1  # beams the TensorRT engine searches (trtllm-build --max_beam_width)
 
 
 @dataclass
@@ -57,7 +64,7 @@ class KVPlan:
     max_input_len: int
     max_num_tokens: int
     tokens_per_block: int
-    num_blocks: int  # blocks of the pool the runtime should allocate (max_seq_len x batch)
+    num_blocks: int  # blocks of the pool the runtime should allocate (max_seq_len x batch; with beams, their search)
     kv_pool_bytes: int
     memory_left_bytes: int  # unified memory still free after the sized pool
     est_turns: int
@@ -65,6 +72,7 @@ class KVPlan:
     trtllm_build_args: list[str] | None
     fits: bool
     graphs: GraphPlan | None = None  # the cabin-export arguments on an ONNX target, where it fits
+    max_beam_width: int = 1
 
     def kv_cache_config(self) -> KvCacheConfig:
         """The runtime KV cache this plan sizes: the pool in blocks of the target's size, reuse where it works."""
@@ -74,7 +82,7 @@ class KVPlan:
     def shape(self) -> EngineShape:
         """The trtllm-build limits (weights as float16)."""
         return EngineShape(self.kv_dtype, "float16", self.tokens_per_block, MAX_BATCH_SIZE, self.max_input_len,
-                           self.max_seq_len, self.max_num_tokens)
+                           self.max_seq_len, self.max_num_tokens, self.max_beam_width)
 
 
 @dataclass
@@ -132,7 +140,8 @@ class Plan:
         kvs = ", ".join(f"{kv.kv_dtype} KV {kv.est_turns} turns" for kv in self.kv.values() if kv.fits)
         weights = f" --weights {self.request.weights}" if self.request.weights != "fp16" else ""
         kv_flag = f" --kv-cache {self.request.kv_dtype}" if self.request.kv_dtype else ""
-        return f"--target {self.target.name}{weights}{kv_flag} ({kvs})"
+        beams = f" --max-beam-width {self.request.max_beam_width}" if self.request.max_beam_width > 1 else ""
+        return f"--target {self.target.name}{weights}{kv_flag}{beams} ({kvs})"
 
     def to_json(self) -> dict:
         """The plan as cabin-plan --json prints it; per-dtype values are keyed by KV dtype."""
@@ -148,6 +157,7 @@ class Plan:
                       "kv_heads": self.config.num_key_value_heads, "head_size": self.config.head_size,
                       "context": self.config.max_position_embeddings},
             "weights": self.request.weights,
+            "max_beam_width": self.request.max_beam_width,
             "weights_bytes": self.weights_bytes,
             "memory_bytes": {"total": int(t.memory_gib * GIB), "os_reserve": int(t.os_reserve_gib * GIB),
                              "co_resident": self.co_resident_bytes,
@@ -186,13 +196,16 @@ def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPI
     weights = weights_bytes(config, request.weights, t.weights_in_memory)
     plan = Plan(request, config, turn, co_resident, weights, {})
     dtypes = [request.kv_dtype] if request.kv_dtype in t.kv_dtypes else list(t.kv_dtypes)
-    plan.kv = {dtype: size_kv(config, t, dtype, plan.budget_bytes, turn, request.weights) for dtype in dtypes}
+    plan.kv = {dtype: size_kv(config, t, dtype, plan.budget_bytes, turn, request.weights, request.max_beam_width)
+               for dtype in dtypes}
     plan.warnings = plan_warnings(plan)
     return plan
 
 
 def working_plan(request: PlanRequest, config: ModelConfig) -> Plan:
-    """The plan of a request; PlanRefused (with the nearest working plan) when it cannot work."""
+    """The plan of a request; ConfigError for a beam width the target takes no build limit for; PlanRefused (with
+    the nearest working plan) when it cannot work."""
+    check_beam_width(request)
     plan = make_plan(request, config)
     reason = plan.refusal()
     if reason:
@@ -200,10 +213,21 @@ def working_plan(request: PlanRequest, config: ModelConfig) -> Plan:
     return plan
 
 
+def check_beam_width(request: PlanRequest) -> None:
+    """ConfigError unless the beam width is >= 1, and 1 on a target that is not a TensorRT engine."""
+    t, width = request.target, request.max_beam_width
+    if width < 1:
+        raise ConfigError(f"--max-beam-width must be >= 1, got {width}")
+    if width > 1 and t.backend is not Backend.TENSORRT:
+        raise ConfigError(f"--max-beam-width sizes a TensorRT engine's beam search (trtllm-build --max_beam_width); "
+                          f"{t.name} runs the {t.backend.value} backend, which has no such build limit: leave "
+                          "--max-beam-width out")
+
+
 def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, turn: TurnTokens,
-            weights: str = "fp16") -> KVPlan:
+            weights: str = "fp16", beams: int = 1) -> KVPlan:
     """Engine limits for one KV dtype within ``budget`` bytes for activations and the KV pool (``weights``: the
-    weight format, which an ONNX target's NPU graphs hold)."""
+    weight format, which an ONNX target's NPU graphs hold; ``beams``: the TensorRT engine's max_beam_width)."""
     if target.backend is Backend.ONNX:
         return size_onnx(config, target, kv_dtype, budget, turn, weights)
     tpb = target.tokens_per_block
@@ -213,13 +237,21 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
     context = config.max_position_embeddings
 
     def limits(seq: int) -> tuple[int, int, int]:
-        """max_input_len, max_num_tokens and activation bytes of an engine with this max_seq_len."""
+        """max_input_len, max_num_tokens and activation bytes (the logits of every beam) of an engine with this
+        max_seq_len."""
         max_input = seq - min(REPLY_TOKENS, seq // 2)
         num_tokens = min(max_input, CHUNK_TOKENS) if chunked else max_input
-        return max_input, num_tokens, activation_bytes(config, num_tokens, seq, MAX_BATCH_SIZE, target.backend)
+        return max_input, num_tokens, activation_bytes(config, num_tokens, seq, MAX_BATCH_SIZE * beams,
+                                                       target.backend)
+
+    def pool_blocks(seq: int) -> int:
+        """The pool's blocks: a sequence of max_seq_len per request, or with beams the most any search over a prompt
+        of at most max_input_len reserves."""
+        max_input = limits(seq)[0]
+        return beam_kv_blocks_up_to(max_input, seq - max_input, beams, tpb) * MAX_BATCH_SIZE
 
     def fits_in_budget(seq: int) -> bool:
-        return limits(seq)[2] + cdiv(seq * MAX_BATCH_SIZE, tpb) * tpb * per_token <= budget
+        return limits(seq)[2] + pool_blocks(seq) * tpb * per_token <= budget
 
     if fits_in_budget(context):
         seq = context
@@ -231,11 +263,11 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
         seq = low * tpb
     max_input, num_tokens, activations = limits(seq)
     capacity = max(budget - activations, 0) // per_token
-    num_blocks = cdiv(seq * MAX_BATCH_SIZE, tpb)
+    num_blocks = pool_blocks(seq)
     pool = num_blocks * tpb * per_token
     turns = max((seq - turn.system) // turn.per_turn, 0)
     fits = turns >= MIN_TURNS
-    shape = EngineShape(kv_dtype, "float16", tpb, MAX_BATCH_SIZE, max_input, seq, num_tokens)
+    shape = EngineShape(kv_dtype, "float16", tpb, MAX_BATCH_SIZE, max_input, seq, num_tokens, beams)
     return KVPlan(
         kv_dtype=kv_dtype, bytes_per_token=per_token, paged_context_fmha=paged_fmha, block_reuse=paged_fmha,
         activation_bytes=activations, max_kv_tokens=capacity, max_seq_len=seq, max_input_len=max_input,
@@ -243,7 +275,7 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
         memory_left_bytes=budget - activations - pool, est_turns=turns,
         prefill_tokens_per_turn=prefill_per_turn(turn, turns, tpb, paged_fmha),
         trtllm_build_args=build_args(shape, flag_set(target.trtllm_line)) if target.trtllm_line and fits else None,
-        fits=fits,
+        fits=fits, max_beam_width=beams,
     )
 
 
@@ -299,6 +331,13 @@ def plan_warnings(plan: Plan) -> list[str]:
             out.append(f"{kv.kv_dtype} KV: the pool holds {kv.max_kv_tokens} tokens, {kv.est_turns} turns: "
                        f"fewer than {MIN_TURNS}, not usable")
             continue
+        if t.backend is Backend.TENSORRT and kv.max_beam_width > 1:
+            single = cdiv(kv.max_seq_len * MAX_BATCH_SIZE, kv.tokens_per_block)
+            out.append(f"{kv.kv_dtype} KV with {kv.max_beam_width} beams: the pool holds a search over any prompt of "
+                       f"up to max_input_len ({kv.max_input_len}) tokens, its whole blocks once, shared by the beams, "
+                       f"and each beam's own last block and {kv.max_seq_len - kv.max_input_len}-token reply: "
+                       f"{kv.num_blocks} blocks instead of {single} for one sequence (TensorRT-LLM reserves a "
+                       "request's blocks to completion)")
         if t.backend is Backend.TENSORRT and not kv.paged_context_fmha:
             reuse = kv.prefill_tokens_per_turn
             chunked = activation_bytes(plan.config, min(kv.max_input_len, CHUNK_TOKENS), kv.max_seq_len,
@@ -318,7 +357,8 @@ def plan_warnings(plan: Plan) -> list[str]:
                    f"memory: it could hold {held}; a longer dialogue needs the overflow policy (sliding window "
                    "+ sink tokens), and the memory left is free for other models")
     if t.backend is Backend.TENSORRT:
-        out.append("size the runtime KV pool with KvCacheConfig(max_tokens=max_seq_len): the default "
+        pool = "max_seq_len" if plan.request.max_beam_width == 1 else "KV blocks x tokens_per_block"
+        out.append(f"size the runtime KV pool with KvCacheConfig(max_tokens={pool}): the default "
                    "free_gpu_memory_fraction=0.9 takes 90% of free unified memory, including what the "
                    "co-resident models need")
     return out
@@ -381,6 +421,8 @@ def nearest_working(request: PlanRequest, config: ModelConfig, targets: dict[str
             kv = request.kv_dtype if request.kv_dtype in target.kv_dtypes else None
             candidates.append(replace(request, target=target, weights=weights, kv_dtype=kv))
     for candidate in candidates:
+        if candidate.max_beam_width > 1 and candidate.target.backend is not Backend.TENSORRT:
+            continue  # check_beam_width refuses it
         plan = make_plan(candidate, config, turn)
         if plan.refusal() is None:
             return plan

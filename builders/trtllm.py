@@ -8,6 +8,8 @@ Flag sets (checked against the sources of both lines):
 - ``1.x`` (0.13 and later): ``--kv_cache_type paged``, ``--tokens_per_block`` defaults to 32,
   paged context FMHA ON by default, so an INT8-KV build must switch it off explicitly.
 INT8 KV cannot be combined with paged context FMHA, so INT8-KV engines never ask for it.
+``--max_beam_width`` is one flag in both: the beams the engine can search (tensorrt_llm/commands/build.py L107-111 at
+008b2b8d on 1.x, default ``BuildConfig.max_beam_width``; the 0.8-era parser has it too, default 1), written always.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class EngineShape:
     max_input_len: int
     max_seq_len: int
     max_num_tokens: int
+    max_beam_width: int = 1  # beams a search may keep (trtllm-build --max_beam_width)
 
     @property
     def paged_context_fmha(self) -> bool:
@@ -100,7 +103,8 @@ def build_args(shape: EngineShape, flags: str) -> list[str]:
         "--checkpoint_dir", CHECKPOINT_DIR, "--output_dir", TRT_ENGINE_DIR,  # relative: run inside the folder
         "--gemm_plugin", gemm, *paged, "--tokens_per_block", str(shape.tokens_per_block),
         "--use_paged_context_fmha", fmha,
-        "--max_batch_size", str(shape.max_batch_size), "--max_input_len", str(shape.max_input_len),
+        "--max_batch_size", str(shape.max_batch_size), "--max_beam_width", str(shape.max_beam_width),
+        "--max_input_len", str(shape.max_input_len),
         "--max_seq_len", str(shape.max_seq_len), "--max_num_tokens", str(shape.max_num_tokens),
     ]
 

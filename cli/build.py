@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from cabinllm.builders.engine_build import DEFAULT_SYSTEM_PROMPT, BuildRequest, build_engine
-from cabinllm.cli.args import entry_point, os_error_message, reserve_gib
+from cabinllm.cli.args import entry_point, int_range, os_error_message, reserve_gib
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.chat_script import text_problem
 from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "group 128 where the input sizes allow, else 64), quantized with ModelOpt on the "
                              "--calibrate dialogues (default builtin); a TensorRT-LLM checkpoint given as --model "
                              "keeps its own (default fp16)")
+    parser.add_argument("--max-beam-width", type=int_range(1), default=1, metavar="N",
+                        help="beams the TensorRT engine can search (trtllm-build --max_beam_width; its KV pool is "
+                             "planned for them); TensorRT targets only (default 1: no beam search)")
     parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT,
                         help="the engine's default system prompt, recorded in manifest.json (cabin-chat --system "
                              "overrides it; \"\" for none); default: %(default)r")
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     request = BuildRequest(args.model, args.output, args.kv_cache, args.dtype, args.force, args.target, args.scales,
-                           args.equalize, args.reserve_gb, args.calibrate, args.system_prompt, args.weights)
+                           args.equalize, args.reserve_gb, args.calibrate, args.system_prompt, args.weights,
+                           args.max_beam_width)
     try:
         if problem := text_problem(args.system_prompt):
             raise ConfigError(f"--system-prompt {problem}")

@@ -9,7 +9,7 @@ from typing import Callable
 from cabinllm.builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER, GraphPlan
 from cabinllm.builders.planner import MIB, KVPlan, Plan, PlanRequest, working_plan
 from cabinllm.builders.targets import GIB, Backend, get_target
-from cabinllm.cli.args import entry_point, os_error_message, output_name, reserve_gib
+from cabinllm.cli.args import entry_point, int_range, os_error_message, output_name, reserve_gib
 from cabinllm.runtime.errors import CabinError, PlanRefused
 from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
 from cabinllm.runtime.sources.model_source import load_model_config
@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weights", default="fp16", choices=tuple(WEIGHT_FORMATS), help="weight storage (default fp16)")
     parser.add_argument("--kv-cache", help="plan one KV dtype only (refused when the target cannot run it); default: "
                         "every KV dtype the target takes")
+    parser.add_argument("--max-beam-width", type=int_range(1), default=1, metavar="N",
+                        help="beams the TensorRT engine searches (trtllm-build --max_beam_width); the KV pool then "
+                             "holds a search over the longest prompt (default 1: no beam search)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
     return parser.parse_args(argv)
 
@@ -38,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """The plan for the arguments; PlanRefused (with the nearest working plan) when it cannot work."""
     config = load_model_config(args.model)
-    request = PlanRequest(args.model, get_target(args.target), args.weights, args.reserve_gb, args.kv_cache)
+    request = PlanRequest(args.model, get_target(args.target), args.weights, args.reserve_gb, args.kv_cache,
+                          args.max_beam_width)
     return working_plan(request, config)
 
 
@@ -98,6 +102,7 @@ ENGINE_ROWS: list[tuple[str, Callable[[KVPlan], str]]] = [
     ("max_input_len", lambda kv: f"{kv.max_input_len:,}"),
     ("max_num_tokens", lambda kv: f"{kv.max_num_tokens:,}"),
     ("tokens_per_block", lambda kv: str(kv.tokens_per_block)),
+    ("max_beam_width", lambda kv: str(kv.max_beam_width)),
     ("KV blocks", lambda kv: f"{kv.num_blocks:,}"),
     ("KV pool MiB", lambda kv: _mib(kv.kv_pool_bytes)),
     ("memory left GiB", lambda kv: f"{kv.memory_left_bytes / GIB:,.2f}"),

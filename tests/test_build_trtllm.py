@@ -10,6 +10,7 @@ import pytest
 import cabinllm.builders.engine_build
 from cabinllm.builders.engine_build import BuildRequest, build_engine
 from cabinllm.cli.build import main as cabin_build
+from cabinllm.runtime.backends.trtllm import engine_max_beam_width
 from cabinllm.runtime.errors import TrtllmError
 
 from fakes.tiny_model import write_tiny_llama
@@ -51,7 +52,8 @@ def test_v012_flags_for_orin_int8(fake_trtllm, tiny_model, tmp_path, monkeypatch
     assert argv == [
         "--checkpoint_dir", "checkpoint", "--output_dir", "trt_engine", "--gemm_plugin", "float16",
         "--paged_kv_cache", "enable", "--tokens_per_block", "64", "--use_paged_context_fmha", "disable",
-        "--max_batch_size", "1", "--max_input_len", "768", "--max_seq_len", "1024", "--max_num_tokens", "768"]
+        "--max_batch_size", "1", "--max_beam_width", "1", "--max_input_len", "768", "--max_seq_len", "1024",
+        "--max_num_tokens", "768"]
     assert cwd.name.startswith(".e.") and cwd.name.endswith(".partial")  # built in the staging folder
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["backend"] == "tensorrt" and manifest["versions"]["tensorrt_llm"] == "0.12.0"
@@ -69,7 +71,8 @@ def test_1x_flags_for_thor_fp8(fake_trtllm, tiny_model, tmp_path, monkeypatch):
     assert argv == [
         "--checkpoint_dir", "checkpoint", "--output_dir", "trt_engine", "--gemm_plugin", "auto",
         "--kv_cache_type", "paged", "--tokens_per_block", "32", "--use_paged_context_fmha", "enable",
-        "--max_batch_size", "1", "--max_input_len", "768", "--max_seq_len", "1024", "--max_num_tokens", "768"]
+        "--max_batch_size", "1", "--max_beam_width", "1", "--max_input_len", "768", "--max_seq_len", "1024",
+        "--max_num_tokens", "768"]
     assert json.loads((out / "trt_engine" / "config.json").read_text())["kv_cache_quant_algo"] == "FP8"
 
 
@@ -107,3 +110,28 @@ def test_trtllm_build_without_importable_tensorrt_llm_is_an_error(fake_trtllm, t
     with pytest.raises(TrtllmError, match="cannot import tensorrt_llm to tell its version"):
         build_engine(BuildRequest(tiny_model, tmp_path / "e", "int8", target="agx-orin-32gb"), log=lambda _: None)
     assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("version", ["0.12.0", "1.0.0"])
+def test_max_beam_width_reaches_trtllm_build_and_the_engine(fake_trtllm, tiny_model, tmp_path, monkeypatch, version):
+    monkeypatch.setenv("FAKE_TRTLLM_VERSION", version)
+    out = build_engine(BuildRequest(tiny_model, tmp_path / "e", "int8", target="agx-orin-64gb", max_beam_width=4),
+                       log=lambda _: None)
+    argv, _ = recorded(fake_trtllm)
+    assert argv[argv.index("--max_batch_size"):argv.index("--max_input_len")] == [
+        "--max_batch_size", "1", "--max_beam_width", "4"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "--max-beam-width 4" in manifest["build_command"] and manifest["inputs"]["max_beam_width"] == 4
+    assert manifest["plan"]["max_beam_width"] == 4 and manifest["device_step"]["command"][1:] == argv
+    assert engine_max_beam_width(out / "trt_engine") == 4  # what TrtllmSession hands from_dir
+
+
+def test_cabin_build_takes_max_beam_width_for_tensorrt_targets_only(fake_trtllm, tiny_model, tmp_path, monkeypatch,
+                                                                    capsys):
+    monkeypatch.setenv("FAKE_TRTLLM_VERSION", "1.0.0")
+    argv = ["--model", tiny_model, "--max-beam-width", "2", "--output"]
+    assert cabin_build([*argv, str(tmp_path / "e"), "--target", "agx-orin-64gb"]) == 0
+    args, _ = recorded(fake_trtllm)
+    assert args[args.index("--max_beam_width") + 1] == "2"
+    assert cabin_build([*argv, str(tmp_path / "cpu")]) == 2 and not (tmp_path / "cpu").exists()
+    assert "--max-beam-width sizes a TensorRT engine's beam search" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from cabinllm.builders.planner import CHUNK_TOKENS, REPLY_TOKENS, PlanRequest, m
 from cabinllm.builders.targets import GIB, get_target, load_targets
 from cabinllm.builders.trtllm import build_args, flag_set
 from cabinllm.cli.plan import main as cabin_plan
+from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.sources.model_source import load_model_config
 
 from fakes.tiny_model import write_tiny_llama
@@ -92,8 +93,8 @@ def test_orin_int8_plan_states_the_fmha_conflict(capsys, planned):
     assert plan["trtllm_build_args"]["int8"] == [
         "--checkpoint_dir", "checkpoint", "--output_dir", "trt_engine", "--gemm_plugin", "float16",
         "--paged_kv_cache", "enable", "--tokens_per_block", "64", "--use_paged_context_fmha", "disable",
-        "--max_batch_size", "1", "--max_input_len", str(max_input), "--max_seq_len", str(planned.context),
-        "--max_num_tokens", str(max_input)]
+        "--max_batch_size", "1", "--max_beam_width", "1", "--max_input_len", str(max_input),
+        "--max_seq_len", str(planned.context), "--max_num_tokens", str(max_input)]
 
 
 def test_bare_hf_config_json_llama3_8b(capsys):
@@ -181,3 +182,45 @@ def test_typical_turn_is_measured_on_the_builtin_set(default_engine):
     assert len(messages) == 200
     measured = measure_turn_tokens(default_engine.tokenizer, messages, TURNS_SOURCE, "SmolLM2-135M-Instruct")
     assert measured == TYPICAL_TURN, "the built-in dialogue set changed: update TYPICAL_TURN in dialogue_turns.py"
+
+
+def test_beams_hold_the_longest_prompt_once_and_each_beam_s_reply(capsys, planned):
+    code, plan, _ = run_plan(capsys, *planned.args, "--target", "orin-nano-8gb", "--max-beam-width", "4")
+    context, max_input = planned.context, planned.context - REPLY_TOKENS
+    # the worst prompt is one token short of max_input_len's whole blocks: its last block is every beam's own
+    shared = max_input // 64 - 1
+    blocks = shared + 4 * (cdiv(context - 1, 64) - shared)  # 31 for the tiny model, against 16 for one sequence
+    assert code == 0 and plan["max_beam_width"] == 4
+    for dtype in ("fp16", "int8"):
+        assert plan["max_seq_len"][dtype] == context and plan["est_turns"][dtype] == planned.turns
+        assert plan["num_blocks"][dtype] == blocks > context // 64
+        assert plan["kv_pool_bytes"][dtype] == blocks * 64 * plan["kv_bytes_per_token"][dtype]
+        args = plan["trtllm_build_args"][dtype]
+        assert args[args.index("--max_beam_width") + 1] == "4"
+    assert any("int8 KV with 4 beams" in w and f"{blocks} blocks instead of {context // 64}" in w
+               for w in plan["warnings"])
+
+
+def test_beams_shrink_max_seq_len_where_memory_binds():
+    config = load_model_config(str(LLAMA3_8B))
+    target = get_target("agx-orin-32gb")
+    free = (target.memory_gib - target.os_reserve_gib - target.runtime_overhead_gib) * GIB - 2 * LLAMA3_PARAMS
+    plans = {width: make_plan(PlanRequest("llama3", target, reserve_gb=(free - 0.75 * GIB) / GIB,
+                                          max_beam_width=width), config) for width in (1, 4)}
+    for dtype, beams in plans[4].kv.items():
+        assert beams.max_seq_len < plans[1].kv[dtype].max_seq_len and beams.memory_left_bytes >= 0
+        assert beams.kv_pool_bytes == beams.num_blocks * 64 * beams.bytes_per_token
+        assert beams.shape.max_beam_width == 4
+
+
+def test_beams_on_a_target_that_is_no_tensorrt_engine_are_refused(capsys, planned):
+    assert cabin_plan([*planned.args, "--target", "cpu", "--max-beam-width", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-beam-width sizes a TensorRT engine's beam search" in err and "cpu runs the reference" in err
+
+
+def test_the_nearest_config_for_beams_is_a_tensorrt_engine_with_them(capsys):
+    code, out, err = run_plan(capsys, "--model", str(LLAMA3_8B), "--target", "orin-nano-8gb", "--max-beam-width", "4")
+    nearest = out["refused"]["nearest"]
+    assert code == 2 and nearest["target_profile"]["backend"] == "tensorrt" and nearest["max_beam_width"] == 4
+    assert f"nearest working config: --target {nearest['target']}" in err and "--max-beam-width 4 (" in err

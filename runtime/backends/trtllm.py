@@ -35,22 +35,64 @@ Two things ModelRunnerCpp does that the session must respect (tensorrt_llm/runti
   the request through the executor and drains the generator to the request's final response,
   without emitting text.
 
+Several replies per turn (``chat(n=...)`` and ``chat(beam=...)``), from TensorRT-LLM's source: ModelRunnerCpp at
+03832911 (a 1.x commit; tensorrt_llm/runtime/model_runner_cpp.py, lines below), the C++ executor at the commits named:
+
+- The engine is built for at most ``max_beam_width`` beams (``trtllm-build --max_beam_width``, recorded in
+  ``build_config`` of ``config.json``). ``from_dir(max_beam_width=None)`` takes the engine's and a larger one fails
+  an assert (L370-373); the session passes the engine's own (``engine_max_beam_width``). ``generate`` refuses more
+  beams than that: ``RuntimeError("Num beams (N) exceeds the engine or specified limit (M)")`` in ``_check_inputs``
+  (L474-477); the session refuses first, with a ConfigError naming ``cabin-build --max-beam-width``.
+- A beam search is ``generate(num_beams=W, length_penalty=..., early_stopping=...)`` (``accepted_parameters``
+  L630-650; ``num_beams`` becomes the SamplingConfig's ``beam_width``, L651), with no sampling arguments. The
+  executor's SamplingConfig takes ``early_stopping`` as an int: 1 ends once W beams finished, 0 is transformers'
+  heuristic at the current length, any other value transformers' "never", the heuristic at the longest length
+  (beamSearchKernels: ``earlyStopping != 0 && lengthPenalty > 0``; that length is the decoder's max sequence length
+  less the prompt there, the request's max_new_tokens in transformers and the reference engine); both must be >= 0
+  (cpp/tensorrt_llm/executor/samplingConfig.cpp, ``checkLengthPenalty`` / ``checkEarlyStopping``, at 3585984b), so a
+  negative length_penalty is refused here.
+- The outputs are ``output_ids`` [batch, sequences, max_seq_len] (padded with end_id) and ``sequence_lengths``
+  [batch, sequences], sequences being ``num_return_sequences or num_beams`` (``_get_num_sequences``, L909-913;
+  ``_stream`` L980-985). A beam search's response carries every beam (``result.output_token_ids``, L1053-1055; its
+  ``sequence_index`` is always 0, executor.h ``Result`` at 879039f6); a sampled sequence's response carries its own
+  tokens at ``result.sequence_index`` (L1056-1058), and ``is_final`` comes once every sequence is final
+  (cpp/tensorrt_llm/batch_manager/llmRequest.cpp at 119c6e60, ``createResponse``: ``isFinal = all_of(
+  isSequenceFinal)``). The session takes beam 0 as the best (that TensorRT-LLM's finalize orders the beams by
+  their score is not checked in its source here).
+- Streamed beams change their earlier tokens, so the 1.x executor sends every beam whole at each step (the
+  LlmRequest constructor sets ``returnAllGeneratedTokens`` when streaming a beam search, llmRequest.h at 00e9b8a7),
+  and ``_fill_output`` replaces a beam's tokens only when ``generate`` got ``return_all_generated_tokens=True``,
+  else appends them (L1039-1045): the session asks for it, reads the beams from the last response only, and can
+  still interrupt (cancel and drain, as above). TensorRT-LLM 0.12 does not stream beam search (release notes,
+  0.13.0: "Supported beam search for streaming mode"; its ``createResponse`` sent one token per beam per step, "For
+  streaming we do not allow beam search"), so on a runner without ``_get_num_sequences`` (0.12) a beam turn runs
+  unstreamed and cannot be interrupted.
+- ``n`` > 1 is ``num_return_sequences`` (L647), sequence i sampling with the seed + i (llmRequest.cpp
+  ``createChildRequest``), as the reference engine's choices do. 0.12's ModelRunnerCpp does not take it: it is
+  used where the runner sizes its outputs by it (``_get_num_sequences``) and refused elsewhere.
+- TensorRT-LLM's capacity scheduler reserves each request's KV blocks to completion: the prompt's whole blocks once,
+  shared by the beams, and per beam the rest, its last partial block and the reply
+  (cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp, ``KVCacheManager::getRemainingBlocksToCompletion``, at
+  002ba6a7): a beam turn is planned against that (``beam_kv_blocks``), as cabin-plan sizes the pool with it.
+
 Not yet run on hardware: tested against a fake module that copies those behaviours.
 """
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from cabinllm.runtime.dialogue.interface import TurnStats
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
-from cabinllm.runtime.errors import CapacityError, CheckpointError, SessionFileError
+from cabinllm.runtime.errors import CapacityError, CheckpointError, ConfigError, SessionFileError
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
+from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.generation.stops import ReplyStream
+from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
@@ -65,6 +107,12 @@ from cabinllm.runtime.model.tools import Tool
 TRTLLM_NO_GRAMMAR = ("tools need constrained decoding, which TensorRT-LLM's ModelRunnerCpp (this backend) does not "
                      "do (0.12 has no guided decoding; 1.x has it only in its LLM API); chat with --backend reference "
                      "or onnxruntime")
+TRTLLM_NO_N = ("n > 1 samples several replies through TensorRT-LLM's num_return_sequences, which this ModelRunnerCpp "
+               "(TensorRT-LLM 0.12) does not take; ask for one reply or a beam search (cabin-chat: no --choices, or "
+               "--beam-width N), or chat with --backend reference")
+# transformers' early_stopping as the executor's SamplingConfig takes it: 1 = True, 0 = False, 2 (any other
+# value >= 0) = "never" (see the module notes)
+TRTLLM_EARLY_STOPPING = {True: 1, False: 0, NEVER: 2}
 
 
 @dataclass
@@ -87,24 +135,58 @@ def kv_settings(config: KvCacheConfig, layout: KVLayout) -> TrtllmKvSettings:
     return TrtllmKvSettings(config.max_tokens(layout), reuse)
 
 
+def beam_kv_blocks(prompt_tokens: int, new_tokens: int, beams: int, tokens_per_block: int) -> int:
+    """KV blocks TensorRT-LLM reserves for one request to completion (``getRemainingBlocksToCompletion``): the
+    prompt's whole blocks once, shared by the beams, and per beam its last partial block and the reply's blocks."""
+    shared = prompt_tokens // tokens_per_block
+    return shared + beams * (cdiv(prompt_tokens + new_tokens, tokens_per_block) - shared)
+
+
+def beam_kv_blocks_up_to(prompt_tokens: int, new_tokens: int, beams: int, tokens_per_block: int) -> int:
+    """The most blocks any prompt of at most ``prompt_tokens`` tokens reserves (``beam_kv_blocks`` is not monotone:
+    a prompt one token short of a whole block holds that block once per beam, a whole one shares it)."""
+    worst = beam_kv_blocks(prompt_tokens, new_tokens, beams, tokens_per_block)
+    below = prompt_tokens // tokens_per_block * tokens_per_block - 1  # the last prompt with a partial block less
+    if below >= 0:
+        worst = max(worst, beam_kv_blocks(below, new_tokens, beams, tokens_per_block))
+    return worst
+
+
+def engine_max_beam_width(engine_dir: str | Path) -> int:
+    """The beams the engine was built for: ``build_config.max_beam_width`` of its ``config.json`` (1, trtllm-build's
+    default, where the field or the file is missing)."""
+    path = Path(engine_dir) / "config.json"
+    try:
+        build = json.loads(path.read_text()).get("build_config") or {}
+        return int(build.get("max_beam_width", 1))
+    except OSError:
+        return 1
+    except (ValueError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{path}: unreadable build_config ({err!r}); rebuild the TensorRT engine with "
+                              "trtllm-build") from err
+
+
 @dataclass
 class EngineLimits:
-    """The sequence limits a built engine enforces (``build_config`` of ``trt_engine/config.json``)."""
+    """The sequence and beam limits a built engine enforces (``build_config`` of ``trt_engine/config.json``)."""
 
     max_input_len: int
     max_seq_len: int
+    max_beam_width: int = 1
 
     @classmethod
     def of(cls, runner, engine_dir: str | Path) -> "EngineLimits":
-        """The limits ModelRunnerCpp's ``_check_inputs`` compares against: its ``max_input_len`` and
-        ``max_seq_len`` (from_dir takes them from the engine's model config, which GptJsonConfig parses from
+        """The limits ModelRunnerCpp's ``_check_inputs`` compares against: its ``max_input_len``, ``max_seq_len``
+        and ``max_beam_width`` (from_dir takes them from the engine's model config, which GptJsonConfig parses from
         ``build_config`` of ``config.json``); that ``build_config`` itself when the runner lacks them."""
+        beams = getattr(runner, "max_beam_width", None)
+        beams = beams if isinstance(beams, int) else engine_max_beam_width(engine_dir)
         limits = getattr(runner, "max_input_len", None), getattr(runner, "max_seq_len", None)
         if all(isinstance(limit, int) for limit in limits):
-            return cls(*limits)
+            return cls(*limits, beams)
         try:
             build = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]
-            return cls(int(build["max_input_len"]), int(build["max_seq_len"]))
+            return cls(int(build["max_input_len"]), int(build["max_seq_len"]), beams)
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CheckpointError(f"{Path(engine_dir) / 'config.json'}: no build_config with max_input_len and "
                                   f"max_seq_len ({err!r}); rebuild the TensorRT engine with trtllm-build") from err
@@ -148,9 +230,13 @@ class TrtllmSession:
         self.bytes_per_token = config.bytes_per_token(layout)
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.settings = kv_settings(config, layout)
-        engine_dir = Path(engine_folder) / TRT_ENGINE_DIR
-        self.runner = ModelRunnerCpp.from_dir(engine_dir=str(engine_dir), **self.settings.as_kwargs())
-        self.limits = EngineLimits.of(self.runner, engine_dir)
+        self.engine_dir = Path(engine_folder) / TRT_ENGINE_DIR
+        self.runner = ModelRunnerCpp.from_dir(engine_dir=str(self.engine_dir),
+                                              max_beam_width=engine_max_beam_width(self.engine_dir),
+                                              **self.settings.as_kwargs())
+        self.limits = EngineLimits.of(self.runner, self.engine_dir)
+        # 1.x: num_return_sequences and streamed beams; 0.12 has neither (see the module notes)
+        self.forks = callable(getattr(self.runner, "_get_num_sequences", None))
         budget = self.settings.max_tokens_in_paged_kv_cache
         self.capacity = self.limits.capacity(budget, params.max_new_tokens)
         self.previous_ids: list[int] = []
@@ -158,46 +244,42 @@ class TrtllmSession:
         self.tools: list[Tool] = []  # constrained decoding is not available here: TRTLLM_NO_GRAMMAR
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
-             should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None) -> TurnStats:
+             should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None, n: int = 1,
+             beam: BeamParams | None = None) -> TurnStats:
         """Answer one message (text: the user's), streaming the reply text to on_text; no tools here, so
-        ``tool_choice`` changes nothing."""
+        ``tool_choice`` changes nothing. ``n`` > 1 samples that many replies (num_return_sequences), ``beam`` runs
+        TensorRT-LLM's beam search: the conversation goes on with the first reply (the best beam), the others are
+        ``alternatives`` (neither streams its text)."""
         import torch
 
+        self._check_forks(n, beam)
         self.turns += 1
+        max_new_tokens = beam.max_new_tokens if beam else self.params.max_new_tokens
         try:
             plan = self._plan(self.messages + [message if isinstance(message, dict) else
-                                               {"role": "user", "content": message}])
+                                               {"role": "user", "content": message}], beam)
         except CapacityError as err:
-            message = capacity_message(err, self.overflow, self.params.max_new_tokens, self.capacity)
-            if self.capacity < self.settings.max_tokens_in_paged_kv_cache:  # the engine's limits bind
-                message += (f" (the engine takes prompts of at most {self.capacity - self.params.max_new_tokens} tokens: "
-                         f"max_input_len {self.limits.max_input_len}, max_seq_len {self.limits.max_seq_len} less "
-                         f"{self.params.max_new_tokens} for the reply)")
-            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, message)
+            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, self._capacity_error(err, beam))
         ids = plan.feed
-        stop_ids = self.params.stop_token_ids
-        reply = ReplyStream(self.params, self.tokenizer.decode_reply, on_text)
+        params = replace(self.params, max_new_tokens=max_new_tokens)
+        replies = [ReplyStream(params, self.tokenizer.decode_reply, on_text if n == 1 and beam is None else None)
+                   for _ in range(n)]
+        streaming = beam is None or self.forks  # 0.12 does not stream a beam search
         start, ttft = time.perf_counter(), 0.0
-        responses = self.runner.generate(
-            batch_input_ids=[torch.tensor(ids, dtype=torch.int32)], max_new_tokens=self.params.max_new_tokens,
-            end_id=stop_ids[0], pad_id=stop_ids[0],
-            stop_words_list=[[[i] for i in stop_ids[1:]]] if stop_ids[1:] else None,
-            temperature=self.params.temperature or 1.0, top_k=1 if self.params.temperature == 0 else self.params.top_k,
-            top_p=self.params.top_p, random_seed=self.params.seed, streaming=True, return_dict=True,
-            output_sequence_lengths=True)
-        ended, drained = "length", False  # ended: why the reply ends where no stop rule ends it
+        result = self.runner.generate(batch_input_ids=[torch.tensor(ids, dtype=torch.int32)],
+                                      max_new_tokens=max_new_tokens, streaming=streaming,
+                                      **self._generate_kwargs(n, beam))
+        responses = result if streaming else iter([result])
+        ended, drained, beams = "length", not streaming, None  # ended: why replies end where no stop rule ends them
         try:
             for out in responses:
                 ttft = ttft or time.perf_counter() - start
-                length = int(out["sequence_lengths"][0][0])
-                new = [int(t) for t in out["output_ids"][0][0][len(ids) + len(reply.ids):length]]
-                if reply.finish_reason and new:  # the runner goes on past a stop rule it does not see (a stop string)
+                outputs, lengths = out["output_ids"][0], out["sequence_lengths"][0]
+                if beam is not None:  # whole beams, reordered as the search goes: only the last response counts
+                    beams = [[int(t) for t in outputs[b][len(ids):int(lengths[b])]] for b in range(beam.beam_width)]
+                elif self._push(replies, outputs, lengths, len(ids)):  # the runner goes on past a stop string
                     break
-                for token in new:
-                    reply.push(token)
-                    if reply.finish_reason:
-                        break
-                if not reply.finish_reason and should_stop and should_stop():
+                if streaming and should_stop and should_stop() and not all(r.finish_reason for r in replies):
                     ended = "interrupted"
                     break
             else:
@@ -205,15 +287,21 @@ class TrtllmSession:
         finally:
             if not drained:  # past a stop string, interrupted, or on_text raised: no responses left for the next turn
                 _abandon(responses, self.runner)
-        reply.close(ended)
+        if beam is not None:
+            replies = self._beam_replies(beams or [[]], params, ended)
+        else:
+            for reply in replies:
+                reply.close(ended)
         decode_s = time.perf_counter() - start - ttft
+        reply = replies[0]
         generated = reply.ids
         reused = self._reused_tokens(ids) if self.settings.kv_cache_enable_block_reuse else 0
-        self.previous_ids = ids + generated
+        # a beam search's prompt blocks are the ones known to be kept for reuse (BlockManager::storeContextBlocks)
+        self.previous_ids = ids if beam is not None else ids + generated
         self.messages = plan.messages + [{"role": "assistant", "content": reply.text}]
         tok_s = (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0
         return self._stats(reply.text, generated, len(ids) - reused, reused, ttft, tok_s, reply.finish_reason,
-                           plan.evicted)
+                           plan.evicted, alternatives=[other.text for other in replies[1:]])
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""
@@ -228,14 +316,115 @@ class TrtllmSession:
         """The KV settings handed to TensorRT-LLM."""
         return f"TensorRT-LLM KV settings: {self.settings}"
 
-    def _plan(self, messages: list[dict]) -> TurnPlan:
+    def _check_forks(self, n: int, beam: BeamParams | None) -> None:
+        """ConfigError where n or a beam search cannot run on this engine and runner."""
+        if n < 1 or (n > 1 and beam is not None):
+            raise ConfigError(f"n must be >= 1, and 1 with a beam search, got n={n}")
+        if n > 1 and not self.forks:
+            raise ConfigError(TRTLLM_NO_N)
+        if beam is None:
+            return
+        if beam.beam_width > self.limits.max_beam_width:
+            raise ConfigError(f"a beam search of {beam.beam_width} beams needs an engine built for them; "
+                              f"{self.engine_dir} was built with max_beam_width {self.limits.max_beam_width} "
+                              f"(build_config of its config.json): rebuild it with cabin-build --max-beam-width "
+                              f"{beam.beam_width}, or search with --backend reference")
+        if beam.length_penalty < 0:
+            raise ConfigError(f"TensorRT-LLM takes length_penalty >= 0 (its SamplingConfig refuses "
+                              f"{beam.length_penalty}); ask for one >= 0, or search with --backend reference")
+
+    def _generate_kwargs(self, n: int, beam: BeamParams | None) -> dict:
+        """``generate``'s stop, output and decoding arguments: TensorRT-LLM's beam search (no sampling), or sampling
+        (top_k 1 where the temperature is 0) of ``n`` sequences."""
+        stop_ids = self.params.stop_token_ids
+        kwargs = {"end_id": stop_ids[0], "pad_id": stop_ids[0],
+                  "stop_words_list": [[[i] for i in stop_ids[1:]]] if stop_ids[1:] else None,
+                  "return_dict": True, "output_sequence_lengths": True}
+        if beam is not None:
+            kwargs.update(num_beams=beam.beam_width, length_penalty=float(beam.length_penalty),
+                          early_stopping=TRTLLM_EARLY_STOPPING[beam.early_stopping])
+            if self.forks:  # streamed beams come whole at every step: replace them, do not append
+                kwargs["return_all_generated_tokens"] = True
+            return kwargs
+        p = self.params
+        kwargs.update(temperature=p.temperature or 1.0, top_k=1 if p.temperature == 0 else p.top_k, top_p=p.top_p,
+                      random_seed=p.seed)
+        if n > 1:
+            kwargs["num_return_sequences"] = n
+        return kwargs
+
+    @staticmethod
+    def _push(replies: list[ReplyStream], outputs, lengths, prompt: int) -> bool:
+        """Push each sequence's new tokens through its reply's stop rules; True when every reply had ended before
+        and the runner still goes on (past a stop string, which it does not see)."""
+        ended = all(reply.finish_reason for reply in replies)
+        for index, reply in enumerate(replies):
+            new = [int(t) for t in outputs[index][prompt + len(reply.ids):int(lengths[index])]]
+            if ended and new:
+                return True
+            for token in new:
+                if reply.finish_reason:
+                    break
+                reply.push(token)
+        return False
+
+    def _beam_replies(self, beams: list[list[int]], params: SamplingParams, ended: str) -> list[ReplyStream]:
+        """The beams as replies, best first, through the stop rules; a beam that ended before the length limit
+        ended on a stop token. An interrupted search gives its leading beam only."""
+        replies = []
+        for tokens in beams[:1] if ended == "interrupted" else beams:
+            reply = ReplyStream(params, self.tokenizer.decode_reply)
+            for token in tokens:
+                reply.push(token)
+                if reply.finish_reason:
+                    break
+            reply.close(ended if ended == "interrupted" or len(tokens) >= params.max_new_tokens else "stop")
+            replies.append(reply)
+        return replies
+
+    def _plan(self, messages: list[dict], beam: BeamParams | None = None) -> TurnPlan:
         """The whole rendered history, or what the overflow policy keeps of it."""
-        capacity = self.capacity
         # sink-window truncates the stream here too: max_input_len and max_seq_len bound the prompt whatever
         # attention window the engine keeps
-        room = Room(capacity, lambda n: n <= capacity, appends_turns=False)
+        if beam is None:
+            capacity = self.capacity
+            room = Room(capacity, lambda n: n <= capacity, appends_turns=False)
+        else:
+            room = Room(self._beam_prompt_limit(beam) + beam.max_new_tokens,
+                        lambda n: self._beam_fits(n - beam.max_new_tokens, beam), appends_turns=False)
         return plan_turn(self.tokenizer, messages, room, self.overflow, self.config.sink_token_length,
-                         self.params.max_new_tokens)
+                         beam.max_new_tokens if beam else self.params.max_new_tokens)
+
+    def _beam_fits(self, prompt: int, beam: BeamParams,
+                   blocks: Callable[[int, int, int, int], int] = beam_kv_blocks) -> bool:
+        """Whether a beam search over a prompt of this many tokens fits the engine's limits and the KV budget
+        (``blocks``: what it reserves, ``beam_kv_blocks``, or ``beam_kv_blocks_up_to`` for every shorter prompt too)."""
+        budget_blocks = self.settings.max_tokens_in_paged_kv_cache // self.config.tokens_per_block
+        return (0 <= prompt <= self.limits.max_input_len and prompt + beam.max_new_tokens <= self.limits.max_seq_len
+                and blocks(prompt, beam.max_new_tokens, beam.beam_width, self.config.tokens_per_block) <= budget_blocks)
+
+    def _beam_prompt_limit(self, beam: BeamParams) -> int:
+        """The longest prompt such that every prompt up to it fits a beam search (-1: none does)."""
+        low, high = -1, self.limits.max_input_len
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if self._beam_fits(middle, beam, beam_kv_blocks_up_to) else (low, middle - 1)
+        return low
+
+    def _capacity_error(self, err: CapacityError, beam: BeamParams | None) -> str:
+        """A refused turn's message, with what binds where it is the engine or the beams rather than the budget."""
+        if beam is not None:
+            limit = self._beam_prompt_limit(beam)
+            return (capacity_message(err, self.overflow, beam.max_new_tokens, limit + beam.max_new_tokens)
+                    + f" (a search of {beam.beam_width} beams takes prompts of at most {max(limit, 0)} tokens: "
+                    f"TensorRT-LLM reserves the prompt's whole KV blocks once and each beam's last block and "
+                    f"{beam.max_new_tokens}-token reply on its own)")
+        message = capacity_message(err, self.overflow, self.params.max_new_tokens, self.capacity)
+        if self.capacity < self.settings.max_tokens_in_paged_kv_cache:  # the engine's limits bind
+            message += (f" (the engine takes prompts of at most {self.capacity - self.params.max_new_tokens} tokens: "
+                        f"max_input_len {self.limits.max_input_len}, max_seq_len {self.limits.max_seq_len} less "
+                        f"{self.params.max_new_tokens} for the reply)")
+        return message
 
     def _reused_tokens(self, ids: list[int]) -> int:
         """Tokens TensorRT-LLM can reuse with block reuse on: the common prefix with the previous turn's tokens
@@ -249,8 +438,9 @@ class TrtllmSession:
         return min(common // block * block, len(ids) - 1)
 
     def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
-               finish: str, evicted: int, error: str | None = None) -> TurnStats:
+               finish: str, evicted: int, error: str | None = None, alternatives: list[str] | None = None) -> TurnStats:
         held = min(len(self.previous_ids), self.settings.max_tokens_in_paged_kv_cache)
         budget = self.settings.max_tokens_in_paged_kv_cache * self.bytes_per_token
         return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, held * self.bytes_per_token, budget,
-                         self.bytes_per_token, self.config.kv_mode, finish, evicted, self.overflow.name, error)
+                         self.bytes_per_token, self.config.kv_mode, finish, evicted, self.overflow.name, error,
+                         alternatives=alternatives or [])

@@ -1,4 +1,5 @@
-"""A fake ``trtllm-build``: records its argv as JSON, checks the checkpoint, writes a dummy engine.
+"""A fake ``trtllm-build``: records its argv as JSON, checks the checkpoint, writes a dummy engine whose
+``config.json`` has the ``build_config`` limits the flags set, as trtllm-build writes them.
 
 Environment: ``FAKE_TRTLLM_ARGV`` (file to record argv in), ``FAKE_TRTLLM_FAIL`` (fail like a real
 build error). Like TensorRT-LLM, it refuses INT8 KV with ``--use_paged_context_fmha enable``.
@@ -25,7 +26,10 @@ def main() -> int:
     out = Path(args["--output_dir"])
     out.mkdir(parents=True)
     (out / "rank0.engine").write_bytes(b"fake engine")
-    (out / "config.json").write_text(json.dumps({"kv_cache_quant_algo": kv_algo, "argv": argv}))
+    limits = ("max_batch_size", "max_beam_width", "max_input_len", "max_seq_len", "max_num_tokens")
+    build_config = {name: int(args.get(f"--{name}", 1)) for name in limits}
+    (out / "config.json").write_text(json.dumps({"kv_cache_quant_algo": kv_algo, "argv": argv,
+                                                 "build_config": build_config}))
     print("[TensorRT-LLM] Total time of building all engines: 00:00:00")
     return 0
 
