@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from cabinllm.cli.args import (add_cache_flags, add_sampling_flags, add_thread_flag, entry_point, help_of,
+from cabinllm.cli.args import (add_cache_flags, add_sampling_flags, add_thread_flag, entry_point, float_range, help_of,
                                kv_budget_bytes, os_error_message, output_name, positive_int, sampling_params,
                                use_threads)
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--beam-width", type=positive_int, default=1,
                         help="beams of a beam search per turn instead of sampling, as transformers' generate "
                              "(num_beams) defines it; the best beam is the reply (default 1: no search)")
-    parser.add_argument("--length-penalty", type=float, default=BeamParams.length_penalty,
+    parser.add_argument("--length-penalty", type=float_range(-10, 10, low_included=True),
+                        default=BeamParams.length_penalty,
                         help=f"{help_of(BeamParams, 'length_penalty')} (default {BeamParams.length_penalty:g})")
     parser.add_argument("--early-stopping", choices=("true", "false", NEVER), default="false",
                         help=f"{help_of(BeamParams, 'early_stopping')} (default false)")

@@ -231,8 +231,9 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, limits
             raise _internal_error(failed)
         if request.finish_reason == "cancelled" and shutdown.stop.is_set():
             raise _stopping()
+        logprobs = _logprobs(engine) if chat.logprobs else None
         return completion(request_id, config.model_name,
-                          [_choice(index, choice, reply, engine) for index, choice in enumerate(choices)],
+                          [_choice(index, choice, reply, logprobs) for index, choice in enumerate(choices)],
                           _usage(choices))
 
     app.include_router(chat_routes)
@@ -377,9 +378,10 @@ class ChoiceStream:
     whole once the reply ends; each content chunk carries the log-probabilities of the tokens sampled since the
     last."""
 
-    def __init__(self, index: int, request: Request, reply: Reply, engine: Engine) -> None:
-        self.index, self.request, self.reply, self.engine = index, request, reply, engine
-        self.held, self.is_call, self.logprobs_sent = "", None, 0
+    def __init__(self, index: int, request: Request, reply: Reply,
+                 logprobs: Callable[[list[TokenLogprob]], ChoiceLogprobs] | None) -> None:
+        self.index, self.request, self.reply, self.logprobs = index, request, reply, logprobs
+        self.held, self.is_call, self.logprobs_sent, self.calls = "", None, 0, None
 
     def pieces(self, piece: str) -> list[tuple[ChoiceDelta, ChoiceLogprobs | None]]:
         """The content deltas of a new piece of text."""
@@ -392,25 +394,26 @@ class ChoiceStream:
     def ending(self) -> list[tuple[ChoiceDelta, ChoiceLogprobs | None]]:
         """The deltas after the last piece: the calls, or text held back for nothing."""
         text = self.request.text
-        calls = self.reply.calls(text)
-        if calls:
-            return [(delta, None) for delta in call_deltas(calls)]
+        self.calls = self.reply.calls(text)
+        if self.calls:
+            return [(delta, None) for delta in call_deltas(self.calls)]
         if self.is_call is not False and text:
             return [(ChoiceDelta(content=text), self._new_logprobs())]
         return []
 
     def _new_logprobs(self) -> ChoiceLogprobs | None:
-        if self.request.logprobs is None:
+        if self.logprobs is None:
             return None
         sent, self.logprobs_sent = self.logprobs_sent, len(self.request.token_logprobs)
-        return _logprobs(self.request.token_logprobs[sent:self.logprobs_sent], self.engine)
+        return self.logprobs(self.request.token_logprobs[sent:self.logprobs_sent])
 
 
 async def _stream(choices: list[Request], outputs: asyncio.Queue, first: Output, request_id: str, model: str,
                   chat: ChatCompletionRequest, reply: Reply, shutdown: Shutdown, engine: Engine) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, each chunk one choice's (``index``); the choices are cancelled
     if the client goes away. A stream the server's stop ends gets an error event instead of the end."""
-    streams = [ChoiceStream(index, choice, reply, engine) for index, choice in enumerate(choices)]
+    logprobs = _logprobs(engine) if choices[0].logprobs is not None else None
+    streams = [ChoiceStream(index, choice, reply, logprobs) for index, choice in enumerate(choices)]
     try:
         for stream in streams:
             yield chunk(request_id, model, ChoiceDelta(role="assistant", content=""), index=stream.index)
@@ -428,8 +431,8 @@ async def _stream(choices: list[Request], outputs: asyncio.Queue, first: Output,
                     return
                 for delta, logprobs in stream.ending():
                     yield chunk(request_id, model, delta, index=stream.index, logprobs=logprobs)
-                calls = reply.calls(request.text)
-                yield chunk(request_id, model, ChoiceDelta(), reply.finish_reason(request, calls), index=stream.index)
+                yield chunk(request_id, model, ChoiceDelta(), reply.finish_reason(request, stream.calls),
+                            index=stream.index)
                 open_choices -= 1
                 if not open_choices:
                     break
@@ -463,20 +466,22 @@ def _usage(choices: list[Request]) -> Usage:
     return usage(len(choices[0].prompt_ids), sum(len(c.token_ids) for c in choices), choices[0].cached_tokens)
 
 
-def _logprobs(logprobs: list[TokenLogprob], engine: Engine) -> ChoiceLogprobs:
-    """The log-probabilities of a reply's tokens, its stop token left out (it is no text)."""
+def _logprobs(engine: Engine) -> Callable[[list[TokenLogprob]], ChoiceLogprobs]:
+    """How a reply's tokens' log-probabilities read in OpenAI's shape on this engine, its stop token left out (it
+    is no text)."""
     stops = set(engine.stop_token_ids())
     try:
         token_bytes = engine.vocabulary.token_bytes  # exact, a piece of a character included
     except GrammarError:  # a tokenizer llguidance cannot read: each token's own text
         token_bytes = lambda token: engine.tokenizer.decode([token]).encode("utf-8")  # noqa: E731
-    return choice_logprobs([lp for lp in logprobs if lp.token not in stops], token_bytes)
+    return lambda logprobs: choice_logprobs([lp for lp in logprobs if lp.token not in stops], token_bytes)
 
 
-def _choice(index: int, request: Request, reply: Reply, engine: Engine) -> Choice:
+def _choice(index: int, request: Request, reply: Reply,
+            logprobs: Callable[[list[TokenLogprob]], ChoiceLogprobs] | None) -> Choice:
     """One choice of a whole completion."""
     calls = reply.calls(request.text)
-    logprobs = None if request.logprobs is None else _logprobs(request.token_logprobs, engine)
     return Choice(index=index, message=reply_message(request.text, calls),
-                  finish_reason=reply.finish_reason(request, calls), logprobs=logprobs)
+                  finish_reason=reply.finish_reason(request, calls),
+                  logprobs=logprobs(request.token_logprobs) if logprobs else None)
 

@@ -121,10 +121,6 @@ class _Running:
         """Session slots it holds: one per beam."""
         return self.request.beam.beam_width if self.request.beam else 1
 
-    def target_tokens(self) -> int:
-        """Tokens the sequence may hold at most: the prompt and a full reply (its last token is never fed)."""
-        return len(self.request.prompt_ids) + self.request.params.max_new_tokens - 1
-
 
 @dataclass
 class SchedulerStats:
@@ -187,11 +183,7 @@ class Scheduler:
         if sessions > self.config.max_sessions:
             return f"{sessions} {what} need {sessions} sessions and the server decodes {self.config.max_sessions}"
         tpb = self.cache.tokens_per_block
-        if request.beam:
-            needed = cdiv(len(request.prompt_ids), tpb) + self._beam_blocks(request)
-        else:
-            needed = cdiv(len(request.prompt_ids) + request.params.max_new_tokens - 1, tpb) + sum(
-                self._fork_blocks(follower) for follower in request.followers)
+        needed = cdiv(len(request.prompt_ids) + _own_reply(request), tpb) + self._extra_blocks(request)
         total = self.cache.blocks.num_blocks
         if needed > total:
             return (f"the prompt and {sessions} {what} of up to {request.params.max_new_tokens} tokens need "
@@ -255,7 +247,7 @@ class Scheduler:
             if running is not None and running.request.beam:
                 beams.setdefault(running, []).append(row)
             elif running is not None:
-                for follower in [r for r in self._running if r.leader is running]:
+                for follower in self._unforked(running):
                     self.cache.fork(running.seq, follower.seq)  # the prompt is in: the follower shares it
                     follower.leader = None
                     self._sample(follower, row)
@@ -282,6 +274,10 @@ class Scheduler:
             if running in self._running:  # a leader's cancel ends its followers that have not forked yet
                 self._finish(running, "cancelled")
 
+    def _unforked(self, leader: _Running) -> list[_Running]:
+        """A leader's followers that wait for its prompt."""
+        return [r for r in self._running if r.leader is leader] if leader.request.followers else []
+
     def _fork_blocks(self, request: Request) -> int:
         """Blocks a forked choice may add at most: its copy of the shared last block and its reply's blocks."""
         return cdiv(request.params.max_new_tokens - 1, self.cache.tokens_per_block) + 1
@@ -291,25 +287,21 @@ class Scheduler:
         rest = request.params.max_new_tokens - generated
         return request.beam.beam_width * (cdiv(rest, self.cache.tokens_per_block) + 1)
 
+    def _extra_blocks(self, request: Request) -> int:
+        """Blocks a request's followers or beams may add beside its own sequence."""
+        if request.beam:
+            return self._beam_blocks(request)
+        return sum(self._fork_blocks(follower) for follower in request.followers)
+
     def _reserved(self, running: _Running) -> int:
         """Blocks a running sequence may still take."""
+        request = running.request
         if running.leader is not None:
-            return self._fork_blocks(running.request)
+            return self._fork_blocks(request)
         if running.search is not None:
-            return self._beam_blocks(running.request, running.search.cur_len - running.search.prompt_len)
-        if running.request.beam:
-            prompt = len(running.request.prompt_ids)
-            return self.cache.blocks_needed(running.seq, prompt - len(running.seq)) + self._beam_blocks(
-                running.request)
-        return self.cache.blocks_needed(running.seq, running.target_tokens() - len(running.seq))
-
-    def _admission_blocks(self, request: Request) -> tuple[int, int]:
-        """The available blocks a request (its followers or beams included) takes at most, and its cached tokens."""
-        if request.beam:
-            needed, cached = self.cache.blocks_to_admit(request.prompt_ids, 0)
-            return needed + self._beam_blocks(request), cached
-        needed, cached = self.cache.blocks_to_admit(request.prompt_ids, request.params.max_new_tokens - 1)
-        return needed + sum(self._fork_blocks(follower) for follower in request.followers), cached
+            return self._beam_blocks(request, running.search.cur_len - running.search.prompt_len)
+        own = len(request.prompt_ids) + _own_reply(request) - len(running.seq)
+        return self.cache.blocks_needed(running.seq, own) + (self._beam_blocks(request) if request.beam else 0)
 
     def _admit(self) -> None:
         while True:
@@ -322,7 +314,8 @@ class Scheduler:
                 return
             reserved = sum(self._reserved(r) for r in self._running)
             prompt = request.prompt_ids
-            needed, cached = self._admission_blocks(request)
+            needed, cached = self.cache.blocks_to_admit(prompt, _own_reply(request))
+            needed += self._extra_blocks(request)  # followers are admitted with their leader
             if needed > self.cache.available_blocks() - reserved:
                 return  # waits for running sequences to finish; those behind it wait too (FIFO)
             with self._lock:
@@ -432,7 +425,7 @@ class Scheduler:
         """Free the sequence, hand over the rest of the text (cut at a stop string) and the finish reason: the
         reply's stop rule, else ``reason``."""
         self._running.remove(running)
-        for follower in [r for r in self._running if r.leader is running]:  # never forked: nothing to share
+        for follower in self._unforked(running):  # never forked: nothing to share
             follower.request.error = running.request.error
             self._finish(follower, reason or "cancelled")
         if running.search is not None:
@@ -452,6 +445,12 @@ class Scheduler:
         for one in (request, *request.followers):
             one.finish_reason = reason
             one.on_output(one, "", True)
+
+
+def _own_reply(request: Request) -> int:
+    """Reply tokens a request's own sequence may hold (its last token is never fed; a beam search's replies are its
+    beams')."""
+    return 0 if request.beam else request.params.max_new_tokens - 1
 
 
 def _sessions(request: Request) -> int:

@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     measured = measure(args)
     medians = summary(measured["cells"])
-    result = {"machine": machine, "command": " ".join(["python -m cabinllm.benchmarks.studies.busy_cpu", *(argv or sys.argv[1:])]), "turns": args.turns, "rounds": args.rounds,
+    command = " ".join(["python -m cabinllm.benchmarks.studies.busy_cpu", *(argv or sys.argv[1:])])
+    result = {"machine": machine, "command": command, "turns": args.turns, "rounds": args.rounds,
               "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
               "load_1m_seen": measured["load_1m_seen"], "medians": medians, "cells": measured["cells"]}
     write_results(args.output, result, table(medians, args, measured["load_1m_seen"]))

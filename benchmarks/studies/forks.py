@@ -1,8 +1,8 @@
 """n = 4 replies of one prompt as forked sequences (one prefill, shared blocks) against 4 separate requests of the
 same prompt, on the server's scheduler in this process: KV blocks in use at the peak, prompt tokens computed,
 time until all four have their first token, and aggregate tokens/s. Separate requests share the prompt's full
-blocks too, through the prefix cache, where one's prefill is in before another's starts. Greedy, no stop token (every reply
-``--reply-tokens`` long), one thread, seeded random prompt tokens; medians of interleaved repeats.
+blocks too, through the prefix cache, where one's prefill is in before another's starts. Greedy, no stop token
+(every reply ``--reply-tokens`` long), one thread, seeded random prompt tokens; medians of interleaved repeats.
 
     python -m cabinllm.benchmarks.studies.forks --engine engines/smollm2-135m-int8-eq
 """

@@ -12,6 +12,7 @@ requests); ``beam_search`` runs one alone.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,8 @@ class BeamParams:
         if self.beam_width < 1 or self.max_new_tokens < 1:
             raise ConfigError(f"beam_width and max_new_tokens must be >= 1, got {self.beam_width} and "
                               f"{self.max_new_tokens}")
+        if not math.isfinite(self.length_penalty):
+            raise ConfigError(f"length_penalty must be a finite number, got {self.length_penalty}")
         if self.early_stopping not in (True, False, NEVER):
             raise ConfigError(f"early_stopping must be true, false or {NEVER!r}, got {self.early_stopping!r}")
 
