@@ -19,18 +19,27 @@ from cabinllm.runtime.formats.weight_formats import LINEAR_LAYERS, WeightFormat,
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "rank0.safetensors"
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma3ForCausalLM", "Phi3ForCausalLM")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's activation: Llama family, Gemma
 REBUILD = "rebuild the engine with cabin-build"
 _COUNT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "head_size", "intermediate_size", "max_position_embeddings")
 # ModelOpt writes separate K and V scales beside TensorRT-LLM's shared kv_cache_scaling_factor; nothing reads them
 _OPTIONAL = ("attention.k_cache_scaling_factor", "attention.v_cache_scaling_factor")
-_ROPE_SCALINGS = ("default", "linear", "llama3")  # cabinllm.runtime.model.rope computes these
+_ROPE_SCALINGS = ("default", "linear", "llama3", "longrope")  # cabinllm.runtime.model.rope computes these
 
 
 @dataclass
 class ModelConfig:
-    """The TensorRT-LLM ``config.json`` of a decoder-only Llama-family model."""
+    """The TensorRT-LLM ``config.json`` of a decoder-only model of the Llama, Qwen, Gemma 3 or Phi-3 families.
+
+    Beyond Llama: ``qk_layernorm`` (Qwen3, Gemma 3: RMSNorm of each q and k head before RoPE),
+    ``rotary_dim`` channels of each head rotated (Phi-3: ``partial_rotary_factor`` of the head), and Gemma 3's
+    ``inter_layernorms`` (norms after attention and around the MLP), ``query_pre_attn_scalar``, embeddings scaled by
+    sqrt(hidden_size), and local layers attending over ``sliding_window`` tokens with their own RoPE base
+    (``rope_local_base_freq``): every ``sliding_window_pattern``-th layer is global, the others local.
+    """
 
     architecture: str
     vocab_size: int
@@ -49,6 +58,14 @@ class ModelConfig:
     position_embedding_type: str = "rope_gpt_neox"
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
+    qk_layernorm: bool = False
+    rotary_dim: int | None = None  # None: the whole head
+    inter_layernorms: bool = False
+    query_pre_attn_scalar: float | None = None  # None: head_size
+    sliding_window: int | None = None
+    sliding_window_pattern: int | None = None
+    rope_local_base_freq: float | None = None
+    final_logit_softcapping: float | None = None
     mapping: dict = field(default_factory=lambda: {"world_size": 1, "tp_size": 1, "pp_size": 1})
     quantization: dict = field(default_factory=lambda: {"quant_algo": None, "kv_cache_quant_algo": None})
 
@@ -56,6 +73,23 @@ class ModelConfig:
     def weight_format(self) -> WeightFormat:
         """The stored format of the linear weights, from ``quantization`` (cabinllm.runtime.formats.weight_formats)."""
         return checkpoint_format(self.quantization, linear_inputs(self), "config")
+
+    @property
+    def rotated_channels(self) -> int:
+        """Channels of each q/k head that RoPE rotates (the first ones)."""
+        return self.head_size if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def embedding_multiplier(self) -> float:
+        """What the embedding lookup is multiplied by: sqrt(hidden_size) for Gemma, else 1."""
+        return math.sqrt(self.hidden_size) if self.architecture.startswith("Gemma") else 1.0
+
+    def layer_window(self, layer: int) -> int | None:
+        """Tokens layer ``layer`` attends over (itself included), or None for the whole history."""
+        if self.sliding_window is None:
+            return None
+        pattern = self.sliding_window_pattern
+        return None if pattern and (layer + 1) % pattern == 0 else self.sliding_window
 
     @property
     def kv_channels(self) -> int:
@@ -84,14 +118,25 @@ class ModelConfig:
             return "num_key_value_heads", f"a divisor of num_attention_heads ({self.num_attention_heads})"
         if self.head_size % 2:
             return "head_size", "even (RoPE rotates pairs of channels)"
+        rotary = self.rotary_dim
+        if rotary is not None and not (_is_int(rotary) and 0 < rotary <= self.head_size and rotary % 2 == 0):
+            return "rotary_dim", f"null or an even positive integer up to head_size ({self.head_size})"
+        for key in ("sliding_window", "sliding_window_pattern"):
+            value = getattr(self, key)
+            if value is not None and not (_is_int(value) and value > 0):
+                return key, "null or a positive integer"
+        for key in ("query_pre_attn_scalar", "rope_local_base_freq", "final_logit_softcapping"):
+            value = getattr(self, key)
+            if value is not None and not _is_positive_number(value):
+                return key, "null or a finite positive number"
         for key in ("rotary_base", "norm_epsilon"):
             if not _is_positive_number(getattr(self, key)):
                 return key, "a finite positive number"
-        for key in ("qkv_bias", "tie_word_embeddings"):
+        for key in ("qkv_bias", "tie_word_embeddings", "qk_layernorm", "inter_layernorms"):
             if not isinstance(getattr(self, key), bool):
                 return key, "true or false"
-        if self.hidden_act != "silu":
-            return "hidden_act", '"silu" (the activation of the Llama family)'
+        if self.hidden_act not in HIDDEN_ACTS:
+            return "hidden_act", " or ".join(f'"{act}"' for act in HIDDEN_ACTS)
         if self.position_embedding_type != "rope_gpt_neox":
             return "position_embedding_type", '"rope_gpt_neox"'
         for key in ("mapping", "quantization"):
@@ -148,8 +193,10 @@ def _rotary_scaling_problem(scaling: object) -> str | None:
     if kind != "default" and not _is_positive_number(scaling.get("factor")):
         return "an object with a finite positive factor"
     original = scaling.get("original_max_position_embeddings")
-    if kind == "llama3" and not (_is_int(original) and original > 0):
+    if kind in ("llama3", "longrope") and not (_is_int(original) and original > 0):
         return "an object with a positive integer original_max_position_embeddings"
+    if kind == "longrope" and not all(isinstance(scaling.get(k), list) for k in ("short_factor", "long_factor")):
+        return "an object with short_factor and long_factor lists (one factor per rotated pair)"
     return None
 
 
@@ -223,6 +270,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}.mlp.fc.weight"] = (inter, h)
         shapes[f"{p}.mlp.gate.weight"] = (inter, h)
         shapes[f"{p}.mlp.proj.weight"] = (h, inter)
+        if config.qk_layernorm:
+            shapes[f"{p}.attention.q_layernorm.weight"] = (config.head_size,)
+            shapes[f"{p}.attention.k_layernorm.weight"] = (config.head_size,)
+        if config.inter_layernorms:
+            shapes[f"{p}.pre_feedforward_layernorm.weight"] = (h,)
+            shapes[f"{p}.post_feedforward_layernorm.weight"] = (h,)
         if config.qkv_bias:
             shapes[f"{p}.attention.qkv.bias"] = (qkv_out,)
         if config.quantization.get("kv_cache_quant_algo"):

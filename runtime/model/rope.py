@@ -1,4 +1,11 @@
-"""Rotary position embedding (GPT-NeoX style), with llama3-style frequency scaling."""
+"""Rotary position embedding (GPT-NeoX style) of a head's first ``rotary_dim`` channels, with linear, llama3 and
+longrope (Phi-3) frequency scaling.
+
+LongRoPE's tables hold the short factors for positions below ``original_max_position_embeddings`` and the long ones
+from there on, both times its attention factor: what transformers computes for a token decoded at that position
+(it switches the whole forward call to the long factors once any of its positions passes the boundary; vLLM's
+tables are per position as here).
+"""
 from __future__ import annotations
 
 import math
@@ -8,16 +15,23 @@ import torch
 from cabinllm.runtime.errors import ConfigError
 
 
+def scaling_kind(scaling: dict | None) -> str | None:
+    """The rope_type of a rotary_scaling object (TensorRT-LLM 0.12 reads "type", later releases "rope_type")."""
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+
+
 def inverse_frequencies(head_size: int, base: float, scaling: dict | None = None) -> torch.Tensor:
     """Per-pair inverse frequencies, rescaled as Llama 3.1 does when ``scaling`` says llama3."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    kind = scaling_kind(scaling)
     if kind is None or kind == "default":
         return inv_freq.float()
     if kind == "linear":
         return (inv_freq / scaling["factor"]).float()
+    if kind == "longrope":
+        return (inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)).float()
     if kind != "llama3":
-        raise ConfigError(f"unsupported rotary_scaling type {kind!r}; supported: linear, llama3")
+        raise ConfigError(f"unsupported rotary_scaling type {kind!r}; supported: linear, llama3, longrope")
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_len = scaling["original_max_position_embeddings"]
@@ -31,15 +45,35 @@ def inverse_frequencies(head_size: int, base: float, scaling: dict | None = None
 
 
 def rope_table(head_size: int, max_positions: int, base: float, scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (max_positions, head_size)."""
+    """cos and sin tables of shape (max_positions, head_size); ``head_size`` is the rotated channels."""
     inv_freq = inverse_frequencies(head_size, base, scaling)
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    if scaling_kind(scaling) == "longrope":
+        long = inverse_frequencies(head_size, base, {**scaling, "short_factor": scaling["long_factor"]})
+        boundary = scaling["original_max_position_embeddings"]
+        angles[boundary:] = torch.outer(positions[boundary:], long)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    factor = longrope_attention_factor(scaling)
+    return angles.cos() * factor, angles.sin() * factor
+
+
+def longrope_attention_factor(scaling: dict | None) -> float:
+    """LongRoPE's scale of cos and sin (1 for other kinds): sqrt(1 + ln(factor) / ln(original context))."""
+    if scaling_kind(scaling) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x of shape (tokens, heads, head_size) by per-token cos/sin of shape (tokens, head_size)."""
+    """Rotate the first cos.shape[-1] channels of x (tokens, heads, head_size) by per-token cos/sin (tokens, rotated
+    channels); the other channels pass."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

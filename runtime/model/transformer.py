@@ -1,4 +1,4 @@
-"""The reference forward pass of a Llama-family decoder over a paged KV cache.
+"""The reference forward pass of a decoder (Llama, Qwen, Gemma 3, Phi-3 families) over a paged KV cache.
 
 Computes in fp32 on the CPU whatever dtype the checkpoint stores. A step runs the
 new tokens of one or more sequences (``Span``s) together: each linear layer reads
@@ -18,10 +18,16 @@ is dequantized first). Each token's row is computed exactly as it would be alone
 one sequence over a cache of static scales (fp32, fp16, int8) runs every layer in one native call
 (decode_step.c), which spares the ~40 small torch ops per layer that otherwise cost a third of the step.
 Longer prefill and machines where the kernels cannot be built run the torch path below (same math).
+
+What the families add runs on the torch path around the same kernels: q/k norms before RoPE (Qwen3, Gemma 3),
+partial rotary (Phi-3), Gemma 3's extra norms, GELU, embedding and query scales, and its local layers' window
+(attention over the last ``sliding_window`` positions only). The fused one-call decode step is Llama-shaped, so
+only those families take it.
 """
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -77,8 +83,14 @@ class Transformer:
         self.native_kernels = native_kernels_enabled()
         self.lm_head = _lm_head(w.pop("lm_head.weight"), self.native_kernels)
         self.layers = [_layer_weights(w, i, config) for i in range(config.num_hidden_layers)]
-        self.cos, self.sin = rope_table(config.head_size, config.max_position_embeddings,
-                                        config.rotary_base, config.rotary_scaling)
+        rotary, positions = config.rotated_channels, config.max_position_embeddings
+        self.cos, self.sin = rope_table(rotary, positions, config.rotary_base, config.rotary_scaling)
+        local = config.rope_local_base_freq
+        self._local_rope = None if local is None else rope_table(rotary, positions, local)
+        # SDPA scales by 1 / sqrt(head_size); Gemma's query_pre_attn_scalar asks for another scale
+        scalar = config.query_pre_attn_scalar
+        self._query_scale = 1.0 if scalar is None else math.sqrt(config.head_size / scalar)
+        self._act = F.silu if config.hidden_act == "silu" else functools.partial(F.gelu, approximate="tanh")
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -114,20 +126,31 @@ class Transformer:
             return _linear(_rms_norm(x[None], self.final_norm, c.norm_epsilon), self.lm_head, matvec())
         positions = torch.cat([torch.arange(span.start_pos, span.end) for span in spans])
         x = self.embedding[torch.tensor(ids, dtype=torch.long)]
-        cos, sin = self.cos[positions], self.sin[positions]
+        x = x * c.embedding_multiplier if c.embedding_multiplier != 1.0 else x
+        tables = [(self.cos, self.sin)] + ([self._local_rope] if self._local_rope else [])
+        ropes = [(cos[positions], sin[positions]) for cos, sin in tables]  # global, then local layers' if theirs
         mv = matvec() if self.native_kernels and len(ids) <= MATVEC_MAX_TOKENS else None
         ctx = StepContext(spans, torch.cat([cache.slots(s.seq, s.start_pos, s.end) for s in spans]),
                           [cache.block_table(s.seq) for s in spans], cache.storage, self.native_kernels, mv)
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["input_norm"], c.norm_epsilon)
-            x = x + self._attention(index, layer, h, cos, sin, ctx)
-            h = _rms_norm(x, layer["post_norm"], c.norm_epsilon)
+            cos, sin = ropes[-1] if c.layer_window(index) is not None else ropes[0]
+            attn = self._attention(index, layer, h, cos, sin, ctx)
+            if c.inter_layernorms:  # Gemma: post_layernorm normalizes the attention output, two more the MLP's
+                x = x + _rms_norm(attn, layer["post_norm"], c.norm_epsilon)
+                h = _rms_norm(x, layer["pre_ff_norm"], c.norm_epsilon)
+            else:
+                x = x + attn
+                h = _rms_norm(x, layer["post_norm"], c.norm_epsilon)
             fc, gate = _linear(h, layer["fc_gate"], mv).chunk(2, dim=-1)
-            x = x + _linear(F.silu(fc) * gate, layer["proj"], mv)
+            mlp = _linear(self._act(fc) * gate, layer["proj"], mv)
+            x = x + (_rms_norm(mlp, layer["post_ff_norm"], c.norm_epsilon) if c.inter_layernorms else mlp)
         if not all_logits:
             x = x[torch.tensor([span.end - span.start_pos for span in spans]).cumsum(0) - 1]
         h = _rms_norm(x, self.final_norm, c.norm_epsilon)  # one row per span, or per token
-        return _linear(h, self.lm_head, matvec() if self.native_kernels and len(h) <= MATVEC_MAX_TOKENS else None)
+        logits = _linear(h, self.lm_head, matvec() if self.native_kernels and len(h) <= MATVEC_MAX_TOKENS else None)
+        cap = c.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _fused_step(self, span: Span, cache: PagedKVCache) -> torch.Tensor | None:
         """One token through every layer in one native call (runtime/kernels/decode_step.c): its last hidden
@@ -144,7 +167,13 @@ class Transformer:
 
     @functools.cached_property
     def _step_weights(self) -> StepWeights | None:
-        """The layers as the fused decode step reads them; None where an op has no form it runs."""
+        """The layers as the fused decode step reads them; None where an op has no form it runs or the model is not
+        Llama-shaped (the step knows no q/k norms, partial rotary, extra norms, GELU, scales or windows)."""
+        c = self.config
+        if (c.qk_layernorm or c.inter_layernorms or c.rotary_dim is not None or c.hidden_act != "silu"
+                or c.sliding_window is not None or c.embedding_multiplier != 1.0 or self._query_scale != 1.0
+                or c.final_logit_softcapping is not None):
+            return None
         layers = []
         for layer in self.layers:
             fc, gate = halves(layer["fc_gate"])
@@ -160,20 +189,27 @@ class Transformer:
         c = self.config
         n, heads, kv_heads, d = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_size
         qkv = _linear(h, layer["qkv"], ctx.matvec, layer.get("qkv_bias"))
-        qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
-        q, k = apply_rope(qk.view(n, heads + kv_heads, d), cos, sin).split([heads, kv_heads], dim=1)
-        ctx.storage.write(index, ctx.slots, k, v.view(n, kv_heads, d))
-        outs, first = [], 0
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        q, k = q.reshape(n, heads, d), k.reshape(n, kv_heads, d)
+        if c.qk_layernorm:
+            q, k = _rms_norm(q, layer["q_norm"], c.norm_epsilon), _rms_norm(k, layer["k_norm"], c.norm_epsilon)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ctx.storage.write(index, ctx.slots, k, v.reshape(n, kv_heads, d))
+        q = q * self._query_scale if self._query_scale != 1.0 else q
+        outs, first, window = [], 0, c.layer_window(index)
         for span, block_table in zip(ctx.spans, ctx.block_tables):
             count = len(span.token_ids)
-            outs.append(self._span_attention(index, q[first:first + count], span, block_table, ctx))
+            outs.append(self._span_attention(index, q[first:first + count], span, block_table, ctx, window))
             first += count
         return _linear(outs[0] if len(outs) == 1 else torch.cat(outs), layer["dense"], ctx.matvec)
 
     def _span_attention(self, index: int, q: torch.Tensor, span: Span, block_table: torch.Tensor,
-                        ctx: StepContext) -> torch.Tensor:
-        """One span's queries (n, heads, d) over its sequence's cached K/V; returns (n, heads * d)."""
+                        ctx: StepContext, window: int | None) -> torch.Tensor:
+        """One span's queries (n, heads, d) over its sequence's cached K/V (the last ``window`` positions of each
+        query where the layer has one); returns (n, heads * d)."""
         heads, d = q.shape[1], q.shape[2]
+        if window is not None and span.end > window:
+            return self._window_attention(index, q, span, block_table, ctx, window)
         stored = ctx.storage.stored_kv(index, block_table, span.end) if ctx.native and q.shape[0] == 1 else None
         group = heads // self.config.num_key_value_heads
         kernel = None if stored is None else decode_attention(stored.k.dtype, d, group)
@@ -183,10 +219,24 @@ class Transformer:
         out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, span.start_pos)
         return out * v_scale if v_scale != 1.0 else out
 
+    def _window_attention(self, index: int, q: torch.Tensor, span: Span, block_table: torch.Tensor,
+                          ctx: StepContext, window: int) -> torch.Tensor:
+        """Attention of a local layer: each query at position p over positions (p - window, p], read from the
+        blocks that hold the span's first query's window on."""
+        tpb = ctx.storage.tokens_per_block
+        first_block = max(0, span.start_pos - window + 1) // tpb
+        keys, values, k_scale, v_scale = ctx.storage.read_unscaled(index, block_table[first_block:],
+                                                                   span.end - first_block * tpb)
+        out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, span.start_pos,
+                                key_start=first_block * tpb, window=window)
+        return out * v_scale if v_scale != 1.0 else out
 
-def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> torch.Tensor:
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int,
+                      key_start: int = 0, window: int | None = None) -> torch.Tensor:
     """Causal attention of q (n, heads, d) at positions [start_pos, start_pos + n) over keys/values
-    (context, kv_heads, d) of positions [0, context); returns (n, heads * d).
+    (context, kv_heads, d) of positions [key_start, key_start + context), each query over the last ``window``
+    positions only when given; returns (n, heads * d).
 
     Decode (n == 1) folds each KV group's query heads into rows of one call, so K/V are never
     repeated; prefill repeats K/V per query head and uses the fused causal kernel.
@@ -194,6 +244,14 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     n, heads, d = q.shape
     context, kv_heads = keys.shape[0], keys.shape[1]
     group = heads // kv_heads
+    if window is not None:
+        key_pos = torch.arange(key_start, key_start + context)[None, :]
+        query_pos = torch.arange(start_pos, start_pos + n)[:, None]
+        mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        values = values.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask)
+        return out[0].transpose(0, 1).reshape(n, heads * d)
     if n == 1:
         q = q.view(kv_heads, group, d)[None]
         out = F.scaled_dot_product_attention(q, keys.transpose(0, 1)[None], values.transpose(0, 1)[None])
@@ -217,7 +275,10 @@ def _layer_weights(w: dict[str, torch.Tensor], layer: int, config: ModelConfig) 
     def op(name: str) -> Linear:
         return linear_op(fmt, {s: w.pop(f"{p}.{name}.{s}") for s in fmt.tensors}, config.quantization)
 
-    out = {
+    norms = {"q_norm": "attention.q_layernorm", "k_norm": "attention.k_layernorm",
+             "pre_ff_norm": "pre_feedforward_layernorm", "post_ff_norm": "post_feedforward_layernorm"}
+    out = {key: w[f"{p}.{name}.weight"].float() for key, name in norms.items() if f"{p}.{name}.weight" in w}
+    out |= {
         "input_norm": w[f"{p}.input_layernorm.weight"].float(),
         "qkv": op("attention.qkv"),
         "dense": op("attention.dense"),

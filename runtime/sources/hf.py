@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from cabinllm.runtime.errors import CheckpointError
-from cabinllm.runtime.sources.hf_names import HF_NAMES, config_from_hf
+from cabinllm.runtime.sources.hf_names import config_from_hf, source_names
 from cabinllm.runtime.sources.weight_plan import SourceModel, check_plan, weight_plan
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,7 +57,7 @@ def open_hf_folder(folder: Path) -> SourceModel:
             raise CheckpointError(
                 f"{path}: unreadable safetensors file ({err}); it may be truncated, download it again"
             ) from err
-    plan = weight_plan(config, HF_NAMES)
+    plan = weight_plan(config, source_names(config.architecture))
     check_plan(plan, shapes, source)
 
     def load(name: str) -> torch.Tensor:

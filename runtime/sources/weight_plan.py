@@ -1,8 +1,8 @@
 """Which source tensors make each checkpoint tensor, and their expected shapes.
 
 A plan maps every TensorRT-LLM weight name to the source tensors that are
-concatenated on dim 0 to build it (one source for most, q/k/v for ``qkv``).
-HF and GGUF differ only in their names (``SourceNames``).
+concatenated on dim 0 to build it (one source for most, q/k/v for ``qkv``), or to rows of one fused source
+(Phi-3's ``gate_up_proj`` holds fc and gate). HF and GGUF differ only in their names (``SourceNames``).
 """
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ class Part:
 
     name: str
     shape: tuple[int, ...]
+    rows: tuple[int, int] | None = None  # [start, stop) of a fused source's rows; None: all of it
+    offset: float = 0.0  # added on import (Gemma's norms scale by 1 + weight; the checkpoint stores 1 + weight)
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of the loaded source tensor this checkpoint tensor is made of."""
+        tensor = tensor if self.rows is None else tensor[self.rows[0]:self.rows[1]]
+        return tensor + self.offset if self.offset else tensor
 
 
 @dataclass(frozen=True)
@@ -39,9 +46,16 @@ class SourceNames:
     k: str
     v: str
     dense: str
-    mlp_gate: str  # the SiLU branch (HF gate_proj) -> mlp.fc
+    mlp_gate: str  # the activated branch (HF gate_proj) -> mlp.fc
     mlp_up: str  # HF up_proj -> mlp.gate
     mlp_down: str  # -> mlp.proj
+    q_norm: str = ""  # qk_layernorm models
+    k_norm: str = ""
+    pre_ff_norm: str = ""  # inter_layernorms models (Gemma 3)
+    post_ff_norm: str = ""
+    fused_qkv: bool = False  # ``q`` names one (q + k + v, hidden) tensor (Phi-3's qkv_proj)
+    fused_gate_up: bool = False  # ``mlp_gate`` names one (2 x inter, hidden) tensor, gate rows first (gate_up_proj)
+    norm_offset: float = 0.0  # Part.offset of every norm weight
 
 
 @dataclass
@@ -56,26 +70,35 @@ class SourceModel:
 def weight_plan(config: ModelConfig, names: SourceNames) -> dict[str, list[Part]]:
     """The plan for every weight ``expected_shapes(config)`` lists; tied models take lm_head from the embedding."""
     shapes = expected_shapes(config)
-    hidden = config.hidden_size
+    hidden, inter, off = config.hidden_size, config.intermediate_size, names.norm_offset
     q_rows, kv_rows = config.num_attention_heads * config.head_size, config.kv_channels
     top = {
         "transformer.vocab_embedding.weight": names.embedding,
         "transformer.ln_f.weight": names.final_norm,
         "lm_head.weight": names.embedding if config.tie_word_embeddings else names.lm_head,
     }
-    plan = {name: [Part(source, shapes[name])] for name, source in top.items()}
+    plan = {name: [Part(source, shapes[name], offset=off if name == "transformer.ln_f.weight" else 0.0)]
+            for name, source in top.items()}
     for layer in range(config.num_hidden_layers):
         prefix = layer_prefix(layer)
-        single = {
-            "input_layernorm.weight": names.input_norm,
-            "post_layernorm.weight": names.post_norm,
-            "attention.dense.weight": names.dense,
-            "mlp.fc.weight": names.mlp_gate,
-            "mlp.gate.weight": names.mlp_up,
-            "mlp.proj.weight": names.mlp_down,
-        }
-        for suffix, template in single.items():
-            plan[f"{prefix}.{suffix}"] = [Part(template.format(l=layer), shapes[f"{prefix}.{suffix}"])]
+        norms = {"input_layernorm.weight": names.input_norm, "post_layernorm.weight": names.post_norm,
+                 "attention.q_layernorm.weight": names.q_norm, "attention.k_layernorm.weight": names.k_norm,
+                 "pre_feedforward_layernorm.weight": names.pre_ff_norm,
+                 "post_feedforward_layernorm.weight": names.post_ff_norm}
+        linears = {"attention.dense.weight": names.dense, "mlp.proj.weight": names.mlp_down}
+        if not names.fused_gate_up:
+            linears.update({"mlp.fc.weight": names.mlp_gate, "mlp.gate.weight": names.mlp_up})
+        for suffix, template in {**norms, **linears}.items():
+            name = f"{prefix}.{suffix}"
+            if name in shapes:
+                plan[name] = [Part(template.format(l=layer), shapes[name], offset=off if suffix in norms else 0.0)]
+        if names.fused_gate_up:
+            fused = names.mlp_gate.format(l=layer)
+            plan[f"{prefix}.mlp.fc.weight"] = [Part(fused, (2 * inter, hidden), rows=(0, inter))]
+            plan[f"{prefix}.mlp.gate.weight"] = [Part(fused, (2 * inter, hidden), rows=(inter, 2 * inter))]
+        if names.fused_qkv:
+            plan[f"{prefix}.attention.qkv.weight"] = [Part(names.q.format(l=layer), (q_rows + 2 * kv_rows, hidden))]
+            continue
         qkv = [(names.q, q_rows), (names.k, kv_rows), (names.v, kv_rows)]
         plan[f"{prefix}.attention.qkv.weight"] = [Part(t.format(l=layer), (rows, hidden)) for t, rows in qkv]
         if config.qkv_bias:
@@ -113,7 +136,7 @@ def iter_weights(model: SourceModel, source: str = "model") -> Iterator[tuple[st
     """Yield each checkpoint tensor as a fresh tensor (sources concatenated on dim 0); CheckpointError naming the
     first source tensor with a NaN or infinite value (``source`` names the model in it)."""
     for name, parts in model.plan.items():
-        tensors = [model.load(part.name) for part in parts]
+        tensors = [part.take(model.load(part.name)) for part in parts]
         for part, tensor in zip(parts, tensors):
             if not all_finite(tensor):
                 raise CheckpointError(
