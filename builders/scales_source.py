@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from cabinllm.calibration.calibrate import CalibrationRequest, calibrate
-from cabinllm.calibration.equalize import FIRST_TOKEN, equalized_ranges
+from cabinllm.calibration.equalize import FIRST_TOKEN, KeyGrouping, equalized_ranges
 from cabinllm.calibration.equalize import equalize as fold
 from cabinllm.calibration.quick_scales import SAMPLES_FILE, quick_kv_scales
 from cabinllm.runtime.errors import ScalesError
@@ -119,7 +119,8 @@ def equalized(found: ScalesFile, config: ModelConfig, weights: dict[str, torch.T
     folded in, and the scales that fit them."""
     new_weights, scales = fold(config, weights, found.ranges, first_token=found.data.get(FIRST_TOKEN))
     method = f"{found.method}+equalized"
-    save_scales(out, scales, found.fingerprint, method, found.data, equalized_ranges(found.ranges), equalized=True)
+    ranges = equalized_ranges(found.ranges, grouping=KeyGrouping.of(config))
+    save_scales(out, scales, found.fingerprint, method, found.data, ranges, equalized=True)
     return BuildScales(scales, new_weights, method, source, True)
 
 

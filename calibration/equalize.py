@@ -9,6 +9,12 @@ Attention is linear in V (``softmax(QK^T) V W_o``) and, per RoPE pair, in K
 - K pair (j, j + head_size/2) of KV head g: both ``k`` rows times ``b``, the same
   pair of ``q`` rows of every query head in group g divided by ``b``.
 
+Where RoPE rotates only the first ``rotary_dim`` channels (Phi-3), its pairs are (j, j + rotary_dim/2) and every
+other channel scales on its own. Where each k head passes an RMSNorm after the projection (``qk_layernorm``:
+Qwen3, Gemma 3), a factor in ``k`` rows would be normalized away: K factors go into the norm's weight, which
+every KV head shares, so they are one per channel (the largest range over the heads sets it) and the query
+norm's weight takes the inverse; the first token's K stays off the grid (a rotation is no norm weight).
+
 Factors bring every channel's calibrated range (its clip by the calibration
 method, else its abs-max) to the layer's geometric mean (within [1/MAX_FACTOR,
 MAX_FACTOR]), so the shared scale quantizes like a static per-channel scale. With full-precision KV the model's outputs do not change:
@@ -27,6 +33,8 @@ grid point no longer than it, onto that point, the ``dense`` columns by the inve
 from __future__ import annotations
 
 import torch
+
+from dataclasses import dataclass
 
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import ModelConfig, layer_prefix
@@ -47,20 +55,40 @@ def calibrated_ranges(ranges: LayerRanges) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(k, dtype=torch.float64), torch.tensor(v, dtype=torch.float64)
 
 
-def rope_pair_max(k_range: torch.Tensor) -> torch.Tensor:
-    """(kv_heads, head_size / 2): the larger range of each RoPE pair (j, j + head_size / 2) of K."""
-    half = k_range.shape[1] // 2
-    return torch.maximum(k_range[:, :half], k_range[:, half:])
+@dataclass(frozen=True)
+class KeyGrouping:
+    """Which K channels must share a factor: RoPE pairs within the first ``rotated`` channels (None: all), and
+    every KV head alike where ``shared_heads`` (a k norm's weight after the projection)."""
+
+    rotated: int | None = None
+    shared_heads: bool = False
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> "KeyGrouping":
+        """The grouping of a model's keys."""
+        return cls(config.rotary_dim, config.qk_layernorm)
 
 
-def equalization_factors(ranges: LayerRanges, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V factors of one layer, each (kv_heads, head_size) float64; K factors are equal within a RoPE pair.
+def rope_pair_max(k_range: torch.Tensor, grouping: KeyGrouping = KeyGrouping()) -> torch.Tensor:
+    """(kv_heads, head_size): each K channel's range raised to the largest of the channels it shares a factor with
+    (its RoPE pair (j, j + rotated / 2), and the same channel of every KV head where they share one)."""
+    d = k_range.shape[1]
+    half = (grouping.rotated or d) // 2
+    pair = torch.maximum(k_range[:, :half], k_range[:, half:2 * half])
+    out = torch.cat([pair, pair, k_range[:, 2 * half:]], dim=1)
+    return out.amax(0, keepdim=True).expand_as(out).clone() if grouping.shared_heads else out
+
+
+def equalization_factors(ranges: LayerRanges, power_of_two: bool = False,
+                         grouping: KeyGrouping = KeyGrouping()) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V factors of one layer, each (kv_heads, head_size) float64; K factors are equal within what
+    ``grouping`` shares.
 
     ``power_of_two`` rounds each factor to the nearest power of two, so folding it changes no bit of the outputs.
     """
     k_range, v_range = calibrated_ranges(ranges)
-    pair_range = rope_pair_max(k_range)
-    measured = torch.cat([pair_range.flatten(), v_range.flatten()])
+    k_shared = rope_pair_max(k_range, grouping)
+    measured = torch.cat([k_shared.flatten(), v_range.flatten()])
     measured = measured[measured > 0]
     if measured.numel() == 0:
         raise ConfigError("a layer has no non-zero K/V range; calibrate on real dialogues before equalizing")
@@ -71,15 +99,15 @@ def equalization_factors(ranges: LayerRanges, power_of_two: bool = False) -> tup
         f = (target / safe).clamp(1 / MAX_FACTOR, MAX_FACTOR)
         return 2.0 ** f.log2().round() if power_of_two else f
 
-    k_factor = factor(pair_range)
-    return torch.cat([k_factor, k_factor], dim=1), factor(v_range)
+    return factor(k_shared), factor(v_range)
 
 
-def equalized_ranges(ranges: list[LayerRanges], power_of_two: bool = False) -> list[LayerRanges]:
+def equalized_ranges(ranges: list[LayerRanges], power_of_two: bool = False,
+                     grouping: KeyGrouping = KeyGrouping()) -> list[LayerRanges]:
     """The channel abs-max and clips each layer will have once its equalization factors are folded in."""
     out = []
     for layer in ranges:
-        k_factor, v_factor = equalization_factors(layer, power_of_two)
+        k_factor, v_factor = equalization_factors(layer, power_of_two, grouping)
         k_clip, v_clip = calibrated_ranges(layer)
         k = torch.tensor(layer.k_channel_amax, dtype=torch.float64) * k_factor
         v = torch.tensor(layer.v_channel_amax, dtype=torch.float64) * v_factor
@@ -106,16 +134,21 @@ def equalize(config: ModelConfig, weights: dict[str, torch.Tensor], ranges: list
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_size
     group = heads // kv_heads
     q_out, kv_out = heads * d, kv_heads * d
-    out = dict(weights)
-    new_ranges = equalized_ranges(ranges, power_of_two)
+    out, grouping = dict(weights), KeyGrouping.of(config)
+    new_ranges = equalized_ranges(ranges, power_of_two, grouping)
     for layer, layer_ranges in enumerate(ranges):
-        k_factor, v_factor = equalization_factors(layer_ranges, power_of_two)
+        k_factor, v_factor = equalization_factors(layer_ranges, power_of_two, grouping)
         if tuple(k_factor.shape) != (kv_heads, d):
             raise ConfigError(f"layer {layer}: ranges have shape {list(k_factor.shape)}, the model needs "
                              f"[{kv_heads}, {d}]; calibrate this model again")
+        p = layer_prefix(layer)
+        if grouping.shared_heads:  # the k norm's weight takes the factors, the q norm's their inverse
+            for name, f in ((f"{p}.attention.k_layernorm.weight", k_factor[0]),
+                            (f"{p}.attention.q_layernorm.weight", 1 / k_factor[0])):
+                out[name] = (out[name].double() * f).to(out[name].dtype)
+            k_factor = torch.ones_like(k_factor)
         q_factor = (1 / k_factor).repeat_interleave(group, dim=0).flatten()  # query head h is in group h // group
         row_factor = torch.cat([q_factor, k_factor.flatten(), v_factor.flatten()])
-        p = layer_prefix(layer)
         rows = out[f"{p}.attention.qkv.weight"].shape[0]
         if rows != q_out + 2 * kv_out:
             raise ValueError(f"layer {layer}: qkv has {rows} rows, expected {q_out + 2 * kv_out}")
@@ -181,12 +214,13 @@ def grid_rotation(v_steps: torch.Tensor) -> torch.Tensor:
 
 
 def _mix_pairs(rows: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Rows (head_size, ...) of one head with each RoPE pair (j, j + head_size / 2) multiplied by c[j] (complex)."""
-    half = rows.shape[0] // 2
+    """Rows (head_size, ...) of one head with each RoPE pair (j, j + half) multiplied by c[j] (complex), half =
+    len(c); rows past the rotated channels pass."""
+    half = len(c)
     shape = (-1,) + (1,) * (rows.dim() - 1)
     re, im = c.real.view(shape), c.imag.view(shape)
-    first, second = rows[:half], rows[half:]
-    return torch.cat([re * first - im * second, im * first + re * second])
+    first, second = rows[:half], rows[half:2 * half]
+    return torch.cat([re * first - im * second, im * first + re * second, rows[2 * half:]])
 
 
 def align_first_token(config: ModelConfig, weights: dict[str, torch.Tensor], shared: list[float],
@@ -195,9 +229,11 @@ def align_first_token(config: ModelConfig, weights: dict[str, torch.Tensor], sha
     ``shared`` scale (exact under int8 with those scales); full-precision outputs do not change."""
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_size
     group = heads // kv_heads
-    out = dict(weights)
+    out, rotated = dict(weights), config.rotated_channels
     for layer, (k, v) in enumerate(first_token_kv(config, weights, token)):
-        multipliers = pair_multipliers(k / shared[layer])
+        multipliers = pair_multipliers(k[:, :rotated] / shared[layer])
+        if config.qk_layernorm:
+            multipliers = torch.ones_like(multipliers)
         rotations = [grid_rotation(v[g] / shared[layer]) for g in range(kv_heads)]
         p = layer_prefix(layer)
         for name in (f"{p}.attention.qkv.weight", f"{p}.attention.qkv.bias"):

@@ -40,8 +40,7 @@ def channel_steps(ranges: list[LayerRanges]) -> tuple[list[torch.Tensor], list[t
     k_steps, v_steps = [], []
     for layer in ranges:
         k, v = calibrated_ranges(layer)
-        pair = rope_pair_max(k)
-        k_steps.append((torch.cat([pair, pair], dim=1) / INT8_MAX).float())
+        k_steps.append((rope_pair_max(k) / INT8_MAX).float())
         v_steps.append((v / INT8_MAX).float())
     return k_steps, v_steps
 

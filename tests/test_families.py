@@ -1,0 +1,149 @@
+"""Qwen3, Gemma 3, Phi-3 (Phi-4-mini's family) and Llama 3.2 as transformers writes them: tiny random-weight models
+(shapes of transformers' own model testers) built by cabin-build into engines whose logits are transformers' own,
+whose dialogue reuse equals recomputing, and whose KV equalization leaves full-precision logits as they were."""
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from test_hf_folders import MESSAGES, WORDS, write_tokenizer
+
+from cabinllm.calibration.clips import compute_clips, layer_ranges
+from cabinllm.calibration.equalize import equalize
+from cabinllm.calibration.selection import prepare_dialogues
+from cabinllm.calibration.stats import collect_stats
+from cabinllm.cli import build as build_cli
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.formats.checkpoint import load_checkpoint
+from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
+from cabinllm.runtime.generation.generate import generate, run_tokens
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.model.transformer import Transformer
+
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 2048}
+# config class, model class and what each family adds; Gemma's window is shorter than the dialogues below
+FAMILIES = {
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24, "tie_word_embeddings": True}),
+    "Gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "rope_local_base_freq": 100.0,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+    "Phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        "partial_rotary_factor": 0.5, "tie_word_embeddings": True, "pad_token_id": 0,
+        "original_max_position_embeddings": 64,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.25, 1.5, 2.0],
+                         "long_factor": [2.0, 3.0, 5.0, 8.0]}}),
+    "Llama32": ("LlamaConfig", "LlamaForCausalLM", {
+        "tie_word_embeddings": True, "rope_scaling": {
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}}),
+}
+TURNS = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(6)]
+
+
+def write_family_folder(folder: Path, family: str, seed: int) -> torch.nn.Module:
+    """A tiny ``family`` model with random weights (norms around their identity), saved by ``save_pretrained``
+    beside a word-level tokenizer; returns the model (float32, eval mode)."""
+    import transformers
+
+    config_name, model_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(vocab_size=write_tokenizer(folder), **SHAPE, **extra)
+    model = getattr(transformers, model_name)(config).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    identity = 0.0 if family == "Gemma3" else 1.0  # Gemma's norms scale by 1 + weight
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2 + (identity if "norm" in name else 0.0))
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def built(request, tmp_path_factory) -> dict:
+    """One family's HF folder, its transformers model and its engine (cabin-build --kv-cache int8, float32)."""
+    root = tmp_path_factory.mktemp(request.param.lower())
+    folder, engine = root / "hf", root / "engine"
+    model = write_family_folder(folder, request.param, seed=list(FAMILIES).index(request.param))
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):
+        code = build_cli.main(["--model", str(folder), "--target", "cpu", "--kv-cache", "int8", "--dtype", "float32",
+                               "--output", str(engine)])
+    assert code == 0, log.getvalue()
+    return {"family": request.param, "model": model, "engine": Engine.load(engine)}
+
+
+def long_prompt(engine: Engine) -> list[int]:
+    """A chat prompt longer than Gemma's window and Phi's original context (64), every word in the vocabulary."""
+    messages = MESSAGES + [{"role": "user", "content": text} for text in TURNS]
+    ids = engine.tokenizer.encode_prompt(engine.tokenizer.render(messages))
+    assert len(ids) > 64 and 0 not in ids
+    return ids
+
+
+def test_logits_equal_transformers(built):
+    engine = built["engine"]
+    ids = long_prompt(engine)
+    if built["family"] == "Phi3":  # one forward call past the original context takes the long factors for all of
+        ids = ids[:64]  # its positions in transformers; per position here (the next test decodes past it)
+    with torch.no_grad():
+        theirs = built["model"](torch.tensor([ids])).logits[0]
+    ours = run_tokens(engine.model, ids, "fp32", all_logits=True).logits
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=0)
+    int8 = run_tokens(engine.model, ids, "int8", engine.scales, all_logits=True).logits  # the mode it was built for
+    assert (int8 - theirs).abs().max() < 0.15 * theirs.abs().max()
+
+
+def test_greedy_tokens_equal_transformers_decoding_with_its_cache(built):
+    """Token by token past Gemma's window and Phi's original context, each step on transformers' own KV cache.
+
+    (transformers' ``generate`` for Phi-3 instead drops its cache and recomputes the whole sequence with the long
+    factors once it passes the original context; a paged cache keeps each position's factors, as vLLM does.)"""
+    engine, model = built["engine"], built["model"]
+    ids = long_prompt(engine)[:60]
+    theirs, cache, step = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(12):
+            out = model(step, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            theirs.append(int(out.logits[0, -1].argmax()))
+            step = torch.tensor([[theirs[-1]]])
+    kv = engine.new_cache(engine.kv_cache_config("fp32", 4 << 20))
+    ours = generate(engine.model, kv, Sequence(), ids, SamplingParams(max_new_tokens=12), lambda t: "")
+    assert ours.token_ids == theirs
+
+
+def test_reuse_over_six_turns_equals_recomputing(built):
+    engine = built["engine"]
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=engine.stop_token_ids())
+    session = DialogueSession(engine, engine.new_cache(engine.kv_cache_config("fp32", 4 << 20, 8)), params,
+                              MESSAGES[0]["content"])
+    for text in TURNS:
+        turn = session.chat(text)
+        history = session.fed[: turn.reused_tokens + turn.prefill_tokens]
+        fresh = generate(engine.model, engine.new_cache(engine.kv_cache_config("fp32", 4 << 20, 8)), Sequence(),
+                         history, params, engine.tokenizer.decode_reply)
+        assert fresh.token_ids == turn.token_ids
+    assert turn.reused_tokens > 8  # the last turn reused more than Gemma's window
+
+
+def test_equalized_full_precision_logits_equal_the_original(built):
+    engine = built["engine"]
+    config, weights = load_checkpoint(engine.folder / CHECKPOINT_DIR)
+    train, _ = prepare_dialogues("builtin", "train", 4, 0, engine.tokenizer, max_tokens=96, min_tokens=32)
+    stats = collect_stats(engine.model, train, progress=False)
+    ranges = layer_ranges(stats, compute_clips(stats, "max"))
+    ids = long_prompt(engine)
+    reference = run_tokens(Transformer(config, weights), ids, "fp32", all_logits=True).logits
+    for first_token in (None, ids[0]):
+        eq_weights, scales = equalize(config, weights, ranges, first_token=first_token)
+        changed = [n for n in weights if not torch.equal(eq_weights[n], weights[n])]
+        assert changed  # the factors went somewhere
+        logits = run_tokens(Transformer(config, eq_weights), ids, "fp32", all_logits=True).logits
+        torch.testing.assert_close(logits, reference, atol=1e-3, rtol=0)
+        assert scales.k == pytest.approx(scales.v)  # every K and V channel now reaches the same range
