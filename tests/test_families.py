@@ -1,6 +1,11 @@
 """Qwen3, Gemma 3, Phi-3 (Phi-4-mini's family) and Llama 3.2 as transformers writes them: tiny random-weight models
-(shapes of transformers' own model testers) built by cabin-build into engines whose logits are transformers' own,
-whose dialogue reuse equals recomputing, and whose KV equalization leaves full-precision logits as they were."""
+built by cabin-build into engines whose logits are transformers' own, whose dialogue reuse equals recomputing, and
+whose KV equalization leaves full-precision logits as they were.
+
+The shapes are transformers' own testers' (CausalLMModelTester's defaults, tests/causal_lm_tester.py L86-103 at
+2b6c089d, which the Qwen3, Llama, Phi3 and Gemma3 testers keep), plus what each family's feature needs to show:
+Gemma 3 gets four layers alternating local and global with a window shorter than the dialogue, Phi-3 partial
+rotary and LongRoPE, Llama 3.2 tied embeddings and llama3 RoPE scaling. Random weights prove mechanics only."""
 from __future__ import annotations
 
 import contextlib
@@ -25,22 +30,22 @@ from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.model.transformer import Transformer
 
-SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_position_embeddings": 2048}
+SHAPE = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 512, "pad_token_id": 0}
 # config class, model class and what each family adds; Gemma's window is shorter than the dialogues below
 FAMILIES = {
-    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24, "tie_word_embeddings": True}),
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "hidden_act": "gelu"}),
     "Gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
         "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "rope_local_base_freq": 100.0,
-        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
         "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
     "Phi3": ("Phi3Config", "Phi3ForCausalLM", {
-        "partial_rotary_factor": 0.5, "tie_word_embeddings": True, "pad_token_id": 0,
+        "hidden_act": "gelu", "partial_rotary_factor": 0.5, "tie_word_embeddings": True,
         "original_max_position_embeddings": 64,
         "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.25, 1.5, 2.0],
                          "long_factor": [2.0, 3.0, 5.0, 8.0]}}),
     "Llama32": ("LlamaConfig", "LlamaForCausalLM", {
-        "tie_word_embeddings": True, "rope_scaling": {
+        "head_dim": 16, "hidden_act": "gelu", "tie_word_embeddings": True, "rope_scaling": {
             "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}}),
 }
@@ -53,7 +58,8 @@ def write_family_folder(folder: Path, family: str, seed: int) -> torch.nn.Module
     import transformers
 
     config_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(vocab_size=write_tokenizer(folder), **SHAPE, **extra)
+    assert write_tokenizer(folder) <= SHAPE["vocab_size"]
+    config = getattr(transformers, config_name)(**{**SHAPE, **extra})
     model = getattr(transformers, model_name)(config).float().eval()
     gen = torch.Generator().manual_seed(seed)
     identity = 0.0 if family == "Gemma3" else 1.0  # Gemma's norms scale by 1 + weight
@@ -147,3 +153,26 @@ def test_equalized_full_precision_logits_equal_the_original(built):
         logits = run_tokens(Transformer(config, eq_weights), ids, "fp32", all_logits=True).logits
         torch.testing.assert_close(logits, reference, atol=1e-3, rtol=0)
         assert scales.k == pytest.approx(scales.v)  # every K and V channel now reaches the same range
+
+
+def test_gemma3_vision_language_folder_imports_its_text_model(tmp_path):
+    """Gemma-3-4B and up are Gemma3ForConditionalGeneration: their text model imports (the vision tower is the
+    images' part), with the defaults the Hub's config.json leaves to transformers filled in."""
+    import transformers
+
+    from cabinllm.runtime.sources.model_source import load_model
+
+    assert write_tokenizer(tmp_path) <= SHAPE["vocab_size"]
+    text = {**SHAPE, **FAMILIES["Gemma3"][2]}
+    vision = dict(hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    model = transformers.Gemma3ForConditionalGeneration(
+        transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+    model.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.config.architecture == "Gemma3ForCausalLM" and loaded.config.sliding_window == 8
+    ids = list(range(1, 14)) * 2
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(run_tokens(loaded.transformer(), ids, "fp32", all_logits=True).logits, theirs,
+                               atol=1e-4, rtol=0)

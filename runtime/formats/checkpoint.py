@@ -21,7 +21,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "rank0.safetensors"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma3ForCausalLM", "Phi3ForCausalLM")
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's activation: Llama family, Gemma
+HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")  # the gated MLP's activation: Llama family, exact GELU, Gemma
 REBUILD = "rebuild the engine with cabin-build"
 _COUNT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "head_size", "intermediate_size", "max_position_embeddings")

@@ -46,6 +46,9 @@ from cabinllm.runtime.model.rope import apply_rope, rope_table
 from cabinllm.runtime.model.threads import CPU_THREADS
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
 @dataclass
 class Span:
     """New tokens of one sequence in a step: ``token_ids`` at positions [start_pos, start_pos + N)."""
@@ -90,7 +93,7 @@ class Transformer:
         # SDPA scales by 1 / sqrt(head_size); Gemma's query_pre_attn_scalar asks for another scale
         scalar = config.query_pre_attn_scalar
         self._query_scale = 1.0 if scalar is None else math.sqrt(config.head_size / scalar)
-        self._act = F.silu if config.hidden_act == "silu" else functools.partial(F.gelu, approximate="tanh")
+        self._act = ACTIVATIONS[config.hidden_act]
 
     @property
     def kv_layout(self) -> KVLayout:

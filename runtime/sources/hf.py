@@ -1,6 +1,7 @@
 """Open an HF model folder (config.json + *.safetensors, sharded or not) for import."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import torch
 
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.sources.hf_names import config_from_hf, source_names
-from cabinllm.runtime.sources.weight_plan import SourceModel, check_plan, weight_plan
+from cabinllm.runtime.sources.weight_plan import SourceModel, SourceNames, check_plan, weight_plan
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -37,6 +38,23 @@ def _weight_files(folder: Path) -> tuple[list[Path], str]:
     return files, str(files[0]) if len(files) == 1 else str(folder)
 
 
+# where a vision-language folder keeps its text model's "model." tensors: transformers 4 and 5
+TEXT_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+
+
+def _text_model_names(names: SourceNames, shapes: dict) -> SourceNames:
+    """``names`` as the folder has them: under a vision-language model's text-model prefix where it uses one (the
+    vision tower is not imported)."""
+    if names.embedding in shapes:
+        return names
+    for prefix in TEXT_MODEL_PREFIXES:
+        if names.embedding.replace("model.", prefix, 1) in shapes:
+            return dataclasses.replace(names, **{
+                f.name: getattr(names, f.name).replace("model.", prefix, 1) for f in dataclasses.fields(names)
+                if isinstance(getattr(names, f.name), str)})
+    return names
+
+
 def open_hf_folder(folder: Path) -> SourceModel:
     """Read config.json and the safetensors headers, check every needed tensor, and return a loader."""
     from safetensors import SafetensorError, safe_open
@@ -57,7 +75,7 @@ def open_hf_folder(folder: Path) -> SourceModel:
             raise CheckpointError(
                 f"{path}: unreadable safetensors file ({err}); it may be truncated, download it again"
             ) from err
-    plan = weight_plan(config, source_names(config.architecture))
+    plan = weight_plan(config, _text_model_names(source_names(config.architecture), shapes))
     check_plan(plan, shapes, source)
 
     def load(name: str) -> torch.Tensor:

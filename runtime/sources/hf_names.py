@@ -86,6 +86,19 @@ def _gemma3_fields(data: dict, source: str) -> dict:
         final_logit_softcapping=data.get("final_logit_softcapping"))
 
 
+GEMMA3_VLM = "Gemma3ForConditionalGeneration"
+
+
+def _gemma3_text(data: dict) -> dict:
+    """A Gemma 3 config with transformers' Gemma3TextConfig defaults filled in (the Hub's files leave heads,
+    vocabulary, context and scales to them); of a Gemma3ForConditionalGeneration, its text model's."""
+    import transformers
+
+    text = data.get("text_config") or {} if data["architectures"][0] == GEMMA3_VLM else data
+    known = {k: v for k, v in text.items() if k not in ("architectures", "model_type")}
+    return {**transformers.Gemma3TextConfig(**known).to_dict(), "architectures": ["Gemma3ForCausalLM"]}
+
+
 def _family_fields(architecture: str, data: dict, source: str) -> dict:
     """The ModelConfig fields an architecture adds to Llama's."""
     if architecture == "Qwen3ForCausalLM":
@@ -113,6 +126,8 @@ def _check_window(architecture: str, data: dict, source: str) -> None:
 def config_from_hf(data: dict, source: str) -> ModelConfig:
     """A ModelConfig from an HF ``config.json`` dict; ``source`` names the file in errors."""
     architecture = (data.get("architectures") or [None])[0]
+    if architecture in ("Gemma3ForCausalLM", GEMMA3_VLM):
+        data, architecture = _gemma3_text(data), "Gemma3ForCausalLM"
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             f"{source}: unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
