@@ -5,7 +5,11 @@ The graphs are written node by node with ``onnx.helper`` from the reference engi
 shape is static and every op is a chosen standard one: RMSNorm as Pow/ReduceMean/Sqrt/Div, RoPE as
 Gather of cos/sin rows + rotate-half, grouped-query attention as 5-D MatMuls over the window and over the new
 tokens apart (no K/V repeated, the window never copied), SiLU as
-Sigmoid * x. INT8 KV is QDQ with the engine's calibrated static scale of each layer (one for K and V, as
+Sigmoid * x. The families beyond Llama take the same ops: q/k norms (Qwen3, Gemma 3) as RMSNorm of each head,
+partial rotary (Phi-3) as RoPE of a Slice of each head, Gemma 3's tanh-GELU and logit softcap through Sigmoid
+(0.5 * (1 + tanh(z)) = Sigmoid(2z); the npu allow-list has no Tanh), and its local layers' window as a mask the
+graph adds from ``position_ids`` (LongRoPE needs nothing more: its cos/sin rows are per position). INT8 KV
+is QDQ with the engine's calibrated static scale of each layer (one for K and V, as
 TensorRT-LLM stores it): the past window comes in as codes and is dequantized; the new tokens' K/V are
 clamped to +-127 steps, quantized (the graph's outputs) and dequantized again for their own attention, so
 the graph sees exactly what the paged cache stores. Linear layers keep the engine's weight format where the
@@ -32,12 +36,14 @@ from cabinllm.runtime.errors import CheckpointError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text, staging_folder
 from cabinllm.runtime.formats.engine_folder import (CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE, EngineFolder,
                                                     read_manifest)
-from cabinllm.runtime.formats.onnx_folder import (ONNX_FORMAT, PROMPT_GRAPH, TOKEN_GRAPH, TOKENIZER_DIR, WEIGHTS_FILE,
-                                                  KvGraphType, graph_metadata, new_key, new_value, past_key, past_value)
+from cabinllm.runtime.formats.onnx_folder import (MASKED, ONNX_FORMAT, PROMPT_GRAPH, TOKEN_GRAPH, TOKENIZER_DIR,
+                                                  WEIGHTS_FILE, KvGraphType, graph_metadata, new_key, new_value,
+                                                  past_key, past_value)
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kv.modes import ONNX_KV_MODES, kv_mode
 from cabinllm.runtime.kv.quant import INT8_MAX
 from cabinllm.runtime.model.linear import Int4AwqLinear, Int8Linear, Linear, Stacked, unpack_int4
+from cabinllm.runtime.model.rope import rope_table
 from cabinllm.runtime.model.transformer import Transformer
 from cabinllm.runtime.sources.tokenizer_export import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
@@ -254,7 +260,7 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
     """The ModelProto of ``tokens`` new tokens attending to a window of ``context`` past tokens."""
     import onnx
 
-    c = model.config
+    c, eps = model.config, model.config.norm_epsilon
     heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_size
     group, keys = heads // kv_heads, context + tokens
     g = _Graph(weights)
@@ -264,24 +270,35 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
               onnx.helper.make_tensor_value_info("attention_mask", onnx.TensorProto.FLOAT, [1, 1, tokens, keys])]
     outputs = [onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, tokens, c.vocab_size])]
     x = g.op("Gather", g.const("embedding", model.embedding.numpy()), "input_ids", axis=0)
-    cos = g.op("Unsqueeze", g.op("Gather", g.const("rope_cos", model.cos[:context].numpy()), "position_ids", axis=0),
-               g.ints(2))
-    sin = g.op("Unsqueeze", g.op("Gather", g.const("rope_sin", model.sin[:context].numpy()), "position_ids", axis=0),
-               g.ints(2))
+    if c.embedding_multiplier != 1.0:
+        x = g.op("Mul", x, g.scalar("embedding_multiplier", c.embedding_multiplier))
+    rope = _rope_rows(g, "rope", model.cos[:context], model.sin[:context])
+    if c.rope_local_base_freq is None:
+        local_rope = rope
+    else:  # Gemma 3's local layers: a table of their own base, unscaled
+        local_rope = _rope_rows(g, "rope_local", *rope_table(c.rotated_channels, context, c.rope_local_base_freq))
     mask = g.op("Unsqueeze", "attention_mask", g.ints(1))  # [1, 1, 1, T, keys]: every KV head, every group
-    q_scale = g.scalar("attention_scale", 1.0 / math.sqrt(d))
+    local_mask = mask if c.sliding_window is None else _window_mask(g, mask, context, c.sliding_window)
+    scalar = d if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar  # Gemma's, else the head size
+    q_scale = g.scalar("attention_scale", 1.0 / math.sqrt(scalar))
     for index, layer in enumerate(model.layers):
         inputs.append(onnx.helper.make_tensor_value_info(past_key(index), kv_elem, [1, kv_heads, d, context]))
         inputs.append(onnx.helper.make_tensor_value_info(past_value(index), kv_elem, [1, kv_heads, context, d]))
         for name in (new_key(index), new_value(index)):
             outputs.append(onnx.helper.make_tensor_value_info(name, kv_elem, [1, tokens, kv_heads, d]))
         p = f"layers.{index}"
-        h = _rms_norm(g, x, g.const(f"{p}.input_norm", layer["input_norm"].numpy()), c.norm_epsilon)
+        local = c.layer_window(index) is not None
+        cos, sin = local_rope if local else rope
+        h = _layer_norm(g, x, layer, p, "input_norm", eps)
         qkv = _linear(g, h, f"{p}.qkv", layer["qkv"])
         if "qkv_bias" in layer:
             qkv = g.op("Add", qkv, g.const(f"{p}.qkv_bias", layer["qkv_bias"].numpy()))
         qk, v = g.op("Split", qkv, g.ints((heads + kv_heads) * d, kv_heads * d), axis=-1, outputs=2)
-        qk = _rope(g, g.op("Reshape", qk, g.ints(1, tokens, heads + kv_heads, d)), cos, sin, d)
+        qk = g.op("Reshape", qk, g.ints(1, tokens, heads + kv_heads, d))
+        if c.qk_layernorm:  # each q head by q_norm, each k head by k_norm: one norm of (heads + kv_heads, d) rows
+            rows = torch.cat([layer["q_norm"].expand(heads, d), layer["k_norm"].expand(kv_heads, d)])
+            qk = _rms_norm(g, qk, g.const(f"{p}.qk_norm", rows.numpy()), eps)
+        qk = _rope(g, qk, cos, sin, d, c.rotated_channels)
         q, k = g.op("Split", qk, g.ints(heads, kv_heads), axis=2, outputs=2)
         v = g.op("Reshape", v, g.ints(1, tokens, kv_heads, d))
         new_k, past_k = _kv_io(g, k, past_key(index), new_key(index), kv, index)
@@ -292,19 +309,27 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
         scores = g.op("Concat", g.op("MatMul", q, g.op("Unsqueeze", past_k, g.ints(2))),
                       g.op("MatMul", q, g.op("Unsqueeze", g.op("Transpose", new_k, perm=[0, 2, 3, 1]), g.ints(2))),
                       axis=-1)
-        probs = g.op("Softmax", g.op("Add", scores, mask), axis=-1)
+        probs = g.op("Softmax", g.op("Add", scores, local_mask if local else mask), axis=-1)
         p_past, p_new = g.op("Split", probs, g.ints(context, tokens), axis=-1, outputs=2)
         out = g.op("Add", g.op("MatMul", p_past, g.op("Unsqueeze", past_v, g.ints(2))),
                    g.op("MatMul", p_new, g.op("Unsqueeze", g.op("Transpose", new_v, perm=[0, 2, 1, 3]), g.ints(2))))
         attn = g.op("Reshape", g.op("Transpose", out, perm=[0, 3, 1, 2, 4]), g.ints(1, tokens, heads * d))
-        x = g.op("Add", x, _linear(g, attn, f"{p}.dense", layer["dense"]))
-        h = _rms_norm(g, x, g.const(f"{p}.post_norm", layer["post_norm"].numpy()), c.norm_epsilon)
+        attn = _linear(g, attn, f"{p}.dense", layer["dense"])
+        if c.inter_layernorms:  # Gemma: post_norm normalizes the attention output, two more the MLP's
+            x = g.op("Add", x, _layer_norm(g, attn, layer, p, "post_norm", eps))
+            h = _layer_norm(g, x, layer, p, "pre_ff_norm", eps)
+        else:
+            x = g.op("Add", x, attn)
+            h = _layer_norm(g, x, layer, p, "post_norm", eps)
         fc, gate = g.op("Split", _linear(g, h, f"{p}.fc_gate", layer["fc_gate"]),
                         g.ints(c.intermediate_size, c.intermediate_size), axis=-1, outputs=2)
-        act = g.op("Mul", g.op("Mul", fc, g.op("Sigmoid", fc)), gate)
-        x = g.op("Add", x, _linear(g, act, f"{p}.proj", layer["proj"]))
-    h = _rms_norm(g, x, g.const("final_norm", model.final_norm.numpy()), c.norm_epsilon)
-    g.op("MatMul", h, g.const("lm_head", _weight(model.lm_head)), name="logits")
+        mlp = _linear(g, g.op("Mul", _activation(g, fc, c.hidden_act), gate), f"{p}.proj", layer["proj"])
+        x = g.op("Add", x, _layer_norm(g, mlp, layer, p, "post_ff_norm", eps) if c.inter_layernorms else mlp)
+    h = _rms_norm(g, x, g.const("final_norm", model.final_norm.numpy()), eps)
+    cap = c.final_logit_softcapping
+    logits = g.op("MatMul", h, g.const("lm_head", _weight(model.lm_head)), name="logits" if cap is None else None)
+    if cap is not None:
+        _softcap(g, logits, cap, "logits")
     graph = onnx.helper.make_graph(g.nodes, f"cabin_{tokens}_over_{context}", inputs, outputs,
                                    list(g.initializers.values()))
     opsets = [onnx.helper.make_opsetid("", opset)]
@@ -320,13 +345,57 @@ def _rms_norm(g: _Graph, x: str, weight: str, eps: float) -> str:
     return g.op("Mul", g.op("Div", x, root), weight)
 
 
-def _rope(g: _Graph, x: str, cos: str, sin: str, d: int) -> str:
-    """GPT-NeoX rotary embedding of x [1, T, heads, d] with cos/sin [1, T, 1, d]."""
+def _layer_norm(g: _Graph, x: str, layer: dict, prefix: str, key: str, eps: float) -> str:
+    """RMSNorm of x by the layer's norm weight ``key``, the constant ``{prefix}.{key}``."""
+    return _rms_norm(g, x, g.const(f"{prefix}.{key}", layer[key].numpy()), eps)
+
+
+def _rope_rows(g: _Graph, name: str, cos: torch.Tensor, sin: torch.Tensor) -> tuple[str, str]:
+    """The cos/sin rows [1, T, 1, rotated channels] of ``position_ids`` from tables (positions, rotated channels)."""
+    return tuple(g.op("Unsqueeze", g.op("Gather", g.const(f"{name}_{part}", table.numpy()), "position_ids", axis=0),
+                      g.ints(2)) for part, table in (("cos", cos), ("sin", sin)))
+
+
+def _rope(g: _Graph, x: str, cos: str, sin: str, d: int, rotary: int) -> str:
+    """GPT-NeoX rotary embedding of the first ``rotary`` channels of x [1, T, heads, d] with cos/sin
+    [1, T, 1, rotary]; the other channels pass."""
+    if rotary < d:
+        rotated = _rope(g, g.op("Slice", x, g.ints(0), g.ints(rotary), g.ints(3)), cos, sin, rotary, rotary)
+        return g.op("Concat", rotated, g.op("Slice", x, g.ints(rotary), g.ints(d), g.ints(3)), axis=3)
     half = d // 2
     first = g.op("Slice", x, g.ints(0), g.ints(half), g.ints(3))
     second = g.op("Slice", x, g.ints(half), g.ints(d), g.ints(3))
     rotated = g.op("Concat", g.op("Neg", second), first, axis=3)
     return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+
+
+def _window_mask(g: _Graph, mask: str, context: int, window: int) -> str:
+    """``mask`` [1, 1, 1, T, keys] of a local layer: MASKED added where a key lies ``window`` or more positions
+    before its query (the window's slot j holds position j, the new tokens are at ``position_ids``)."""
+    queries = g.op("Cast", "position_ids", to=g.onnx.TensorProto.FLOAT)  # [1, T]
+    keys = g.op("Concat", g.const("window_positions", np.arange(context, dtype=np.float32)[None]), queries, axis=-1)
+    behind = g.op("Add", g.op("Unsqueeze", queries, g.ints(2)), g.op("Neg", g.op("Unsqueeze", keys, g.ints(1))))
+    # query - key - (window - 1), clipped to [0, 1]: 1 outside the window, 0 inside (integers, so exactly)
+    outside = g.op("Clip", g.op("Add", behind, g.scalar(f"window_{window}", 1.0 - window)), g.scalar("zero", 0.0),
+                   g.scalar("one", 1.0))
+    return g.op("Add", mask, g.op("Mul", outside, g.scalar("masked", MASKED)))
+
+
+def _activation(g: _Graph, x: str, act: str) -> str:
+    """The MLP's activation of its fc branch: SiLU as x * Sigmoid(x); tanh-approximate GELU as
+    x * Sigmoid(2 * sqrt(2 / pi) * (x + 0.044715 * x^3)), which is 0.5 * x * (1 + tanh(...))."""
+    if act == "silu":
+        return g.op("Mul", x, g.op("Sigmoid", x))
+    cube = g.op("Mul", x, g.op("Mul", x, x))
+    inner = g.op("Add", x, g.op("Mul", cube, g.scalar("gelu_cube", 0.044715)))
+    return g.op("Mul", x, g.op("Sigmoid", g.op("Mul", inner, g.scalar("gelu_scale", 2.0 * math.sqrt(2.0 / math.pi)))))
+
+
+def _softcap(g: _Graph, x: str, cap: float, name: str) -> str:
+    """cap * tanh(x / cap) as the output ``name``, in the form 2 * cap * Sigmoid(2 * x / cap) - cap."""
+    squashed = g.op("Sigmoid", g.op("Mul", x, g.scalar("softcap_in", 2.0 / cap)))
+    return g.op("Add", g.op("Mul", squashed, g.scalar("softcap_out", 2.0 * cap)), g.scalar("softcap_shift", -cap),
+                name=name)
 
 
 def _kv_io(g: _Graph, new: str, past: str, out: str, kv: KvGraphType, layer: int) -> tuple[str, str]:

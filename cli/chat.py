@@ -96,7 +96,8 @@ def session_request(args: argparse.Namespace, system: str | None) -> SessionRequ
     """The session cabin-chat's flags ask for."""
     return SessionRequest(args.engine, kv_budget_bytes(args.kv_budget_mb), sampling_params(args), system,
                           OverflowPolicy(args.overflow), args.kv_cache, args.tokens_per_block, args.backend,
-                          args.ort_provider, args.restore, chat_tools(args), args.tool_choice)
+                          args.ort_provider, args.restore, chat_tools(args), args.tool_choice,
+                          max(args.choices, args.beam_width))
 
 
 def open_chat_session(args: argparse.Namespace, system: str | None) -> Session:

@@ -95,7 +95,7 @@ def build(args: argparse.Namespace) -> FastAPI:
     budget = kv_budget_bytes(args.kv_budget_mb)
     use_threads(args)
     engine = Engine.load(args.engine)
-    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, budget, args.tokens_per_block))
+    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, budget, args.tokens_per_block), args.max_sessions)
     scheduler = Scheduler(engine, cache, SchedulerConfig(args.max_sessions, args.max_queue, args.prefill_chunk,
                                                          args.queue_timeout))
     config = ServeConfig(args.model_name or Path(args.engine).resolve().name, OverflowPolicy(args.overflow),

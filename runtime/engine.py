@@ -82,10 +82,11 @@ class Engine:
         lacks, e.g. fp8, falls back to fp16)."""
         return kv_cache_config(self.manifest, kv_mode or self.default_kv_mode, max_bytes, tokens_per_block)
 
-    def new_cache(self, config: KvCacheConfig | None = None) -> PagedKVCache:
-        """A fresh paged KV cache for this engine (default: ``kv_cache_config()``)."""
+    def new_cache(self, config: KvCacheConfig | None = None, max_sequences: int = 1) -> PagedKVCache:
+        """A fresh paged KV cache for this engine (default: ``kv_cache_config()``); ``max_sequences``: the live
+        sequences whose windows a model with sliding-window layers holds at once."""
         config = config or self.kv_cache_config()
         if config.mode.static_scales and self.scales is None:
             raise CheckpointError(f"{self.folder}: KV mode {config.kv_mode} needs {SCALES_FILE}; rebuild with "
                                   "cabin-build")
-        return PagedKVCache(self.model.kv_layout, config, self.scales)
+        return PagedKVCache(self.model.kv_layout, config, self.scales, max_sequences=max_sequences)

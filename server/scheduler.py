@@ -226,7 +226,7 @@ class Scheduler:
             running.request.error = f"{type(error).__name__}: {error}"
             if running in self._running:  # a leader's finish ends its followers that have not forked yet
                 self._finish(running, "error")
-        self.cache = self.engine.new_cache(self.cache.config)
+        self.cache = self.engine.new_cache(self.cache.config, self.cache.max_sequences)
         with self._lock:
             self._cache_stats = self.cache.stats()
 

@@ -27,7 +27,7 @@ from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.generation.generate import generate, run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams
-from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.runtime.model.transformer import Transformer
 
 SHAPE = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
@@ -176,3 +176,56 @@ def test_gemma3_vision_language_folder_imports_its_text_model(tmp_path):
         theirs = model(input_ids=torch.tensor([ids])).logits[0]
     torch.testing.assert_close(run_tokens(loaded.transformer(), ids, "fp32", all_logits=True).logits, theirs,
                                atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def gemma_512(tmp_path_factory) -> dict:
+    """A tiny Gemma 3 whose local layers attend over 512 tokens, its engine (fp32 weights) and its model."""
+    import transformers
+
+    folder, engine = tmp_path_factory.mktemp("gemma512") / "hf", tmp_path_factory.mktemp("gemma512") / "engine"
+    assert write_tokenizer(folder) <= SHAPE["vocab_size"]
+    config = transformers.Gemma3TextConfig(**{**SHAPE, **FAMILIES["Gemma3"][2], "sliding_window": 512,
+                                              "max_position_embeddings": 8192})
+    model = transformers.Gemma3ForCausalLM(config).float().eval()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    model.save_pretrained(folder)
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):
+        code = build_cli.main(["--model", str(folder), "--target", "cpu", "--kv-cache", "fp32", "--dtype", "float32",
+                               "--output", str(engine)])
+    assert code == 0, log.getvalue()
+    return {"model": model, "engine": Engine.load(engine)}
+
+
+def test_gemma3_local_layers_hold_the_window_over_4000_tokens(gemma_512):
+    """Over a 4,000-token dialogue the blocks hold the global layers' tokens and the window pool only the local
+    layers' last 512 (block-rounded), and every reply equals transformers' greedy one on the same conversation."""
+    engine, model = gemma_512["engine"], gemma_512["model"]
+    cache = engine.new_cache(engine.kv_cache_config("fp32", 8 << 20, 32))
+    layout, plan = cache.layout, cache.storage.plan
+    per_layer = 2 * layout.channels * 4  # fp32 K and V of one token in one layer
+    assert len(plan.global_layers) == 2 and len(plan.local_layers) == 2
+    assert cache.bytes_per_token() == len(plan.global_layers) * per_layer
+    params = SamplingParams(max_new_tokens=6)
+    session = DialogueSession(engine, cache, params, MESSAGES[0]["content"])
+    turn = 0
+    while len(session.fed) < 4000:
+        reply = session.chat(" ".join(TURNS[turn % len(TURNS)] for _ in range(8)))
+        turn += 1
+        tokens = len(session.seq)
+        stats = cache.stats()
+        window_used = stats.bytes_used - stats.blocks_in_use * cache.bytes_per_block
+        assert stats.blocks_in_use == cdiv(tokens, 32)  # the global layers: every token
+        assert window_used <= len(plan.local_layers) * (512 + 32) * per_layer  # the local ones: the window
+        if turn % 10 == 1 or len(session.fed) >= 4000:  # transformers' greedy reply to the same prompt
+            prompt = session.fed[: reply.reused_tokens + reply.prefill_tokens]
+            with torch.no_grad():
+                theirs = model.generate(torch.tensor([prompt]), max_new_tokens=len(reply.token_ids), do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            assert reply.token_ids == theirs, turn
+    full = len(session.seq) * layout.num_layers * per_layer
+    assert stats.bytes_used < 0.65 * full  # two of four layers at the window instead of 4,000 tokens

@@ -90,11 +90,14 @@ class OrtModel:
         if cache is self.window_cache and self.window_tokens[:start] == seq.token_ids[:start] \
                 and len(self.window_tokens) >= start:
             return
-        block_table = cache.block_table(seq)
+        block_table, tpb = cache.block_table(seq), cache.tokens_per_block
         for layer in range(self.config.num_hidden_layers):
-            stored = cache.storage.stored_kv(layer, block_table, start)
-            k, v = (self._to_graph(gather(pool, block_table, start).numpy()) for pool in (stored.k, stored.v))
-            self._set_window(layer, 0, k, v)
+            first = cache.storage.kept_from(layer, start)  # a local layer's older K/V: masked by its graph
+            table = block_table[first // tpb:]
+            stored = cache.storage.stored_kv(layer, table, start - first)
+            k, v = (self._to_graph(gather(pool, stored.block_table, start - first).numpy())
+                    for pool in (stored.k, stored.v))
+            self._set_window(layer, first, k, v)
         self.window_cache, self.window_tokens = cache, list(seq.token_ids[:start])
 
     def logits_over(self, cache: PagedKVCache, seq: Sequence) -> torch.Tensor:
@@ -126,6 +129,7 @@ class OrtModel:
         cache; their logits (n, vocab)."""
         n = len(piece)
         logits, kv = self._call(graph, piece, start)
+        cache.storage.prepare(seq, start, start + n)
         slots = cache.slots(seq, start, start + n)
         for layer in range(self.config.num_hidden_layers):
             k, v = kv[2 * layer][0, :n], kv[2 * layer + 1][0, :n]

@@ -40,6 +40,7 @@ class SessionRequest:
     restore: Path | None = None  # a session file to continue (reference and onnxruntime backends)
     tools: tuple[Tool, ...] = ()  # functions the replies may call (reference and onnxruntime backends)
     tool_choice: str = "auto"  # how: auto, required, none or one tool's name
+    max_sequences: int = 1  # sequences a turn runs at once (choices, beams): the windows a sliding-window model keeps
 
     def __post_init__(self) -> None:
         """Folders given as text become paths."""
@@ -81,7 +82,8 @@ def _open_onnxruntime(request: SessionRequest) -> Session:
 
 def _open_dialogue(request: SessionRequest, engine: Engine) -> DialogueSession:
     """A session on our paged cache (restored when asked) for an engine whose model runs anywhere."""
-    cache = engine.new_cache(engine.kv_cache_config(request.kv_mode, request.budget_bytes, request.tokens_per_block))
+    cache = engine.new_cache(engine.kv_cache_config(request.kv_mode, request.budget_bytes, request.tokens_per_block),
+                             request.max_sequences)
     if request.restore:
         return DialogueSession.restore(request.restore, engine, cache)
     params = dataclasses.replace(request.params, stop_token_ids=engine.stop_token_ids())

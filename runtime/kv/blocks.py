@@ -16,6 +16,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from cabinllm.runtime.errors import OutOfBlocks
 
@@ -82,8 +83,9 @@ class BlockManager:
 
     # -- sequences ---------------------------------------------------------
 
-    def allocate(self, seq: Sequence, token_ids: list[int]) -> int:
-        """Fill an empty sequence with ``token_ids``; return how many leading tokens already have cached KV."""
+    def allocate(self, seq: Sequence, token_ids: list[int], reusable: Callable[[list[int]], int] | None = None) -> int:
+        """Fill an empty sequence with ``token_ids``; return how many leading tokens already have cached KV
+        (``reusable`` says how many of the cached leading blocks the storage can still serve)."""
         if seq:
             raise ValueError(f"the sequence already holds {len(seq)} tokens; free it first")
         if not token_ids:
@@ -92,6 +94,7 @@ class BlockManager:
         bs = self.block_size
         hashes = self._full_block_hashes(b"", token_ids, 0)
         hits = self._prefix_hits(hashes, len(token_ids))
+        hits = hits[:reusable(hits)] if reusable else hits
         num_new = cdiv(len(token_ids), bs) - len(hits)
         available = self.num_free_blocks() - sum(self._blocks[b].ref_count == 0 for b in hits)
         self._check_available(num_new, available)
@@ -161,12 +164,19 @@ class BlockManager:
         bs = self.block_size
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def blocks_to_admit(self, token_ids: list[int], reserve_tokens: int) -> tuple[int, int]:
+    def blocks_to_admit(self, token_ids: list[int], reserve_tokens: int,
+                        reusable: Callable[[list[int]], int] | None = None) -> tuple[int, int]:
         """For a new sequence of ``token_ids`` that may grow by ``reserve_tokens``: the free or evictable blocks
         it would take (new blocks plus reused cached ones that leave the LRU) and the tokens reused."""
         hits = self._prefix_hits(self._full_block_hashes(b"", token_ids, 0), len(token_ids))
+        hits = hits[:reusable(hits)] if reusable else hits
         new = cdiv(len(token_ids) + reserve_tokens, self.block_size) - len(hits)
         return new + sum(self._blocks[b].ref_count == 0 for b in hits), len(hits) * self.block_size
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences allocated (or forked) and not freed."""
+        return len(self._seqs)
 
     def num_free_blocks(self) -> int:
         """Blocks available for new tokens: free plus evictable cached ones."""

@@ -8,7 +8,7 @@ session, the server's admission) asks the cache's capacity queries, never the bl
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -17,6 +17,7 @@ from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kv.blocks import BlockManager, Sequence, cdiv
 from cabinllm.runtime.kv.modes import KVMode, kv_mode
 from cabinllm.runtime.kv.storage import KVLayout
+from cabinllm.runtime.kv.window import WindowedStorage, WindowPlan
 
 DEFAULT_TOKENS_PER_BLOCK = 32  # the reference engine's default; a target's profile has its own
 
@@ -49,25 +50,42 @@ class KvCacheConfig:
         return kv_mode(self.kv_mode)
 
     def bytes_per_token(self, layout: KVLayout) -> int:
-        """Bytes one token takes in the blocks."""
-        return self.mode.bytes_per_token(layout, self.tokens_per_block)
+        """Bytes one token takes in the blocks (the global layers' where some layers have a window)."""
+        return pool_bytes(self.mode, layout, self.tokens_per_block)[0]
 
-    def max_tokens(self, layout: KVLayout) -> int:
+    def reserved_bytes(self, layout: KVLayout, max_sequences: int = 1) -> int:
+        """Bytes held outside the blocks: int4's fp16 window, the sliding-window layers' pool for
+        ``max_sequences`` sequences."""
+        return pool_bytes(self.mode, layout, self.tokens_per_block, max_sequences)[1]
+
+    def max_tokens(self, layout: KVLayout, max_sequences: int = 1) -> int:
         """Tokens the budget holds (TensorRT-LLM's ``max_tokens``)."""
-        return self.max_bytes // self.bytes_per_token(layout)
+        return max(0, self.max_bytes - self.reserved_bytes(layout, max_sequences)) // self.bytes_per_token(layout)
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
         return asdict(self)
 
 
+def pool_bytes(mode: KVMode, layout: KVLayout, tokens_per_block: int, max_sequences: int = 1,
+               **storage_options) -> tuple[int, int]:
+    """(bytes one token takes in the blocks, bytes held outside them) of ``mode``: where some layers have a window,
+    the blocks hold the other layers and the window pool of ``max_sequences`` sequences is held outside."""
+    tpb = tokens_per_block
+    plan = WindowPlan.of(layout, tpb)
+    if plan is None:
+        return mode.bytes_per_token(layout, tpb), mode.reserved_bytes(layout, tpb, **storage_options)
+    return (mode.bytes_per_token(plan.layout(layout, plan.global_layers), tpb),
+            WindowedStorage.pool_bytes(mode, layout, plan, max_sequences))
+
+
 def sized_config(layout: KVLayout, kv_mode_name: str, tokens: int,
                  tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK) -> KvCacheConfig:
     """A config whose budget holds one sequence of ``tokens`` tokens, and nothing more."""
-    mode = kv_mode(kv_mode_name)
+    config = KvCacheConfig(kv_mode_name, 1, tokens_per_block)
     blocks = cdiv(tokens, tokens_per_block)
-    budget = mode.bytes_per_token(layout, tokens_per_block) * tokens_per_block * blocks
-    return KvCacheConfig(kv_mode_name, budget + mode.reserved_bytes(layout, tokens_per_block), tokens_per_block)
+    budget = config.bytes_per_token(layout) * tokens_per_block * blocks
+    return replace(config, max_bytes=budget + config.reserved_bytes(layout))
 
 
 @dataclass
@@ -91,27 +109,33 @@ class PagedKVCache:
     """Block pool plus block tables; writes and reads K/V of one sequence at a time."""
 
     def __init__(self, layout: KVLayout, config: KvCacheConfig, scales: KVScales | None = None,
-                 storage_class: KVMode | None = None, **storage_options) -> None:
-        """``storage_class`` replaces the config's mode by a variant of it (an experiment's); ``storage_options``
-        go to the storage class (int4: ``window``)."""
+                 storage_class: KVMode | None = None, max_sequences: int = 1, **storage_options) -> None:
+        """``storage_class`` replaces the config's mode by a variant of it (an experiment's); ``max_sequences``:
+        the sequences whose windows a model with sliding-window layers holds at once; ``storage_options`` go to
+        the storage class (int4: ``window``)."""
         self.layout, self.config = layout, config
         mode, tpb = storage_class or config.mode, config.tokens_per_block
-        self.bytes_per_block = mode.bytes_per_token(layout, tpb) * tpb
-        reserved = mode.reserved_bytes(layout, tpb, **storage_options)
+        plan, self._mode, self.max_sequences = WindowPlan.of(layout, tpb), mode, max_sequences
+        if max_sequences < 1:
+            raise ConfigError(f"max_sequences must be >= 1, got {max_sequences}")
+        per_token, reserved = pool_bytes(mode, layout, tpb, max_sequences, **storage_options)
+        self.bytes_per_block = per_token * tpb
         num_blocks = (config.max_bytes - reserved) // self.bytes_per_block
         if num_blocks < 1:
+            held = "the fp16 window" if mode.recent_window else "the sliding-window layers' pool"
             raise ConfigError(
                 f"KV budget of {config.max_bytes} bytes holds no block of {tpb} tokens "
                 f"({self.bytes_per_block} bytes in {mode.name}"
-                + (f", plus {reserved} reserved for the fp16 window" if reserved else "")
+                + (f", plus {reserved} reserved for {held}" if reserved else "")
                 + f"); raise the budget to at least {self.bytes_per_block + reserved} bytes")
         self.blocks = BlockManager(num_blocks, tpb, config.enable_block_reuse)
-        self.storage = mode(layout, num_blocks, tpb, scales, **storage_options)
+        self.storage = (mode(layout, num_blocks, tpb, scales, **storage_options) if plan is None else
+                        WindowedStorage(mode, layout, num_blocks, plan, max_sequences, scales))
 
     @property
     def mode(self) -> KVMode:
-        """The storage class of this cache."""
-        return type(self.storage)
+        """The storage class of this cache (of its blocks' layers, where some layers have a window)."""
+        return self._mode
 
     @property
     def tokens_per_block(self) -> int:
@@ -121,7 +145,8 @@ class PagedKVCache:
     # -- sequences -----------------------------------------------------------------
     def allocate(self, seq: Sequence, token_ids: list[int]) -> int:
         """Fill an empty sequence; returns how many leading tokens are already cached (reused)."""
-        reused = self.blocks.allocate(seq, token_ids)
+        self.storage.check_room(self.blocks.num_sequences)
+        reused = self.blocks.allocate(seq, token_ids, self.storage.reusable_blocks)
         self.storage.follow(seq, reused)
         return reused
 
@@ -134,6 +159,7 @@ class PagedKVCache:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Make the empty ``child`` a continuation of ``parent`` on the same blocks (copy-on-write)."""
+        self.storage.check_room(self.blocks.num_sequences)
         self.blocks.fork(parent, child)
         self.storage.follow(child, len(child))
 
@@ -171,7 +197,7 @@ class PagedKVCache:
     def blocks_to_admit(self, token_ids: list[int], reserve_tokens: int) -> tuple[int, int]:
         """For a new sequence of ``token_ids`` that may grow by ``reserve_tokens``: the available blocks it would take
         (its cached prefix counted where it leaves the evictable ones) and the tokens it reuses."""
-        return self.blocks.blocks_to_admit(token_ids, reserve_tokens)
+        return self.blocks.blocks_to_admit(token_ids, reserve_tokens, self.storage.reusable_blocks)
 
     def capacity(self, seq: Sequence) -> int:
         """Tokens a sequence could hold: its own blocks plus every free or evictable one."""
@@ -183,8 +209,9 @@ class PagedKVCache:
 
     # -- accounting ----------------------------------------------------------------
     def bytes_per_token(self) -> int:
-        """Bytes one token takes in this cache, scales included (int4: fp16 window buffers not included)."""
-        return self.mode.bytes_per_token(self.layout, self.tokens_per_block)
+        """Bytes one token takes in this cache's blocks, scales included (int4's fp16 window buffers and the
+        sliding-window layers' pool not included)."""
+        return self.bytes_per_block // self.tokens_per_block
 
     def stats(self) -> CacheStats:
         """Bytes reserved and used, block counters, reuse hits."""

@@ -34,6 +34,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_size: int
+    windows: tuple[int | None, ...] = ()  # each layer's attention window where some layer has one (None: all)
 
     @property
     def channels(self) -> int:
@@ -43,7 +44,9 @@ class KVLayout:
     @classmethod
     def of(cls, config: ModelConfig) -> "KVLayout":
         """The KV cache shape of a model config."""
-        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_size)
+        windows = tuple(config.layer_window(i) for i in range(config.num_hidden_layers))
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_size,
+                   windows if any(w is not None for w in windows) else ())
 
 
 class KVStorage:
@@ -60,6 +63,7 @@ class KVStorage:
     trtllm_quant_algo: ClassVar[str | None] = None  # kv_cache_quant_algo in a TensorRT-LLM checkpoint
     trtllm_paged_context_fmha: ClassVar[bool] = True  # TensorRT-LLM can use paged context FMHA (block reuse)
     onnx_graph: ClassVar[bool] = False  # cabin-export can build ONNX graphs that take and give K/V in this form
+    step_tokens: int | None = None  # the most new tokens of one sequence a model step may write (None: any)
 
     def __init__(self, layout: KVLayout, num_blocks: int, tokens_per_block: int,
                  scales: KVScales | None = None) -> None:
@@ -81,6 +85,20 @@ class KVStorage:
 
     def drop(self, seq: Sequence) -> None:
         """The sequence is about to be freed."""
+
+    def check_room(self, live: int) -> None:
+        """OutOfBlocks unless a sequence more than ``live`` fits beside them (a pool sized per sequence)."""
+
+    def reusable_blocks(self, block_ids: list[int]) -> int:
+        """How many of a prefix's cached blocks a new sequence can reuse (all of them here)."""
+        return len(block_ids)
+
+    def prepare(self, seq: Sequence, start: int, end: int) -> None:
+        """Positions [start, end) of the sequence are computed next (at most ``step_tokens`` of them)."""
+
+    def kept_from(self, layer: int, num_tokens: int) -> int:
+        """The first position whose K/V a layer still holds for a sequence of ``num_tokens`` (all: 0)."""
+        return 0
 
     # -- data --------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -123,6 +123,11 @@ class Transformer:
             if span.end > c.max_position_embeddings:
                 raise ConfigError(f"position {span.end} exceeds the model's context of {c.max_position_embeddings} "
                                  "tokens")
+        limit = cache.storage.step_tokens
+        if limit is not None and any(len(span.token_ids) > limit for span in spans):
+            return self._in_pieces(spans, cache, all_logits, limit)
+        for span in spans:
+            cache.storage.prepare(span.seq, span.start_pos, span.end)
         ids = [t for span in spans for t in span.token_ids]
         x = self._fused_step(spans[0], cache) if len(ids) == 1 and self.native_kernels else None
         if x is not None:
@@ -154,6 +159,17 @@ class Transformer:
         logits = _linear(h, self.lm_head, matvec() if self.native_kernels and len(h) <= MATVEC_MAX_TOKENS else None)
         cap = c.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _in_pieces(self, spans: list[Span], cache: PagedKVCache, all_logits: bool, limit: int) -> torch.Tensor:
+        """``step``'s logits, each span run in steps of at most ``limit`` tokens (a storage that holds only what
+        the next positions read, e.g. sliding-window layers' pool)."""
+        outs = []
+        for span in spans:
+            ids = span.token_ids
+            logits = [self.step([Span(ids[i:i + limit], span.start_pos + i, span.seq)], cache, all_logits)
+                      for i in range(0, len(ids), limit)]
+            outs.append(torch.cat(logits) if all_logits else logits[-1])
+        return torch.cat(outs)
 
     def _fused_step(self, span: Span, cache: PagedKVCache) -> torch.Tensor | None:
         """One token through every layer in one native call (runtime/kernels/decode_step.c): its last hidden
