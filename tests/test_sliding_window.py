@@ -1,0 +1,111 @@
+"""Gemma 3's local layers in the window pool (cabinllm.runtime.kv.window): a new sequence reuses a prefix longer
+than the window, reuse stops where the pool no longer holds a window, forks and the server's scheduler run on it,
+and what it cannot hold is one clear error. Tiny random-weight Gemma 3 (window 8, layers local and global)."""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+from test_families import write_family_folder
+
+from cabinllm.cli import build as build_cli
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.errors import ConfigError, OutOfBlocks
+from cabinllm.runtime.generation.generate import generate, run_tokens
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
+from cabinllm.runtime.kv.int4 import Int4KV
+from cabinllm.runtime.kv.window import WindowedStorage, WindowPlan
+from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
+
+TPB = 4  # blocks smaller than the window (8), so a window spans blocks
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory) -> Engine:
+    """A tiny Gemma 3 engine (fp32 weights, int8 KV scales calibrated)."""
+    root = tmp_path_factory.mktemp("gemma")
+    write_family_folder(root / "hf", "Gemma3", seed=3)
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):
+        code = build_cli.main(["--model", str(root / "hf"), "--target", "cpu", "--kv-cache", "int8", "--dtype",
+                               "float32", "--output", str(root / "engine")])
+    assert code == 0, log.getvalue()
+    return Engine.load(root / "engine")
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(1, 15, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def fresh_logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
+    return run_tokens(engine.model, tokens, "fp32", all_logits=True).logits
+
+
+def cache_of(engine: Engine, max_sequences: int = 1, budget: int = 1 << 20) -> PagedKVCache:
+    return engine.new_cache(KvCacheConfig("fp32", budget, TPB), max_sequences)
+
+
+def test_a_new_sequence_reuses_a_prefix_longer_than_the_window(gemma):
+    cache, prompt = cache_of(gemma), ids(60, 0)
+    first = Sequence()
+    cache.allocate(first, prompt)
+    gemma.model.forward(prompt, 0, cache, first)
+    cache.free(first)
+    longer = prompt + ids(10, 1)
+    second = Sequence()
+    reused = cache.allocate(second, longer)
+    assert reused == 60  # every block of the first prompt: far past the window of 8
+    ours = gemma.model.forward(longer[reused:], reused, cache, second, all_logits=True)
+    torch.testing.assert_close(ours, fresh_logits(gemma, longer)[reused:], atol=1e-5, rtol=0)
+    held, pinned = cache.stats().window_bytes, cache.storage.window_bytes()[1]
+    assert pinned < held  # the pool holds what the windows read, not the sequence
+
+
+def test_reuse_stops_where_the_pool_no_longer_holds_the_window(gemma):
+    cache, prompt = cache_of(gemma), ids(60, 0)
+    for tokens in (prompt, ids(60, 2)):  # the second prompt's windows take the pool's blocks over
+        seq = Sequence()
+        cache.allocate(seq, tokens)
+        gemma.model.forward(tokens, 0, cache, seq)
+        cache.free(seq)
+    again = Sequence()
+    assert cache.blocks.blocks_to_admit(prompt, 0)[1] == 56  # the blocks still hold the global layers' prefix
+    reused = cache.allocate(again, prompt)
+    assert reused == 0  # but no local layer's window of it is left
+    torch.testing.assert_close(gemma.model.forward(prompt, 0, cache, again, all_logits=True),
+                               fresh_logits(gemma, prompt), atol=1e-5, rtol=0)
+
+
+def test_choices_fork_on_the_window_pool_through_the_scheduler(gemma):
+    prompt, params = ids(40, 4), [SamplingParams(12, stop_token_ids=[]) for _ in range(2)]
+    requests = [Request(prompt, p, lambda *_: None) for p in params]
+    requests[0].followers = requests[1:]
+    scheduler = Scheduler(gemma, cache_of(gemma, max_sequences=2), SchedulerConfig(max_sessions=2))
+    scheduler.submit(requests[0])
+    while any(r.finish_reason is None for r in requests):
+        scheduler.step()
+    alone = generate(gemma.model, cache_of(gemma), Sequence(), prompt, params[0], lambda t: "")
+    assert requests[0].token_ids == requests[1].token_ids == alone.token_ids
+    assert scheduler.cache.stats().blocks_in_use == 0 and scheduler.cache.storage.window_bytes()[1] == 0
+
+
+def test_what_the_window_pool_cannot_hold_is_one_clear_error(gemma, tmp_path):
+    cache, seqs = cache_of(gemma), [Sequence(), Sequence()]
+    cache.allocate(seqs[0], ids(12, 5))
+    with pytest.raises(OutOfBlocks, match="windows of 1 sequences and 1 are live; raise max_sequences"):
+        cache.allocate(seqs[1], ids(12, 6))
+    with pytest.raises(OutOfBlocks, match="raise max_sequences"):
+        cache.fork(seqs[0], seqs[1])
+    layout = gemma.model.kv_layout
+    with pytest.raises(ConfigError, match="int4 cannot hold sliding-window layers; choose int8, fp16 or fp32"):
+        WindowedStorage(Int4KV, layout, 8, WindowPlan.of(layout, TPB), 1)
+    session = DialogueSession(gemma, cache_of(gemma), SamplingParams(4))
+    session.chat("play some jazz")
+    with pytest.raises(ConfigError, match="sliding-window layers is not supported yet"):
+        session.save(tmp_path / "s.cabin")
+    assert not (tmp_path / "s.cabin").exists()
