@@ -74,7 +74,8 @@ def graph_plan(config: ModelConfig, target: Target, kv_dtype: str, context: int,
                weights: str = "fp16") -> GraphPlan:
     """What graphs of this window and chunk, over ``weights`` (a weight format), take on the target."""
     tpb = target.tokens_per_block
-    per_token = kv_bytes_per_token(config, kv_dtype, tpb)  # the graphs pass K/V in the cache's element type
+    # the graphs pass K/V in the cache's element type, every layer's over the whole window
+    per_token = kv_bytes_per_token(config, kv_dtype, tpb, windowed=False)
     prompt = activation_bytes(config, chunk, context, 1, Backend.ONNX)
     return GraphPlan(
         context=context, chunk=chunk, kv_cache=kv_dtype, profile=target.npu.onnx_profile,

@@ -2,7 +2,9 @@
 
 Weights are counted from the TensorRT-LLM checkpoint's tensor shapes, so a tied
 ``lm_head`` counts twice: the checkpoint (and the engine) holds its own copy.
-Weight-only int8/int4 quantize the linear layers only (embedding, lm_head and norms
+A model whose local layers attend over a sliding window (Gemma 3) holds their K/V for the window only: its bytes
+per token count the global layers, ``kv_window_bytes`` the local ones. Weight-only int8/int4 quantize the linear
+layers only (embedding, lm_head and norms
 stay fp16, as TensorRT-LLM's weight-only modes do); int8 adds one float32 scale per
 output channel, int4-awq one per group of 128 (or 64) inputs and an fp16 prequant scale per input,
 as ModelOpt exports them.
@@ -15,8 +17,10 @@ from cabinllm.builders.targets import Backend
 from cabinllm.runtime.formats.checkpoint import ModelConfig, expected_shapes, linear_shapes
 from cabinllm.runtime.formats.weight_formats import awq_group_size
 from cabinllm.runtime.formats.weight_formats import weight_format as weight_format_of
+from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.modes import bytes_per_token
 from cabinllm.runtime.kv.storage import KVLayout
+from cabinllm.runtime.kv.window import WindowPlan
 
 _BYTES = {"fp32": 4, "fp16": 2}
 
@@ -44,10 +48,26 @@ def weights_bytes(config: ModelConfig, weight_format: str, in_memory: str | None
     return total
 
 
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tokens_per_block: int) -> int:
-    """KV cache bytes of one token, all layers, K and V (scales of int8-dynamic included)."""
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tokens_per_block: int, windowed: bool = True) -> int:
+    """KV cache bytes of one token, K and V (scales of int8-dynamic included): of every layer, or where some layers
+    attend over a sliding window (Gemma 3's local layers) and ``windowed``, of the others (``kv_window_bytes``
+    counts the local ones)."""
     layout = KVLayout.of(config)
+    plan = WindowPlan.of(layout, tokens_per_block)
+    if plan is not None and windowed:
+        layout = plan.layout(layout, plan.global_layers)
     return bytes_per_token(layout, kv_dtype, tokens_per_block)
+
+
+def kv_window_bytes(config: ModelConfig, kv_dtype: str, tokens_per_block: int, tokens: int) -> int:
+    """KV bytes the sliding-window layers of one sequence of ``tokens`` tokens hold: at most the window, in whole
+    blocks and one more for a window that straddles them (0 for a model without such layers)."""
+    layout = KVLayout.of(config)
+    plan = WindowPlan.of(layout, tokens_per_block)
+    if plan is None:
+        return 0
+    held = min(cdiv(tokens, tokens_per_block), cdiv(plan.window, tokens_per_block) + 1) * tokens_per_block
+    return held * bytes_per_token(plan.layout(layout, plan.local_layers), kv_dtype, tokens_per_block)
 
 
 def activation_bytes(config: ModelConfig, num_tokens: int, context: int, batch: int, backend: Backend) -> int:

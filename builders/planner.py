@@ -9,6 +9,9 @@ the pool into turns of a typical in-car dialogue (``dialogue_turns.TYPICAL_TURN`
 On an ONNX target ``max_seq_len`` is the graphs' KV window and ``max_num_tokens`` the
 prompt graph's tokens, sized by ``cabinllm.builders.graph_plan`` as cabin-export arguments.
 
+A model with sliding-window layers (Gemma 3's local layers) counts them at their window: its bytes per token are the
+global layers', and the pool adds the local layers' window per sequence.
+
 A TensorRT engine built for beam search (``--max-beam-width``) needs a pool for the search over the longest prompt:
 TensorRT-LLM reserves a request's blocks to completion, the prompt's whole blocks once, shared by the beams, and per
 beam its last partial block and the reply (``KVCacheManager::getRemainingBlocksToCompletion``, see
@@ -20,7 +23,8 @@ from dataclasses import dataclass, field, replace
 
 from cabinllm.builders.dialogue_turns import TYPICAL_TURN, TurnTokens
 from cabinllm.builders.graph_plan import GraphPlan, graph_limit, npu_weight_bytes, size_graphs, tokens_held
-from cabinllm.builders.memory_model import activation_bytes, kv_bytes_per_token, parameter_count, weights_bytes
+from cabinllm.builders.memory_model import (activation_bytes, kv_bytes_per_token, kv_window_bytes, parameter_count,
+                                            weights_bytes)
 from cabinllm.builders.targets import GIB, Backend, Target, load_targets
 from cabinllm.builders.trtllm import EngineShape, build_args, flag_set
 from cabinllm.runtime.backends.trtllm import beam_kv_blocks_up_to
@@ -73,6 +77,7 @@ class KVPlan:
     fits: bool
     graphs: GraphPlan | None = None  # the cabin-export arguments on an ONNX target, where it fits
     max_beam_width: int = 1
+    window_bytes: int = 0  # of the pool: the sliding-window layers' K/V, their window per sequence
 
     def kv_cache_config(self) -> KvCacheConfig:
         """The runtime KV cache this plan sizes: the pool in blocks of the target's size, reuse where it works."""
@@ -165,6 +170,7 @@ class Plan:
                              "for_activations_and_kv": self.budget_bytes},
             "kv_dtypes": list(self.kv),
             "kv_bytes_per_token": per("bytes_per_token"),
+            "kv_window_bytes": per("window_bytes"),
             "activation_bytes": per("activation_bytes"),
             "max_kv_tokens": per("max_kv_tokens"),
             "max_seq_len": per("max_seq_len"),
@@ -250,8 +256,12 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
         max_input = limits(seq)[0]
         return beam_kv_blocks_up_to(max_input, seq - max_input, beams, tpb) * MAX_BATCH_SIZE
 
+    def window(seq: int) -> int:
+        """The sliding-window layers' bytes of every sequence (each beam its own) at this max_seq_len."""
+        return kv_window_bytes(config, kv_dtype, tpb, seq) * MAX_BATCH_SIZE * beams
+
     def fits_in_budget(seq: int) -> bool:
-        return limits(seq)[2] + pool_blocks(seq) * tpb * per_token <= budget
+        return limits(seq)[2] + pool_blocks(seq) * tpb * per_token + window(seq) <= budget
 
     if fits_in_budget(context):
         seq = context
@@ -262,9 +272,9 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
             low, high = (middle, high) if fits_in_budget(middle * tpb) else (low, middle - 1)
         seq = low * tpb
     max_input, num_tokens, activations = limits(seq)
-    capacity = max(budget - activations, 0) // per_token
+    capacity = max(budget - activations - window(seq), 0) // per_token
     num_blocks = pool_blocks(seq)
-    pool = num_blocks * tpb * per_token
+    pool = num_blocks * tpb * per_token + window(seq)
     turns = max((seq - turn.system) // turn.per_turn, 0)
     fits = turns >= MIN_TURNS
     shape = EngineShape(kv_dtype, "float16", tpb, MAX_BATCH_SIZE, max_input, seq, num_tokens, beams)
@@ -275,7 +285,7 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
         memory_left_bytes=budget - activations - pool, est_turns=turns,
         prefill_tokens_per_turn=prefill_per_turn(turn, turns, tpb, paged_fmha),
         trtllm_build_args=build_args(shape, flag_set(target.trtllm_line)) if target.trtllm_line and fits else None,
-        fits=fits, max_beam_width=beams,
+        fits=fits, max_beam_width=beams, window_bytes=window(seq),
     )
 
 

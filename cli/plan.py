@@ -64,6 +64,8 @@ def format_table(plan: Plan) -> str:
         "",
     ]
     rows = GRAPH_ROWS if t.backend is Backend.ONNX else ENGINE_ROWS
+    if not any(kv.window_bytes for kv in plan.kv.values()):
+        rows = [row for row in rows if row[0] != WINDOW_ROW]
     width = max(len(name) for name, _ in rows) + 2
     col = max(13, *(len(name) + 2 for name in plan.kv))
     lines.append(" " * width + "".join(f"{name:>{col}}" for name in plan.kv))
@@ -94,8 +96,10 @@ def _graphs(cell: Callable[[GraphPlan], str]) -> Callable[[KVPlan], str]:
     return lambda kv: cell(kv.graphs) if kv.graphs else "-"
 
 
+WINDOW_ROW = "KV window MiB (local layers)"
 ENGINE_ROWS: list[tuple[str, Callable[[KVPlan], str]]] = [
     ("KV bytes/token", lambda kv: f"{kv.bytes_per_token:,}"),
+    (WINDOW_ROW, lambda kv: _mib(kv.window_bytes)),
     ("activations MiB", lambda kv: _mib(kv.activation_bytes)),
     ("KV tokens memory holds", lambda kv: f"{kv.max_kv_tokens:,}"),
     ("max_seq_len", lambda kv: f"{kv.max_seq_len:,}"),

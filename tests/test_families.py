@@ -9,6 +9,7 @@ rotary and LongRoPE, Llama 3.2 tied embeddings and llama3 RoPE scaling. Random w
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def write_family_folder(folder: Path, family: str, seed: int) -> torch.nn.Module
 
     config_name, model_name, extra = FAMILIES[family]
     assert write_tokenizer(folder) <= SHAPE["vocab_size"]
-    config = getattr(transformers, config_name)(**{**SHAPE, **extra})
+    config = getattr(transformers, config_name)(**copy.deepcopy({**SHAPE, **extra}))  # transformers edits them
     model = getattr(transformers, model_name)(config).float().eval()
     gen = torch.Generator().manual_seed(seed)
     identity = 0.0 if family == "Gemma3" else 1.0  # Gemma's norms scale by 1 + weight
@@ -163,7 +164,7 @@ def test_gemma3_vision_language_folder_imports_its_text_model(tmp_path):
     from cabinllm.runtime.sources.model_source import load_model
 
     assert write_tokenizer(tmp_path) <= SHAPE["vocab_size"]
-    text = {**SHAPE, **FAMILIES["Gemma3"][2]}
+    text = copy.deepcopy({**SHAPE, **FAMILIES["Gemma3"][2]})
     vision = dict(hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
     model = transformers.Gemma3ForConditionalGeneration(
@@ -185,8 +186,8 @@ def gemma_512(tmp_path_factory) -> dict:
 
     folder, engine = tmp_path_factory.mktemp("gemma512") / "hf", tmp_path_factory.mktemp("gemma512") / "engine"
     assert write_tokenizer(folder) <= SHAPE["vocab_size"]
-    config = transformers.Gemma3TextConfig(**{**SHAPE, **FAMILIES["Gemma3"][2], "sliding_window": 512,
-                                              "max_position_embeddings": 8192})
+    config = transformers.Gemma3TextConfig(**copy.deepcopy({**SHAPE, **FAMILIES["Gemma3"][2], "sliding_window": 512,
+                                                            "max_position_embeddings": 8192}))
     model = transformers.Gemma3ForCausalLM(config).float().eval()
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -229,3 +230,50 @@ def test_gemma3_local_layers_hold_the_window_over_4000_tokens(gemma_512):
             assert reply.token_ids == theirs, turn
     full = len(session.seq) * layout.num_layers * per_layer
     assert stats.bytes_used < 0.65 * full  # two of four layers at the window instead of 4,000 tokens
+
+
+def test_checkpoint_is_what_tensorrt_llms_converter_writes(built):
+    """Config keys and tensors as TensorRT-LLM 1.x's own converters name them (runtime.formats.checkpoint's
+    architecture_extra and to_disk cite the lines): read straight from the engine's checkpoint files."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder = built["engine"].folder / CHECKPOINT_DIR
+    config = json.loads((folder / "config.json").read_text())
+    stored = load_file(str(folder / "rank0.safetensors"))
+    hf = {k: v.float() for k, v in built["model"].state_dict().items()}
+    extra = FAMILIES[built["family"]][2]
+    assert config["architecture"] == FAMILIES[built["family"]][1].replace("Llama32", "Llama")
+    lm_head = hf["model.embed_tokens.weight" if config["tie_word_embeddings"] else "lm_head.weight"]
+    assert torch.equal(stored["lm_head.weight"], lm_head)  # always written, a copy where tied
+    assert torch.equal(stored["transformer.vocab_embedding.weight"], hf["model.embed_tokens.weight"])  # unscaled
+    layer = "transformer.layers.1"
+    if built["family"] == "Qwen3":
+        assert (config["qwen_type"], config["attn_bias"], config["head_size"]) == ("qwen3", False, 16)
+        assert torch.equal(stored[f"{layer}.attention.q_layernorm.weight"], hf["model.layers.1.self_attn.q_norm.weight"])
+    if built["family"] == "Gemma3":
+        for key in ("query_pre_attn_scalar", "sliding_window", "rope_local_base_freq"):
+            assert config[key] == extra[key]
+        assert config["sliding_window_pattern"] == config["_sliding_window_pattern"] == 2
+        assert config["inter_layernorms"] is True and config["hidden_act"] == "gelu_pytorch_tanh"
+        norms = {"input_layernorm": "input_layernorm", "post_layernorm": "post_attention_layernorm",
+                 "pre_feedforward_layernorm": "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm": "post_feedforward_layernorm",
+                 "attention.q_layernorm": "self_attn.q_norm", "attention.k_layernorm": "self_attn.k_norm"}
+        for ours, theirs in norms.items():  # the converter adds Gemma's 1 to every norm
+            assert torch.equal(stored[f"{layer}.{ours}.weight"], hf[f"model.layers.1.{theirs}.weight"] + 1.0)
+        assert torch.equal(stored["transformer.ln_f.weight"], hf["model.norm.weight"] + 1.0)
+    if built["family"] == "Phi3":
+        scaling = extra["rope_scaling"]
+        assert config["rotary_pct"] == 0.5 and config["position_embedding_type"] == "long_rope"
+        assert config["longrope_scaling_short_factors"] == scaling["short_factor"]
+        assert config["longrope_scaling_long_factors"] == scaling["long_factor"]
+        assert config["original_max_position_embeddings"] == 64
+        assert torch.equal(stored[f"{layer}.attention.qkv.weight"], hf["model.layers.1.self_attn.qkv_proj.weight"])
+        gate, up = hf["model.layers.1.mlp.gate_up_proj.weight"].chunk(2)
+        assert torch.equal(stored[f"{layer}.mlp.fc.weight"], torch.cat([up, gate]))  # fused, halves swapped
+        assert f"{layer}.mlp.gate.weight" not in stored
+    if built["family"] == "Llama32":
+        assert {k: v for k, v in config["rotary_scaling"].items() if k != "type"} == extra["rope_scaling"]
+        assert config["tie_word_embeddings"] is True

@@ -156,7 +156,7 @@ class ModelConfig:
                 f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs = {k: _OURS.get((k, v), v) if isinstance(v, str) else v for k, v in data.items() if k in known}
         required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
         missing = [k for k in required if k not in kwargs]
         if missing:
@@ -171,16 +171,86 @@ class ModelConfig:
 
 
 def architecture_extra(config: ModelConfig) -> dict:
-    """Keys TensorRT-LLM reads for ``config.architecture`` that are not ModelConfig fields (``from_dict`` ignores them).
+    """Keys TensorRT-LLM reads for ``config.architecture`` that are not ModelConfig fields, or fields it spells its
+    own way (``from_dict`` reads those back as ours), as its own converter writes them.
 
-    Qwen2ForCausalLM builds through TensorRT-LLM's QWenForCausalLM, whose layers read ``config.qwen_type`` with no
-    default (QWenConfig takes it only as an extra key, which PretrainedConfig.__init__ sets as an attribute; the
-    official converter writes it from the HF ``model_type``); ``attn_bias`` and ``mlp_bias`` are QWenConfig's own
-    keys, written so the build does not rest on its defaults (attn_bias=True, mlp_bias=False).
+    - Qwen2ForCausalLM builds through TensorRT-LLM's QWenForCausalLM, whose layers read ``config.qwen_type`` with no
+      default (QWenConfig takes it only as an extra key, which PretrainedConfig.__init__ sets as an attribute; the
+      official converter writes it from the HF ``model_type``); ``attn_bias`` and ``mlp_bias`` are QWenConfig's own
+      keys, written so the build does not rest on its defaults (attn_bias=True, mlp_bias=False).
+    - Qwen3ForCausalLM: the same class; q/k norms follow from ``qwen_type`` "qwen3" alone (models/qwen/config.py
+      L97, L127-128 at 373970a8; model.py L61 ``qk_layernorm = config.qwen_type in ('qwen3', 'qwen3_moe')``).
+    - Gemma3ForCausalLM: GemmaConfig's ``attn_bias``/``mlp_bias`` (models/gemma/config.py L101-103 at 9df6d722) and
+      the layer pattern under both names it has had: ``_sliding_window_pattern`` (config.py L55, model.py L76-77 at
+      5dedf53b) and ``sliding_window_pattern`` (Gemma3ConfigGroup, modeling_utils.py L67-72 at 01ea6d79).
+    - Phi3ForCausalLM: ``rotary_pct`` (models/phi3/config.py L72 at 1e6a4f97; model.py L113 reads it), ``swiglu``
+      for SiLU (L138), and LongRoPE as ``position_embedding_type`` "long_rope" with its factors and original
+      context (L115-121).
     """
-    if config.architecture == "Qwen2ForCausalLM":
-        return {"qwen_type": "qwen2", "attn_bias": config.qkv_bias, "mlp_bias": False}
-    return {}
+    if config.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return {"qwen_type": config.architecture[:5].lower(), "attn_bias": config.qkv_bias, "mlp_bias": False}
+    if config.architecture == "Gemma3ForCausalLM":
+        return {"attn_bias": False, "mlp_bias": False, "_sliding_window_pattern": config.sliding_window_pattern}
+    if config.architecture != "Phi3ForCausalLM":
+        return {}
+    extra = {"rotary_pct": config.rotated_channels / config.head_size}
+    if config.hidden_act == "silu":
+        extra["hidden_act"] = "swiglu"
+    scaling = config.rotary_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "longrope":
+        extra.update(position_embedding_type="long_rope",
+                     original_max_position_embeddings=scaling["original_max_position_embeddings"],
+                     longrope_scaling_short_factors=scaling["short_factor"],
+                     longrope_scaling_long_factors=scaling["long_factor"])
+    return extra
+
+
+# field values TensorRT-LLM spells its own way (architecture_extra) -> ours
+_OURS = {("hidden_act", "swiglu"): "silu", ("position_embedding_type", "long_rope"): "rope_gpt_neox"}
+
+
+def to_disk(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as TensorRT-LLM's converter stores them: Phi-3's MLP as one ``mlp.fc`` of [up; gate] rows
+    (models/phi3/convert.py L31 and L56-63 at 89fd9b74: ``gate_up_proj`` kept fused, its halves swapped; model.py
+    L116: a plain MLP whose SwiGLU splits it), every other architecture as it is."""
+    if config.architecture != "Phi3ForCausalLM":
+        return weights
+    out = dict(weights)
+    for layer in range(config.num_hidden_layers):
+        p = f"{layer_prefix(layer)}.mlp"
+        for suffix, axis in _fused_axes(config).items():
+            gate_proj, up_proj = out.pop(f"{p}.fc.{suffix}"), out.pop(f"{p}.gate.{suffix}")
+            if axis is None and not torch.equal(gate_proj, up_proj):
+                raise CheckpointError(f"layer {layer}: mlp.fc and mlp.gate have different {suffix}, so Phi-3's "
+                                      "fused MLP cannot hold them; quantize them with one input scale")
+            out[f"{p}.fc.{suffix}"] = up_proj if axis is None else torch.cat([up_proj, gate_proj], dim=axis)
+    return out
+
+
+def from_disk(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``to_disk`` undone: Phi-3's fused ``mlp.fc`` split into ``mlp.fc`` (the activated gate_proj) and
+    ``mlp.gate`` (up_proj), as every architecture's runtime reads them."""
+    if config.architecture != "Phi3ForCausalLM" or f"{layer_prefix(0)}.mlp.gate.weight" in weights:
+        return weights
+    out = dict(weights)
+    for layer in range(config.num_hidden_layers):
+        p = f"{layer_prefix(layer)}.mlp"
+        for suffix, axis in _fused_axes(config).items():
+            fused = out.pop(f"{p}.fc.{suffix}", None)
+            if fused is None:
+                continue  # validate_weights names it
+            up_proj, gate_proj = (fused, fused) if axis is None else fused.chunk(2, dim=axis)
+            out[f"{p}.fc.{suffix}"], out[f"{p}.gate.{suffix}"] = gate_proj.contiguous(), up_proj.contiguous()
+    return out
+
+
+def _fused_axes(config: ModelConfig) -> dict[str, int | None]:
+    """Per stored tensor of an MLP input linear, the axis its output rows run along (None: one per input)."""
+    fmt, shape = config.weight_format, linear_shapes(config)["mlp.fc"]
+    single = fmt.stored(shape[0], shape[1], config.quantization)
+    double = fmt.stored(2 * shape[0], shape[1], config.quantization)
+    return {suffix: next((i for i, (a, b) in enumerate(zip(single[suffix].shape, double[suffix].shape)) if a != b),
+                         None) for suffix in fmt.tensors}
 
 
 def _rotary_scaling_problem(scaling: object) -> str | None:
@@ -328,6 +398,7 @@ def load_checkpoint(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Te
         weights = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError) as err:
         raise CheckpointError(f"{weights_path}: unreadable safetensors file ({err}); it may be truncated, rebuild it") from err
+    weights = from_disk(config, weights)
     validate_weights(config, weights, str(weights_path))
     return config, weights
 
@@ -342,7 +413,7 @@ def save_checkpoint(folder: str | Path, config: ModelConfig, weights: dict[str, 
     (folder / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2), encoding="utf-8")
     path = folder / WEIGHTS_FILE
     try:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(path))
+        save_file({k: v.contiguous() for k, v in to_disk(config, weights).items()}, str(path))
     except SafetensorError as err:  # its I/O errors come as text: "... No space left on device (os error 28)"
         code = re.search(r"os error (\d+)", str(err))
         raise OSError(int(code.group(1)) if code else errno.EIO, str(err), str(path)) from err
