@@ -24,7 +24,7 @@ from cabinllm.builders.targets import Backend, Target, get_target
 from cabinllm.builders.trtllm import TrtllmInstall, build_args, find_trtllm, flag_set, local_sm, run_trtllm_build
 from cabinllm.builders.weight_build import (build_weight_format, check_equalize, needs_quantizing, quantize_step_text,
                                             quantized_checkpoint, refingerprint_scales, weights_record)
-from cabinllm.runtime.errors import CheckpointError, ScalesError
+from cabinllm.runtime.errors import CheckpointError, ConfigError, ScalesError
 from cabinllm.runtime.formats.atomic import atomic_write_text, clean_leftovers, staging_folder
 from cabinllm.runtime.formats.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
 from cabinllm.runtime.formats.engine_folder import (CHECKPOINT_DIR, ENGINE_FORMAT, MANIFEST_FILE, SCALES_FILE,
@@ -176,7 +176,10 @@ def checked_plan(request: BuildRequest, target: Target, weights: str = "fp16") -
     if it cannot work."""
     plan_request = PlanRequest(request.model, target, weights, request.reserve_gb, request.kv_cache,
                                request.max_beam_width)
-    return working_plan(plan_request, load_model_config(request.model))
+    plan = working_plan(plan_request, load_model_config(request.model))
+    if plan.cannot_build:
+        raise ConfigError(f"--target {target.name}: {plan.cannot_build}")
+    return plan
 
 
 def build_inputs(request: BuildRequest, target: Target, source: Path, trtllm: TrtllmInstall | None) -> dict:

@@ -26,7 +26,7 @@ from cabinllm.builders.graph_plan import GraphPlan, graph_limit, npu_weight_byte
 from cabinllm.builders.memory_model import (activation_bytes, kv_bytes_per_token, kv_window_bytes, parameter_count,
                                             weights_bytes)
 from cabinllm.builders.targets import GIB, Backend, Target, load_targets
-from cabinllm.builders.trtllm import EngineShape, build_args, flag_set
+from cabinllm.builders.trtllm import EngineShape, build_args, cannot_build, flag_set
 from cabinllm.runtime.backends.trtllm import beam_kv_blocks_up_to
 from cabinllm.runtime.errors import ConfigError, PlanRefused
 from cabinllm.runtime.formats.checkpoint import ModelConfig
@@ -40,6 +40,8 @@ REPLY_TOKENS = 256  # longest reply the engine is built for: max_seq_len - max_i
 CHUNK_TOKENS = 2048  # max_num_tokens where prefill can be chunked
 MIN_TURNS = 4  # a KV dtype whose pool holds fewer turns than this does not fit
 MIB = 1 << 20
+ONNX_INSTEAD = ("the ONNX path runs it: cabin-build --target cpu, cabin-export --profile ort, then on the board "
+                "cabin-chat --backend onnxruntime --ort-provider cuda")
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class Plan:
     weights_bytes: int
     kv: dict[str, KVPlan]
     warnings: list[str] = field(default_factory=list)
+    cannot_build: str | None = None  # why the target's TensorRT-LLM cannot build this model (no trtllm-build)
 
     @property
     def target(self) -> Target:
@@ -189,6 +192,7 @@ class Plan:
             "prefill_tokens_per_turn": per("prefill_tokens_per_turn"),
             "trtllm_build_args": per("trtllm_build_args") if t.backend is Backend.TENSORRT else None,
             "warnings": self.warnings,
+            "trtllm_cannot_build": self.cannot_build,
         }
         if t.backend is Backend.ONNX:
             plan["cabin_export"] = {name: kv.graphs.to_dict() if kv.graphs else None for name, kv in self.kv.items()}
@@ -205,6 +209,13 @@ def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPI
     plan.kv = {dtype: size_kv(config, t, dtype, plan.budget_bytes, turn, request.weights, request.max_beam_width)
                for dtype in dtypes}
     plan.warnings = plan_warnings(plan)
+    why = cannot_build(config, t.trtllm_line) if t.backend is Backend.TENSORRT and t.trtllm_line else None
+    if why:
+        plan.cannot_build = (f"TensorRT-LLM {t.trtllm_line} on {t.name} cannot build {config.architecture}: {why}; "
+                             f"{ONNX_INSTEAD}")
+        plan.warnings.insert(0, plan.cannot_build)
+        for kv in plan.kv.values():
+            kv.trtllm_build_args = None
     return plan
 
 

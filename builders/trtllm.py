@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 import shutil
 import subprocess
 from dataclasses import dataclass
-from importlib import metadata
+from functools import lru_cache
+from importlib import metadata, resources
 from pathlib import Path
 
 from cabinllm.runtime.errors import TrtllmError
+from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR, TRT_ENGINE_DIR, TRTLLM_LOG_FILE
 from cabinllm.runtime.kv.modes import kv_mode
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 LEGACY_FLAGS = "v0.12"
 MODERN_FLAGS = "1.x"
@@ -60,6 +68,26 @@ class EngineShape:
     def paged_context_fmha(self) -> bool:
         """Paged context FMHA (needed for KV block reuse and chunked prefill); never with INT8 KV."""
         return kv_mode(self.kv_dtype).trtllm_paged_context_fmha
+
+
+ARCHITECTURES_FILE = Path(str(resources.files("cabinllm.builders") / "data" / "trtllm_architectures.toml"))
+
+
+@lru_cache(maxsize=1)
+def _architectures() -> dict:
+    return tomllib.loads(ARCHITECTURES_FILE.read_text(encoding="utf-8"))
+
+
+def cannot_build(config: ModelConfig, line: str) -> str | None:
+    """Why TensorRT-LLM ``line`` (a release, e.g. 0.12.0-jetson) cannot build this model, or None when it can
+    (``builders/data/trtllm_architectures.toml``)."""
+    table = _architectures()[flag_set(line)]
+    why = table.get("why", {})
+    if config.architecture not in table["builds"]:
+        return why.get(config.architecture, f"TensorRT-LLM {line} does not build {config.architecture}")
+    if config.rotary_dim is not None and not table["partial_rotary"]:
+        return why["partial_rotary"]
+    return None
 
 
 def flag_set(version: str) -> str:
