@@ -9,7 +9,7 @@ import torch
 
 from cabinllm.runtime.backends.select import SessionRequest
 from cabinllm.runtime.backends.select import open_session as select_open_session
-from cabinllm.runtime.backends.trtllm import TrtllmSession, beam_kv_blocks, beam_kv_blocks_up_to
+from cabinllm.runtime.backends.trtllm import TrtllmSession, beam_kv_blocks, beam_kv_blocks_up_to, kv_settings
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
@@ -17,6 +17,7 @@ from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig
+from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tools import Tool
 
 SYSTEM = "You are the in-car assistant."
@@ -573,3 +574,16 @@ def test_a_beam_turn_whose_beams_do_not_fit_the_budget_is_refused(engine, fake_t
     assert turn.finish_reason == "capacity" and not fake_trtllm.calls
     assert "a search of 4 beams takes prompts of at most 28 tokens" in turn.error
     assert session.chat(ERRANDS).finish_reason == "stop"  # one reply fits
+
+
+def test_sliding_window_layers_get_their_window_per_layer():
+    """Gemma-3-1B's pattern as TensorRT-LLM issue #13123 passes it: five local layers of 512, one global of the
+    engine's max_seq_len (5,500 there), repeated; the pool's tokens are the global layers' (the windows held
+    beside)."""
+    layout = KVLayout(26, 1, 256, tuple(None if (i + 1) % 6 == 0 else 512 for i in range(26)))
+    config = KvCacheConfig("fp16", 64 << 20, 32)
+    settings = kv_settings(config, layout, 5500).as_kwargs()
+    assert settings["max_attention_window_size"][:12] == [512] * 5 + [5500] + [512] * 5 + [5500]
+    assert settings["max_tokens_in_paged_kv_cache"] == config.max_tokens(layout)
+    assert config.bytes_per_token(layout) == 4 * 2 * 256 * 2  # four global layers' K and V in fp16
+    assert "max_attention_window_size" not in kv_settings(config, KVLayout(26, 1, 256), 5500).as_kwargs()

@@ -121,18 +121,28 @@ class TrtllmKvSettings:
 
     max_tokens_in_paged_kv_cache: int
     kv_cache_enable_block_reuse: bool
+    max_attention_window_size: list[int] | None = None  # per layer, for a model with sliding-window layers
 
     def as_kwargs(self) -> dict:
         """Keyword arguments for ``from_dir``."""
-        return {"max_tokens_in_paged_kv_cache": self.max_tokens_in_paged_kv_cache,
-                "kv_cache_enable_block_reuse": self.kv_cache_enable_block_reuse}
+        kwargs = {"max_tokens_in_paged_kv_cache": self.max_tokens_in_paged_kv_cache,
+                  "kv_cache_enable_block_reuse": self.kv_cache_enable_block_reuse}
+        if self.max_attention_window_size is not None:
+            kwargs["max_attention_window_size"] = self.max_attention_window_size
+        return kwargs
 
 
-def kv_settings(config: KvCacheConfig, layout: KVLayout) -> TrtllmKvSettings:
-    """Map our KV cache config onto TensorRT-LLM's KV cache knobs. No attention window or sink tokens: every
-    overflow policy, sink-window included, is applied to the prompt before it is sent (see the module notes)."""
+def kv_settings(config: KvCacheConfig, layout: KVLayout, max_seq_len: int) -> TrtllmKvSettings:
+    """Map our KV cache config onto TensorRT-LLM's KV cache knobs. No sink tokens: every overflow policy,
+    sink-window included, is applied to the prompt before it is sent (see the module notes). A model with
+    sliding-window layers (Gemma 3) gets its windows per layer, the global layers the engine's ``max_seq_len``:
+    ``from_dir(max_attention_window_size: Optional[list[int]])`` hands the list to
+    ``trtllm.KvCacheConfig(max_attention_window=...)``, which repeats a list shorter than the layers
+    (tensorrt_llm/runtime/model_runner_cpp.py, ``from_dir``, in the 1.x copy the index holds as id 458449735; the
+    LLM API's ``KvCacheConfig.max_attention_window``, llmapi/llm_args.py L615 at fcd3f316)."""
     reuse = config.enable_block_reuse and config.mode.trtllm_paged_context_fmha
-    return TrtllmKvSettings(config.max_tokens(layout), reuse)
+    windows = [w or max_seq_len for w in layout.windows] if layout.windows else None
+    return TrtllmKvSettings(config.max_tokens(layout), reuse, windows)
 
 
 def beam_kv_blocks(prompt_tokens: int, new_tokens: int, beams: int, tokens_per_block: int) -> int:
@@ -155,13 +165,29 @@ def beam_kv_blocks_up_to(prompt_tokens: int, new_tokens: int, beams: int, tokens
 def engine_max_beam_width(engine_dir: str | Path) -> int:
     """The beams the engine was built for: ``build_config.max_beam_width`` of its ``config.json`` (1, trtllm-build's
     default, where the field or the file is missing)."""
+    return _build_value(engine_dir, "max_beam_width", 1)
+
+
+def engine_max_seq_len(engine_dir: str | Path) -> int:
+    """``build_config.max_seq_len`` of the engine's ``config.json``; CheckpointError where it is missing."""
+    return _build_value(engine_dir, "max_seq_len", None)
+
+
+def _build_value(engine_dir: str | Path, key: str, default: int | None) -> int:
+    """A ``build_config`` value of the engine's ``config.json``, ``default`` where it or the file is missing (None:
+    CheckpointError)."""
     path = Path(engine_dir) / "config.json"
     try:
         build = json.loads(path.read_text()).get("build_config") or {}
-        return int(build.get("max_beam_width", 1))
-    except OSError:
-        return 1
-    except (ValueError, TypeError, AttributeError) as err:
+        if key not in build and default is None:
+            raise KeyError(key)
+        return int(build.get(key, default))
+    except OSError as err:
+        if default is None:
+            raise CheckpointError(f"{path}: cannot read it ({err.strerror}); rebuild the TensorRT engine with "
+                                  "trtllm-build") from err
+        return default
+    except (KeyError, ValueError, TypeError, AttributeError) as err:
         raise CheckpointError(f"{path}: unreadable build_config ({err!r}); rebuild the TensorRT engine with "
                               "trtllm-build") from err
 
@@ -229,8 +255,8 @@ class TrtllmSession:
         self.system_prompt = system_prompt
         self.bytes_per_token = config.bytes_per_token(layout)
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        self.settings = kv_settings(config, layout)
         self.engine_dir = Path(engine_folder) / TRT_ENGINE_DIR
+        self.settings = kv_settings(config, layout, engine_max_seq_len(self.engine_dir) if layout.windows else 0)
         self.runner = ModelRunnerCpp.from_dir(engine_dir=str(self.engine_dir),
                                               max_beam_width=engine_max_beam_width(self.engine_dir),
                                               **self.settings.as_kwargs())
