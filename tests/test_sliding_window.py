@@ -94,7 +94,7 @@ def test_choices_fork_on_the_window_pool_through_the_scheduler(gemma):
     assert scheduler.cache.stats().blocks_in_use == 0 and scheduler.cache.storage.window_bytes()[1] == 0
 
 
-def test_what_the_window_pool_cannot_hold_is_one_clear_error(gemma, tmp_path):
+def test_what_the_window_pool_cannot_hold_is_one_clear_error(gemma):
     cache, seqs = cache_of(gemma), [Sequence(), Sequence()]
     cache.allocate(seqs[0], ids(12, 5))
     with pytest.raises(OutOfBlocks, match="windows of 1 sequences and 1 are live; raise max_sequences"):
@@ -104,8 +104,18 @@ def test_what_the_window_pool_cannot_hold_is_one_clear_error(gemma, tmp_path):
     layout = gemma.model.kv_layout
     with pytest.raises(ConfigError, match="int4 cannot hold sliding-window layers; choose int8, fp16 or fp32"):
         WindowedStorage(Int4KV, layout, 8, WindowPlan.of(layout, TPB), 1)
-    session = DialogueSession(gemma, cache_of(gemma), SamplingParams(4))
-    session.chat("play some jazz")
-    with pytest.raises(ConfigError, match="sliding-window layers is not supported yet"):
-        session.save(tmp_path / "s.cabin")
-    assert not (tmp_path / "s.cabin").exists()
+
+
+def test_a_saved_session_continues_as_if_never_saved(gemma, tmp_path):
+    """The session file holds every token's global layers and the local layers' window; restored into a new cache
+    (no prefill), the next reply is the one the original session gives."""
+    params = SamplingParams(6, stop_token_ids=[])
+    session = DialogueSession(gemma, cache_of(gemma, budget=2 << 20), params, "play some jazz")
+    for text in ("navigate to the nearest charging station " * 3, "play some jazz " * 4):
+        session.chat(text)
+    assert len(session.seq) > 3 * 8  # longer than the window
+    saved = session.save(tmp_path / "s.cabin")
+    restored = DialogueSession.restore(tmp_path / "s.cabin", gemma)
+    assert saved == len(session.seq) and restored.fed == session.fed
+    again, original = restored.chat("the nearest station"), session.chat("the nearest station")
+    assert again.token_ids == original.token_ids and again.reused_tokens == original.reused_tokens

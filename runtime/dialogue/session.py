@@ -128,10 +128,7 @@ class DialogueSession:
         if not self.cache.mode.per_token:
             raise SessionFileError(f"saving a session needs per-token KV storage; {self.cache.mode.name} stores "
                                    "whole blocks: chat with another --kv-cache to save")
-        tensors = {}
-        if self.seq:
-            slots = self.cache.slots(self.seq, 0, len(self.seq))
-            tensors = {name: t.flatten(1, 2)[:, slots].contiguous() for name, t in storage.token_tensors().items()}
+        tensors = storage.session_rows(self.seq) if self.seq else {}
         write_session_file(path, {
             "model_fingerprint": self.engine.fingerprint,
             "scales_fingerprint": storage.scales_fingerprint(),
@@ -178,9 +175,7 @@ class DialogueSession:
             except OutOfBlocks as err:
                 raise SessionFileError(f"{path}: the session holds {len(fed)} tokens of KV, more than this cache "
                                        f"holds ({err}); raise --kv-budget-mb") from err
-            slots = cache.slots(session.seq, reused, len(fed))
-            for name, t in cache.storage.token_tensors().items():
-                t.flatten(1, 2)[:, slots] = tensors[name][:, reused:]
+            cache.storage.restore_rows(session.seq, tensors, reused)
         session.messages, session.pending = header["messages"], header["pending"]
         session.transcript, session.turns = header["transcript"], header["turns"]
         return session

@@ -26,6 +26,7 @@ from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.memory import available_memory
 from cabinllm.runtime.kv.modes import KV_MODES
+from cabinllm.runtime.kv.window import WINDOW
 from cabinllm.runtime.model.tools import Tool
 
 SESSION_FORMAT = "cabin-session/3"  # 2: the KV cache config as one object; 3: a checksum, a checked header
@@ -174,7 +175,10 @@ def check_header(header: dict, tensors: dict[str, torch.Tensor]) -> None:
                          "hold no other system message")
     tokens = len(header["fed"])
     shapes = {name: list(t.shape) for name, t in tensors.items()}
-    if bool(tensors) != bool(tokens) or any(len(shape) < 2 or shape[1] != tokens for shape in shapes.values()):
+    # every token's rows; a sliding-window pool's (runtime.kv.window) of the window only
+    if bool(tensors) != bool(tokens) or any(len(shape) < 2 or not (shape[1] == tokens or name.startswith(WINDOW)
+                                                                   and shape[1] <= tokens)
+                                            for name, shape in shapes.items()):
         raise ValueError(f"'fed' lists {tokens} tokens but the K/V tensors have shapes {shapes} "
                          "(layers, tokens, ...)")
 

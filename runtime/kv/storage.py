@@ -137,6 +137,17 @@ class KVStorage:
         raise ConfigError(f"saving a session needs per-token KV storage; {self.name} stores whole blocks: "
                          "choose another --kv-cache")
 
+    def session_rows(self, seq: Sequence) -> dict[str, torch.Tensor]:
+        """What a session file saves of a sequence: each per-token pool's rows of its tokens, in order."""
+        slots = sequence_slots(seq, 0, len(seq), self.tokens_per_block)
+        return {name: t.flatten(1, 2)[:, slots].contiguous() for name, t in self.token_tensors().items()}
+
+    def restore_rows(self, seq: Sequence, rows: dict[str, torch.Tensor], start: int) -> None:
+        """Put a session file's rows (``session_rows``) of positions [start, len(seq)) back into the pools."""
+        slots = sequence_slots(seq, start, len(seq), self.tokens_per_block)
+        for name, t in self.token_tensors().items():
+            t.flatten(1, 2)[:, slots] = rows[name][:, start:]
+
     def window_bytes(self) -> tuple[int, int]:
         """Bytes held outside the blocks (reserved, in use)."""
         return 0, 0
@@ -329,6 +340,13 @@ class Fp8KV(KVStorage):
     def bytes_per_token(cls, layout: KVLayout, tokens_per_block: int) -> int:
         """One byte per element."""
         return 2 * layout.channels * layout.num_layers
+
+
+def sequence_slots(seq: Sequence, start: int, end: int, tokens_per_block: int) -> torch.Tensor:
+    """Flat slots (``block * tokens_per_block + offset``) of a sequence's positions [start, end)."""
+    positions = torch.arange(start, end)
+    table = torch.tensor(seq.block_table, dtype=torch.long)
+    return table[positions // tokens_per_block] * tokens_per_block + positions % tokens_per_block
 
 
 def gather(pool: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -20,7 +20,9 @@ from cabinllm.runtime.errors import ConfigError, OutOfBlocks
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kernels.bindings import StoredKV
 from cabinllm.runtime.kv.blocks import Sequence, cdiv
-from cabinllm.runtime.kv.storage import KVLayout, KVStorage
+from cabinllm.runtime.kv.storage import KVLayout, KVStorage, sequence_slots
+
+WINDOW = "window."  # the window pool's tensors in a session file
 
 
 @dataclass(frozen=True)
@@ -221,8 +223,29 @@ class WindowedStorage(KVStorage):
             self.window.copy_block(self._local[source], self._local[copy])
 
     def token_tensors(self) -> dict[str, torch.Tensor]:
-        """Session files do not hold sliding-window layers yet."""
-        raise ConfigError("saving a session of a model with sliding-window layers is not supported yet")
+        """The blocks' pools, and the window pool's as ``window.`` ones."""
+        return {**self.blocks.token_tensors(),
+                **{f"{WINDOW}{name}": t for name, t in self.window.token_tensors().items()}}
+
+    def session_rows(self, seq: Sequence) -> dict[str, torch.Tensor]:
+        """Every token's rows of the global layers; the local layers' rows of what the next query's window reads."""
+        rows = self.blocks.session_rows(seq)
+        slots = self._slots(self.plan.local_layers[0], self._window_slots(seq, len(seq)))[2]
+        return rows | {f"{WINDOW}{name}": t.flatten(1, 2)[:, slots].contiguous()
+                       for name, t in self.window.token_tensors().items()}
+
+    def restore_rows(self, seq: Sequence, rows: dict[str, torch.Tensor], start: int) -> None:
+        """The global layers' rows from ``start`` on, and the saved window pinned and put back."""
+        self.blocks.restore_rows(seq, {k: v for k, v in rows.items() if not k.startswith(WINDOW)}, start)
+        self.follow(seq, len(seq))
+        slots = self._slots(self.plan.local_layers[0], self._window_slots(seq, len(seq)))[2]
+        for name, t in self.window.token_tensors().items():
+            t.flatten(1, 2)[:, slots] = rows[f"{WINDOW}{name}"]
+
+    def _window_slots(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
+        """The blocks' slots of the positions a local layer keeps for a sequence of ``num_tokens``."""
+        return sequence_slots(seq, self.kept_from(self.plan.local_layers[0], num_tokens), num_tokens,
+                              self.plan.tokens_per_block)
 
     def window_bytes(self) -> tuple[int, int]:
         """The window pool's bytes (reserved, pinned)."""
