@@ -3,7 +3,9 @@
 Order of a quantized build: KV equalization is folded into the full-precision weights first (scales_source),
 then the linear weights are quantized (cabinllm.calibration.weight_quant: ModelOpt, calibrated on dialogues), then the
 KV scales are attached (kv_attach). The checkpoint's tensors and ``quantization`` block are what ModelOpt's
-export wrote; the other config keys stay the imported model's (cabinllm.calibration.weight_quant.quantize_weights).
+export wrote (in our layout where its TensorRT-LLM layout differs: Phi-3's fused MLP, Gemma's shared lm_head); the
+other config keys stay the imported model's (cabinllm.calibration.weight_quant.quantize_weights), for every
+family cabinllm.calibration.hf_model rebuilds as a transformers model.
 """
 from __future__ import annotations
 

@@ -8,20 +8,17 @@ Gemma 3 gets four layers alternating local and global with a window shorter than
 rotary and LongRoPE, Llama 3.2 tied embeddings and llama3 RoPE scaling. Random weights prove mechanics only."""
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 from pathlib import Path
 
 import pytest
 import torch
-from test_hf_folders import MESSAGES, WORDS, write_tokenizer
+from test_hf_folders import MESSAGES, WORDS, cabin_build, write_tokenizer
 
 from cabinllm.calibration.clips import compute_clips, layer_ranges
 from cabinllm.calibration.equalize import equalize
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.calibration.stats import collect_stats
-from cabinllm.cli import build as build_cli
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
@@ -53,12 +50,13 @@ FAMILIES = {
 TURNS = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(6)]
 
 
-def write_family_folder(folder: Path, family: str, seed: int) -> torch.nn.Module:
-    """A tiny ``family`` model with random weights (norms around their identity), saved by ``save_pretrained``
-    beside a word-level tokenizer; returns the model (float32, eval mode)."""
+def write_family_folder(folder: Path, family: str, seed: int, families: dict = FAMILIES) -> torch.nn.Module:
+    """A tiny ``family`` model (config class, model class and settings from ``families``) with random weights
+    (norms around their identity), saved by ``save_pretrained`` beside a word-level tokenizer; returns the model
+    (float32, eval mode)."""
     import transformers
 
-    config_name, model_name, extra = FAMILIES[family]
+    config_name, model_name, extra = families[family]
     assert write_tokenizer(folder) <= SHAPE["vocab_size"]
     config = getattr(transformers, config_name)(**copy.deepcopy({**SHAPE, **extra}))  # transformers edits them
     model = getattr(transformers, model_name)(config).float().eval()
@@ -77,12 +75,7 @@ def built(request, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp(request.param.lower())
     folder, engine = root / "hf", root / "engine"
     model = write_family_folder(folder, request.param, seed=list(FAMILIES).index(request.param))
-    log = io.StringIO()
-    with contextlib.redirect_stderr(log):
-        code = build_cli.main(["--model", str(folder), "--target", "cpu", "--kv-cache", "int8", "--dtype", "float32",
-                               "--output", str(engine)])
-    assert code == 0, log.getvalue()
-    return {"family": request.param, "model": model, "engine": Engine.load(engine)}
+    return {"family": request.param, "model": model, "engine": Engine.load(cabin_build(folder, engine))}
 
 
 def long_prompt(engine: Engine) -> list[int]:
@@ -194,12 +187,7 @@ def gemma_512(tmp_path_factory) -> dict:
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
     model.save_pretrained(folder)
-    log = io.StringIO()
-    with contextlib.redirect_stderr(log):
-        code = build_cli.main(["--model", str(folder), "--target", "cpu", "--kv-cache", "fp32", "--dtype", "float32",
-                               "--output", str(engine)])
-    assert code == 0, log.getvalue()
-    return {"model": model, "engine": Engine.load(engine)}
+    return {"model": model, "engine": Engine.load(cabin_build(folder, engine, "fp32"))}
 
 
 def test_gemma3_local_layers_hold_the_window_over_4000_tokens(gemma_512):

@@ -70,18 +70,24 @@ def write_hf_folder(folder: Path, family: str, seed: int, **overrides: object) -
     return model
 
 
+def cabin_build(folder: Path, engine: Path, kv_cache: str = "int8", options: tuple = ("--dtype", "float32")) -> Path:
+    """``cabin-build --target cpu`` of an HF folder into ``engine`` (asserting it succeeds, its log in the message
+    where not: module-scoped fixtures have no capsys)."""
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log), contextlib.redirect_stdout(log):
+        code = build_cli.main(["--model", str(folder), "--target", "cpu", "--kv-cache", kv_cache, *options,
+                               "--output", str(engine)])
+    assert code == 0, log.getvalue()
+    return engine
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def built(request, tmp_path_factory) -> dict:
     """One family's HF folder, its transformers model and its engine (cabin-build --kv-cache int8, float32)."""
     root = tmp_path_factory.mktemp(request.param.lower())
     folder, engine = root / "hf", root / "engine"
     model = write_hf_folder(folder, request.param, seed=list(FAMILIES).index(request.param))
-    log = io.StringIO()
-    with contextlib.redirect_stderr(log):  # module scope: capsys is per test
-        code = build_cli.main(["--model", str(folder), "--target", "cpu", "--kv-cache", "int8", "--dtype", "float32",
-                               "--output", str(engine)])
-    assert code == 0, log.getvalue()
-    return {"family": request.param, "folder": folder, "model": model, "engine": engine}
+    return {"family": request.param, "folder": folder, "model": model, "engine": cabin_build(folder, engine)}
 
 
 def prompt_ids(engine: Engine) -> list[int]:

@@ -3,18 +3,15 @@ prompt) and Phi-3 (half the head rotated, LongRoPE) HF folders as transformers w
 of their engines compute transformers' logits, in the ort profile and, on its allow-list, the npu one."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from test_cli_errors import run_cli
-from test_hf_folders import SHAPE, write_tokenizer
+from test_families import write_family_folder
+from test_hf_folders import SHAPE, cabin_build
 
 from cabinllm.builders.onnx_profiles import onnx_profile
-from cabinllm.cli import build as build_cli
 from cabinllm.cli import export as export_cli
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.engine import Engine
@@ -39,34 +36,15 @@ FAMILIES = {
 }
 
 
-def write_family_folder(folder: Path, family: str, seed: int) -> torch.nn.Module:
-    """A family's causal LM with random weights (norms too), saved by ``save_pretrained`` beside a tokenizer;
-    returns the model (float32, eval mode)."""
-    import transformers
-
-    config_name, model_name, overrides = FAMILIES[family]
-    config = getattr(transformers, config_name)(vocab_size=write_tokenizer(folder), **{**SHAPE, **overrides})
-    model = getattr(transformers, model_name)(config).float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.2 + (1.0 if "norm" in name else 0.0))
-    model.save_pretrained(folder)
-    return model
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def built(request, tmp_path_factory) -> dict:
     """One family's transformers model, its engine (cabin-build --kv-cache fp32, float32) and prompts."""
     root = tmp_path_factory.mktemp(request.param.lower())
     folder, engine = root / "hf", root / "engine"
     seed = list(FAMILIES).index(request.param)
-    model = write_family_folder(folder, request.param, seed)
-    log = io.StringIO()
-    with contextlib.redirect_stderr(log):  # module scope: capsys is per test
-        code = build_cli.main(["--model", str(folder), "--target", "cpu", "--kv-cache", "fp32", "--dtype", "float32",
-                               "--output", str(engine)])
-    assert code == 0, log.getvalue()
+    model = write_family_folder(folder, request.param, seed, {k: (c, m, {**SHAPE, **o}) for k, (c, m, o) in
+                                                              FAMILIES.items()})
+    cabin_build(folder, engine, "fp32")
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, vocab, (n,), generator=gen) for n in PROMPTS]

@@ -3,14 +3,11 @@ than the window, reuse stops where the pool no longer holds a window, forks and 
 and what it cannot hold is one clear error. Tiny random-weight Gemma 3 (window 8, layers local and global)."""
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
 import torch
 from test_families import write_family_folder
+from test_hf_folders import cabin_build
 
-from cabinllm.cli import build as build_cli
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import ConfigError, OutOfBlocks
@@ -30,12 +27,7 @@ def gemma(tmp_path_factory) -> Engine:
     """A tiny Gemma 3 engine (fp32 weights, int8 KV scales calibrated)."""
     root = tmp_path_factory.mktemp("gemma")
     write_family_folder(root / "hf", "Gemma3", seed=3)
-    log = io.StringIO()
-    with contextlib.redirect_stderr(log):
-        code = build_cli.main(["--model", str(root / "hf"), "--target", "cpu", "--kv-cache", "int8", "--dtype",
-                               "float32", "--output", str(root / "engine")])
-    assert code == 0, log.getvalue()
-    return Engine.load(root / "engine")
+    return Engine.load(cabin_build(root / "hf", root / "engine"))
 
 
 def ids(n: int, seed: int) -> list[int]:
