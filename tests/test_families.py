@@ -25,6 +25,7 @@ from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.generation.generate import generate, run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kernels.bindings import native_kernels_enabled
 from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.runtime.model.transformer import Transformer
 
@@ -239,7 +240,8 @@ def test_checkpoint_is_what_tensorrt_llms_converter_writes(built):
     layer = "transformer.layers.1"
     if built["family"] == "Qwen3":
         assert (config["qwen_type"], config["attn_bias"], config["head_size"]) == ("qwen3", False, 16)
-        assert torch.equal(stored[f"{layer}.attention.q_layernorm.weight"], hf["model.layers.1.self_attn.q_norm.weight"])
+        q_norm = hf["model.layers.1.self_attn.q_norm.weight"]
+        assert torch.equal(stored[f"{layer}.attention.q_layernorm.weight"], q_norm)
     if built["family"] == "Gemma3":
         for key in ("query_pre_attn_scalar", "sliding_window", "rope_local_base_freq"):
             assert config[key] == extra[key]
@@ -265,3 +267,25 @@ def test_checkpoint_is_what_tensorrt_llms_converter_writes(built):
     if built["family"] == "Llama32":
         assert {k: v for k, v in config["rotary_scaling"].items() if k != "type"} == extra["rope_scaling"]
         assert config["tie_word_embeddings"] is True
+
+
+def test_the_fused_decode_step_takes_every_family_but_gemma(built):
+    """decode_step.c normalizes the q/k heads (Qwen3) and rotates part of each head (Phi-3); its token's logits
+    equal the per-layer path's. Gemma 3 (extra norms, GELU, scales, windows) keeps the per-layer path."""
+    model, ids = built["engine"].model, long_prompt(built["engine"])[:40]
+    if built["family"] == "Gemma3":
+        assert model._step_weights is None
+        return
+    assert model._step_weights is not None and native_kernels_enabled()
+    last = []
+    for fused in (True, False):
+        run = run_tokens(model, ids[:-1], "fp32", cache=built["engine"].new_cache(
+            built["engine"].kv_cache_config("fp32", 1 << 20)))
+        run.cache.append(run.seq, ids[-1:])
+        if not fused:
+            model.__dict__["_step_weights"] = None  # the cached property, emptied: the per-layer path
+        try:
+            last.append(model.forward(ids[-1:], len(ids) - 1, run.cache, run.seq))
+        finally:
+            model.__dict__.pop("_step_weights", None)
+    torch.testing.assert_close(last[0], last[1], atol=1e-4, rtol=0)

@@ -105,4 +105,5 @@ def test_int4_awq_refuses_inputs_no_group_divides(tmp_path, capsys):
     code = build_cli.main(["--model", str(tmp_path / "hf"), "--target", "cpu", "--kv-cache", "fp32", "--weights",
                            "int4-awq", "--output", str(tmp_path / "engine")])
     assert code == 2
-    assert "no AWQ group size of 128, 64 divides the input sizes [32, 37]; use --weights int8" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no AWQ group size of 128, 64 divides the input sizes [32, 37]; use --weights int8" in err

@@ -41,10 +41,11 @@ def test_plan_counts_each_family_and_says_what_the_board_can_build(capsys, name,
     assert result["kv_bytes_per_token"] == {"fp16": 2 * 2 * layers * heads * head, "int8": 2 * layers * heads * head}
     tpb = result["tokens_per_block"]
     held = (-(-window // tpb) + 1) * tpb if window else 0  # the window in whole blocks, one more for a straddle
-    assert result["kv_window_bytes"] == {"fp16": held * 4 * local * heads * head, "int8": held * 2 * local * heads * head}
+    per_token = local * heads * head  # the local layers' channels of one token, K or V
+    assert result["kv_window_bytes"] == {"fp16": held * 4 * per_token, "int8": held * 2 * per_token}
     for dtype in ("fp16", "int8"):
-        pool = result["num_blocks"][dtype] * tpb * result["kv_bytes_per_token"][dtype] + result["kv_window_bytes"][dtype]
-        assert result["kv_pool_bytes"][dtype] == pool
+        blocks = result["num_blocks"][dtype] * tpb * result["kv_bytes_per_token"][dtype]
+        assert result["kv_pool_bytes"][dtype] == blocks + result["kv_window_bytes"][dtype]
     if BUILDS_ON_0_12[name]:
         assert result["trtllm_cannot_build"] is None and all(result["trtllm_build_args"].values())
     else:

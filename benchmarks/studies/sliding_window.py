@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratio |", "|---|---|---|---|---|---|",
         *(f"| {r['tokens']:,} | {r['blocks_bytes'] / MIB:.1f} | {r['window_bytes'] / MIB:.1f} | "
           f"{(r['blocks_bytes'] + r['window_bytes']) / MIB:.1f} | {r['all_layers_bytes'] / MIB:.1f} | "
-          f"{(r['blocks_bytes'] + r['window_bytes']) / r['all_layers_bytes']:.2f}x |" for r in (rows[i] for i in marks)),
+          f"{(r['blocks_bytes'] + r['window_bytes']) / r['all_layers_bytes']:.2f}x |"
+          for r in (rows[i] for i in marks)),
         "", f"A new sequence with the same {len(tokens):,} tokens: the blocks still hold {reused:,} of them, it reused "
             f"{found:,} (the window pool holds the last window); its next logits differ from recomputing all by "
             f"{result['reuse']['max_abs_logit_diff_vs_recompute']:.1e}.", ""])

@@ -104,7 +104,8 @@ class KernelLinear:
 
 @dataclass
 class KernelLayer:
-    """One decoder layer's weights for decode_step.c: fp32 norm weights and its five linear ops."""
+    """One decoder layer's weights for decode_step.c: fp32 norm weights, its five linear ops and, where the model
+    normalizes each query and key head (Qwen3), those norms' weights."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -113,6 +114,8 @@ class KernelLayer:
     fc: KernelLinear
     gate: KernelLinear
     proj: KernelLinear
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 def compiler() -> str:
@@ -247,14 +250,18 @@ class _LinearOp(ctypes.Structure):
 
 class _LayerWeights(ctypes.Structure):
     _fields_ = [("input_norm", _POINTER), ("post_norm", _POINTER)] + \
-        [(name, _LinearOp) for name in _LAYER_OPS]
+        [(name, _LinearOp) for name in _LAYER_OPS] + [("q_norm", _POINTER), ("k_norm", _POINTER)]
+
+
+ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}  # decode_step.c's ACT_* codes
 
 
 class StepWeights:
-    """A model's layers as the C structs decode_step.c reads; holds the tensors they point into."""
+    """A model's layers as the C structs decode_step.c reads, and the MLP's activation (a key of
+    ``ACTIVATION_CODES``); holds the tensors they point into."""
 
-    def __init__(self, layers: list[KernelLayer]) -> None:
-        self.layers = layers
+    def __init__(self, layers: list[KernelLayer], activation: str = "silu") -> None:
+        self.layers, self.activation = layers, ACTIVATION_CODES[activation]
         self.array = (_LayerWeights * len(layers))(*(_layer_struct(layer) for layer in layers))
         first = layers[0]
         self.hidden, self.intermediate = first.dense.rows, first.fc.rows
@@ -271,7 +278,8 @@ def _layer_struct(layer: KernelLayer) -> _LayerWeights:
     return _LayerWeights(_pointer(layer.input_norm), _pointer(layer.post_norm),
                          **{name: _LinearOp(op.kind, op.rows, op.cols, op.group, _pointer(op.weight),
                                             _pointer(op.scale), _pointer(op.prequant), _pointer(op.bias))
-                            for name, op in ops.items()})
+                            for name, op in ops.items()},
+                         q_norm=_pointer(layer.q_norm), k_norm=_pointer(layer.k_norm))
 
 
 class DecodeStep:
@@ -280,19 +288,20 @@ class DecodeStep:
     def __init__(self, library: ctypes.CDLL, dtype: torch.dtype, head_size: int, group: int) -> None:
         self.dtype, self.head_size, self.group = dtype, head_size, group
         self._fn = library.decode_step
-        self._fn.argtypes = [_POINTER, _SIZE, _POINTER, _SIZE, _SIZE, _SIZE, _REAL, _POINTER, _POINTER,
+        self._fn.argtypes = [_POINTER, _SIZE, _POINTER, _SIZE, _SIZE, _SIZE, _SIZE, _REAL, _POINTER, _POINTER, _SIZE,
                              _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE]
         self._fn.restype = ctypes.c_int
 
     def __call__(self, weights: StepWeights, x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                  pools: StaticPools, block_table: torch.Tensor, slot: int, num_tokens: int) -> torch.Tensor:
-        """Run the token whose embedding is x (hidden,) at the position of the cos / sin rows (head_size,)
-        through every layer: stores its K/V at ``slot`` and attends over the first ``num_tokens`` tokens of the
-        sequence's blocks. Returns the last hidden state (hidden,)."""
+        """Run the token whose embedding is x (hidden,) at the position of the cos / sin rows (the rotated
+        channels, at most head_size) through every layer: stores its K/V at ``slot`` and attends over the first
+        ``num_tokens`` tokens of the sequence's blocks. Returns the last hidden state (hidden,)."""
         layers, blocks, tokens_per_block, kv_heads, head_size = pools.k.shape
         if (pools.k.dtype != self.dtype or pools.v.dtype != self.dtype or head_size != self.head_size
                 or layers != len(weights.layers) or not pools.k.is_contiguous() or not pools.v.is_contiguous()
-                or x.shape != (weights.hidden,) or cos.shape != (head_size,)):
+                or x.shape != (weights.hidden,) or cos.dim() != 1 or not 0 < cos.shape[0] <= head_size
+                or cos.shape[0] % 2 or sin.shape != cos.shape):
             raise ValueError(f"decode step built for {self.dtype} pools of head size {self.head_size} got "
                              f"{pools.k.dtype} pools {tuple(pools.k.shape)}, x {tuple(x.shape)} and "
                              f"{len(weights.layers)} layers of weights")
@@ -303,7 +312,8 @@ class DecodeStep:
         k_scales, v_scales = pools.k_scales.float().contiguous(), pools.v_scales.float().contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         status = self._fn(ctypes.addressof(weights.array), layers, x.data_ptr(), weights.hidden, kv_heads,
-                          weights.intermediate, eps, cos.data_ptr(), sin.data_ptr(), pools.k.data_ptr(),
+                          weights.intermediate, weights.activation, eps, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+                          pools.k.data_ptr(),
                           pools.v.data_ptr(), blocks * tokens_per_block * kv_heads * head_size,
                           k_scales.data_ptr(), v_scales.data_ptr(), block_table.data_ptr(), slot, num_tokens,
                           tokens_per_block)

@@ -1,11 +1,13 @@
 /* One decode step of one sequence through every layer in a single call: the one-token path of
  * runtime/model.py (Transformer.step), with no Python or torch work between the layer's parts.
  *
- * Per layer: RMS norm, the qkv product, RoPE (GPT-NeoX halves) on the query and key heads, the new
+ * Per layer: RMS norm, the qkv product, where the model has them RMS norms of each query and key head (Qwen3's
+ * q_norm / k_norm), RoPE (GPT-NeoX halves of the first ``rotary`` channels) on the query and key heads, the new
  * token's K and V stored at its slot of the layer's pools (int8: round(x / scale) clamped to +-127 as
  * runtime/kv_quant.py does; fp16: rounded to nearest even; fp32 as is), attention over the sequence's
  * blocks (decode_attention.c, the new token included), the dense product added to the residual, RMS
- * norm, silu(fc) * gate, and the proj product added to the residual. Each linear op is one of the
+ * norm, act(fc) * gate (act: SiLU, GELU or its tanh form), and the proj product added to the residual.
+ * Each linear op is one of the
  * formats of runtime/quant_linear.py, run by the kernels of matvec.c and quant_matvec.c.
  *
  * Compiled per element type, head size and group like decode_attention.c (-DELEMENT, -DHEAD_SIZE,
@@ -20,6 +22,15 @@
 #include "quant_matvec.c"
 
 enum { WEIGHTS_FP32 = 0, WEIGHTS_FP16 = 1, WEIGHTS_INT8 = 2, WEIGHTS_INT4 = 3 };
+enum { ACT_SILU = 0, ACT_GELU = 1, ACT_GELU_TANH = 2 };
+
+/* The MLP's activation of x, as torch computes silu, gelu and gelu(approximate="tanh"). */
+static float activation(float x, int64_t act)
+{
+    if (act == ACT_SILU) return x / (1.0f + expf(-x));
+    if (act == ACT_GELU) return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+}
 
 /* One linear op, y = W x + b; int4: W is packed (rows / 2, cols) and x is multiplied by prequant first. */
 typedef struct {
@@ -31,6 +42,7 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;
     LinearOp qkv, dense, fc, gate, proj;
+    const float *q_norm, *k_norm;  /* (HEAD_SIZE,) each, or NULL: no norm of the heads */
 } LayerWeights;
 
 static void run_linear(const LinearOp *op, const float *x, float *y, float *scaled_x)
@@ -61,12 +73,25 @@ static void rms_norm(const float *restrict x, const float *restrict weight, floa
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * inverse * weight[i];
 }
 
-/* Rotates each head of x (heads, HEAD_SIZE) in place: x * cos + (-x[half:], x[:half]) * sin. */
-static void rope(float *restrict x, const float *restrict cos, const float *restrict sin, int64_t heads)
+/* Normalizes each head of x (heads, HEAD_SIZE) in place by the RMS of its channels, times weight. */
+static void head_norms(float *restrict x, const float *restrict weight, float eps, int64_t heads)
 {
-    const int half = HEAD_SIZE / 2;
     for (int64_t h = 0; h < heads; h++, x += HEAD_SIZE) {
-        for (int i = 0; i < half; i++) {
+        float sum = 0.0f;
+        for (int i = 0; i < HEAD_SIZE; i++) sum += x[i] * x[i];
+        const float inverse = 1.0f / sqrtf(sum / (float)HEAD_SIZE + eps);
+        for (int i = 0; i < HEAD_SIZE; i++) x[i] = x[i] * inverse * weight[i];
+    }
+}
+
+/* Rotates the first ``rotary`` channels of each head of x (heads, HEAD_SIZE) in place: x * cos + (-x[half:],
+ * x[:half]) * sin with half = rotary / 2; the other channels pass. */
+static void rope(float *restrict x, const float *restrict cos, const float *restrict sin, int64_t heads,
+                 int64_t rotary)
+{
+    const int64_t half = rotary / 2;
+    for (int64_t h = 0; h < heads; h++, x += HEAD_SIZE) {
+        for (int64_t i = 0; i < half; i++) {
             const float a = x[i], b = x[i + half];
             x[i] = a * cos[i] - b * sin[i];
             x[i + half] = b * cos[i + half] + a * sin[i + half];
@@ -93,11 +118,12 @@ static void store(ELEMENT *restrict slot, const float *restrict x, int64_t n, fl
 
 /* x (hidden,): the token's embedding in, its last hidden state out. k_pools / v_pools: (layers, blocks,
  * tokens_per_block, kv_heads, HEAD_SIZE); k_scales / v_scales: each layer's static INT8 scales (1 for float
- * pools); cos / sin: the RoPE rows of the token's position; slot: its flat slot in a layer's pool;
+ * pools); cos / sin: the RoPE rows (rotary,) of the token's position; slot: its flat slot in a layer's pool;
  * num_tokens: the sequence's tokens, this one included. Returns 0, or -1 (nothing done) when the work buffers
  * cannot be allocated. */
 int decode_step(const LayerWeights *layers, int64_t num_layers, float *x, int64_t hidden, int64_t kv_heads,
-                int64_t intermediate, float eps, const float *cos, const float *sin, ELEMENT *k_pools,
+                int64_t intermediate, int64_t act, float eps, const float *cos, const float *sin, int64_t rotary,
+                ELEMENT *k_pools,
                 ELEMENT *v_pools, int64_t layer_elements, const float *k_scales, const float *v_scales,
                 const int64_t *block_table, int64_t slot, int64_t num_tokens, int64_t tokens_per_block)
 {
@@ -115,7 +141,11 @@ int decode_step(const LayerWeights *layers, int64_t num_layers, float *x, int64_
         ELEMENT *k_pool = k_pools + l * layer_elements, *v_pool = v_pools + l * layer_elements;
         rms_norm(x, layer->input_norm, eps, hidden, h);
         run_linear(&layer->qkv, h, qkv, scaled_x);
-        rope(qkv, cos, sin, heads + kv_heads);
+        if (layer->q_norm) {
+            head_norms(qkv, layer->q_norm, eps, heads);
+            head_norms(qkv + q_size, layer->k_norm, eps, kv_heads);
+        }
+        rope(qkv, cos, sin, heads + kv_heads, rotary);
         store(k_pool + slot * kv_size, qkv + q_size, kv_size, k_scales[l]);
         store(v_pool + slot * kv_size, qkv + q_size + kv_size, kv_size, v_scales[l]);
         decode_attention(qkv, k_pool, v_pool, NULL, NULL, block_table, num_tokens, tokens_per_block, kv_heads,
@@ -125,7 +155,7 @@ int decode_step(const LayerWeights *layers, int64_t num_layers, float *x, int64_
         rms_norm(x, layer->post_norm, eps, hidden, h);
         run_linear(&layer->fc, h, fc, scaled_x);
         run_linear(&layer->gate, h, gate, scaled_x);
-        for (int64_t i = 0; i < intermediate; i++) fc[i] = fc[i] / (1.0f + expf(-fc[i])) * gate[i];
+        for (int64_t i = 0; i < intermediate; i++) fc[i] = activation(fc[i], act) * gate[i];
         run_linear(&layer->proj, fc, branch, scaled_x);
         for (int64_t i = 0; i < hidden; i++) x[i] += branch[i];
     }

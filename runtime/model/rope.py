@@ -65,7 +65,8 @@ def longrope_attention_factor(scaling: dict | None) -> float:
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = scaling["factor"]
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
+    original = scaling["original_max_position_embeddings"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,8 @@ Longer prefill and machines where the kernels cannot be built run the torch path
 
 What the families add runs on the torch path around the same kernels: q/k norms before RoPE (Qwen3, Gemma 3),
 partial rotary (Phi-3), Gemma 3's extra norms, GELU, embedding and query scales, and its local layers' window
-(attention over the last ``sliding_window`` positions only). The fused one-call decode step is Llama-shaped, so
-only those families take it.
+(attention over the last ``sliding_window`` positions only). The fused one-call decode step knows q/k norms,
+partial rotary and GELU besides Llama (Qwen3 and Phi-4-mini take it), not Gemma 3.
 """
 from __future__ import annotations
 
@@ -186,12 +186,12 @@ class Transformer:
 
     @functools.cached_property
     def _step_weights(self) -> StepWeights | None:
-        """The layers as the fused decode step reads them; None where an op has no form it runs or the model is not
-        Llama-shaped (the step knows no q/k norms, partial rotary, extra norms, GELU, scales or windows)."""
+        """The layers as the fused decode step reads them; None where an op has no form it runs or the model is more
+        than Llama plus q/k norms, partial rotary and another activation (the step knows no extra norms, scales or
+        windows)."""
         c = self.config
-        if (c.qk_layernorm or c.inter_layernorms or c.rotary_dim is not None or c.hidden_act != "silu"
-                or c.sliding_window is not None or c.embedding_multiplier != 1.0 or self._query_scale != 1.0
-                or c.final_logit_softcapping is not None):
+        if (c.inter_layernorms or c.sliding_window is not None or c.embedding_multiplier != 1.0
+                or self._query_scale != 1.0 or c.final_logit_softcapping is not None):
             return None
         layers = []
         for layer in self.layers:
@@ -200,8 +200,10 @@ class Transformer:
                        fc=kernel_linear(fc), gate=kernel_linear(gate), proj=kernel_linear(layer["proj"]))
             if any(op is None for op in ops.values()):
                 return None
-            layers.append(KernelLayer(layer["input_norm"].contiguous(), layer["post_norm"].contiguous(), **ops))
-        return StepWeights(layers)
+            norms = {k: layer[k].contiguous() for k in ("q_norm", "k_norm") if k in layer}
+            layers.append(KernelLayer(layer["input_norm"].contiguous(), layer["post_norm"].contiguous(), **ops,
+                                      **norms))
+        return StepWeights(layers, c.hidden_act)
 
     def _attention(self, index: int, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    ctx: StepContext) -> torch.Tensor:
