@@ -289,3 +289,31 @@ def test_the_fused_decode_step_takes_every_family_but_gemma(built):
         finally:
             model.__dict__.pop("_step_weights", None)
     torch.testing.assert_close(last[0], last[1], atol=1e-4, rtol=0)
+
+
+def test_a_template_that_writes_bos_gets_one_bos(tmp_path):
+    """Gemma's (and Llama 3's) chat template starts with ``bos_token`` while its tokenizer also asks for BOS: the
+    prompt starts with one, as transformers' apply_chat_template gives it."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from cabinllm.runtime.model.tokenizer import ChatTokenizer
+    from cabinllm.runtime.sources.tokenizer_export import export_tokenizer
+
+    vocab = {token: i for i, token in enumerate(["<unk>", "<bos>", "<eos>", *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    hf_folder = tmp_path / "hf"
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                            chat_template=template).save_pretrained(hf_folder)
+    config_path = hf_folder / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "add_bos_token": True}))
+    export_tokenizer(hf_folder, tmp_path)  # as an import writes it beside the checkpoint
+    ours = ChatTokenizer(tmp_path)
+    ids = ours.encode_prompt(ours.render(MESSAGES))
+    theirs = PreTrainedTokenizerFast.from_pretrained(hf_folder).apply_chat_template(MESSAGES, tokenize=True,
+                                                                                     return_dict=False)
+    assert ids == list(theirs) and ids.count(1) == 1 and ids[0] == 1

@@ -65,9 +65,12 @@ class ChatTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a whole rendered conversation: BOS first where the model wants it."""
+        """Token ids of a whole rendered conversation: BOS first where the model wants it, once (Gemma's and Llama
+        3's templates write it themselves)."""
         ids = self.encode(text)
-        return [self.token_id(self.bos_token)] + ids if self.add_bos_token and self.bos_token else ids
+        if not (self.add_bos_token and self.bos_token) or ids[:1] == [self.token_id(self.bos_token)]:
+            return ids
+        return [self.token_id(self.bos_token)] + ids
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids, special tokens included."""
