@@ -43,7 +43,6 @@ from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kv.modes import ONNX_KV_MODES, kv_mode
 from cabinllm.runtime.kv.quant import INT8_MAX
 from cabinllm.runtime.model.linear import Int4AwqLinear, Int8Linear, Linear, Stacked, unpack_int4
-from cabinllm.runtime.model.rope import rope_table
 from cabinllm.runtime.model.transformer import Transformer
 from cabinllm.runtime.sources.tokenizer_export import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
@@ -272,11 +271,10 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
     x = g.op("Gather", g.const("embedding", model.embedding.numpy()), "input_ids", axis=0)
     if c.embedding_multiplier != 1.0:
         x = g.op("Mul", x, g.scalar("embedding_multiplier", c.embedding_multiplier))
-    rope = _rope_rows(g, "rope", model.cos[:context], model.sin[:context])
-    if c.rope_local_base_freq is None:
-        local_rope = rope
-    else:  # Gemma 3's local layers: a table of their own base, unscaled
-        local_rope = _rope_rows(g, "rope_local", *rope_table(c.rotated_channels, context, c.rope_local_base_freq))
+    rope = _rope_rows(g, "rope", *model.rope.rows(torch.arange(context)))
+    # Gemma 3's local layers: a table of their own base, unscaled
+    local_rope = rope if model.local_rope is None else _rope_rows(g, "rope_local",
+                                                                   *model.local_rope.rows(torch.arange(context)))
     mask = g.op("Unsqueeze", "attention_mask", g.ints(1))  # [1, 1, 1, T, keys]: every KV head, every group
     local_mask = mask if c.sliding_window is None else _window_mask(g, mask, context, c.sliding_window)
     scalar = d if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar  # Gemma's, else the head size

@@ -1,7 +1,7 @@
 """Rotary position embedding (GPT-NeoX style) of a head's first ``rotary_dim`` channels, with linear, llama3 and
 longrope (Phi-3) frequency scaling.
 
-LongRoPE's tables hold the short factors for positions below ``original_max_position_embeddings`` and the long ones
+LongRoPE's rows hold the short factors for positions below ``original_max_position_embeddings`` and the long ones
 from there on, both times its attention factor: what transformers computes for a token decoded at that position
 (it switches the whole forward call to the long factors once any of its positions passes the boundary; vLLM's
 tables are per position as here).
@@ -44,18 +44,28 @@ def inverse_frequencies(head_size: int, base: float, scaling: dict | None = None
     return torch.where(is_medium, smoothed, scaled).float()
 
 
-def rope_table(head_size: int, max_positions: int, base: float, scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (max_positions, head_size); ``head_size`` is the rotated channels."""
-    inv_freq = inverse_frequencies(head_size, base, scaling)
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)
-    if scaling_kind(scaling) == "longrope":
-        long = inverse_frequencies(head_size, base, {**scaling, "short_factor": scaling["long_factor"]})
-        boundary = scaling["original_max_position_embeddings"]
-        angles[boundary:] = torch.outer(positions[boundary:], long)
-    angles = torch.cat([angles, angles], dim=-1)
-    factor = longrope_attention_factor(scaling)
-    return angles.cos() * factor, angles.sin() * factor
+class Rope:
+    """cos and sin of any positions, computed when asked (no table of the whole context: at 131,072 positions of
+    256 channels one would hold 256 MiB)."""
+
+    def __init__(self, rotated: int, base: float, scaling: dict | None = None) -> None:
+        """``rotated``: the channels of each head RoPE rotates."""
+        self.inv_freq = inverse_frequencies(rotated, base, scaling)
+        self.long_inv_freq, self.boundary = None, None
+        if scaling_kind(scaling) == "longrope":
+            self.long_inv_freq = inverse_frequencies(rotated, base, {**scaling, "short_factor": scaling["long_factor"]})
+            self.boundary = scaling["original_max_position_embeddings"]
+        self.factor = longrope_attention_factor(scaling)
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape (len(positions), rotated) for integer positions."""
+        positions = positions.to(torch.float32)
+        angles = positions[:, None] * self.inv_freq[None, :]
+        if self.long_inv_freq is not None:
+            long = positions >= self.boundary
+            angles[long] = positions[long][:, None] * self.long_inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos() * self.factor, angles.sin() * self.factor
 
 
 def longrope_attention_factor(scaling: dict | None) -> float:

@@ -42,7 +42,7 @@ from cabinllm.runtime.kv.cache import PagedKVCache
 from cabinllm.runtime.kv.storage import KVLayout, KVStorage
 from cabinllm.runtime.model.linear import Linear, halves, kernel_linear, linear_op, stack
 from cabinllm.runtime.model.linear import linear as _linear
-from cabinllm.runtime.model.rope import apply_rope, rope_table
+from cabinllm.runtime.model.rope import Rope, apply_rope
 from cabinllm.runtime.model.threads import CPU_THREADS
 
 
@@ -86,10 +86,9 @@ class Transformer:
         self.native_kernels = native_kernels_enabled()
         self.lm_head = _lm_head(w.pop("lm_head.weight"), self.native_kernels)
         self.layers = [_layer_weights(w, i, config) for i in range(config.num_hidden_layers)]
-        rotary, positions = config.rotated_channels, config.max_position_embeddings
-        self.cos, self.sin = rope_table(rotary, positions, config.rotary_base, config.rotary_scaling)
-        local = config.rope_local_base_freq
-        self._local_rope = None if local is None else rope_table(rotary, positions, local)
+        rotary, local = config.rotated_channels, config.rope_local_base_freq
+        self.rope = Rope(rotary, config.rotary_base, config.rotary_scaling)
+        self.local_rope = None if local is None else Rope(rotary, local)  # Gemma 3's local layers
         # SDPA scales by 1 / sqrt(head_size); Gemma's query_pre_attn_scalar asks for another scale
         scalar = config.query_pre_attn_scalar
         self._query_scale = 1.0 if scalar is None else math.sqrt(config.head_size / scalar)
@@ -135,8 +134,7 @@ class Transformer:
         positions = torch.cat([torch.arange(span.start_pos, span.end) for span in spans])
         x = self.embedding[torch.tensor(ids, dtype=torch.long)]
         x = x * c.embedding_multiplier if c.embedding_multiplier != 1.0 else x
-        tables = [(self.cos, self.sin)] + ([self._local_rope] if self._local_rope else [])
-        ropes = [(cos[positions], sin[positions]) for cos, sin in tables]  # global, then local layers' if theirs
+        ropes = [rope.rows(positions) for rope in (self.rope, self.local_rope) if rope]  # global, then local
         mv = matvec() if self.native_kernels and len(ids) <= MATVEC_MAX_TOKENS else None
         ctx = StepContext(spans, torch.cat([cache.slots(s.seq, s.start_pos, s.end) for s in spans]),
                           [cache.block_table(s.seq) for s in spans], cache.storage, self.native_kernels, mv)
@@ -180,9 +178,9 @@ class Transformer:
         if kernel is None or self._step_weights is None:
             return None
         position, seq = span.start_pos, span.seq
-        return kernel(self._step_weights, self.embedding[span.token_ids[0]], c.norm_epsilon, self.cos[position],
-                      self.sin[position], pools, cache.block_table(seq), int(cache.slots(seq, position, span.end)),
-                      span.end)
+        cos, sin = self.rope.rows(torch.tensor([position]))
+        return kernel(self._step_weights, self.embedding[span.token_ids[0]], c.norm_epsilon, cos[0], sin[0], pools,
+                      cache.block_table(seq), int(cache.slots(seq, position, span.end)), span.end)
 
     @functools.cached_property
     def _step_weights(self) -> StepWeights | None:
