@@ -111,3 +111,16 @@ def test_a_saved_session_continues_as_if_never_saved(gemma, tmp_path):
     assert saved == len(session.seq) and restored.fed == session.fed
     again, original = restored.chat("the nearest station"), session.chat("the nearest station")
     assert again.token_ids == original.token_ids and again.reused_tokens == original.reused_tokens
+
+
+def test_calibration_reads_every_token_of_the_local_layers(gemma):
+    """run_tokens (calibration's and cabin-eval's runs) keeps every layer's K/V of every token on a cache of its
+    own, the local layers' too, while their attention still sees the window: the logits are the window pool's."""
+    tokens = ids(300, 7)  # far more than the window pool of one sequence holds
+    run = run_tokens(gemma.model, tokens, "fp32", all_logits=True)
+    local = next(i for i in range(gemma.config.num_hidden_layers) if gemma.config.layer_window(i))
+    assert run.kv(local)[0].shape[0] == 300
+    cache, seq = cache_of(gemma), Sequence()
+    cache.allocate(seq, tokens)
+    torch.testing.assert_close(run.logits, gemma.model.forward(tokens, 0, cache, seq, all_logits=True), atol=1e-5,
+                               rtol=0)

@@ -3,7 +3,7 @@ the reply; and what a backend's model offers the loops (``ForwardModel``, ``Batc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
@@ -192,12 +192,14 @@ def run_tokens(model: ForwardModel, token_ids: list[int], kv_mode: str = "fp32",
                all_logits: bool = False, cache: PagedKVCache | None = None, chunk: int | None = None) -> Prefilled:
     """Run the model over token_ids on a fresh cache sized to them (or on ``cache``, empty) and hand back its K/V.
 
-    They go through the model at once, or in pieces of ``chunk`` tokens. Modes that keep a window of recent
-    tokens at higher precision are prefilled block by block at most, so every position sees the window as it
-    would while decoding.
+    A fresh cache keeps every layer's K/V of every token, sliding-window layers' too (their attention still sees
+    their window only), so that calibration reads them all. They go through the model at once, or in pieces of
+    ``chunk`` tokens. Modes that keep a window of recent tokens at higher precision are prefilled block by block at
+    most, so every position sees the window as it would while decoding.
     """
     if cache is None:
-        cache = PagedKVCache(model.kv_layout, sized_config(model.kv_layout, kv_mode, len(token_ids)), scales)
+        layout = replace(model.kv_layout, windows=())
+        cache = PagedKVCache(layout, sized_config(layout, kv_mode, len(token_ids)), scales)
     seq = Sequence()
     chunk = min(chunk or len(token_ids), cache.tokens_per_block if cache.mode.recent_window else len(token_ids))
     logits = []
