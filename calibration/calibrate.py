@@ -90,13 +90,13 @@ def _parts(model: LoadedModel, request: CalibrationRequest, split: str, validati
     count = request.num_dialogues or count
     max_tokens = min(request.max_tokens or max_tokens, context)
     if split == "heldout":
-        count, max_tokens = 0, VALIDATION_TOKENS
+        count, max_tokens = 0, min(VALIDATION_TOKENS, context)
     builtin = request.data == BUILTIN
     min_tokens = max_tokens if builtin else min(request.min_tokens, max_tokens)
     parts = [_source_part(request.data, split, count, request.seed, model, max_tokens, min_tokens, builtin,
                           validation)]
     if builtin and request.mix != NO_MIX:
-        mix_tokens = min(request.mix_tokens, context) if split == "train" else VALIDATION_TOKENS
+        mix_tokens = min(request.mix_tokens if split == "train" else VALIDATION_TOKENS, context)
         try:
             parts.append(_source_part(request.mix, split, request.mix_dialogues if split == "train" else 0,
                                       request.seed, model, mix_tokens, mix_tokens, False, validation))
