@@ -80,8 +80,11 @@ def test_decode_attention_equals_torch_path(mode, kv_heads, group, head_size, to
     k, v, k_scale, v_scale = cache.storage.read_unscaled(1, table, context)
     want = grouped_attention(q[None] * k_scale, k, v, context - 1) * v_scale
     stored = cache.storage.stored_kv(1, table, context)
-    got = native_kernels.decode_attention(stored.k.dtype, head_size, group)(q, stored, context)
-    assert torch.max(torch.abs(got - want)) <= 1e-5
+    kernel = native_kernels.decode_attention(stored.k.dtype, head_size, group)
+    assert torch.max(torch.abs(kernel(q, stored, context) - want)) <= 1e-5
+    first = context // 3  # a sliding window's start: the tokens before it not attended to
+    window = grouped_attention(q[None] * k_scale, k, v, context - 1, window=context - first) * v_scale
+    assert torch.max(torch.abs(kernel(q, stored, context, first) - window)) <= 1e-5
 
 
 def test_int4_dequantize_equals_torch(monkeypatch):

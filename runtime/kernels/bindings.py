@@ -211,10 +211,10 @@ class DecodeAttention:
     def __init__(self, library: ctypes.CDLL, dtype: torch.dtype, head_size: int, group: int) -> None:
         self.dtype, self.head_size, self.group = dtype, head_size, group
         self._fn = _bind(library, "decode_attention",
-                         [_POINTER] * 6 + [_SIZE, _SIZE, _SIZE, _REAL, _REAL, _POINTER, _POINTER])
+                         [_POINTER] * 6 + [_SIZE, _SIZE, _SIZE, _SIZE, _REAL, _REAL, _POINTER, _POINTER])
 
-    def __call__(self, q: torch.Tensor, stored: StoredKV, num_tokens: int) -> torch.Tensor:
-        """Attention of q (heads, head_size) over a sequence's first num_tokens cached tokens.
+    def __call__(self, q: torch.Tensor, stored: StoredKV, num_tokens: int, first: int = 0) -> torch.Tensor:
+        """Attention of q (heads, head_size) over the tokens [first, num_tokens) of the table's cached ones.
 
         Returns (1, heads * head_size) in fp32.
         """
@@ -235,7 +235,7 @@ class DecodeAttention:
         out = torch.empty(q.shape[0], head_size)
         self._fn(q.data_ptr(), stored.k.data_ptr(), stored.v.data_ptr(),
                  *(None if t is None else t.data_ptr() for t in token_scales), block_table.data_ptr(),
-                 num_tokens, tokens_per_block, kv_heads, stored.k_scale / head_size ** 0.5, stored.v_scale,
+                 num_tokens, first, tokens_per_block, kv_heads, stored.k_scale / head_size ** 0.5, stored.v_scale,
                  scratch.data_ptr(), out.data_ptr())
         return out.view(1, -1)
 

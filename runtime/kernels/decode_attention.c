@@ -109,14 +109,17 @@ static void weighted_values(const float *restrict weights, const ELEMENT *restri
 }
 
 /* q: (kv_heads * GROUP, HEAD_SIZE); scratch of (kv_heads * GROUP, num_tokens);
- * out: (kv_heads * GROUP, HEAD_SIZE). */
+ * out: (kv_heads * GROUP, HEAD_SIZE). The table's tokens before ``first`` are not attended to (a sliding window's
+ * start inside its first block). */
 void decode_attention(const float *q, const ELEMENT *k_pool, const ELEMENT *v_pool,
                       const uint16_t *k_token_scales, const uint16_t *v_token_scales,
-                      const int64_t *block_table, int64_t num_tokens, int64_t tokens_per_block,
+                      const int64_t *block_table, int64_t num_tokens, int64_t first, int64_t tokens_per_block,
                       int64_t kv_heads, float qk_scale, float v_scale, float *scratch, float *out)
 {
     const int64_t rows = kv_heads * GROUP;
     scores(q, k_pool, k_token_scales, block_table, num_tokens, tokens_per_block, kv_heads, qk_scale, scratch);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < first; t++) scratch[r * num_tokens + t] = -INFINITY;
     softmax_rows(scratch, rows, num_tokens, v_scale);
     weighted_values(scratch, v_pool, v_token_scales, block_table, num_tokens, tokens_per_block, kv_heads, out);
 }

@@ -148,7 +148,7 @@ int decode_step(const LayerWeights *layers, int64_t num_layers, float *x, int64_
         rope(qkv, cos, sin, heads + kv_heads, rotary);
         store(k_pool + slot * kv_size, qkv + q_size, kv_size, k_scales[l]);
         store(v_pool + slot * kv_size, qkv + q_size + kv_size, kv_size, v_scales[l]);
-        decode_attention(qkv, k_pool, v_pool, NULL, NULL, block_table, num_tokens, tokens_per_block, kv_heads,
+        decode_attention(qkv, k_pool, v_pool, NULL, NULL, block_table, num_tokens, 0, tokens_per_block, kv_heads,
                          k_scales[l] * inverse_sqrt, v_scales[l], scores, attended);
         run_linear(&layer->dense, attended, branch, scaled_x);
         for (int64_t i = 0; i < hidden; i++) x[i] += branch[i];

@@ -241,11 +241,17 @@ class Transformer:
     def _window_attention(self, index: int, q: torch.Tensor, span: Span, block_table: torch.Tensor,
                           ctx: StepContext, window: int) -> torch.Tensor:
         """Attention of a local layer: each query at position p over positions (p - window, p], read from the
-        blocks that hold the span's first query's window on."""
+        blocks that hold the span's first query's window on (a decoded token's on the native kernel)."""
         tpb = ctx.storage.tokens_per_block
         first_block = max(0, span.start_pos - window + 1) // tpb
-        keys, values, k_scale, v_scale = ctx.storage.read_unscaled(index, block_table[first_block:],
-                                                                   span.end - first_block * tpb)
+        table, held = block_table[first_block:], span.end - first_block * tpb
+        if ctx.native and q.shape[0] == 1:
+            stored = ctx.storage.stored_kv(index, table, held)
+            kernel = decode_attention(stored.k.dtype, q.shape[2], self.config.num_attention_heads //
+                                      self.config.num_key_value_heads)
+            if kernel is not None:
+                return kernel(q[0], stored, held, span.end - window - first_block * tpb)
+        keys, values, k_scale, v_scale = ctx.storage.read_unscaled(index, table, held)
         out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, span.start_pos,
                                 key_start=first_block * tpb, window=window)
         return out * v_scale if v_scale != 1.0 else out
