@@ -127,7 +127,9 @@ class WindowedStorage(KVStorage):
         """Positions [start, end) are computed next: pin the blocks their queries read and write, let go of the
         ones no query reads any more."""
         if end - start > self.plan.step_tokens:
-            raise ValueError(f"a step of {end - start} tokens exceeds the window pool's {self.plan.step_tokens}")
+            raise ConfigError(f"a step of {end - start} new tokens of one sequence is more than the "
+                              f"{self.plan.step_tokens} the sliding-window layers' pool holds per step; run prompts "
+                              f"in pieces of at most {self.plan.step_tokens} (cabin-export --chunk)")
         self._pin(seq, self.plan.first_block(start), cdiv(end, self.plan.tokens_per_block))
 
     def kept_from(self, layer: int, num_tokens: int) -> int:
