@@ -54,8 +54,9 @@ class WindowPlan:
 
     @property
     def blocks_per_sequence(self) -> int:
-        """Local blocks one sequence pins at most: its window and a step's new tokens, one more for alignment."""
-        return cdiv(self.window - 1 + self.step_tokens, self.tokens_per_block) + 1
+        """Local blocks one sequence holds at most: its window and a step's new tokens, one more for alignment and
+        one for the copy a fork's first write makes of a shared last block while the shared one is still pinned."""
+        return cdiv(self.window - 1 + self.step_tokens, self.tokens_per_block) + 2
 
     def first_block(self, position: int) -> int:
         """The first block a query at ``position`` reads in a local layer."""
