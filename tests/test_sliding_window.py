@@ -124,3 +124,23 @@ def test_calibration_reads_every_token_of_the_local_layers(gemma):
     cache.allocate(seq, tokens)
     torch.testing.assert_close(run.logits, gemma.model.forward(tokens, 0, cache, seq, all_logits=True), atol=1e-5,
                                rtol=0)
+
+
+def test_the_openai_client_talks_to_a_gemma3_server(gemma):
+    """cabin-serve on the window pool (sized by --max-sessions): two choices of one prompt, then a streamed turn
+    that reuses the conversation past the window."""
+    import openai
+
+    from serve_helpers import running_server
+
+    ask = [{"role": "user", "content": "navigate to the nearest charging station " * 4}]
+    with running_server(gemma.folder, "--max-sessions", "2", "--kv-budget-mb", "4") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        first = client.chat.completions.create(model="tiny", messages=ask, max_tokens=6, n=2, temperature=0)
+        assert [c.finish_reason for c in first.choices] == ["length", "length"]
+        assert first.choices[0].message.content == first.choices[1].message.content  # greedy: the same reply
+        ask += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "play some jazz"}]
+        chunks = list(client.chat.completions.create(model="tiny", messages=ask, max_tokens=6, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 8  # more than the window reused
