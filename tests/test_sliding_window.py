@@ -54,8 +54,10 @@ def test_a_new_sequence_reuses_a_prefix_longer_than_the_window(gemma):
     assert reused == 60  # every block of the first prompt: far past the window of 8
     ours = gemma.model.forward(longer[reused:], reused, cache, second, all_logits=True)
     torch.testing.assert_close(ours, fresh_logits(gemma, longer)[reused:], atol=1e-5, rtol=0)
-    held, pinned = cache.stats().window_bytes, cache.storage.window_bytes()[1]
-    assert pinned < held  # the pool holds what the windows read, not the sequence
+    plan, per_block = cache.storage.plan, cache.storage.window_bytes()[0] // cache.storage.local_blocks
+    last = reused + (len(longer) - 1 - reused) // plan.step_tokens * plan.step_tokens  # the last step's first token
+    pinned = -(-len(longer) // TPB) - plan.first_block(last)  # its window and new tokens, not the whole sequence
+    assert cache.storage.window_bytes()[1] == pinned * per_block < cache.stats().blocks_in_use * per_block
 
 
 def test_reuse_stops_where_the_pool_no_longer_holds_the_window(gemma):

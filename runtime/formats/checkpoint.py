@@ -215,10 +215,10 @@ def to_disk(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, 
     L116: a plain MLP whose SwiGLU splits it), every other architecture as it is."""
     if config.architecture != "Phi3ForCausalLM":
         return weights
-    out = dict(weights)
+    out, axes = dict(weights), _fused_axes(config)
     for layer in range(config.num_hidden_layers):
         p = f"{layer_prefix(layer)}.mlp"
-        for suffix, axis in _fused_axes(config).items():
+        for suffix, axis in axes.items():
             gate_proj, up_proj = out.pop(f"{p}.fc.{suffix}"), out.pop(f"{p}.gate.{suffix}")
             if axis is None and not torch.equal(gate_proj, up_proj):
                 raise CheckpointError(f"layer {layer}: mlp.fc and mlp.gate have different {suffix}, so Phi-3's "
@@ -232,10 +232,10 @@ def from_disk(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str
     ``mlp.gate`` (up_proj), as every architecture's runtime reads them."""
     if config.architecture != "Phi3ForCausalLM" or f"{layer_prefix(0)}.mlp.gate.weight" in weights:
         return weights
-    out = dict(weights)
+    out, axes = dict(weights), _fused_axes(config)
     for layer in range(config.num_hidden_layers):
         p = f"{layer_prefix(layer)}.mlp"
-        for suffix, axis in _fused_axes(config).items():
+        for suffix, axis in axes.items():
             fused = out.pop(f"{p}.fc.{suffix}", None)
             if fused is None:
                 continue  # validate_weights names it

@@ -90,7 +90,7 @@ class WindowedStorage(KVStorage):
                            _scales(scales, plan.local_layers))
         self._route = {layer: (self.blocks, i) for i, layer in enumerate(plan.global_layers)}
         self._route |= {layer: (self.window, i) for i, layer in enumerate(plan.local_layers)}
-        self._local: dict[int, int] = {}  # global block -> local block
+        self._local = torch.full((num_blocks,), -1, dtype=torch.long)  # global block -> local block, -1: none
         self._cached: OrderedDict[int, None] = OrderedDict()  # mapped global blocks no sequence pins, oldest first
         self._free = list(range(self.local_blocks))
         self._pins: dict[int, int] = {}  # global block -> sequences pinning it
@@ -115,7 +115,8 @@ class WindowedStorage(KVStorage):
         is still mapped in the window pool."""
         tpb = self.plan.tokens_per_block
         for count in range(len(block_ids), 0, -1):
-            if all(b in self._local for b in block_ids[self.plan.first_block(count * tpb):count]):
+            window = block_ids[self.plan.first_block(count * tpb):count]
+            if bool((self._local[window] >= 0).all()):
                 return count
         return 0
 
@@ -163,33 +164,40 @@ class WindowedStorage(KVStorage):
 
     def _map(self, block: int) -> None:
         """Give a global block a local one (a free one, else the least recently used unpinned one's)."""
-        if block in self._local:
+        if self._local[block] >= 0:
             return
         if self._free:
             local = self._free.pop()
         elif self._cached:
             evicted, _ = self._cached.popitem(last=False)
-            local = self._local.pop(evicted)
+            local = int(self._local[evicted])
+            self._local[evicted] = -1
         else:
             raise OutOfBlocks(f"the sliding-window layers' pool ({self.local_blocks} blocks) is pinned whole; "
                               "raise max_sequences")
         self._local[block] = local
 
     # -- data ----------------------------------------------------------------------------------
+    def _mapped(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The local blocks of global ones, which a step's ``prepare`` (or ``follow``) has pinned."""
+        local = self._local[blocks]
+        if bool((local < 0).any()):
+            raise ValueError("a block outside the window pool was read; pin it first (prepare or follow)")
+        return local
+
     def _table(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[KVStorage, int, torch.Tensor]:
         """The pool of a layer, its index there and the blocks holding a table's first ``num_tokens`` tokens."""
         storage, index = self._route[layer]
         if storage is self.blocks:
             return storage, index, block_table
-        used = block_table[:cdiv(num_tokens, self.plan.tokens_per_block)]
-        return storage, index, torch.tensor([self._local[int(b)] for b in used], dtype=torch.long)
+        return storage, index, self._mapped(block_table[:cdiv(num_tokens, self.plan.tokens_per_block)])
 
     def _slots(self, layer: int, slots: torch.Tensor) -> tuple[KVStorage, int, torch.Tensor]:
         """The pool of a layer, its index there and where flat slots of the blocks are in it."""
         storage, index = self._route[layer]
         if storage is self.window:
             tpb = self.plan.tokens_per_block
-            slots = torch.tensor([self._local[int(b)] for b in slots // tpb], dtype=torch.long) * tpb + slots % tpb
+            slots = self._mapped(slots // tpb) * tpb + slots % tpb
         return storage, index, slots
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -221,9 +229,9 @@ class WindowedStorage(KVStorage):
     def copy_block(self, source: int, copy: int) -> None:
         """Copy a block in the blocks' layers and, where the window pool maps it, in the local ones."""
         self.blocks.copy_block(source, copy)
-        if source in self._local:
+        if self._local[source] >= 0:
             self._map(copy)
-            self.window.copy_block(self._local[source], self._local[copy])
+            self.window.copy_block(int(self._local[source]), int(self._local[copy]))
 
     def token_tensors(self) -> dict[str, torch.Tensor]:
         """The blocks' pools, and the window pool's as ``window.`` ones."""
