@@ -33,6 +33,8 @@ class GraphPlan:
     chunk: int  # --chunk: tokens of the prompt graph
     kv_cache: str  # --kv-cache
     profile: str  # --profile
+    precision: str  # --precision
+    htp_arch: int  # --htp-arch
     provider: str  # cabin-chat --ort-provider
     kv_io_bytes: int  # the two graphs' KV inputs (a window each) and outputs (the new rows)
     window_bytes: int  # the runtime's host copy of the window
@@ -49,7 +51,8 @@ class GraphPlan:
     def export_args(self, engine: str = ENGINE_PLACEHOLDER, output: str = GRAPHS_PLACEHOLDER) -> list[str]:
         """The cabin-export arguments of this plan."""
         return ["--engine", engine, "--format", "onnx", "--output", output, "--context", str(self.context),
-                "--chunk", str(self.chunk), "--kv-cache", self.kv_cache, "--profile", self.profile]
+                "--chunk", str(self.chunk), "--kv-cache", self.kv_cache, "--profile", self.profile,
+                "--precision", self.precision, "--htp-arch", str(self.htp_arch)]
 
     def export_command(self, engine: str = ENGINE_PLACEHOLDER, output: str = GRAPHS_PLACEHOLDER) -> str:
         """The cabin-export command line."""
@@ -64,6 +67,7 @@ class GraphPlan:
     def to_dict(self) -> dict:
         """JSON-ready form, with the command lines."""
         return {"context": self.context, "chunk": self.chunk, "kv_cache": self.kv_cache, "profile": self.profile,
+                "precision": self.precision, "htp_arch": self.htp_arch,
                 "ort_provider": self.provider, "kv_io_bytes": self.kv_io_bytes, "window_bytes": self.window_bytes,
                 "host_cache_bytes": self.cache_bytes, "activation_bytes": self.activation_bytes,
                 "npu_graph_bytes": self.npu_graph_bytes, "args": self.export_args(),
@@ -79,7 +83,7 @@ def graph_plan(config: ModelConfig, target: Target, kv_dtype: str, context: int,
     prompt = activation_bytes(config, chunk, context, 1, Backend.ONNX)
     return GraphPlan(
         context=context, chunk=chunk, kv_cache=kv_dtype, profile=target.npu.onnx_profile,
-        provider=target.npu.ort_provider,
+        precision=target.npu.precision_for(kv_dtype), htp_arch=target.npu.htp_arch, provider=target.npu.ort_provider,
         kv_io_bytes=((_WINDOW_COPIES - 2) * context + chunk + 1) * per_token, window_bytes=context * per_token,
         cache_bytes=cdiv(context, tpb) * tpb * per_token,
         activation_bytes=prompt + activation_bytes(config, 1, context, 1, Backend.ONNX),

@@ -29,16 +29,19 @@ from typing import Callable
 import numpy as np
 import torch
 
-from cabinllm.builders.onnx_profiles import WEIGHT_FORMS, OnnxProfile, onnx_profile
+from cabinllm.builders.onnx_profiles import PRECISIONS, WEIGHT_FORMS, OnnxProfile, Precision, onnx_profile, precision
 from cabinllm.builders.progress import Steps
+from cabinllm.builders.qnn_quantize import CalibrationData, quantize_graphs
+from cabinllm.runtime.backends.qnn import check_htp_arch, compile_context_binaries, qnn_versions
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import CheckpointError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text, staging_folder
 from cabinllm.runtime.formats.engine_folder import (CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE, EngineFolder,
                                                     read_manifest)
-from cabinllm.runtime.formats.onnx_folder import (MASKED, ONNX_FORMAT, PROMPT_GRAPH, TOKEN_GRAPH, TOKENIZER_DIR,
-                                                  WEIGHTS_FILE, KvGraphType, graph_metadata, new_key, new_value,
-                                                  past_key, past_value)
+from cabinllm.runtime.formats.onnx_folder import (HOST_DIR, INPUTS_EMBEDS, LOCAL_MASK, LOCAL_ROPE_INPUTS, MASKED,
+                                                  ONNX_FORMAT, PROMPT_GRAPH, QUANTIZED_MASKED, ROPE_INPUTS,
+                                                  TOKEN_GRAPH, TOKENIZER_DIR, WEIGHTS_FILE, KvGraphType, OnnxFolder,
+                                                  graph_metadata, new_key, new_value, past_key, past_value)
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kv.modes import ONNX_KV_MODES, kv_mode
 from cabinllm.runtime.kv.quant import INT8_MAX
@@ -55,7 +58,9 @@ INT4_ZERO_POINT = 8  # MatMulNBits' default zero point: the signed int4 code q t
 
 @dataclass(frozen=True)
 class OnnxExportRequest:
-    """What to export: the engine folder, the output folder, the fixed window and chunk, the KV mode, the profile."""
+    """What to export: the engine folder, the output folder, the fixed window and chunk, the KV mode, the profile,
+    the precision (None: the profile's default), the HTP architecture to compile for (None: no context binaries),
+    the calibration dialogues of a quantized precision."""
 
     engine: Path
     output: Path
@@ -63,15 +68,29 @@ class OnnxExportRequest:
     chunk: int
     kv_cache: str = "int8"
     profile: str = "npu"
+    precision: str | None = None
+    htp_arch: int | None = None
+    calibration: CalibrationData = CalibrationData()
 
 
-def check_request(request: OnnxExportRequest) -> OnnxProfile:
-    """ValueError naming the flag when the request cannot be exported; the profile otherwise."""
+def check_request(request: OnnxExportRequest) -> tuple[OnnxProfile, Precision]:
+    """ConfigError naming the flag when the request cannot be exported; the profile and precision otherwise."""
     profile = onnx_profile(request.profile)
     kv_mode(request.kv_cache)
+    chosen = precision(request.precision or next((p for p in profile.precisions
+                                                  if request.kv_cache in PRECISIONS[p].kv_caches), "fp16"))
+    profile.check_precision(chosen.name)
     if request.kv_cache not in ONNX_KV_MODES:
         raise ConfigError(f"--kv-cache {request.kv_cache} has no ONNX graph form; choose one of "
                          f"{', '.join(ONNX_KV_MODES)}")
+    if request.kv_cache not in chosen.kv_caches:
+        raise ConfigError(f"--precision {chosen.name} graphs take --kv-cache {' or '.join(chosen.kv_caches)}, not "
+                          f"{request.kv_cache}; change --kv-cache, or export --precision fp16")
+    if request.htp_arch is not None:
+        if not profile.host_inputs:
+            raise ConfigError(f"--htp-arch compiles npu graphs for Qualcomm's HTP; the {profile.name} profile's are "
+                              "not; export --profile npu or leave --htp-arch out")
+        check_htp_arch(request.htp_arch, chosen.name)
     if request.chunk < 1 or request.context < 1:
         raise ConfigError(f"need --context and --chunk >= 1, got {request.context} and {request.chunk}")
     if request.context < request.chunk:
@@ -80,7 +99,7 @@ def check_request(request: OnnxExportRequest) -> OnnxProfile:
     existing = read_manifest(request.output)
     if request.output.exists() and (existing is None or existing.get("format") != ONNX_FORMAT):
         raise FileExistsError(f"{request.output} exists and is not an ONNX export; choose another --output")
-    return profile
+    return profile, chosen
 
 
 def kv_graph_type(mode: str, profile: OnnxProfile, scales: KVScales | None, source: Path) -> KvGraphType:
@@ -100,9 +119,11 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
     """Write the graph folder (atomically: an interrupted export leaves no folder) and return its manifest."""
     import onnx
 
-    profile = check_request(request)
+    profile, chosen = check_request(request)
     profile.check_weights(EngineFolder(request.engine).config().weight_format.name)  # before loading the weights
-    steps = Steps(4, log)
+    if chosen.quantized or request.htp_arch is not None:
+        qnn_versions()  # onnxruntime-qnn installed, before the long work
+    steps = Steps(4 + chosen.quantized + (request.htp_arch is not None), log)
     with steps.step(f"loading {request.engine}"):
         engine = Engine.load(request.engine)
     config = engine.config
@@ -116,43 +137,78 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
                   "config": config.to_dict()},
         "context": request.context, "chunk": request.chunk, "kv_cache": request.kv_cache,
         "kv_graph": kv.to_dict(), "profile": profile.name, "opset": profile.opset,
-        "allow_list": profile.allow_list,
+        "precision": chosen.name, "host_inputs": profile.host_inputs,
+        "attention_mask_value": QUANTIZED_MASKED if chosen.quantized else MASKED,
         "weight_format": {"name": config.weight_format.name, "linear": WEIGHT_FORMS[config.weight_format.name]},
         "graphs": {"prompt": PROMPT_GRAPH, "token": TOKEN_GRAPH}, "weights": WEIGHTS_FILE,
         "plan": {"tokens_per_block": engine.kv_cache_config().tokens_per_block},
         "system_prompt": engine.manifest.get("system_prompt"),  # the engine's default, which cabin-chat reads
     }
     with staging_folder(request.output) as tmp:
-        weights = WeightsFile(tmp / WEIGHTS_FILE)
-        ops: set[str] = set()
+        (tmp / TOKENIZER_DIR).mkdir()
+        for file in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+            shutil.copyfile(engine.folder / CHECKPOINT_DIR / file, tmp / TOKENIZER_DIR / file)
+        if profile.host_inputs:
+            (tmp / HOST_DIR).mkdir()
+            for name, table in host_tables(engine.model, request.context).items():
+                np.save(tmp / HOST_DIR / f"{name}.npy", table)
+        # a quantized precision starts from float graphs with float K/V, quantized with the engine's scales
+        float_kv = KvGraphType("float32") if chosen.quantized else kv
+        float_manifest = {**manifest, "kv_graph": float_kv.to_dict(), "precision": "fp16"}
+        weights, models = WeightsFile(tmp / WEIGHTS_FILE), {}
         for name, tokens in ((PROMPT_GRAPH, request.chunk), (TOKEN_GRAPH, 1)):
-            with steps.step(f"{name}: {tokens} token(s) over a window of {request.context}, checked"):
-                model = build_graph(engine.model, tokens, request.context, kv, profile.opset, weights)
-                onnx.helper.set_model_props(model, graph_metadata(manifest))
-                ops |= check_ops(model, profile, name)
-                onnx.save_model(model, str(tmp / name))
+            with steps.step(f"{name}: {tokens} token(s) over a window of {request.context}"):
+                models[name] = build_graph(engine.model, tokens, request.context, float_kv, profile.opset, weights,
+                                           profile.host_inputs)
+                onnx.helper.set_model_props(models[name], graph_metadata(manifest))
+                onnx.save_model(models[name], str(tmp / name))
+        weights.close()
+        if chosen.quantized:
+            with steps.step(f"quantizing both graphs to {chosen.name} with ONNX Runtime's QNN tooling, calibrated on "
+                            f"{request.calibration.describe()}"):
+                atomic_write_text(tmp / MANIFEST_FILE, json.dumps(float_manifest, indent=2) + "\n")
+                models, manifest["quantization"] = quantize_graphs(OnnxFolder(tmp), kv, request.calibration)
+                write_graphs(tmp, models)
+        with steps.step("graphs checked, manifest.json"):
+            for name in models:
                 onnx.checker.check_model(str(tmp / name), full_check=True)
-        with steps.step("weights, tokenizer and manifest.json"):
-            weights.close()
-            (tmp / TOKENIZER_DIR).mkdir()
-            for file in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
-                shutil.copyfile(engine.folder / CHECKPOINT_DIR / file, tmp / TOKENIZER_DIR / file)
-            manifest["ops"] = sorted(ops)
+            manifest["ops"] = sorted({f"{n.domain}.{n.op_type}" if n.domain else n.op_type
+                                      for model in models.values() for n in model.graph.node})
+            manifest["opset"] = next(o.version for o in models[PROMPT_GRAPH].opset_import if o.domain in ("", "ai.onnx"))
             atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
-    log(f"cabin-export: wrote {request.output} ({profile.name} profile, opset {profile.opset}, KV {request.kv_cache} "
-        f"as {kv.dtype}, ops: {', '.join(manifest['ops'])})")
+        if request.htp_arch is not None:
+            with steps.step(f"compiling both graphs for HTP v{request.htp_arch} (QNN context binaries)"):
+                manifest["qnn"] = compile_context_binaries(OnnxFolder(tmp), manifest, request.htp_arch)
+                atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
+    log(f"cabin-export: wrote {request.output} ({profile.name} profile, {chosen.name}, opset {manifest['opset']}, "
+        f"KV {request.kv_cache} as {kv.dtype}"
+        + (f", compiled for HTP v{request.htp_arch}" if request.htp_arch is not None else "") + ")")
     return manifest
 
 
-def check_ops(model, profile: OnnxProfile, name: str) -> set[str]:
-    """The ops a graph uses (domain-qualified outside standard ONNX); ValueError when the profile's allow-list lacks
-    one."""
-    used = {f"{node.domain}.{node.op_type}" if node.domain else node.op_type for node in model.graph.node}
-    allowed = profile.allowed_ops()
-    if allowed is not None and used - allowed:
-        raise ConfigError(f"{name}: ops {sorted(used - allowed)} are not on the {profile.name} profile's allow-list "
-                         f"({profile.allow_list})")
-    return used
+def write_graphs(folder: Path, models: dict) -> None:
+    """Save loaded graphs over the folder's, their large tensors in a new ``weights.bin`` (a tensor both graphs
+    hold, once)."""
+    import onnx
+
+    weights = WeightsFile(folder / WEIGHTS_FILE)
+    for name, model in models.items():
+        for index, tensor in enumerate(model.graph.initializer):
+            if tensor.data_location != onnx.TensorProto.EXTERNAL and len(tensor.raw_data) >= _EXTERNAL_MIN_BYTES:
+                model.graph.initializer[index].CopyFrom(weights.tensor(tensor.name, onnx.numpy_helper.to_array(tensor)))
+        onnx.save_model(model, str(folder / name))
+    weights.close()
+
+
+def host_tables(model: Transformer, context: int) -> dict[str, np.ndarray]:
+    """The tables the host looks rows up in (npu profile): the embedding, and the RoPE cos/sin rows of each
+    position of the window (the local layers' own where they have them)."""
+    tables = {"embedding": model.embedding.float().numpy()}
+    ropes = [(ROPE_INPUTS, model.rope)] + ([(LOCAL_ROPE_INPUTS, model.local_rope)] if model.local_rope else [])
+    for names, rope in ropes:
+        for name, rows in zip(names, rope.rows(torch.arange(context))):
+            tables[name] = rows.float().numpy()
+    return tables
 
 
 class WeightsFile:
@@ -161,13 +217,16 @@ class WeightsFile:
     def __init__(self, path: Path) -> None:
         self.path, self.handle, self.offset = path, path.open("wb"), 0
         self.tensors: dict[str, object] = {}
+        self.lengths: dict[str, tuple[int, int]] = {}  # a tensor's bytes: length and hash
 
     def tensor(self, name: str, array: np.ndarray):
         """A TensorProto of ``array`` stored in the file (written on first use of the name)."""
         import onnx
 
+        data = np.ascontiguousarray(array).tobytes()
+        if name in self.tensors and self.lengths[name] != (len(data), hash(data)):
+            raise ValueError(f"two graphs hold different tensors named {name}")
         if name not in self.tensors:
-            data = np.ascontiguousarray(array).tobytes()
             pad = -self.offset % _ALIGN
             self.handle.write(b"\0" * pad)
             self.offset += pad
@@ -178,7 +237,7 @@ class WeightsFile:
                 proto.external_data.add(key=key, value=str(value))
             self.handle.write(data)
             self.offset += len(data)
-            self.tensors[name] = proto
+            self.tensors[name], self.lengths[name] = proto, (len(data), hash(data))
         return self.tensors[name]
 
     def close(self) -> None:
@@ -255,8 +314,10 @@ def _nbits_blocks(weight: Int4AwqLinear) -> np.ndarray:
     return (blocks[..., 0::2] | (blocks[..., 1::2] << 4)).numpy()
 
 
-def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, opset: int, weights: WeightsFile):
-    """The ModelProto of ``tokens`` new tokens attending to a window of ``context`` past tokens."""
+def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, opset: int, weights: WeightsFile,
+                host_inputs: bool = False):
+    """The ModelProto of ``tokens`` new tokens attending to a window of ``context`` past tokens; with
+    ``host_inputs`` it takes the embeddings and RoPE rows (and a local layer's mask) the host looks up."""
     import onnx
 
     c, eps = model.config, model.config.norm_epsilon
@@ -264,19 +325,35 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
     group, keys = heads // kv_heads, context + tokens
     g = _Graph(weights)
     kv_elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(kv.dtype))
-    inputs = [onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, [1, tokens]),
-              onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, tokens]),
-              onnx.helper.make_tensor_value_info("attention_mask", onnx.TensorProto.FLOAT, [1, 1, tokens, keys])]
+    float_input = lambda name, *shape: onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [1, *shape])
+    if host_inputs:
+        rotary = c.rotated_channels
+        inputs = [float_input(INPUTS_EMBEDS, tokens, c.hidden_size)]
+        inputs += [float_input(name, tokens, 1, rotary) for name in ROPE_INPUTS]
+        inputs += [float_input(name, tokens, 1, rotary) for name in LOCAL_ROPE_INPUTS] if model.local_rope else []
+        x, rope = INPUTS_EMBEDS, ROPE_INPUTS
+        local_rope = LOCAL_ROPE_INPUTS if model.local_rope is not None else rope
+    else:
+        inputs = [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.INT64, [1, tokens])
+                  for name in ("input_ids", "position_ids")]
+        x = g.op("Gather", g.const("embedding", model.embedding.numpy()), "input_ids", axis=0)
+        if c.embedding_multiplier != 1.0:
+            x = g.op("Mul", x, g.scalar("embedding_multiplier", c.embedding_multiplier))
+        rope = _rope_rows(g, "rope", *model.rope.rows(torch.arange(context)))
+        # Gemma 3's local layers: a table of their own base, unscaled
+        local_rope = rope if model.local_rope is None else _rope_rows(g, "rope_local",
+                                                                       *model.local_rope.rows(torch.arange(context)))
+    inputs.append(float_input("attention_mask", 1, tokens, keys))
+    if host_inputs and c.sliding_window is not None:
+        inputs.append(float_input(LOCAL_MASK, 1, tokens, keys))
     outputs = [onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, tokens, c.vocab_size])]
-    x = g.op("Gather", g.const("embedding", model.embedding.numpy()), "input_ids", axis=0)
-    if c.embedding_multiplier != 1.0:
-        x = g.op("Mul", x, g.scalar("embedding_multiplier", c.embedding_multiplier))
-    rope = _rope_rows(g, "rope", *model.rope.rows(torch.arange(context)))
-    # Gemma 3's local layers: a table of their own base, unscaled
-    local_rope = rope if model.local_rope is None else _rope_rows(g, "rope_local",
-                                                                   *model.local_rope.rows(torch.arange(context)))
     mask = g.op("Unsqueeze", "attention_mask", g.ints(1))  # [1, 1, 1, T, keys]: every KV head, every group
-    local_mask = mask if c.sliding_window is None else _window_mask(g, mask, context, c.sliding_window)
+    if c.sliding_window is None:
+        local_mask = mask
+    elif host_inputs:
+        local_mask = g.op("Unsqueeze", LOCAL_MASK, g.ints(1))
+    else:
+        local_mask = _window_mask(g, mask, context, c.sliding_window)
     scalar = d if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar  # Gemma's, else the head size
     q_scale = g.scalar("attention_scale", 1.0 / math.sqrt(scalar))
     for index, layer in enumerate(model.layers):

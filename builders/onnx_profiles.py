@@ -1,13 +1,16 @@
-"""The one registry of ONNX export profiles: opset, how INT8 KV codes travel in and out of the graphs, and
-which ops a graph may use.
+"""The one registry of ONNX export profiles (opset, how INT8 KV codes travel in and out of the graphs, what the
+graphs take as input) and of the precisions an NPU graph computes in.
 
-- ``npu``: standard ONNX ops only, each on the allow-list ``builders/data/onnx_npu_ops.txt``; INT8 KV as
-  uint8 with zero point 128. QNN's HTP backend takes unsigned 8/16-bit QDQ tensors (ONNX Runtime's QNN
-  execution provider documents MatMul on HTP for (uint8, uint8), (uint8, uint16), (uint16, uint8) and says
-  QNN operators "typically support the uint8 and uint16 data types"); the cache's symmetric int8 code q is
-  the uint8 code q + 128 with the same scale, so nothing is requantized.
-- ``ort``: the same graphs for ONNX Runtime's CPU/CUDA/TensorRT providers, INT8 KV as int8 with zero point 0
-  (the signed symmetric form ONNX Runtime's quantization tools default to), no allow-list.
+- ``npu``: the form Qualcomm's HTP compiler (QNN, through ONNX Runtime's QNN execution provider) finalizes.
+  The host looks the tokens up and precomputes RoPE: the graphs take ``inputs_embeds`` and each position's
+  cos/sin rows (and, with sliding-window layers, their mask), so nothing gathers from a weight table by an
+  input (HTP cannot finalize such a Gather). INT8 KV as uint8 with zero point 128: the HTP works on unsigned
+  8/16-bit tensors, and the cache's symmetric int8 code q is the uint8 code q + 128 with the same scale, so
+  nothing is requantized. Precision ``a16w8`` (every activation uint16, linear weights int8 per channel, the
+  one form HTP v68 runs) or ``fp16`` (float graphs, which HTP v73+ computes in fp16).
+- ``ort``: the graphs for ONNX Runtime's CPU/CUDA/TensorRT providers: ``input_ids`` and ``position_ids`` in,
+  the embedding and RoPE tables inside; INT8 KV as int8 with zero point 0 (the signed symmetric form ONNX
+  Runtime's quantization tools default to); float graphs.
 
 Linear weights by the engine's weight format (``WEIGHT_FORMS``; embedding, lm_head and norms are float32 in
 every one): full precision as float32 MatMul operands; W8A16 as an int8 (in, out) initializer through a
@@ -22,11 +25,8 @@ Split/Unsqueeze take their sizes and axes as inputs (13), and ReduceMean still t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from cabinllm.runtime.errors import ConfigError
-
-DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,9 @@ class OnnxProfile:
     opset: int
     int8_dtype: str  # element type of INT8 KV codes in the graphs
     int8_zero_point: int
-    allow_list: str | None  # data file of the ops the graphs may use (None: any op)
+    host_inputs: bool  # the host looks up embeddings and RoPE rows (the graphs take inputs_embeds, rope_cos, ...)
     weight_formats: tuple[str, ...]  # engine weight formats (runtime.formats.weight_formats) the graphs can carry
+    precisions: tuple[str, ...]  # PRECISIONS the graphs can compute in, the default first
 
     def check_weights(self, weight_format: str) -> None:
         """ValueError naming the fix when this profile cannot write an engine's weight format."""
@@ -50,19 +51,36 @@ class OnnxProfile:
                              f"export with --profile {' or '.join(others)}, or build the engine with cabin-build "
                              f"--weights {' or '.join(self.weight_formats)}")
 
-    def allowed_ops(self) -> frozenset[str] | None:
-        """The ops a graph of this profile may use (None: no restriction)."""
-        if self.allow_list is None:
-            return None
-        lines = (DATA_DIR / self.allow_list).read_text(encoding="utf-8").splitlines()
-        return frozenset(line.split()[0] for line in lines if line.strip() and not line.startswith("#"))
+    def check_precision(self, precision: str) -> None:
+        """ConfigError naming the choices when this profile's graphs cannot compute in ``precision``."""
+        if precision not in self.precisions:
+            raise ConfigError(f"the {self.name} profile's graphs compute in {' or '.join(self.precisions)}, not "
+                              f"{precision}; choose --precision {' or '.join(self.precisions)}"
+                              + (" or --profile npu" if "npu" != self.name else ""))
 
+
+@dataclass(frozen=True)
+class Precision:
+    """What an exported graph computes in."""
+
+    name: str
+    description: str
+    quantized: bool  # activations and weights quantized by ONNX Runtime's QNN tooling (calibrated)
+    kv_caches: tuple[str, ...]  # the --kv-cache modes it takes
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("a16w8", "uint16 activations, int8 per-channel weights, uint8 KV with the engine's scales "
+              "(calibrated static QDQ; what HTP v68 and later run)", True, ("int8",)),
+    Precision("fp16", "float graphs (float32 in the file; the HTP v73+ computes them in fp16, CPU providers in fp32)",
+              False, ("fp32", "fp16", "int8")),
+)}
 
 ONNX_PROFILES: dict[str, OnnxProfile] = {p.name: p for p in (
-    OnnxProfile("npu", "standard ONNX ops on the NPU allow-list, INT8 KV as uint8 + zero point 128 (QNN HTP)",
-                17, "uint8", 128, "onnx_npu_ops.txt", ("fp16", "int8")),
-    OnnxProfile("ort", "ONNX Runtime providers, INT8 KV as int8 + zero point 0", 17, "int8", 0, None,
-                ("fp16", "int8", "int4-awq")),
+    OnnxProfile("npu", "QNN HTP: inputs_embeds and RoPE rows from the host, INT8 KV as uint8 + zero point 128",
+                17, "uint8", 128, True, ("fp16", "int8"), ("a16w8", "fp16")),
+    OnnxProfile("ort", "ONNX Runtime providers: input_ids in, INT8 KV as int8 + zero point 0", 17, "int8", 0,
+                False, ("fp16", "int8", "int4-awq"), ("fp16",)),
 )}
 # engine weight format -> how the graphs carry its linear layers
 WEIGHT_FORMS = {
@@ -78,3 +96,11 @@ def onnx_profile(name: str) -> OnnxProfile:
         return ONNX_PROFILES[name]
     except KeyError:
         raise ConfigError(f"unknown ONNX profile {name!r}; choose one of {', '.join(ONNX_PROFILES)}") from None
+
+
+def precision(name: str) -> Precision:
+    """The precision of a name; ConfigError naming the known ones otherwise."""
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise ConfigError(f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}") from None

@@ -393,10 +393,9 @@ def onnx_warnings(plan: Plan) -> list[str]:
     out.append(f"the graphs carry {carried} (weights.bin, {plan.weights_bytes / GIB:.2f} GiB, counted)"
                + (f"; {t.name}'s NPU holds its own copy ({npu_weight_bytes(config, weights) / GIB:.2f} GiB, not "
                   "counted: measure it)" if t.npu.float16 else ""))
-    if not t.npu.float16:
-        out.append(f"{t.name}'s NPU computes no float graphs: expect ONNX Runtime to run the graphs' float ops "
-                   "(all but the QuantizeLinear/DequantizeLinear of the KV and int8 weights) on the CPU; the export "
-                   "has no quantized activations yet")
+    out.append(f"{t.name}'s NPU is Hexagon HTP v{t.npu.htp_arch}: it runs {' or '.join(t.npu.precisions)} graphs"
+               + ("" if t.npu.float16 else " only (no floating point)") + "; cabin-export quantizes A16W8 graphs "
+               "with ONNX Runtime's QNN tooling and compiles both graphs into QNN context binaries for it")
     fitting = [kv for kv in plan.kv.values() if kv.graphs]
     for kv in plan.kv.values():
         if not kv.fits:

@@ -9,8 +9,9 @@ from enum import Enum
 from importlib import resources
 from pathlib import Path
 
-from cabinllm.builders.onnx_profiles import ONNX_PROFILES
+from cabinllm.builders.onnx_profiles import ONNX_PROFILES, PRECISIONS
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
+from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.errors import TargetError
 from cabinllm.runtime.kv.modes import ONNX_KV_MODES
 
@@ -38,9 +39,23 @@ class NpuProfile:
 
     onnx_profile: str  # cabin-export --profile
     ort_provider: str  # cabin-chat --ort-provider
-    float16: bool  # the NPU computes float graphs (in fp16); false: ONNX Runtime leaves float ops to the CPU
+    htp_arch: int  # the Hexagon HTP's architecture (cabin-export --htp-arch): which precisions it runs
     default_chunk: int  # prompt-graph tokens the plan takes when memory allows
     graph_memory_gib: float | None = None  # most one graph may hold on the NPU (fp16 weights, window, activations)
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """The graph precisions (cabin-export --precision) this NPU runs, the default first."""
+        return HTP_PRECISIONS[self.htp_arch]
+
+    @property
+    def float16(self) -> bool:
+        """The NPU computes float graphs (in fp16); else only quantized (A16W8) ones."""
+        return "fp16" in self.precisions
+
+    def precision_for(self, kv_dtype: str) -> str:
+        """The first precision this NPU runs that takes K/V in ``kv_dtype``."""
+        return next(p for p in self.precisions if kv_dtype in PRECISIONS[p].kv_caches)
 
 
 @dataclass(frozen=True)
@@ -70,7 +85,7 @@ class Target:
         if self.npu is None:
             del out["npu"]
         else:
-            out["npu"] = asdict(self.npu)
+            out["npu"] = {**asdict(self.npu), "precisions": list(self.npu.precisions)}
         return out
 
 
@@ -126,6 +141,12 @@ def _check_npu(target: Target, path: Path) -> None:
         raise TargetError(f"{where} onnx_profile {npu.onnx_profile!r} is not one of {', '.join(ONNX_PROFILES)}")
     if npu.ort_provider not in ORT_PROVIDERS:
         raise TargetError(f"{where} ort_provider {npu.ort_provider!r} is not one of {', '.join(ORT_PROVIDERS)}")
+    if npu.htp_arch not in HTP_PRECISIONS:
+        raise TargetError(f"{where} htp_arch {npu.htp_arch} is not one of {', '.join(map(str, HTP_PRECISIONS))}")
+    kv_precisions = {kv: [p for p in npu.precisions if kv in PRECISIONS[p].kv_caches] for kv in target.kv_dtypes}
+    if not all(kv_precisions.values()):
+        raise TargetError(f"{where}: HTP v{npu.htp_arch} runs {', '.join(npu.precisions)} graphs, which take none of "
+                          f"kv_dtypes {[kv for kv, ps in kv_precisions.items() if not ps]}")
     if npu.default_chunk < 1:
         raise TargetError(f"{where} default_chunk must be at least 1, got {npu.default_chunk}")
     if not set(target.kv_dtypes) <= set(ONNX_KV_MODES):

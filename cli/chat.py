@@ -11,6 +11,7 @@ from cabinllm.cli.args import (add_cache_flags, add_sampling_flags, add_thread_f
                                kv_budget_bytes, os_error_message, output_name, positive_int, sampling_params,
                                use_threads)
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
+from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.backends.select import BACKENDS, SessionRequest, open_session
 from cabinllm.runtime.dialogue.interface import Session, TurnStats
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
@@ -40,7 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "onnxruntime runs the graphs of a cabin-export folder on our paged cache; reference runs "
                              "the PyTorch engine; auto picks by the folder (tensorrt-llm when both are present)")
     parser.add_argument("--ort-provider", choices=tuple(ORT_PROVIDERS), default="cpu",
-                        help="ONNX Runtime execution provider of --backend onnxruntime (default cpu)")
+                        help="ONNX Runtime execution provider of --backend onnxruntime; qnn runs the graphs on "
+                             "Qualcomm's HTP (onnxruntime-qnn; its emulator on x86_64) with CPU fallback disabled, "
+                             "from the context binaries cabin-export compiled (default cpu)")
+    parser.add_argument("--htp-arch", type=int, choices=tuple(HTP_PRECISIONS),
+                        help="--ort-provider qnn: this device's HTP architecture; graphs compiled for another are "
+                             "refused (default: the one the graphs were compiled for)")
     parser.add_argument("--restore", type=Path, help="continue a session saved with /save (default: a new one)")
     parser.add_argument("--tools", help="functions the replies may call: 'builtin' (the car's climate, seats, windows, "
                         "lights, media, navigation and charging) or a JSON file of OpenAI tool definitions; each call "
@@ -96,7 +102,7 @@ def session_request(args: argparse.Namespace, system: str | None) -> SessionRequ
     """The session cabin-chat's flags ask for."""
     return SessionRequest(args.engine, kv_budget_bytes(args.kv_budget_mb), sampling_params(args), system,
                           OverflowPolicy(args.overflow), args.kv_cache, args.tokens_per_block, args.backend,
-                          args.ort_provider, args.restore, chat_tools(args), args.tool_choice,
+                          args.ort_provider, args.htp_arch, args.restore, chat_tools(args), args.tool_choice,
                           max(args.choices, args.beam_width))
 
 

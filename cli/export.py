@@ -7,10 +7,12 @@ from pathlib import Path
 
 from cabinllm.builders.graph_plan import GraphPlan
 from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
-from cabinllm.builders.onnx_profiles import ONNX_PROFILES
+from cabinllm.builders.onnx_profiles import ONNX_PROFILES, PRECISIONS
 from cabinllm.builders.planner import PlanRequest, working_plan
+from cabinllm.builders.qnn_quantize import CalibrationData
 from cabinllm.builders.targets import Backend, get_target, load_targets
 from cabinllm.cli.args import entry_point, os_error_message, positive_int
+from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.errors import CabinError, CheckpointError, TargetError
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, read_manifest
 from cabinllm.runtime.kv.modes import ONNX_KV_MODES
@@ -31,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--format", default="onnx", choices=tuple(EXPORT_FORMATS), help="graph format (default onnx)")
     parser.add_argument("--output", required=True, type=Path, help="graph folder to write (replaced as a whole)")
     parser.add_argument("--target", help="an NPU target from builders/data/targets.toml (e.g. sa8775p-36gb): take "
-                        "--context, --chunk, --kv-cache and --profile from cabin-plan's plan of the engine's model "
+                        "--context, --chunk, --kv-cache, --profile, --precision and --htp-arch from cabin-plan's plan of the engine's model "
                         "there; a flag given as well wins (default: none)")
     parser.add_argument("--context", type=positive_int,
                         help=f"KV window the graphs see, in tokens: the longest dialogue they hold (default "
@@ -44,6 +46,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", choices=tuple(ONNX_PROFILES),
                         help="; ".join(f"{p.name}: {p.description}" for p in ONNX_PROFILES.values())
                         + f" (default {DEFAULT_PROFILE}, or the --target's)")
+    parser.add_argument("--precision", choices=tuple(PRECISIONS),
+                        help="; ".join(f"{p.name}: {p.description}" for p in PRECISIONS.values())
+                        + " (default: the profile's first, npu a16w8 and ort fp16, or the --target's)")
+    parser.add_argument("--htp-arch", type=int, choices=tuple(HTP_PRECISIONS),
+                        help="compile both graphs for this Hexagon HTP architecture into QNN context binaries beside "
+                             "them (needs onnxruntime-qnn; 68: SA8295P, a16w8 only; 73: SA8775P) (default: none, or "
+                             "the --target's)")
+    parser.add_argument("--calibration-data", default=CalibrationData.data,
+                        help="a16w8: dialogues the activations are calibrated on: builtin, sharegpt or a JSONL file "
+                             f"(default {CalibrationData.data})")
+    parser.add_argument("--calibration-dialogues", type=positive_int, default=CalibrationData.num_dialogues,
+                        help=f"a16w8: how many (default {CalibrationData.num_dialogues})")
+    parser.add_argument("--calibration-tokens", type=positive_int, default=CalibrationData.max_tokens,
+                        help=f"a16w8: tokens per dialogue at most (default {CalibrationData.max_tokens})")
     return parser.parse_args(argv)
 
 
@@ -54,7 +70,11 @@ def export_request(args: argparse.Namespace) -> OnnxExportRequest:
     chunk = args.chunk or (planned.chunk if planned else DEFAULT_CHUNK)
     kv_cache = args.kv_cache or (planned.kv_cache if planned else DEFAULT_KV)
     profile = args.profile or (planned.profile if planned else DEFAULT_PROFILE)
-    return OnnxExportRequest(args.engine, args.output, context, chunk, kv_cache, profile)
+    precision = args.precision or (planned.precision if planned else None)
+    htp_arch = args.htp_arch or (planned.htp_arch if planned else None)
+    calibration = CalibrationData(args.calibration_data, args.calibration_dialogues, args.calibration_tokens)
+    return OnnxExportRequest(args.engine, args.output, context, chunk, kv_cache, profile, precision, htp_arch,
+                             calibration)
 
 
 def target_graphs(engine: Path, target_name: str, kv_cache: str | None) -> GraphPlan:

@@ -51,7 +51,8 @@ def format_table(plan: Plan) -> str:
     t, c, turn = plan.target, plan.config, plan.turn
     line = f", TensorRT-LLM {t.trtllm_line}" if t.trtllm_line else ""
     sm = f", SM{t.sm}" if t.sm else ""
-    npu = f"; cabin-export --profile {t.npu.onnx_profile}, --ort-provider {t.npu.ort_provider}" if t.npu else ""
+    npu = (f"; Hexagon HTP v{t.npu.htp_arch} ({' or '.join(t.npu.precisions)}): cabin-export --profile "
+           f"{t.npu.onnx_profile} --htp-arch {t.npu.htp_arch}, --ort-provider {t.npu.ort_provider}" if t.npu else "")
     held = f" (floats as {t.weights_in_memory})" if t.weights_in_memory else ""
     lines = [
         f"{plan.request.model} ({c.architecture}, {c.num_hidden_layers} layers, {c.num_key_value_heads} KV heads x "

@@ -15,7 +15,6 @@ import torch
 
 from cabinllm.benchmarks.studies.onnx_compare import RUNS, perplexities
 from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
-from cabinllm.builders.onnx_profiles import onnx_profile
 from cabinllm.cli.chat import main as chat_main
 from cabinllm.cli.export import main as export_main
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
@@ -36,13 +35,14 @@ SCRIPT = ["navigate to the nearest charging station", "Turn the music down.", "I
 
 @pytest.fixture(scope="module")
 def exports(tiny_engine_dir, tmp_path_factory):
-    """Graph folders of the tiny engine: fp32 and fp16 KV, int8 KV (npu profile: uint8 codes; ort: int8)."""
+    """Float graph folders of the tiny engine: fp32 and fp16 KV, int8 KV (npu profile: uint8 codes, the host's
+    embedding and RoPE rows; ort: int8)."""
     root = tmp_path_factory.mktemp("onnx")
     folders = {}
     for name, kv, profile in (("fp32", "fp32", "ort"), ("fp16", "fp16", "npu"), ("int8", "int8", "npu"),
                               ("int8-ort", "int8", "ort")):
         folders[name] = root / f"tiny-{name}"
-        export_onnx(OnnxExportRequest(tiny_engine_dir, folders[name], CONTEXT, CHUNK, kv, profile),
+        export_onnx(OnnxExportRequest(tiny_engine_dir, folders[name], CONTEXT, CHUNK, kv, profile, "fp16"),
                     log=lambda _m: None)
     return folders
 
@@ -107,18 +107,17 @@ def test_onnx_compare_reports_every_perplexity_run_against_the_reference(tiny_en
     assert abs(runs["onnxruntime_over_reference_cache"]["delta_percent"]) < 0.05
 
 
-def test_npu_graphs_are_strict_static_on_the_allow_list_with_8_bit_kv(exports):
-    allowed = onnx_profile("npu").allowed_ops()
+def test_npu_graphs_are_strict_static_gather_nothing_and_pass_8_bit_kv(exports):
     manifest = json.loads((exports["int8"] / MANIFEST_FILE).read_text())
-    assert manifest["opset"] == 17 and manifest["kv_graph"]["dtype"] == "uint8" and set(manifest["ops"]) <= allowed
+    assert manifest["opset"] == 17 and manifest["kv_graph"]["dtype"] == "uint8" and "Gather" not in manifest["ops"]
     for name in (PROMPT_GRAPH, TOKEN_GRAPH):
         path = exports["int8"] / name
         onnx.checker.check_model(str(path), full_check=True)
         model = onnx.load(str(path), load_external_data=False)
         inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True).graph
         assert model.opset_import[0].domain == "" and model.opset_import[0].version == 17
-        assert {node.op_type for node in model.graph.node} <= allowed
         assert all(node.domain == "" for node in model.graph.node)
+        assert [i.name for i in model.graph.input[:3]] == ["inputs_embeds", "rope_cos", "rope_sin"]
         values = list(inferred.input) + list(inferred.output) + list(inferred.value_info)
         produced = {out for node in model.graph.node for out in node.output}
         assert produced <= {v.name for v in values}  # every tensor got a type and shape
@@ -185,7 +184,7 @@ def test_graphs_from_another_export_are_refused(exports, tmp_path):
         load_onnx_engine(mixed)
     other = tmp_path / "other"
     shutil.copytree(exports["int8"], other)
-    shutil.copyfile(exports["fp32"] / TOKEN_GRAPH, other / TOKEN_GRAPH)
+    shutil.copyfile(exports["fp16"] / TOKEN_GRAPH, other / TOKEN_GRAPH)
     with pytest.raises(CheckpointError, match="kv_cache"):
         load_onnx_engine(other)
 
@@ -193,12 +192,14 @@ def test_graphs_from_another_export_are_refused(exports, tmp_path):
 def test_an_interrupted_export_leaves_no_folder(tiny_engine_dir, tmp_path, monkeypatch):
     import cabinllm.builders.onnx_export as onnx_export
 
-    def interrupted(model, profile, name):
-        if name == TOKEN_GRAPH:
-            raise KeyboardInterrupt
-        return {node.op_type for node in model.graph.node}
+    build = onnx_export.build_graph
 
-    monkeypatch.setattr(onnx_export, "check_ops", interrupted)
+    def interrupted(model, tokens, *args):
+        if tokens == 1:  # the token graph, after the prompt graph was written
+            raise KeyboardInterrupt
+        return build(model, tokens, *args)
+
+    monkeypatch.setattr(onnx_export, "build_graph", interrupted)
     with pytest.raises(KeyboardInterrupt):
         export_onnx(OnnxExportRequest(tiny_engine_dir, tmp_path / "out", 64, CHUNK), log=lambda _m: None)
     assert list(tmp_path.iterdir()) == []
@@ -214,8 +215,9 @@ def test_cabin_chat_on_the_onnxruntime_backend(exports, tmp_path, capsys):
     assert turns[2]["reused_tokens"] > turns[1]["reused_tokens"] > 0
     assert chat_main(base + ["--backend", "onnxruntime", "--kv-cache", "fp16"]) == 2
     assert "take int8 K/V" in capsys.readouterr().err
-    assert chat_main(base + ["--backend", "onnxruntime", "--ort-provider", "qnn"]) == 2
-    assert "no QNNExecutionProvider" in capsys.readouterr().err
+    ort_graphs = base[:1] + [str(exports["int8-ort"])] + base[2:]
+    assert chat_main(ort_graphs + ["--backend", "onnxruntime", "--ort-provider", "qnn"]) == 2
+    assert "gather by token ids, which the HTP cannot compile" in capsys.readouterr().err
 
 
 

@@ -11,7 +11,6 @@ from test_cli_errors import run_cli
 from test_families import write_family_folder
 from test_hf_folders import SHAPE, cabin_build
 
-from cabinllm.builders.onnx_profiles import onnx_profile
 from cabinllm.cli import export as export_cli
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.engine import Engine
@@ -69,8 +68,8 @@ def test_graphs_compute_transformers_logits(built, tmp_path, capsys, profile):
                                              "--context", str(CONTEXT), "--chunk", str(CHUNK), "--kv-cache", "fp32",
                                              "--profile", profile], capsys)
     assert code == 0, err
-    allowed = onnx_profile(profile).allowed_ops()
-    assert allowed is None or set(json.loads((graphs / MANIFEST_FILE).read_text())["ops"]) <= allowed
+    ops = json.loads((graphs / MANIFEST_FILE).read_text())["ops"]
+    assert ("Gather" in ops) == (profile == "ort")  # npu graphs gather nothing: the host looks rows up
     model = load_onnx_engine(graphs, threads=1).model
     for ids, theirs in built["prompts"]:
         ours = run_tokens(model, ids, "fp32", all_logits=True, chunk=CHUNK).logits

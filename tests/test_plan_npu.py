@@ -99,7 +99,13 @@ def test_sa8295p_has_no_fp16_on_its_npu(capsys, tiny_model):
     code, out = run_plan(capsys, "--model", str(tiny_model), "--target", "sa8295p-16gb", "--kv-cache", "fp16")
     assert code == 2 and "HTP v68 has no FP16" in out["refused"]["reason"]
     _, plan = run_plan(capsys, "--model", str(tiny_model), "--target", "sa8295p-16gb")
-    assert any("computes no float graphs" in w and "on the CPU" in w for w in plan["warnings"])
+    assert any("HTP v68: it runs a16w8 graphs only (no floating point)" in w for w in plan["warnings"])
+    graphs = plan["cabin_export"]["int8"]
+    assert (graphs["precision"], graphs["htp_arch"]) == ("a16w8", 68)
+    assert "--precision a16w8 --htp-arch 68" in graphs["command"]
+    _, plan = run_plan(capsys, "--model", str(tiny_model), "--target", "sa8775p-36gb")
+    assert any("HTP v73: it runs a16w8 or fp16 graphs;" in w for w in plan["warnings"])
+    assert {kv: g["precision"] for kv, g in plan["cabin_export"].items()} == {"int8": "a16w8", "fp16": "fp16"}
 
 
 def test_refuses_weight_formats_the_export_does_not_write(capsys, tmp_path):
@@ -218,7 +224,7 @@ weight_formats = ["fp16"]
 backend = "onnx"
 tokens_per_block = 32
 """
-NPU_TABLE = '\n[n.npu]\nonnx_profile = "npu"\nort_provider = "qnn"\nfloat16 = true\ndefault_chunk = 64\n'
+NPU_TABLE = '\n[n.npu]\nonnx_profile = "npu"\nort_provider = "qnn"\nhtp_arch = 73\ndefault_chunk = 64\n'
 
 
 @pytest.mark.parametrize("text, message", [
@@ -228,7 +234,10 @@ NPU_TABLE = '\n[n.npu]\nonnx_profile = "npu"\nort_provider = "qnn"\nfloat16 = tr
     (NPU_PROFILE + NPU_TABLE.replace('"qnn"', '"hexagon"'), "ort_provider 'hexagon' is not one of cpu, cuda"),
     (NPU_PROFILE + NPU_TABLE.replace('"npu"', '"qdq"'), "onnx_profile 'qdq' is not one of npu, ort"),
     (NPU_PROFILE + NPU_TABLE + "vtcm_mb = 8\n", "[n.npu] has unknown keys ['vtcm_mb']"),
-    (NPU_PROFILE.replace('["int8"]', '["int8", "fp8"]') + NPU_TABLE, "the graphs take fp32, fp16, int8 only"),
+    (NPU_PROFILE.replace('["int8"]', '["int8", "fp8"]') + NPU_TABLE, "take none of kv_dtypes ['fp8']"),
+    (NPU_PROFILE + NPU_TABLE.replace("73", "66"), "htp_arch 66 is not one of 68, 73"),
+    (NPU_PROFILE.replace('["int8"]', '["int8", "fp16"]') + NPU_TABLE.replace("73", "68"),
+     "HTP v68 runs a16w8 graphs, which take none of kv_dtypes ['fp16']"),
 ])
 def test_malformed_npu_profiles_are_refused_by_name(tmp_path, text, message):
     path = tmp_path / "targets.toml"

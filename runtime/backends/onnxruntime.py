@@ -21,9 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cabinllm.runtime.backends.qnn import context_session
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import CheckpointError, ConfigError, MissingDependency
-from cabinllm.runtime.formats.onnx_folder import (EXPORT_AGAIN, MASKED, PROMPT_GRAPH, TOKEN_GRAPH, OnnxFolder, new_key,
+from cabinllm.runtime.formats.onnx_folder import (EXPORT_AGAIN, INPUTS_EMBEDS, LOCAL_MASK, LOCAL_ROPE_INPUTS,
+                                                  PROMPT_GRAPH, ROPE_INPUTS, TOKEN_GRAPH, OnnxFolder, new_key,
                                                   new_value, past_key, past_value)
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache
@@ -39,16 +41,41 @@ ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
 class _Graph:
     """One loaded graph: its session, its token count and the mask block of its new tokens."""
 
-    def __init__(self, session, tokens: int, layers: int) -> None:
+    def __init__(self, session, tokens: int, layers: int, masked: float) -> None:
         self.session, self.tokens = session, tokens
         self.outputs = ["logits"] + [name for i in range(layers) for name in (new_key(i), new_value(i))]
-        self.causal = np.triu(np.full((tokens, tokens), MASKED, dtype=np.float32), k=1)
+        self.causal = np.triu(np.full((tokens, tokens), masked, dtype=np.float32), k=1)
+
+
+class _HostInputs:
+    """What the host looks up for graphs that gather nothing (npu profile): embedding rows, RoPE rows, the
+    sliding-window layers' mask."""
+
+    def __init__(self, folder: OnnxFolder, config) -> None:
+        self.embedding = folder.host_table("embedding")
+        self.multiplier = np.float32(config.embedding_multiplier)
+        self.ropes = {name: folder.host_table(name) for name in ROPE_INPUTS}
+        if config.rope_local_base_freq is not None:
+            self.ropes.update({name: folder.host_table(name) for name in LOCAL_ROPE_INPUTS})
+        self.window = config.sliding_window
+
+    def feeds(self, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, context: int, masked: float) -> dict:
+        """The graph inputs of token ids at positions (both [1, T]) beside the mask."""
+        embeds = self.embedding[ids[0]][None]
+        feeds = {INPUTS_EMBEDS: embeds * self.multiplier if self.multiplier != 1 else np.ascontiguousarray(embeds)}
+        feeds.update({name: table[positions[0]][None, :, None, :] for name, table in self.ropes.items()})
+        if self.window is not None:  # the window's slot j holds position j, the new tokens are at their positions
+            keys = np.concatenate([np.arange(context), positions[0]])
+            outside = positions[0][:, None] - keys[None, :] >= self.window
+            feeds[LOCAL_MASK] = np.where(outside, mask + np.float32(masked), mask).astype(np.float32)
+        return feeds
 
 
 class OrtModel:
     """The prompt and token graphs of an export, with the reference model's ``forward``."""
 
-    def __init__(self, folder: OnnxFolder, manifest: dict, provider: str = "cpu", threads: int | None = None) -> None:
+    def __init__(self, folder: OnnxFolder, manifest: dict, provider: str = "cpu", threads: int | None = None,
+                 htp_arch: int | None = None) -> None:
         config = folder.config(manifest)
         self.context, self.chunk = int(manifest["context"]), int(manifest["chunk"])
         self.config = replace(config, max_position_embeddings=min(config.max_position_embeddings, self.context))
@@ -57,8 +84,10 @@ class OrtModel:
         if self.kv.zero_point not in (None, 0, _UINT8_ZERO_POINT):
             raise CheckpointError(f"{folder.path}: KV zero point {self.kv.zero_point}; the runtime passes int8 codes as "
                                   f"int8 (zero point 0) or uint8 (zero point {_UINT8_ZERO_POINT}); {EXPORT_AGAIN}")
-        layers = config.num_hidden_layers
-        self.graphs = {tokens: _Graph(_session(folder, manifest, name, provider, threads), tokens, layers)
+        layers, self.masked = config.num_hidden_layers, float(manifest["attention_mask_value"])
+        self.host = _HostInputs(folder, config) if manifest["host_inputs"] else None
+        self.graphs = {tokens: _Graph(_session(folder, manifest, name, provider, threads, htp_arch), tokens, layers,
+                                      self.masked)
                        for name, tokens in ((PROMPT_GRAPH, self.chunk), (TOKEN_GRAPH, 1))}
         heads, d = config.num_key_value_heads, config.head_size
         self.window = [np.zeros(shape, self.kv_dtype) for _ in range(layers)  # K0, V0, K1, V1, ...
@@ -115,10 +144,13 @@ class OrtModel:
         n, tokens = len(piece), graph.tokens
         ids, positions = np.zeros((1, tokens), np.int64), np.zeros((1, tokens), np.int64)
         ids[0, :n], positions[0, :n] = piece, np.arange(start, start + n)
-        mask = np.full((1, 1, tokens, self.context + tokens), MASKED, np.float32)
+        mask = np.full((1, 1, tokens, self.context + tokens), self.masked, np.float32)
         mask[0, 0, :n, :start] = 0.0
         mask[0, 0, :, self.context:] = graph.causal
-        feeds = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
+        if self.host is None:
+            feeds = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
+        else:
+            feeds = {**self.host.feeds(ids, positions, mask, self.context, self.masked), "attention_mask": mask}
         for layer in range(self.config.num_hidden_layers):
             feeds[past_key(layer)], feeds[past_value(layer)] = self.window[2 * layer], self.window[2 * layer + 1]
         logits, *kv = graph.session.run(graph.outputs, feeds)
@@ -158,8 +190,10 @@ class OrtModel:
         return torch.from_numpy(np.ascontiguousarray(rows))
 
 
-def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threads: int | None):
-    """An ONNX Runtime session of one graph, its metadata checked against the manifest."""
+def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threads: int | None,
+             htp_arch: int | None):
+    """An ONNX Runtime session of one graph, its metadata checked against the manifest; on ``qnn`` the HTP
+    session of its compiled context binary (cabinllm.runtime.backends.qnn)."""
     try:
         import onnxruntime as ort
     except ModuleNotFoundError as err:
@@ -167,6 +201,17 @@ def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threa
                                 "pip install 'cabinllm[onnx]'") from err
     if provider not in ORT_PROVIDERS:
         raise ConfigError(f"unknown ONNX Runtime provider {provider!r}; choose one of {', '.join(ORT_PROVIDERS)}")
+    key = "prompt" if name == PROMPT_GRAPH else "token"
+    path = folder.path / manifest["graphs"][key]
+    if provider == "qnn":
+        if not manifest["host_inputs"]:
+            raise ConfigError(f"{folder.path}: {manifest['profile']} profile graphs gather by token ids, which the HTP "
+                              f"cannot compile; {EXPORT_AGAIN} --profile npu")
+        import onnx
+
+        folder.check_graph(path.name, {p.key: p.value for p in onnx.load(str(path), load_external_data=False)
+                                       .metadata_props}, manifest)
+        return context_session(folder, manifest, key, htp_arch, threads)
     available = ort.get_available_providers()
     if ORT_PROVIDERS[provider] not in available:
         raise ConfigError(f"this ONNX Runtime has no {ORT_PROVIDERS[provider]} (it has {', '.join(available)}); "
@@ -177,7 +222,6 @@ def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threa
     # packed copy of every MatMul weight (a chat on the default model, measured: 1.34 GB of process memory with it,
     # 0.32 GB without; decode steps as fast, 64-token prefill chunks about 20% slower)
     options.add_session_config_entry("session.disable_prepacking", "1")
-    path = folder.path / manifest["graphs"]["prompt" if name == PROMPT_GRAPH else "token"]
     try:
         session = ort.InferenceSession(str(path), options, providers=[ORT_PROVIDERS[provider]])
     except Exception as err:  # onnxruntime raises its own exception types on a bad graph
@@ -187,11 +231,12 @@ def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threa
     return session
 
 
-def load_onnx_engine(folder: str | Path, provider: str = "cpu", threads: int | None = None) -> Engine:
+def load_onnx_engine(folder: str | Path, provider: str = "cpu", threads: int | None = None,
+                     htp_arch: int | None = None) -> Engine:
     """An exported graph folder as an ``Engine`` whose model runs on ONNX Runtime: sessions (``DialogueSession``)
     and ``run_tokens`` use it as they use the reference engine."""
     folder = OnnxFolder(Path(folder))
     manifest = folder.manifest()
-    model = OrtModel(folder, manifest, provider, threads)
+    model = OrtModel(folder, manifest, provider, threads, htp_arch)
     return Engine(folder.path, model.config, model, ChatTokenizer(folder.tokenizer), manifest,
                   manifest["model"]["fingerprint"], folder.scales(manifest))

@@ -37,6 +37,7 @@ class SessionRequest:
     tokens_per_block: int | None = None  # None: the engine's target's
     backend: str = "auto"  # a key of BACKENDS, or auto: by the folder
     ort_provider: str = "cpu"  # ONNX Runtime's execution provider (backends.onnxruntime.ORT_PROVIDERS)
+    htp_arch: int | None = None  # ort_provider qnn: this device's HTP architecture (None: the graphs' own)
     restore: Path | None = None  # a session file to continue (reference and onnxruntime backends)
     tools: tuple[Tool, ...] = ()  # functions the replies may call (reference and onnxruntime backends)
     tool_choice: str = "auto"  # how: auto, required, none or one tool's name
@@ -72,7 +73,7 @@ def _open_reference(request: SessionRequest) -> Session:
 
 
 def _open_onnxruntime(request: SessionRequest) -> Session:
-    engine = load_onnx_engine(request.engine, request.ort_provider)
+    engine = load_onnx_engine(request.engine, request.ort_provider, htp_arch=request.htp_arch)
     if request.kv_mode not in (None, engine.default_kv_mode):
         raise ConfigError(f"--kv-cache {request.kv_mode}: the graphs in {request.engine} take "
                           f"{engine.default_kv_mode} K/V; leave --kv-cache out or export them again with cabin-export "

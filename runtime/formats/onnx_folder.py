@@ -11,13 +11,28 @@ Layout::
       token.onnx           1 new token over the same window
       weights.bin          the weights both graphs read (ONNX external data)
       tokenizer/           tokenizer.json and tokenizer_config.json
+      host/                npu profile: the tables the host looks up (embedding.npy, rope_cos.npy, ...)
+      *_ctx.onnx, *.bin    npu profile with --htp-arch: the graphs compiled by QNN for the HTP (EPContext
+                           models and their context binaries)
 
-Both graphs have static shapes (batch 1)::
+Both graphs have static shapes (batch 1). Their inputs in the ort profile::
 
     input_ids       int64   [1, T]                 T = chunk (prompt) or 1 (token)
     position_ids    int64   [1, T]
-    attention_mask  float32 [1, 1, T, context + T] 0 where a new token may attend, MASKED elsewhere:
-                                                   the window's slots first, then the T new tokens
+
+and in the npu profile, which gathers nothing by an input (the host looks rows up in ``host/``)::
+
+    inputs_embeds   float32 [1, T, hidden]         embedding rows (times the family's embedding multiplier)
+    rope_cos        float32 [1, T, 1, rotated]     RoPE rows of the new tokens' positions
+    rope_sin        float32 [1, T, 1, rotated]
+    rope_local_cos, rope_local_sin, local_attention_mask   only with sliding-window layers (Gemma 3):
+                                                   their own RoPE rows and mask
+
+then in both::
+
+    attention_mask  float32 [1, 1, T, context + T] 0 where a new token may attend, the manifest's
+                                                   attention_mask_value elsewhere: the window's slots
+                                                   first, then the T new tokens
     past_key.L      KV      [1, kv_heads, head_size, context]   one pair per layer, K after RoPE
     past_value.L    KV      [1, kv_heads, context, head_size]
     ->
@@ -36,17 +51,27 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, read_manifest
 from cabinllm.runtime.formats.scales_file import KVScales
 
-ONNX_FORMAT = "cabin-onnx/1"
+ONNX_FORMAT = "cabin-onnx/2"  # 2: the npu profile's host inputs, the mask value, the precision
 PROMPT_GRAPH = "prompt.onnx"
 TOKEN_GRAPH = "token.onnx"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"
 MASKED = -30000.0  # additive mask of a slot a token may not attend to: finite, and in fp16 range for NPUs
+# the mask of quantized graphs: a uint16 activation spans the scores and the mask, so a smaller finite value keeps
+# the scores' resolution (0.0025 over [-130, 30]); exp(-100) is 4e-44 of a visible key's weight
+QUANTIZED_MASKED = -100.0
+HOST_DIR = "host"
+INPUTS_EMBEDS = "inputs_embeds"
+ROPE_INPUTS = ("rope_cos", "rope_sin")
+LOCAL_ROPE_INPUTS = ("rope_local_cos", "rope_local_sin")
+LOCAL_MASK = "local_attention_mask"
 EXPORT_AGAIN = "export it again with cabin-export"
 # metadata every graph carries -> the manifest value it must equal
 GRAPH_METADATA = ("model_fingerprint", "context", "chunk", "kv_cache")
@@ -104,6 +129,13 @@ class OnnxFolder:
         """The tokenizer files."""
         return self.path / TOKENIZER_DIR
 
+    def host_table(self, name: str) -> np.ndarray:
+        """A table the host looks up (npu profile), memory-mapped; CheckpointError when it is missing."""
+        path = self.path / HOST_DIR / f"{name}.npy"
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing; {EXPORT_AGAIN}")
+        return np.load(path, mmap_mode="r")
+
     def manifest(self) -> dict:
         """The manifest, checked for the keys the runtime reads; CheckpointError naming what is wrong."""
         manifest = read_manifest(self.path)
@@ -112,6 +144,7 @@ class OnnxFolder:
                                   "write one with cabin-export --format onnx")
         try:
             context, chunk = int(manifest["context"]), int(manifest["chunk"])
+            float(manifest["attention_mask_value"]), bool(manifest["host_inputs"]), str(manifest["precision"])
             self.config(manifest)
             self.kv_graph(manifest)
             if not isinstance(manifest["model"]["fingerprint"], str):

@@ -19,8 +19,11 @@ SHAPE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "nu
          "num_key_value_heads": 2, "max_position_embeddings": 1024}
 
 
-def write_tiny_llama(folder: Path, seed: int = 0, byte_tokens: bool = False, **shape: int) -> Path:
-    """Write the tiny model (``SHAPE``, with any key overridden by ``shape``) into ``folder`` and return it."""
+def write_tiny_llama(folder: Path, seed: int = 0, byte_tokens: bool = False, layer_std: float = 0.3,
+                     **shape: int) -> Path:
+    """Write the tiny model (``SHAPE``, with any key overridden by ``shape``) into ``folder`` and return it; its
+    layers' projections have standard deviation ``layer_std`` (small: a calm model, whose replies survive
+    quantization noise)."""
     folder.mkdir(parents=True, exist_ok=True)
     shape = {**SHAPE, **shape}
     words = sorted(pre_tokenizers.ByteLevel.alphabet()) if byte_tokens else WORDS
@@ -30,8 +33,8 @@ def write_tiny_llama(folder: Path, seed: int = 0, byte_tokens: bool = False, **s
                                                     "num_key_value_heads"))
     d = h // heads
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.3
+    def rand(*shape: int, std: float = 0.3) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
 
     weights = {"model.embed_tokens.weight": rand(len(vocab), h), "model.norm.weight": 1 + rand(h),
                "lm_head.weight": rand(len(vocab), h)}
@@ -39,10 +42,10 @@ def write_tiny_llama(folder: Path, seed: int = 0, byte_tokens: bool = False, **s
         p = f"model.layers.{layer}"
         weights.update({
             f"{p}.input_layernorm.weight": 1 + rand(h), f"{p}.post_attention_layernorm.weight": 1 + rand(h),
-            f"{p}.self_attn.q_proj.weight": rand(heads * d, h), f"{p}.self_attn.k_proj.weight": rand(kv_heads * d, h),
-            f"{p}.self_attn.v_proj.weight": rand(kv_heads * d, h), f"{p}.self_attn.o_proj.weight": rand(h, heads * d),
-            f"{p}.mlp.gate_proj.weight": rand(inter, h), f"{p}.mlp.up_proj.weight": rand(inter, h),
-            f"{p}.mlp.down_proj.weight": rand(h, inter),
+            f"{p}.self_attn.q_proj.weight": rand(heads * d, h, std=layer_std), f"{p}.self_attn.k_proj.weight": rand(kv_heads * d, h, std=layer_std),
+            f"{p}.self_attn.v_proj.weight": rand(kv_heads * d, h, std=layer_std), f"{p}.self_attn.o_proj.weight": rand(h, heads * d, std=layer_std),
+            f"{p}.mlp.gate_proj.weight": rand(inter, h, std=layer_std), f"{p}.mlp.up_proj.weight": rand(inter, h, std=layer_std),
+            f"{p}.mlp.down_proj.weight": rand(h, inter, std=layer_std),
         })
     save_file(weights, str(folder / "model.safetensors"))
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": len(vocab), "rms_norm_eps": 1e-5,

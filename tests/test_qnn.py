@@ -1,0 +1,166 @@
+"""NPU graphs checked by Qualcomm's own compiler: cabin-export's A16W8 (and fp16) graphs of a tiny random model
+finalize on the QNN HTP backend (onnxruntime-qnn; an emulator on x86_64) for HTP v68 and v73 with CPU fallback
+disabled, load from their context binaries, reply over 3 turns as the CPU provider does on the same graphs, and
+every bad folder or install is one clear error.
+
+The model is calm (small layer weights, random): its replies survive the difference between the HTP's arithmetic
+and the CPU provider's; its replies say nothing of quality."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import onnx
+import pytest
+
+from cabinllm.builders.engine_build import BuildRequest, build_engine
+from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
+from cabinllm.cli.chat import main as chat_main
+from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
+from cabinllm.runtime.backends.qnn import compiled_arch, htp_session
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.errors import CabinError, CheckpointError, ConfigError, MissingDependency
+from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
+from cabinllm.runtime.formats.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import sized_config
+
+from conftest import TINY_ENGINE_SHAPE
+from fakes.tiny_model import write_tiny_llama
+
+pytest.importorskip("onnxruntime_qnn")
+CONTEXT, CHUNK = 128, 16
+SCRIPT = ["navigate to the nearest charging station", "Turn the music down.", "Is the trunk closed?"]
+QUIET = {"log": lambda _m: None}
+Q_DQ = {"QuantizeLinear", "DequantizeLinear"}
+
+
+@pytest.fixture(scope="module")
+def calm_engine(tmp_path_factory):
+    """An int8-KV engine of a tiny random Llama with small layer weights."""
+    root = tmp_path_factory.mktemp("calm")
+    model = write_tiny_llama(root / "model", layer_std=0.1, **TINY_ENGINE_SHAPE)
+    build_engine(BuildRequest(str(model), root / "engine", kv_cache="int8", dtype="float32"), **QUIET)
+    return root / "engine"
+
+
+@pytest.fixture(scope="module")
+def htp_exports(calm_engine, tmp_path_factory):
+    """A16W8 graphs compiled for HTP v68 and v73, fp16 graphs compiled for v73."""
+    root = tmp_path_factory.mktemp("htp")
+    folders = {}
+    for precision, arch in (("a16w8", 68), ("a16w8", 73), ("fp16", 73)):
+        folders[precision, arch] = root / f"{precision}-v{arch}"
+        export_onnx(OnnxExportRequest(calm_engine, folders[precision, arch], CONTEXT, CHUNK, "int8", "npu", precision,
+                                      arch), **QUIET)
+    return folders
+
+
+def replies(engine) -> list:
+    config = sized_config(engine.model.kv_layout, "int8", 512, tokens_per_block=16)
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=engine.stop_token_ids())
+    session = DialogueSession(engine, engine.new_cache(config), params, "You are the in-car assistant.",
+                              OverflowPolicy("error"))
+    return [(r.token_ids, r.prefill_tokens, r.reused_tokens) for r in map(session.chat, SCRIPT)]
+
+
+@pytest.mark.parametrize("arch", [68, 73])
+def test_a16w8_graphs_finalize_for_the_htp_and_reply_as_the_cpu_provider(htp_exports, arch):
+    folder = htp_exports["a16w8", arch]
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    qnn = manifest["qnn"]
+    assert qnn["htp_arch"] == arch and {"onnxruntime", "onnxruntime_qnn", "qnn_sdk"} <= set(qnn)
+    for key in ("prompt", "token"):
+        assert compiled_arch(folder / qnn["context_graphs"][key]) == arch and qnn["binary_bytes"][key] > 0
+    htp, cpu = load_onnx_engine(folder, "qnn", threads=1), load_onnx_engine(folder, "cpu", threads=1)
+    got, want = replies(htp), replies(cpu)
+    assert got == want and got[2][2] > got[1][2] > 0  # later turns reuse the earlier ones on the HTP too
+    assert sum(len(ids) for ids, _, _ in got) > 20
+
+
+@pytest.mark.parametrize("name", [PROMPT_GRAPH, TOKEN_GRAPH])
+def test_a16w8_graphs_are_quantized_throughout_with_the_engines_kv_scales(htp_exports, calm_engine, name):
+    """HTP v68 has no floating point: every op but Q/DQ reads dequantized tensors and writes quantized ones, and the
+    K/V come in and go out as uint8 codes with the engine's scale of each layer."""
+    folder = htp_exports["a16w8", 68]
+    model = onnx.load(str(folder / name))
+    producer = {out: node for node in model.graph.node for out in node.output}
+    initializers = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type in Q_DQ or node.op_type == "Constant":
+            continue
+        data = node.input[:1] if node.op_type in ("Reshape", "Split", "Slice", "Unsqueeze", "ReduceMean") else node.input
+        floats = [i for i in data if i and i not in initializers]  # shapes, sizes and axes are int64 constants
+        assert all(i in producer and producer[i].op_type == "DequantizeLinear" for i in floats), node.name
+    scales = json.loads((calm_engine / "kv_scales.json").read_text())
+    kv_io = [v for v in list(model.graph.input) + list(model.graph.output) if v.name.startswith(("past_", "new_"))]
+    assert len(kv_io) == 4 * 3 and {v.type.tensor_type.elem_type for v in kv_io} == {onnx.TensorProto.UINT8}
+    engine_scales = json.loads((folder / MANIFEST_FILE).read_text())["kv_graph"]["scales"]
+    assert len(engine_scales) == 3 and scales
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0].startswith("past_key."):
+            layer = int(node.input[0].split(".")[1])
+            scale = onnx.numpy_helper.to_array(initializers[node.input[1]])
+            assert float(scale) == pytest.approx(engine_scales[layer], rel=1e-7)
+            assert int(onnx.numpy_helper.to_array(initializers[node.input[2]])) == 128
+
+
+def test_fp16_graphs_run_on_v73_and_v68_takes_only_a16w8(htp_exports, calm_engine, tmp_path):
+    htp = load_onnx_engine(htp_exports["fp16", 73], "qnn", threads=1)
+    assert replies(htp)[0][0]
+    with pytest.raises(ConfigError, match="HTP v68 runs a16w8 graphs, not fp16"):
+        export_onnx(OnnxExportRequest(calm_engine, tmp_path / "x", CONTEXT, CHUNK, "int8", "npu", "fp16", 68), **QUIET)
+    with pytest.raises(ConfigError, match="a16w8 graphs take --kv-cache int8, not fp16"):
+        export_onnx(OnnxExportRequest(calm_engine, tmp_path / "x", CONTEXT, CHUNK, "fp16", "npu", "a16w8"), **QUIET)
+
+
+def test_cabin_chat_runs_a_script_on_the_htp(htp_exports, tmp_path, capsys):
+    script = tmp_path / "d.jsonl"
+    script.write_text("\n".join(json.dumps({"role": "user", "content": t}) for t in SCRIPT[:2]), encoding="utf-8")
+    code = chat_main(["--engine", str(htp_exports["a16w8", 68]), "--script", str(script), "--json",
+                      "--ort-provider", "qnn", "--max-new-tokens", "6"])
+    turns = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and [t["turn"] for t in turns] == [1, 2] and turns[1]["reused_tokens"] > 0
+
+
+def test_graphs_compiled_for_another_arch_are_refused(htp_exports, tmp_path):
+    with pytest.raises(ConfigError, match="compiled for HTP v68, and this device is v73; .* --htp-arch 73"):
+        load_onnx_engine(htp_exports["a16w8", 68], "qnn", htp_arch=73)
+    swapped = tmp_path / "swapped"  # v73 context models in a folder whose manifest says v68
+    shutil.copytree(htp_exports["a16w8", 68], swapped)
+    for name in ("prompt_ctx.onnx", "token_ctx.onnx", "prompt_ctx_qnn.bin", "token_ctx_qnn.bin"):
+        shutil.copyfile(htp_exports["a16w8", 73] / name, swapped / name)
+    with pytest.raises(ConfigError, match="compiled for HTP v73, and this device is v68"):
+        load_onnx_engine(swapped, "qnn")
+
+
+@pytest.mark.parametrize("missing", ["token_ctx.onnx", "prompt_ctx_qnn.bin"])
+def test_a_missing_context_binary_is_one_clear_error(htp_exports, tmp_path, missing):
+    folder = tmp_path / "graphs"
+    shutil.copytree(htp_exports["a16w8", 68], folder)
+    (folder / missing).unlink()
+    with pytest.raises(CheckpointError, match=f"{missing}: .*missing; export it again"):
+        load_onnx_engine(folder, "qnn")
+
+
+def test_onnxruntime_without_the_qnn_plugin_is_one_error_naming_the_install(htp_exports, calm_engine, tmp_path,
+                                                                           monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "onnxruntime_qnn", None)
+    with pytest.raises(MissingDependency, match="needs onnxruntime_qnn.*pip install onnxruntime-qnn"):
+        load_onnx_engine(htp_exports["a16w8", 68], "qnn")
+    with pytest.raises(CabinError, match="pip install onnxruntime-qnn"):
+        export_onnx(OnnxExportRequest(calm_engine, tmp_path / "x", CONTEXT, CHUNK, "int8", "npu", "a16w8"), **QUIET)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_graph_that_needs_the_cpu_names_its_nodes(tmp_path):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Det", ["m"], ["d"], name="the_det")], "g",
+                              [helper.make_tensor_value_info("m", TensorProto.FLOAT, [3, 3])],
+                              [helper.make_tensor_value_info("d", TensorProto.FLOAT, [])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "det.onnx")
+    with pytest.raises(ConfigError, match=r"does not take 1 node\(s\).*CPU fallback is disabled: the_det \(Det\)"):
+        htp_session(tmp_path / "det.onnx", 73)
