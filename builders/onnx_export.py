@@ -53,6 +53,7 @@ Log = Callable[[str], None]
 _EXTERNAL_MIN_BYTES = 1024  # tensors at least this large go to weights.bin; small constants stay in the graph
 _ALIGN = 64
 CONTRIB_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
+REDUCE_AXES_INPUT_OPSET = 18  # ReduceMean takes its axes as an input from here
 INT4_ZERO_POINT = 8  # MatMulNBits' default zero point: the signed int4 code q travels as q + 8
 
 
@@ -159,7 +160,7 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
         for name, tokens in ((PROMPT_GRAPH, request.chunk), (TOKEN_GRAPH, 1)):
             with steps.step(f"{name}: {tokens} token(s) over a window of {request.context}"):
                 models[name] = build_graph(engine.model, tokens, request.context, float_kv, profile.opset, weights,
-                                           profile.host_inputs)
+                                           profile.host_inputs, chosen.quantized)
                 onnx.helper.set_model_props(models[name], graph_metadata(manifest))
                 onnx.save_model(models[name], str(tmp / name))
         weights.close()
@@ -198,6 +199,11 @@ def write_graphs(folder: Path, models: dict) -> None:
                 model.graph.initializer[index].CopyFrom(weights.tensor(tensor.name, onnx.numpy_helper.to_array(tensor)))
         onnx.save_model(model, str(folder / name))
     weights.close()
+
+
+def layer_output(layer: int) -> str:
+    """The name of a layer's output (the residual stream after it) in every graph."""
+    return f"layers.{layer}.out"
 
 
 def host_tables(model: Transformer, context: int) -> dict[str, np.ndarray]:
@@ -249,10 +255,10 @@ class WeightsFile:
 class _Graph:
     """Nodes and initializers of one graph, with a helper per op."""
 
-    def __init__(self, weights: WeightsFile) -> None:
+    def __init__(self, weights: WeightsFile, opset: int, fused_norm: bool) -> None:
         import onnx
 
-        self.onnx, self.weights = onnx, weights
+        self.onnx, self.weights, self.opset, self.fused_norm = onnx, weights, opset, fused_norm
         self.nodes, self.initializers, self.names = [], {}, 0
 
     def op(self, op_type: str, *inputs: str, outputs: int = 1, name: str | None = None, **attrs) -> str | list[str]:
@@ -272,6 +278,10 @@ class _Graph:
             else:
                 self.initializers[name] = self.onnx.numpy_helper.from_array(array, name)
         return name
+
+    def weights_shape(self, name: str) -> list[int]:
+        """The shape of a constant."""
+        return list(self.initializers[name].dims)
 
     def ints(self, *values: int) -> str:
         """An int64 vector constant (shapes, axes, split sizes)."""
@@ -315,15 +325,16 @@ def _nbits_blocks(weight: Int4AwqLinear) -> np.ndarray:
 
 
 def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, opset: int, weights: WeightsFile,
-                host_inputs: bool = False):
+                host_inputs: bool = False, fused_norm: bool = False):
     """The ModelProto of ``tokens`` new tokens attending to a window of ``context`` past tokens; with
-    ``host_inputs`` it takes the embeddings and RoPE rows (and a local layer's mask) the host looks up."""
+    ``host_inputs`` it takes the embeddings and RoPE rows (and a local layer's mask) the host looks up; with
+    ``fused_norm`` (graphs to be quantized, opset 23) each RMSNorm is one RMSNormalization op."""
     import onnx
 
     c, eps = model.config, model.config.norm_epsilon
     heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_size
     group, keys = heads // kv_heads, context + tokens
-    g = _Graph(weights)
+    g = _Graph(weights, opset, fused_norm)
     kv_elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(kv.dtype))
     float_input = lambda name, *shape: onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [1, *shape])
     if host_inputs:
@@ -399,7 +410,8 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
         fc, gate = g.op("Split", _linear(g, h, f"{p}.fc_gate", layer["fc_gate"]),
                         g.ints(c.intermediate_size, c.intermediate_size), axis=-1, outputs=2)
         mlp = _linear(g, g.op("Mul", _activation(g, fc, c.hidden_act), gate), f"{p}.proj", layer["proj"])
-        x = g.op("Add", x, _layer_norm(g, mlp, layer, p, "post_ff_norm", eps) if c.inter_layernorms else mlp)
+        x = g.op("Add", x, _layer_norm(g, mlp, layer, p, "post_ff_norm", eps) if c.inter_layernorms else mlp,
+                 name=layer_output(index))
     h = _rms_norm(g, x, g.const("final_norm", model.final_norm.numpy()), eps)
     cap = c.final_logit_softcapping
     logits = g.op("MatMul", h, g.const("lm_head", _weight(model.lm_head)), name="logits" if cap is None else None)
@@ -414,8 +426,16 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
 
 
 def _rms_norm(g: _Graph, x: str, weight: str, eps: float) -> str:
-    """x / sqrt(mean(x^2) + eps) * weight, in the op pattern ONNX Runtime fuses into one RMSNorm kernel."""
-    mean = g.op("ReduceMean", g.op("Pow", x, g.scalar("two", 2.0)), axes=[-1], keepdims=1)
+    """x / sqrt(mean(x^2) + eps) * weight. In a graph to be quantized one RMSNormalization op, so no tensor holds
+    mean(x^2), whose uint16 range one massive activation (the first token's) stretches until every other token's
+    rounds to 0; else the op pattern ONNX Runtime fuses into one RMSNorm kernel (and the HTP finalizes in fp16)."""
+    if g.fused_norm:
+        d = g.weights_shape(weight)[-1]
+        return g.op("Mul", g.op("RMSNormalization", x, g.const(f"ones_{d}", np.ones(d, np.float32)), axis=-1,
+                                epsilon=eps), weight)
+    square = g.op("Pow", x, g.scalar("two", 2.0))
+    mean = g.op("ReduceMean", square, g.ints(-1), keepdims=1) if g.opset >= REDUCE_AXES_INPUT_OPSET else \
+        g.op("ReduceMean", square, axes=[-1], keepdims=1)
     root = g.op("Sqrt", g.op("Add", mean, g.scalar(f"eps_{eps:g}", eps)))
     return g.op("Mul", g.op("Div", x, root), weight)
 

@@ -46,7 +46,7 @@ class OnnxProfile:
         """ValueError naming the fix when this profile cannot write an engine's weight format."""
         if weight_format not in self.weight_formats:
             others = [p.name for p in ONNX_PROFILES.values() if weight_format in p.weight_formats]
-            why = " (standard ONNX has int4 tensors only from opset 21)" if "int4" in weight_format else ""
+            why = " (standard ONNX has int4 tensors only from opset 21)" if "int4" in weight_format and self.opset < 21 else ""
             raise ConfigError(f"the {self.name} profile (opset {self.opset}) cannot write {weight_format} weights{why}; "
                              f"export with --profile {' or '.join(others)}, or build the engine with cabin-build "
                              f"--weights {' or '.join(self.weight_formats)}")
@@ -78,7 +78,7 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
 
 ONNX_PROFILES: dict[str, OnnxProfile] = {p.name: p for p in (
     OnnxProfile("npu", "QNN HTP: inputs_embeds and RoPE rows from the host, INT8 KV as uint8 + zero point 128",
-                17, "uint8", 128, True, ("fp16", "int8"), ("a16w8", "fp16")),
+                23, "uint8", 128, True, ("fp16", "int8"), ("a16w8", "fp16")),
     OnnxProfile("ort", "ONNX Runtime providers: input_ids in, INT8 KV as int8 + zero point 0", 17, "int8", 0,
                 False, ("fp16", "int8", "int4-awq"), ("fp16",)),
 )}

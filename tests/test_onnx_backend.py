@@ -109,13 +109,13 @@ def test_onnx_compare_reports_every_perplexity_run_against_the_reference(tiny_en
 
 def test_npu_graphs_are_strict_static_gather_nothing_and_pass_8_bit_kv(exports):
     manifest = json.loads((exports["int8"] / MANIFEST_FILE).read_text())
-    assert manifest["opset"] == 17 and manifest["kv_graph"]["dtype"] == "uint8" and "Gather" not in manifest["ops"]
+    assert manifest["opset"] == 23 and manifest["kv_graph"]["dtype"] == "uint8" and "Gather" not in manifest["ops"]
     for name in (PROMPT_GRAPH, TOKEN_GRAPH):
         path = exports["int8"] / name
         onnx.checker.check_model(str(path), full_check=True)
         model = onnx.load(str(path), load_external_data=False)
         inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True).graph
-        assert model.opset_import[0].domain == "" and model.opset_import[0].version == 17
+        assert model.opset_import[0].domain == "" and model.opset_import[0].version == 23
         assert all(node.domain == "" for node in model.graph.node)
         assert [i.name for i in model.graph.input[:3]] == ["inputs_embeds", "rope_cos", "rope_sin"]
         values = list(inferred.input) + list(inferred.output) + list(inferred.value_info)

@@ -106,6 +106,6 @@ def test_int4_awq_on_the_npu_profile_is_one_clear_error(quant_engines, tmp_path,
     assert export_main(["--engine", str(quant_engines["int4-awq"]), "--output", str(out), "--context", "64",
                         "--chunk", "16", "--profile", "npu"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("cabin-export: error: the npu profile (opset 17) cannot write int4-awq weights")
+    assert err.startswith("cabin-export: error: the npu profile (opset 23) cannot write int4-awq weights;")
     assert "--profile ort" in err and "--weights fp16 or int8" in err and "Traceback" not in err
     assert not out.exists()

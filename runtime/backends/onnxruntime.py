@@ -47,7 +47,7 @@ class _Graph:
         self.causal = np.triu(np.full((tokens, tokens), masked, dtype=np.float32), k=1)
 
 
-class _HostInputs:
+class HostInputs:
     """What the host looks up for graphs that gather nothing (npu profile): embedding rows, RoPE rows, the
     sliding-window layers' mask."""
 
@@ -85,7 +85,7 @@ class OrtModel:
             raise CheckpointError(f"{folder.path}: KV zero point {self.kv.zero_point}; the runtime passes int8 codes as "
                                   f"int8 (zero point 0) or uint8 (zero point {_UINT8_ZERO_POINT}); {EXPORT_AGAIN}")
         layers, self.masked = config.num_hidden_layers, float(manifest["attention_mask_value"])
-        self.host = _HostInputs(folder, config) if manifest["host_inputs"] else None
+        self.host = HostInputs(folder, config) if manifest["host_inputs"] else None
         self.graphs = {tokens: _Graph(_session(folder, manifest, name, provider, threads, htp_arch), tokens, layers,
                                       self.masked)
                        for name, tokens in ((PROMPT_GRAPH, self.chunk), (TOKEN_GRAPH, 1))}
