@@ -2,20 +2,22 @@
 window, for NPU toolchains and ONNX Runtime (the folder format is cabinllm.runtime.formats.onnx_folder's).
 
 The graphs are written node by node with ``onnx.helper`` from the reference engine's weights (fp32), so every
-shape is static and every op is a chosen standard one: RMSNorm as Pow/ReduceMean/Sqrt/Div, RoPE as
-Gather of cos/sin rows + rotate-half, grouped-query attention as 5-D MatMuls over the window and over the new
+shape is static and every op is a chosen standard one: RMSNorm as Pow/ReduceMean/Sqrt/Div (one
+RMSNormalization in graphs to be quantized), RoPE as cos/sin rows (gathered by ``position_ids`` in the ort
+profile, fed by the host in the npu one, which gathers nothing by an input) + rotate-half, grouped-query attention as 5-D MatMuls over the window and over the new
 tokens apart (no K/V repeated, the window never copied), SiLU as
 Sigmoid * x. The families beyond Llama take the same ops: q/k norms (Qwen3, Gemma 3) as RMSNorm of each head,
 partial rotary (Phi-3) as RoPE of a Slice of each head, Gemma 3's tanh-GELU and logit softcap through Sigmoid
-(0.5 * (1 + tanh(z)) = Sigmoid(2z); the npu allow-list has no Tanh), and its local layers' window as a mask the
-graph adds from ``position_ids`` (LongRoPE needs nothing more: its cos/sin rows are per position). INT8 KV
+(0.5 * (1 + tanh(z)) = Sigmoid(2z)), and its local layers' window as a mask (from ``position_ids`` in the ort
+profile, a host input in the npu one) (LongRoPE needs nothing more: its cos/sin rows are per position). INT8 KV
 is QDQ with the engine's calibrated static scale of each layer (one for K and V, as
 TensorRT-LLM stores it): the past window comes in as codes and is dequantized; the new tokens' K/V are
 clamped to +-127 steps, quantized (the graph's outputs) and dequantized again for their own attention, so
 the graph sees exactly what the paged cache stores. Linear layers keep the engine's weight format where the
 profile can carry it (cabinllm.builders.onnx_profiles: int8 as per-channel QDQ, int4-AWQ as MatMulNBits); the values are
 the reference engine's, so the graphs compute what it computes. Both graphs read one ``weights.bin`` (external
-data).
+data). A16W8 graphs are these float graphs quantized by cabinllm.builders.qnn_quantize; ``--htp-arch`` compiles
+them into QNN context binaries (cabinllm.runtime.backends.qnn).
 """
 from __future__ import annotations
 

@@ -18,9 +18,10 @@ per-channel DequantizeLinear (axis 1, per-axis since 13) into MatMul, standard Q
 in the ``ort`` profile only, as ONNX Runtime's ``com.microsoft.MatMulNBits`` after a Mul by the prequant scale
 (standard ONNX has int4 tensors only from opset 21).
 
-Opset 17 for both: QuantizeLinear/DequantizeLinear take int8 and uint8 (since 10, per-axis since 13),
+``ort`` is opset 17: QuantizeLinear/DequantizeLinear take int8 and uint8 (since 10, per-axis since 13),
 Split/Unsqueeze take their sizes and axes as inputs (13), and ReduceMean still takes ``axes`` as an attribute
-(inputs from 18), the form every QDQ toolchain reading opset 13+ models accepts.
+(inputs from 18), the form every QDQ toolchain reading opset 13+ models accepts. ``npu`` is opset 23: 16-bit
+QDQ is standard from 21, and the A16W8 graphs normalize with RMSNormalization (23).
 """
 from __future__ import annotations
 

@@ -22,16 +22,17 @@ import shutil
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from cabinllm.calibration.selection import prepare_dialogues
+from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.formats.onnx_folder import (KvGraphType, OnnxFolder, new_key, new_value, past_key,
                                                   past_value)
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache, sized_config
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 _QUANT_DIR = "quantizing"  # a subfolder of the staging folder, gone when the graphs are written
 
@@ -120,8 +121,6 @@ def _calls(dialogues: list[list[int]], token_steps: int, chunk: int, tokens: int
 
 def _walk(folder: OnnxFolder, dialogues: list[list[int]], token_steps: int, tokens: int):
     """A walk over the dialogues through the float graphs that shows the calls of the graph of ``tokens`` tokens."""
-    from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
-
     def walk(show: Callable[[dict], None]) -> None:
         model = load_onnx_engine(folder.path, "cpu").model
         model.graphs[tokens].session = _Recording(model.graphs[tokens].session, show)
@@ -207,8 +206,6 @@ def quantize_graphs(folder: OnnxFolder, kv: KvGraphType, calibration: Calibratio
     import onnxruntime
     from onnxruntime.quantization import QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
-
-    from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
     manifest = folder.manifest()
     layers, chunk = folder.config(manifest).num_hidden_layers, int(manifest["chunk"])

@@ -16,14 +16,15 @@ import pytest
 
 from cabinllm.builders.engine_build import BuildRequest, build_engine
 from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
+from cabinllm.builders.qnn_quantize import CalibrationData
 from cabinllm.cli.chat import main as chat_main
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
-from cabinllm.runtime.backends.qnn import compiled_arch, htp_session
+from cabinllm.runtime.backends.qnn import compile_context_binaries, compiled_arch, htp_session
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.errors import CabinError, CheckpointError, ConfigError, MissingDependency
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
-from cabinllm.runtime.formats.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH
+from cabinllm.runtime.formats.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH, OnnxFolder
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import sized_config
 
@@ -164,3 +165,25 @@ def test_a_graph_that_needs_the_cpu_names_its_nodes(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "det.onnx")
     with pytest.raises(ConfigError, match=r"does not take 1 node\(s\).*CPU fallback is disabled: the_det \(Det\)"):
         htp_session(tmp_path / "det.onnx", 73)
+
+
+@pytest.mark.slow
+def test_the_default_models_a16w8_graphs_finalize_for_v68_and_v73_and_chat_on_the_htp(default_engine_dir, tmp_path,
+                                                                                       capsys):
+    """Small window and calibration to keep the test short; the figures in docs/npu-onnx.md come from the full
+    export."""
+    graphs = tmp_path / "v68"
+    export_onnx(OnnxExportRequest(default_engine_dir, graphs, 128, 32, "int8", "npu", "a16w8", 68,
+                                  CalibrationData(num_dialogues=1, max_tokens=96, token_steps=2)), **QUIET)
+    v73 = tmp_path / "v73"  # the same A16W8 graphs compiled for v73
+    shutil.copytree(graphs, v73, ignore=shutil.ignore_patterns("*_ctx*"))
+    manifest = json.loads((v73 / MANIFEST_FILE).read_text())
+    record = compile_context_binaries(OnnxFolder(v73), manifest, 73)
+    assert record["htp_arch"] == 73 and all(size > 10 << 20 for size in record["binary_bytes"].values())
+    script = tmp_path / "d.jsonl"
+    script.write_text("\n".join(json.dumps({"role": "user", "content": t}) for t in ("Hi.", "Open the trunk.")),
+                      encoding="utf-8")
+    code = chat_main(["--engine", str(graphs), "--script", str(script), "--json", "--ort-provider", "qnn",
+                      "--max-new-tokens", "2"])
+    turns = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and len(turns) == 2 and turns[1]["reused_tokens"] > 0 and not turns[1]["error"]

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ from tqdm import tqdm
 from cabinllm.builders.onnx_export import layer_output
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.cli.args import positive_int
-from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
+from cabinllm.runtime.backends.onnxruntime import HostInputs, load_onnx_engine
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.formats.onnx_folder import OnnxFolder
@@ -73,45 +72,37 @@ def layer_errors(quantized: OnnxFolder, floats: OnnxFolder, engine: Engine, dial
     import onnx
     import onnxruntime as ort
 
-    from cabinllm.runtime.backends.onnxruntime import HostInputs
-
     manifest = quantized.manifest()
     layers, chunk, context = engine.config.num_hidden_layers, int(manifest["chunk"]), int(manifest["context"])
     names = [layer_output(i) for i in range(layers)]
     sessions = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for key, folder in (("a16w8", quantized), ("float", floats)):
-            model = onnx.load(str(folder.path / manifest["graphs"]["prompt"]), load_external_data=False)
-            model.graph.output.extend([onnx.ValueInfoProto(name=name) for name in names])
-            work = Path(tmp) / key
-            work.mkdir()
-            (work / "weights.bin").symlink_to((folder.path / "weights.bin").resolve())
-            onnx.save(model, str(work / "prompt.onnx"))
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = torch.get_num_threads()
-            sessions[key] = ort.InferenceSession(str(work / "prompt.onnx"), options,
-                                                 providers=["CPUExecutionProvider"])
-        host = HostInputs(quantized, engine.config)
-        squared = np.zeros((2, layers))
-        for ids in dialogues:
-            piece = ids[:chunk]
-            padded, positions = np.zeros((1, chunk), np.int64), np.arange(chunk, dtype=np.int64)[None]
-            padded[0, :len(piece)] = piece
-            mask = np.full((1, 1, chunk, context + chunk), float(manifest["attention_mask_value"]), np.float32)
-            mask[0, 0, :, context:] = np.triu(mask[0, 0, :, context:], k=1)  # causal over the new tokens
-            feeds = {**host.feeds(padded, positions, mask, context, float(manifest["attention_mask_value"])),
-                     "attention_mask": mask}
-            outputs = {}
-            for key, session in sessions.items():
-                fed = dict(feeds)
-                for value in session.get_inputs():
-                    if value.name.startswith("past_"):  # an empty window: codes of 0 (uint8 128) or float 0
-                        dtype = np.uint8 if value.type == "tensor(uint8)" else np.float32
-                        fed[value.name] = np.full(value.shape, 128 if dtype is np.uint8 else 0, dtype)
-                outputs[key] = session.run(names, fed)
-            for layer in range(layers):
-                ours, theirs = outputs["a16w8"][layer][0, :len(piece)], outputs["float"][layer][0, :len(piece)]
-                squared[:, layer] += (float(((ours - theirs) ** 2).sum()), float((theirs ** 2).sum()))
+    for key, folder in (("a16w8", quantized), ("float", floats)):  # loaded whole: no file beside the user's
+        model = onnx.load(str(folder.path / manifest["graphs"]["prompt"]))
+        model.graph.output.extend([onnx.ValueInfoProto(name=name) for name in names])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()
+        sessions[key] = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    host = HostInputs(quantized, engine.config)
+    squared = np.zeros((2, layers))
+    for ids in dialogues:
+        piece = ids[:chunk]
+        padded, positions = np.zeros((1, chunk), np.int64), np.arange(chunk, dtype=np.int64)[None]
+        padded[0, :len(piece)] = piece
+        mask = np.full((1, 1, chunk, context + chunk), float(manifest["attention_mask_value"]), np.float32)
+        mask[0, 0, :, context:] = np.triu(mask[0, 0, :, context:], k=1)  # causal over the new tokens
+        feeds = {**host.feeds(padded, positions, mask, context, float(manifest["attention_mask_value"])),
+                 "attention_mask": mask}
+        outputs = {}
+        for key, session in sessions.items():
+            fed = dict(feeds)
+            for value in session.get_inputs():
+                if value.name.startswith("past_"):  # an empty window: codes of 0 (uint8 128) or float 0
+                    dtype = np.uint8 if value.type == "tensor(uint8)" else np.float32
+                    fed[value.name] = np.full(value.shape, 128 if dtype is np.uint8 else 0, dtype)
+            outputs[key] = session.run(names, fed)
+        for layer in range(layers):
+            ours, theirs = outputs["a16w8"][layer][0, :len(piece)], outputs["float"][layer][0, :len(piece)]
+            squared[:, layer] += (float(((ours - theirs) ** 2).sum()), float((theirs ** 2).sum()))
     return (np.sqrt(squared[0] / squared[1])).tolist()
 
 
@@ -125,11 +116,11 @@ def table(result: dict) -> str:
                         f"{s['perplexity']:.4f} | {100 * (s['perplexity'] / base - 1):+.2f}% | {s['kl']:.4f} | "
                         f"{100 * s['top1']:.2f}% |")
     if "layer_errors" in result:
-        worst = sorted(range(len(result["layer_errors"])), key=lambda i: -result["layer_errors"][i])
-        rows += ["", "| layer | relative error of its output (A16W8 vs float, CPU) | added by the layer |", "|---|---|---|"]
         errors = result["layer_errors"]
         added = [errors[0]] + [errors[i] - errors[i - 1] for i in range(1, len(errors))]
-        for i in sorted(worst[:5]):
+        rows += ["", "| layer (the 5 that add most) | relative error of its output (A16W8 vs float, CPU) | added by "
+                 "the layer |", "|---|---|---|"]
+        for i in sorted(sorted(range(len(errors)), key=lambda i: -added[i])[:5]):
             rows.append(f"| {i} | {errors[i]:.4f} | {added[i]:+.4f} |")
     return "\n".join(rows) + "\n"
 

@@ -11,7 +11,9 @@ blocks in its own storage form (int8 codes with the same static scales). So the 
 reference engine (``cabinllm.runtime.dialogue.session.DialogueSession``: reuse of earlier turns, block hashes, budget,
 overflow policies, session files) runs unchanged on it; the context it plans against is the graphs'
 ``context``. ``logits_over`` scores a cached sequence token by token over the K/V another backend stored, so
-two backends can be compared on the same INT8 codes. onnxruntime is imported only here, only when used.
+two backends can be compared on the same INT8 codes. Graphs of the npu profile take the embedding and RoPE rows,
+which the host looks up (``HostInputs``); on ``--ort-provider qnn`` they run on Qualcomm's HTP from their
+context binaries (cabinllm.runtime.backends.qnn). onnxruntime is imported only here, only when used.
 """
 from __future__ import annotations
 
