@@ -174,7 +174,7 @@ def test_the_default_models_a16w8_graphs_finalize_for_v68_and_v73_and_chat_on_th
     export."""
     graphs = tmp_path / "v68"
     export_onnx(OnnxExportRequest(default_engine_dir, graphs, 128, 32, "int8", "npu", "a16w8", 68,
-                                  CalibrationData(num_dialogues=1, max_tokens=96, token_steps=2)), **QUIET)
+                                  CalibrationData(num_dialogues=1, max_tokens=64, token_steps=1)), **QUIET)
     v73 = tmp_path / "v73"  # the same A16W8 graphs compiled for v73
     shutil.copytree(graphs, v73, ignore=shutil.ignore_patterns("*_ctx*"))
     manifest = json.loads((v73 / MANIFEST_FILE).read_text())
@@ -184,6 +184,6 @@ def test_the_default_models_a16w8_graphs_finalize_for_v68_and_v73_and_chat_on_th
     script.write_text("\n".join(json.dumps({"role": "user", "content": t}) for t in ("Hi.", "Open the trunk.")),
                       encoding="utf-8")
     code = chat_main(["--engine", str(graphs), "--script", str(script), "--json", "--ort-provider", "qnn",
-                      "--max-new-tokens", "2"])
+                      "--max-new-tokens", "1"])
     turns = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert code == 0 and len(turns) == 2 and turns[1]["reused_tokens"] > 0 and not turns[1]["error"]
