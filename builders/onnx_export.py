@@ -157,7 +157,6 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
                 np.save(tmp / HOST_DIR / f"{name}.npy", table)
         # a quantized precision starts from float graphs with float K/V, quantized with the engine's scales
         float_kv = KvGraphType("float32") if chosen.quantized else kv
-        float_manifest = {**manifest, "kv_graph": float_kv.to_dict(), "precision": "fp16"}
         weights, models = WeightsFile(tmp / WEIGHTS_FILE), {}
         for name, tokens in ((PROMPT_GRAPH, request.chunk), (TOKEN_GRAPH, 1)):
             with steps.step(f"{name}: {tokens} token(s) over a window of {request.context}"):
@@ -169,6 +168,7 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
         if chosen.quantized:
             with steps.step(f"quantizing both graphs to {chosen.name} with ONNX Runtime's QNN tooling, calibrated on "
                             f"{request.calibration.describe()}"):
+                float_manifest = {**manifest, "kv_graph": float_kv.to_dict(), "precision": "fp16"}  # what calibrates
                 atomic_write_text(tmp / MANIFEST_FILE, json.dumps(float_manifest, indent=2) + "\n")
                 models, manifest["quantization"] = quantize_graphs(OnnxFolder(tmp), kv, request.calibration)
                 write_graphs(tmp, models)
@@ -225,14 +225,14 @@ class WeightsFile:
     def __init__(self, path: Path) -> None:
         self.path, self.handle, self.offset = path, path.open("wb"), 0
         self.tensors: dict[str, object] = {}
-        self.lengths: dict[str, tuple[int, int]] = {}  # a tensor's bytes: length and hash
+        self.digests: dict[str, tuple[int, int]] = {}  # each tensor's bytes: length and hash
 
     def tensor(self, name: str, array: np.ndarray):
         """A TensorProto of ``array`` stored in the file (written on first use of the name)."""
         import onnx
 
         data = np.ascontiguousarray(array).tobytes()
-        if name in self.tensors and self.lengths[name] != (len(data), hash(data)):
+        if name in self.tensors and self.digests[name] != (len(data), hash(data)):
             raise ValueError(f"two graphs hold different tensors named {name}")
         if name not in self.tensors:
             pad = -self.offset % _ALIGN
@@ -245,7 +245,7 @@ class WeightsFile:
                 proto.external_data.add(key=key, value=str(value))
             self.handle.write(data)
             self.offset += len(data)
-            self.tensors[name], self.lengths[name] = proto, (len(data), hash(data))
+            self.tensors[name], self.digests[name] = proto, (len(data), hash(data))
         return self.tensors[name]
 
     def close(self) -> None:
@@ -281,7 +281,7 @@ class _Graph:
                 self.initializers[name] = self.onnx.numpy_helper.from_array(array, name)
         return name
 
-    def weights_shape(self, name: str) -> list[int]:
+    def shape(self, name: str) -> list[int]:
         """The shape of a constant."""
         return list(self.initializers[name].dims)
 
@@ -432,7 +432,7 @@ def _rms_norm(g: _Graph, x: str, weight: str, eps: float) -> str:
     mean(x^2), whose uint16 range one massive activation (the first token's) stretches until every other token's
     rounds to 0; else the op pattern ONNX Runtime fuses into one RMSNorm kernel (and the HTP finalizes in fp16)."""
     if g.fused_norm:
-        d = g.weights_shape(weight)[-1]
+        d = g.shape(weight)[-1]
         return g.op("Mul", g.op("RMSNormalization", x, g.const(f"ones_{d}", np.ones(d, np.float32)), axis=-1,
                                 epsilon=eps), weight)
     square = g.op("Pow", x, g.scalar("two", 2.0))

@@ -22,6 +22,7 @@ from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.backends.qnn import compile_context_binaries, compiled_arch, htp_session
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import CabinError, CheckpointError, ConfigError, MissingDependency
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
 from cabinllm.runtime.formats.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH, OnnxFolder
@@ -95,17 +96,17 @@ def test_a16w8_graphs_are_quantized_throughout_with_the_engines_kv_scales(htp_ex
         data = node.input[:1] if node.op_type in ("Reshape", "Split", "Slice", "Unsqueeze", "ReduceMean") else node.input
         floats = [i for i in data if i and i not in initializers]  # shapes, sizes and axes are int64 constants
         assert all(i in producer and producer[i].op_type == "DequantizeLinear" for i in floats), node.name
-    scales = json.loads((calm_engine / "kv_scales.json").read_text())
     kv_io = [v for v in list(model.graph.input) + list(model.graph.output) if v.name.startswith(("past_", "new_"))]
     assert len(kv_io) == 4 * 3 and {v.type.tensor_type.elem_type for v in kv_io} == {onnx.TensorProto.UINT8}
-    engine_scales = json.loads((folder / MANIFEST_FILE).read_text())["kv_graph"]["scales"]
-    assert len(engine_scales) == 3 and scales
-    for node in model.graph.node:
-        if node.op_type == "DequantizeLinear" and node.input[0].startswith("past_key."):
-            layer = int(node.input[0].split(".")[1])
-            scale = onnx.numpy_helper.to_array(initializers[node.input[1]])
-            assert float(scale) == pytest.approx(engine_scales[layer], rel=1e-7)
-            assert int(onnx.numpy_helper.to_array(initializers[node.input[2]])) == 128
+    engine_scales = Engine.load(calm_engine).scales.shared()  # the int8 cache's one scale per layer
+    past_dequantized = [n for n in model.graph.node if n.op_type == "DequantizeLinear"
+                        and n.input[0].startswith(("past_key.", "past_value."))]
+    assert len(past_dequantized) == 2 * len(engine_scales) == 2 * 3  # each window input straight into its DQ
+    for node in past_dequantized:
+        layer = int(node.input[0].split(".")[1])
+        scale = onnx.numpy_helper.to_array(initializers[node.input[1]])
+        assert float(scale) == pytest.approx(engine_scales[layer], rel=1e-7)
+        assert int(onnx.numpy_helper.to_array(initializers[node.input[2]])) == 128
 
 
 def test_fp16_graphs_run_on_v73_and_v68_takes_only_a16w8(htp_exports, calm_engine, tmp_path):
