@@ -22,8 +22,9 @@ from cabinllm.builders.progress import Steps
 from cabinllm.builders.scales_source import BuildScales, calibrated_scales, quick_scales, scales_from_file
 from cabinllm.builders.targets import Backend, Target, get_target
 from cabinllm.builders.trtllm import TrtllmInstall, build_args, find_trtllm, flag_set, local_sm, run_trtllm_build
-from cabinllm.builders.weight_build import (build_weight_format, check_equalize, needs_quantizing, quantize_step_text,
-                                            quantized_checkpoint, refingerprint_scales, weights_record)
+from cabinllm.builders.weight_build import (build_weight_format, check_equalize, check_head, head_checkpoint,
+                                            needs_quantizing, quantize_step_text, quantized_checkpoint,
+                                            refingerprint_scales, weights_record)
 from cabinllm.runtime.errors import CheckpointError, ConfigError, ScalesError
 from cabinllm.runtime.formats.atomic import atomic_write_text, clean_leftovers, staging_folder
 from cabinllm.runtime.formats.checkpoint import ModelConfig, load_checkpoint, save_checkpoint
@@ -54,6 +55,7 @@ class BuildRequest:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT  # the engine's default system prompt; "" for none
     weights: str = "fp16"  # weight format (cabinllm.runtime.formats.weight_formats): fp16 (as --dtype), int8, int4-awq
     max_beam_width: int = 1  # beams the TensorRT engine can search (trtllm-build --max_beam_width)
+    head: str = "fp16"  # embedding and lm_head (cabinllm.runtime.formats.weight_formats.HEAD_FORMATS): fp16 or int8
 
     def command(self) -> str:
         """The cabin-build command line that makes this request."""
@@ -61,6 +63,7 @@ class BuildRequest:
                 "--dtype", self.dtype, "--output", str(self.output)]
         args += ["--weights", self.weights] if self.weights != "fp16" else []
         args += ["--max-beam-width", str(self.max_beam_width)] if self.max_beam_width != 1 else []
+        args += ["--head", self.head] if self.head != "fp16" else []
         args += ["--scales", str(self.scales)] if self.scales else []
         args += ["--calibrate", self.calibrate] if self.calibrate else []
         args += ["--equalize"] if self.equalize else []
@@ -89,6 +92,7 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
     source_config = load_model_config(request.model)
     fmt = build_weight_format(request.weights, source_config)
     check_equalize(fmt, source_config, request.equalize)
+    check_head(request.head, target)
     plan = checked_plan(request, target, fmt.name)
     trtllm = find_trtllm() if target.backend is Backend.TENSORRT else None
     inputs = build_inputs(request, target, source, trtllm)
@@ -98,7 +102,8 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
         return request.output
     device = device_step(target, trtllm)
     quantize = needs_quantizing(fmt, source_config)
-    steps = Steps((5 if device.status == "run here" else 4) + quantize, log)
+    head = request.head != "fp16"
+    steps = Steps((5 if device.status == "run here" else 4) + quantize + head, log)
     started = time.perf_counter()
     with staging_folder(request.output) as tmp:
         checkpoint = tmp / CHECKPOINT_DIR
@@ -109,15 +114,24 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
             fingerprint = model_fingerprint(config, weights)
         with steps.step(scales_step_text(request)):
             kv = build_scales(request, config, weights, checkpoint, fingerprint, tmp / SCALES_FILE, log)
-        weights = kv.weights
+        weights, linears, tables = kv.weights, None, None
         if quantize:
             with steps.step(quantize_step_text(fmt, request.calibrate)):
-                config, weights = quantized_checkpoint(config, weights, fmt, checkpoint, request.calibrate)
+                config, weights, linears = quantized_checkpoint(config, weights, fmt, checkpoint, request.calibrate,
+                                                                source)
+            if linears is not None:
+                log(linears.summary("int4-g32 linear weights"))
+        if head:
+            with steps.step(f"storing the embedding and lm_head as {request.head} (the source's Q8_0 blocks as "
+                            "stored, others rounded)"):
+                config, weights, tables = head_checkpoint(config, weights, request.head, source)
+            if tables is not None:
+                log(tables.summary(f"{request.head} head"))
         with steps.step(f"writing the checkpoint with {fmt.quant_algo or config.dtype} weights and "
                         f"{quant_algo(request.kv_cache) or 'no'} KV cache quantization"):
             attach_kv_quant(config, weights, kv.scales, request.kv_cache)
             save_checkpoint(checkpoint, config, weights)
-            if quantize:
+            if quantize or head:
                 imported, fingerprint = fingerprint, model_fingerprint(config, weights)
                 refingerprint_scales(tmp / SCALES_FILE, imported, fingerprint, config)
         trt_command = None
@@ -130,7 +144,7 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
             scales_sha256 = file_sha256(tmp / SCALES_FILE)
             manifest = make_manifest(request, target, plan, source, fingerprint, kv, scales_sha256, device, trtllm,
                                      trt_command, inputs, time.perf_counter() - started)
-            manifest["weights"] = weights_record(fmt, config, request.calibrate, quantize)
+            manifest["weights"] = weights_record(fmt, config, request.calibrate, quantize, linears, tables)
             atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2))
     failed_log.unlink(missing_ok=True)  # a failed earlier attempt's log is stale now
     log(f"engine written to {request.output} ({manifest['backend']} backend; device step: {device.status})")
@@ -201,6 +215,8 @@ def build_inputs(request: BuildRequest, target: Target, source: Path, trtllm: Tr
         record["weights"] = request.weights
     if request.max_beam_width != 1:  # likewise
         record["max_beam_width"] = request.max_beam_width
+    if request.head != "fp16":  # likewise
+        record["head"] = request.head
     return json.loads(json.dumps(record))
 
 

@@ -9,7 +9,7 @@ from cabinllm.builders.engine_build import DEFAULT_SYSTEM_PROMPT, BuildRequest, 
 from cabinllm.cli.args import entry_point, int_range, os_error_message, reserve_gib
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.chat_script import text_problem
-from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
+from cabinllm.runtime.formats.weight_formats import HEAD_FORMATS, WEIGHT_FORMATS
 from cabinllm.runtime.kv.modes import KV_MODES
 
 
@@ -47,8 +47,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weights", default="fp16", choices=tuple(WEIGHT_FORMATS),
                         help="weight format: fp16 (full precision, as --dtype), int8 (W8A16) or int4-awq (W4A16_AWQ, "
                              "group 128 where the input sizes allow, else 64), quantized with ModelOpt on the "
-                             "--calibrate dialogues (default builtin); a TensorRT-LLM checkpoint given as --model "
-                             "keeps its own (default fp16)")
+                             "--calibrate dialogues (default builtin); int4-g32 (4-bit, scale and minimum per 32 "
+                             "inputs: a GGUF's Q4_0 / Q4_1 tensors taken as stored, others rounded to Q4_1; CPU and "
+                             "ONNX targets only); a TensorRT-LLM checkpoint given as --model keeps its own (default "
+                             "fp16)")
+    parser.add_argument("--head", default="fp16", choices=tuple(HEAD_FORMATS),
+                        help="embedding and lm_head storage: fp16, or int8 with an fp16 scale per 32 (a GGUF's "
+                             "Q8_0 table taken as stored, others rounded to Q8_0; half the bytes the decode step "
+                             "reads for the head; --target cpu only) (default fp16)")
     parser.add_argument("--max-beam-width", type=int_range(1), default=1, metavar="N",
                         help="beams the TensorRT engine can search (trtllm-build --max_beam_width; its KV pool is "
                              "planned for them); TensorRT targets only (default 1: no beam search)")
@@ -66,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     request = BuildRequest(args.model, args.output, args.kv_cache, args.dtype, args.force, args.target, args.scales,
                            args.equalize, args.reserve_gb, args.calibrate, args.system_prompt, args.weights,
-                           args.max_beam_width)
+                           args.max_beam_width, args.head)
     try:
         if problem := text_problem(args.system_prompt):
             raise ConfigError(f"--system-prompt {problem}")

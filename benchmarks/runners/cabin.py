@@ -5,6 +5,7 @@ import torch
 
 from cabinllm.benchmarks.runners.base import KVFootprint, Runner, RunTiming
 from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.formats.weight_formats import head_format
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kernels.bindings import matvec, native_kernels_enabled
@@ -46,11 +47,14 @@ def cabin_runner(engine: Engine, mode: str, name: str | None = None, weights: st
 def weights_note(engine: Engine, mode: str) -> str:
     """The weights and which code runs a decode step in this mode: native kernels or the torch fallback."""
     fmt = engine.config.weight_format
-    head = "fp16" if engine.model.lm_head.dtype == torch.float16 else "fp32"
+    int8_head = head_format(engine.config.quantization).name == "int8"
+    head = "int8" if int8_head else "fp16" if engine.model.lm_head.dtype == torch.float16 else "fp32"
+    embedding = "int8" if int8_head else "fp32"
     if fmt.quant_algo is None:
-        weights, kernel = f"fp32 (the engine's checkpoint, upcast; lm_head {head})", "matvec"
+        weights, kernel = f"fp32 (the engine's checkpoint, upcast; lm_head {head}, embedding {embedding})", "matvec"
     else:
-        weights, kernel = f"{fmt.label} (the engine's checkpoint; lm_head {head}, embedding fp32)", "quant_matvec"
+        weights, kernel = (f"{fmt.label} (the engine's checkpoint; lm_head {head}, embedding {embedding})",
+                           "quant_matvec")
     if not native_kernels_enabled() or matvec() is None:
         return f"{weights}; decode steps on the torch path (native kernels off)"
     attention = "attention in the blocks" if kv_mode(mode).per_token else "attention over natively dequantized blocks"

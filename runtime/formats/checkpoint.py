@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from cabinllm.runtime.errors import CheckpointError, WeightFormatError
-from cabinllm.runtime.formats.weight_formats import LINEAR_LAYERS, WeightFormat, checkpoint_format
+from cabinllm.runtime.formats.weight_formats import (HEAD_TENSORS, LINEAR_LAYERS, WeightFormat, checkpoint_format,
+                                                     head_format)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "rank0.safetensors"
@@ -308,11 +309,15 @@ def linear_inputs(config: ModelConfig) -> dict[str, int]:
 def stored_tensors(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...] | None]]:
     """Every tensor the checkpoint stores in its weight format: name -> (shape, allowed dtypes or None for any
     float dtype)."""
-    fmt = config.weight_format
+    fmt, head = config.weight_format, head_format(config.quantization)
     shapes = expected_shapes(config)
     out: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...] | None]] = {}
     for name, shape in shapes.items():
         base = name.rsplit(".weight", 1)[0] if name.endswith(".weight") else None
+        tables = head.stored(*shape) if base in HEAD_TENSORS else None
+        if tables is not None:
+            out |= {f"{base}.{suffix}": (stored.shape, stored.dtypes) for suffix, stored in tables.items()}
+            continue
         if base is None or not base.endswith(LINEAR_LAYERS):
             out[name] = (shape, None)
             continue

@@ -1,10 +1,13 @@
-"""The one registry of stored weight formats: full precision, W8A16 and W4A16-AWQ (``WEIGHT_FORMATS``).
+"""The one registry of stored weight formats: full precision, W8A16, W4A16-AWQ and int4-g32 (``WEIGHT_FORMATS``),
+and of the head's formats (``HEAD_FORMATS``).
 
 A format names the ``quantization.quant_algo`` of a TensorRT-LLM checkpoint, the tensors each linear layer
 stores (names, shapes, dtypes: what ModelOpt's ``export_tensorrt_llm_checkpoint`` writes and TensorRT-LLM's
 loaders read) and their bytes; the op that runs each format is ``cabinllm.runtime.model.linear.linear_op``.
-Embedding, lm_head and norms stay in the checkpoint's float dtype in every format (ModelOpt exports
-``exclude_modules: ["lm_head"]``).
+int4-g32 is not TensorRT-LLM's: llama.cpp's 4-bit blocks of 32 (Q4_0, Q4_1) held exactly, for the reference engine
+and ONNX Runtime (``MatMulNBits`` with zero points). Embedding, lm_head and norms stay in the checkpoint's float
+dtype (ModelOpt exports ``exclude_modules: ["lm_head"]``) unless the quantization block's ``head`` says ``int8``:
+int8 rows with an fp16 scale per 32 (llama.cpp's Q8_0 block), for the reference engine only.
 """
 from __future__ import annotations
 
@@ -17,7 +20,11 @@ from cabinllm.runtime.errors import ConfigError, WeightFormatError
 LINEAR_LAYERS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
 SCALE = "weights_scaling_factor"
 PREQUANT = "prequant_scaling_factor"
+MINIMUM = "weights_minimum"
 AWQ_GROUP_SIZES = (128, 64)  # TensorRT-LLM's groupwise W4A16 kernels take 64 and 128; 128 preferred
+GGUF_GROUP = 32  # inputs per block of llama.cpp's Q4_0, Q4_1 and Q8_0
+HEAD_KEY = "head"  # the quantization block's key naming the head format (absent: fp16)
+HEAD_TENSORS = ("transformer.vocab_embedding", "lm_head")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -37,6 +44,8 @@ class WeightFormat:
     quant_algo: str | None = None
     label: str = "full precision (fp16 or fp32 as stored)"
     tensors: tuple[str, ...] = ("weight",)  # what each linear layer stores, by name suffix
+    trtllm: bool = True  # TensorRT-LLM builds engines from it
+    group_sizes: tuple[int, ...] = ()  # the group sizes it takes (none: not grouped)
 
     def group_size(self, quantization: dict) -> int | None:
         """Inputs per scale group (None: per channel or not quantized)."""
@@ -77,6 +86,7 @@ class W4A16Awq(WeightFormat):
     quant_algo: str | None = "W4A16_AWQ"
     label: str = "int4 weight-only AWQ, per-group scales (W4A16_AWQ)"
     tensors: tuple[str, ...] = ("weight", SCALE, PREQUANT)
+    group_sizes: tuple[int, ...] = AWQ_GROUP_SIZES
 
     def group_size(self, quantization: dict) -> int | None:
         return quantization.get("group_size", 128)
@@ -92,7 +102,74 @@ class W4A16Awq(WeightFormat):
         return out * inp // 2 + 4 * out * (inp // self.group_size(quantization)) + float_bytes * inp
 
 
-WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (WeightFormat(), W8A16(), W4A16Awq())}
+@dataclass(frozen=True)
+class Int4G32(WeightFormat):
+    """4-bit codes with an fp16 scale and minimum per 32 inputs, w = scale * q + minimum, q in [0, 15]: llama.cpp's
+    Q4_1 block, which holds Q4_0 exactly too (minimum = -8 * scale); not a TensorRT-LLM format."""
+
+    name: str = "int4-g32"
+    quant_algo: str | None = "W4A16_G32"
+    label: str = "int4 weight-only, scale and minimum per 32 inputs (GGUF Q4_0 / Q4_1 held exactly)"
+    tensors: tuple[str, ...] = ("weight", SCALE, MINIMUM)
+    trtllm: bool = False
+    group_sizes: tuple[int, ...] = (GGUF_GROUP,)
+
+    def group_size(self, quantization: dict) -> int | None:
+        return GGUF_GROUP
+
+    def stored(self, out: int, inp: int, quantization: dict) -> dict[str, Stored]:
+        groups = (out, inp // GGUF_GROUP)
+        return {"weight": Stored((out, inp // 2), (torch.uint8,)), SCALE: Stored(groups, (torch.float16,)),
+                MINIMUM: Stored(groups, (torch.float16,))}
+
+    def weight_bytes(self, out: int, inp: int, quantization: dict, float_bytes: int = 2) -> int:
+        return out * inp // 2 + 4 * out * (inp // GGUF_GROUP)
+
+
+@dataclass(frozen=True)
+class HeadFormat:
+    """The embedding and lm_head as stored: the checkpoint's float dtype."""
+
+    name: str = "fp16"
+    label: str = "as the checkpoint's floats (fp16)"
+
+    def stored(self, vocab: int, hidden: int) -> dict[str, Stored] | None:
+        """Suffix -> the tensor the embedding (or lm_head) stores; None: one float ``weight``."""
+        return None
+
+    def head_bytes(self, vocab: int, hidden: int, float_bytes: int = 2) -> int:
+        """Bytes of one of the two (vocab, hidden) tables."""
+        return vocab * hidden * float_bytes
+
+
+@dataclass(frozen=True)
+class Int8G32Head(HeadFormat):
+    """int8 (vocab, hidden) with an fp16 scale per 32 columns, w = scale * q: llama.cpp's Q8_0 block."""
+
+    name: str = "int8"
+    label: str = "int8, an fp16 scale per 32 (GGUF Q8_0 held exactly)"
+
+    def stored(self, vocab: int, hidden: int) -> dict[str, Stored] | None:
+        return {"weight": Stored((vocab, hidden), (torch.int8,)),
+                SCALE: Stored((vocab, hidden // GGUF_GROUP), (torch.float16,))}
+
+    def head_bytes(self, vocab: int, hidden: int, float_bytes: int = 2) -> int:
+        return vocab * hidden + 2 * vocab * (hidden // GGUF_GROUP)
+
+
+HEAD_FORMATS: dict[str, HeadFormat] = {f.name: f for f in (HeadFormat(), Int8G32Head())}
+
+
+def head_format(quantization: dict) -> HeadFormat:
+    """The head format a checkpoint's ``quantization`` block names; WeightFormatError for an unknown one."""
+    name = quantization.get(HEAD_KEY) or "fp16"
+    if name not in HEAD_FORMATS:
+        raise WeightFormatError(f"quantization.{HEAD_KEY} {name!r} is not a head format the reference engine runs "
+                                f"({', '.join(HEAD_FORMATS)}); build the engine again with --head fp16 or int8")
+    return HEAD_FORMATS[name]
+
+
+WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (WeightFormat(), W8A16(), W4A16Awq(), Int4G32())}
 _BY_ALGO = {f.quant_algo: f for f in WEIGHT_FORMATS.values()}
 
 
@@ -119,13 +196,14 @@ def checkpoint_format(quantization: dict, linear_inputs: dict[str, int], source:
     if group is not None:
         if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
             raise WeightFormatError(f"{source}: group_size {group!r} must be a positive integer; export the model "
-                                    f"again with group size {' or '.join(map(str, AWQ_GROUP_SIZES))}")
+                                    f"again with group size {' or '.join(map(str, fmt.group_sizes))}")
         for layer, inputs in linear_inputs.items():
             if inputs % group:
-                fits = [g for g in AWQ_GROUP_SIZES if inputs % g == 0]
+                fits = [g for g in fmt.group_sizes if inputs % g == 0]
                 raise WeightFormatError(f"{source}: group_size {group} does not divide the {inputs} inputs of "
-                                        f"{layer}; export the model again with group size "
-                                        f"{fits[0] if fits else 'that divides every input size'}")
+                                        f"{layer}; " + (f"export the model again with group size {fits[0]}" if fits
+                                        else f"{fmt.name} cannot hold this model, use --weights int8"))
+    head_format(quantization)
     return fmt
 
 

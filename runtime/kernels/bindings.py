@@ -41,6 +41,7 @@ KERNEL_SOURCES = Path(str(resources.files("cabinllm.runtime.kernels")))
 # flushing subnormal floats to zero when it is loaded.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]
 _POINTER, _SIZE, _REAL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+GROUP_INPUTS = 32  # inputs per scale of the group kernels (llama.cpp's blocks)
 MATVEC_MAX_TOKENS = 16  # tokens of a step the linear kernel takes (one per decoding sequence); more: BLAS
 ELEMENT_DEFINES = {torch.int8: {"ELEMENT": "int8_t", "INT8_ELEMENTS": 1}, torch.float32: {"ELEMENT": "float"},
                    torch.float16: {"ELEMENT": "uint16_t", "HALF_ELEMENTS": 1}}
@@ -84,13 +85,15 @@ class WeightsKind(IntEnum):
     FP16 = 1
     INT8 = 2
     INT4 = 3
+    Q4G32 = 4
 
 
 @dataclass
 class KernelLinear:
     """One linear op as decode_step.c runs it: y = W x + b over (rows, cols) weights of ``kind``; INT8: per-row
     ``scale``; INT4: packed (rows / 2, cols) weights, ``scale`` (rows, cols / group) and the input's
-    ``prequant`` scale (cabinllm.runtime.model.linear's layouts)."""
+    ``prequant`` scale; Q4G32: uint8 codes (rows, cols / 2), fp16 ``scale`` and ``minimum`` (rows, cols / 32)
+    (cabinllm.runtime.model.linear's layouts)."""
 
     kind: WeightsKind
     weight: torch.Tensor
@@ -100,6 +103,7 @@ class KernelLinear:
     prequant: torch.Tensor | None = None
     group: int = 0
     bias: torch.Tensor | None = None
+    minimum: torch.Tensor | None = None
 
 
 @dataclass
@@ -161,12 +165,36 @@ class MatVec:
 
 
 class QuantMatVec:
-    """``F.linear`` for up to ``MATVEC_MAX_TOKENS`` tokens (a decode step) over W8A16 or W4A16-AWQ weights
-    (cabinllm.runtime.model.linear's layouts), dequantized in registers."""
+    """``F.linear`` for up to ``MATVEC_MAX_TOKENS`` tokens (a decode step) over W8A16, W4A16-AWQ, int4-g32 or int8
+    head weights (cabinllm.runtime.model.linear's layouts), dequantized in registers."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._int8 = _bind(library, "matvec_int8", [_POINTER] * 5 + [_SIZE, _SIZE, _SIZE])
         self._int4 = _bind(library, "matvec_int4", [_POINTER] * 5 + [_SIZE, _SIZE, _SIZE, _SIZE])
+        self._q4g32 = _bind(library, "matvec_q4g32", [_POINTER] * 6 + [_SIZE, _SIZE, _SIZE])
+        self._q8g32 = _bind(library, "matvec_q8g32", [_POINTER] * 5 + [_SIZE, _SIZE, _SIZE])
+
+    def q4g32(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (n, in) times int4-g32 weights (uint8 codes (out, in / 2), fp16 scale and minimum (out, in / 32)),
+        plus bias; returns (n, out), each token's row as it would be alone."""
+        rows, cols = codes.shape[0], 2 * codes.shape[1]
+        _check_groups(x, codes, torch.uint8, (scale, minimum), bias, rows, cols)
+        out = torch.empty(x.shape[0], rows)
+        self._q4g32(codes.data_ptr(), scale.data_ptr(), minimum.data_ptr(), x.contiguous().data_ptr(),
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], rows, cols)
+        return out
+
+    def q8g32(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (n, in) times int8 codes (out, in) with an fp16 scale per 32 inputs (out, in / 32), plus bias; returns
+        (n, out), each token's row as it would be alone."""
+        rows, cols = codes.shape
+        _check_groups(x, codes, torch.int8, (scale,), bias, rows, cols)
+        out = torch.empty(x.shape[0], rows)
+        self._q8g32(codes.data_ptr(), scale.data_ptr(), x.contiguous().data_ptr(),
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], rows, cols)
+        return out
 
     def int8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -203,6 +231,18 @@ def _check_quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                          f"contiguous int8 weights and float32 scales {list(scale_shape)}, got {x.dtype} "
                          f"{tuple(x.shape)}, {weight.dtype} {tuple(weight.shape)}, {scale.dtype} "
                          f"{tuple(scale.shape)}")
+
+
+def _check_groups(x: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype, scales: tuple[torch.Tensor, ...],
+                  bias: torch.Tensor | None, rows: int, cols: int) -> None:
+    shape = (rows, cols // GROUP_INPUTS)
+    if (x.dim() != 2 or not 1 <= x.shape[0] <= MATVEC_MAX_TOKENS or x.shape[1] != cols or x.dtype != torch.float32
+            or cols % GROUP_INPUTS or codes.dtype != dtype or not codes.is_contiguous()
+            or any(s.dtype != torch.float16 or not s.is_contiguous() or tuple(s.shape) != shape for s in scales)
+            or (bias is not None and not bias.is_contiguous())):
+        raise ValueError(f"group matvec needs fp32 x (n, {cols}) with 1 <= n <= {MATVEC_MAX_TOKENS}, contiguous "
+                         f"{dtype} codes and fp16 scales {list(shape)}, got {x.dtype} {tuple(x.shape)}, "
+                         f"{codes.dtype} {tuple(codes.shape)}, {[(s.dtype, tuple(s.shape)) for s in scales]}")
 
 
 class DecodeAttention:
@@ -245,7 +285,7 @@ _LAYER_OPS = ("qkv", "dense", "fc", "gate", "proj")  # KernelLayer's linear ops,
 
 class _LinearOp(ctypes.Structure):
     _fields_ = [("kind", _SIZE), ("rows", _SIZE), ("cols", _SIZE), ("group", _SIZE), ("weight", _POINTER),
-                ("scale", _POINTER), ("prequant", _POINTER), ("bias", _POINTER)]
+                ("scale", _POINTER), ("prequant", _POINTER), ("bias", _POINTER), ("minimum", _POINTER)]
 
 
 class _LayerWeights(ctypes.Structure):
@@ -277,7 +317,8 @@ def _layer_struct(layer: KernelLayer) -> _LayerWeights:
     ops = {name: getattr(layer, name) for name in _LAYER_OPS}
     return _LayerWeights(_pointer(layer.input_norm), _pointer(layer.post_norm),
                          **{name: _LinearOp(op.kind, op.rows, op.cols, op.group, _pointer(op.weight),
-                                            _pointer(op.scale), _pointer(op.prequant), _pointer(op.bias))
+                                            _pointer(op.scale), _pointer(op.prequant), _pointer(op.bias),
+                                            _pointer(op.minimum))
                             for name, op in ops.items()},
                          q_norm=_pointer(layer.q_norm), k_norm=_pointer(layer.k_norm))
 

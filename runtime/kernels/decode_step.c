@@ -21,7 +21,7 @@
 #include "matvec.c"
 #include "quant_matvec.c"
 
-enum { WEIGHTS_FP32 = 0, WEIGHTS_FP16 = 1, WEIGHTS_INT8 = 2, WEIGHTS_INT4 = 3 };
+enum { WEIGHTS_FP32 = 0, WEIGHTS_FP16 = 1, WEIGHTS_INT8 = 2, WEIGHTS_INT4 = 3, WEIGHTS_Q4G32 = 4 };
 enum { ACT_SILU = 0, ACT_GELU = 1, ACT_GELU_TANH = 2 };
 
 /* The MLP's activation of x, as torch computes silu, gelu and gelu(approximate="tanh"). */
@@ -32,11 +32,13 @@ static float activation(float x, int64_t act)
     return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
 }
 
-/* One linear op, y = W x + b; int4: W is packed (rows / 2, cols) and x is multiplied by prequant first. */
+/* One linear op, y = W x + b; int4: W is packed (rows / 2, cols) and x is multiplied by prequant first; q4g32: scale
+ * and minimum are fp16 per 32 inputs. */
 typedef struct {
     int64_t kind, rows, cols, group;  /* kind: a WEIGHTS_* code */
-    const void *weight;
-    const float *scale, *prequant, *bias;
+    const void *weight, *scale;
+    const float *prequant, *bias;
+    const uint16_t *minimum;
 } LinearOp;
 
 typedef struct {
@@ -56,6 +58,9 @@ static void run_linear(const LinearOp *op, const float *x, float *y, float *scal
         break;
     case WEIGHTS_INT8:
         matvec_int8(op->weight, op->scale, x, op->bias, y, 1, op->rows, op->cols);
+        break;
+    case WEIGHTS_Q4G32:
+        matvec_q4g32(op->weight, op->scale, op->minimum, x, op->bias, y, 1, op->rows, op->cols);
         break;
     default:
         for (int64_t i = 0; i < op->cols; i++) scaled_x[i] = x[i] * op->prequant[i];

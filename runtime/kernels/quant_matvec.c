@@ -8,12 +8,21 @@
  * in the high one; scale float32 (rows, cols / group); x is already multiplied by the prequant scale. The AVX2
  * loop applies each group's scale once to the group's sum; the plain one dequantizes each packed row into two
  * L1-resident rows (both of its output rows), then dots them with x.
+ * matvec_q4g32 (int4-g32, llama.cpp's Q4_1 block): codes uint8 (rows, cols / 2), 16 bytes per 32 inputs, input j of a
+ * group in the low nibble of its byte j and input j + 16 in the high one; scale and minimum fp16 (rows, cols / 32):
+ * y[r] = sum_g (sum_j (scale * q_j) x_j + minimum * sum_j x_j), each group's x sum computed once per call.
+ * matvec_q8g32 (the int8 head, llama.cpp's Q8_0 block): codes int8 (rows, cols), scale fp16 (rows, cols / 32).
+ * Both convert a group's codes to floats times its scale once and use them for every token of the step.
  * bias may be NULL. Like matvec.c, a step is bound by reading the weights: 1 byte (int8) or half a byte (int4)
  * per weight instead of 4, once each weight's conversion to float is cheap enough: with AVX2 and FMA (x86-64)
  * eight weights are widened, converted and multiplied per instruction; other CPUs, rows whose length is not a
  * multiple of 8, and builds with -DGENERIC take the plain loops, which the compiler vectorizes as it can.
  */
 #include <stdint.h>
+
+#include "half.h"
+
+#define G32 32
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(GENERIC)
 #include <immintrin.h>
@@ -89,6 +98,75 @@ static void int4_rows_wide(const int8_t *packed, const float *scale, const float
         }
     }
 }
+
+/* One group's 32 weights, scale * q (+ the group's minimum term, added by the caller), dotted with each token's x. */
+static inline void group_dot(const __m256 w0, const __m256 w1, const __m256 w2, const __m256 w3, const float *x,
+                             int64_t cols, __m256 *acc, int64_t n)
+{
+    for (int64_t t = 0; t < n; t++) {
+        const float *xt = x + t * cols;
+        __m256 a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xt), acc[t]);
+        a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xt + 8), a);
+        a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xt + 16), a);
+        acc[t] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xt + 24), a);
+    }
+}
+
+static inline __m256 bytes8(__m128i v)  /* the low 8 unsigned bytes of v as floats */
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
+
+static void q4g32_rows_wide(const uint8_t *codes, const uint16_t *scale, const uint16_t *minimum, const float *x,
+                            const float *xsum, float *y, int64_t n, int64_t rows, int64_t cols)
+{
+    const int64_t groups = cols / G32;
+    const __m128i low = _mm_set1_epi8(0x0f);
+    __m256 acc[n];
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = codes + r * (cols / 2);
+        const uint16_t *s = scale + r * groups, *m = minimum + r * groups;
+        for (int64_t t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
+            const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+            const __m256 d = _mm256_set1_ps(half_to_float(s[g]));
+            group_dot(_mm256_mul_ps(bytes8(lo), d), _mm256_mul_ps(bytes8(_mm_srli_si128(lo, 8)), d),
+                      _mm256_mul_ps(bytes8(hi), d), _mm256_mul_ps(bytes8(_mm_srli_si128(hi, 8)), d), x + g * G32,
+                      cols, acc, n);
+        }
+        for (int64_t t = 0; t < n; t++) {
+            float lift = 0.0f;
+            for (int64_t g = 0; g < groups; g++) lift += half_to_float(m[g]) * xsum[t * groups + g];
+            y[t * rows + r] = sum8(acc[t]) + lift;
+        }
+    }
+}
+
+static inline __m256 signed8(const int8_t *p)  /* eight int8 as floats */
+{
+    return _mm256_cvtepi32_ps(widen8(p));
+}
+
+static void q8g32_rows_wide(const int8_t *codes, const uint16_t *scale, const float *x, float *y, int64_t n,
+                            int64_t rows, int64_t cols)
+{
+    const int64_t groups = cols / G32;
+    __m256 acc[n];
+    for (int64_t r = 0; r < rows; r++) {
+        const int8_t *row = codes + r * cols;
+        const uint16_t *s = scale + r * groups;
+        for (int64_t t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const int8_t *q = row + g * G32;
+            const __m256 d = _mm256_set1_ps(half_to_float(s[g]));
+            group_dot(_mm256_mul_ps(signed8(q), d), _mm256_mul_ps(signed8(q + 8), d),
+                      _mm256_mul_ps(signed8(q + 16), d), _mm256_mul_ps(signed8(q + 24), d), x + g * G32, cols,
+                      acc, n);
+        }
+        for (int64_t t = 0; t < n; t++) y[t * rows + r] = sum8(acc[t]);
+    }
+}
 #else
 #define WIDE 0
 #endif
@@ -140,6 +218,57 @@ static void int4_rows(const int8_t *restrict packed, const float *restrict scale
     }
 }
 
+/* The plain loops of the group formats: a row dequantized into an L1-resident buffer, then dotted with each x. */
+static void q4g32_rows(const uint8_t *restrict codes, const uint16_t *restrict scale,
+                       const uint16_t *restrict minimum, const float *restrict x, float *restrict y, int64_t n,
+                       int64_t rows, int64_t cols)
+{
+    const int64_t groups = cols / G32;
+    float w[cols];
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = codes + r * (cols / 2);
+        for (int64_t g = 0; g < groups; g++) {
+            const float d = half_to_float(scale[r * groups + g]), m = half_to_float(minimum[r * groups + g]);
+            const uint8_t *b = row + g * 16;
+            float *wg = w + g * G32;
+            #pragma omp simd
+            for (int64_t j = 0; j < 16; j++) {
+                wg[j] = (float)(b[j] & 0x0f) * d + m;
+                wg[j + 16] = (float)(b[j] >> 4) * d + m;
+            }
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const float *xt = x + t * cols;
+            float a = 0.0f;
+            #pragma omp simd reduction(+:a)
+            for (int64_t i = 0; i < cols; i++) a += w[i] * xt[i];
+            y[t * rows + r] = a;
+        }
+    }
+}
+
+static void q8g32_rows(const int8_t *restrict codes, const uint16_t *restrict scale, const float *restrict x,
+                       float *restrict y, int64_t n, int64_t rows, int64_t cols)
+{
+    const int64_t groups = cols / G32;
+    float w[cols];
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float d = half_to_float(scale[r * groups + g]);
+            const int8_t *q = codes + r * cols + g * G32;
+            #pragma omp simd
+            for (int64_t j = 0; j < G32; j++) w[g * G32 + j] = (float)q[j] * d;
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const float *xt = x + t * cols;
+            float a = 0.0f;
+            #pragma omp simd reduction(+:a)
+            for (int64_t i = 0; i < cols; i++) a += w[i] * xt[i];
+            y[t * rows + r] = a;
+        }
+    }
+}
+
 static void add_row_bias(const float *restrict bias, float *restrict y, int64_t n, int64_t rows)
 {
     if (bias)
@@ -168,5 +297,36 @@ void matvec_int4(const int8_t *restrict packed, const float *restrict scale, con
     else
 #endif
         int4_rows(packed, scale, x, y, n, rows, cols, group);
+    add_row_bias(bias, y, n, rows);
+}
+
+void matvec_q4g32(const uint8_t *restrict codes, const uint16_t *restrict scale, const uint16_t *restrict minimum,
+                  const float *restrict x, const float *restrict bias, float *restrict y, int64_t n, int64_t rows,
+                  int64_t cols)
+{
+#if WIDE
+    const int64_t groups = cols / G32;
+    float xsum[n * groups];
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            float a = 0.0f;
+            for (int64_t j = 0; j < G32; j++) a += x[t * cols + g * G32 + j];
+            xsum[t * groups + g] = a;
+        }
+    q4g32_rows_wide(codes, scale, minimum, x, xsum, y, n, rows, cols);
+#else
+    q4g32_rows(codes, scale, minimum, x, y, n, rows, cols);
+#endif
+    add_row_bias(bias, y, n, rows);
+}
+
+void matvec_q8g32(const int8_t *restrict codes, const uint16_t *restrict scale, const float *restrict x,
+                  const float *restrict bias, float *restrict y, int64_t n, int64_t rows, int64_t cols)
+{
+#if WIDE
+    q8g32_rows_wide(codes, scale, x, y, n, rows, cols);
+#else
+    q8g32_rows(codes, scale, x, y, n, rows, cols);
+#endif
     add_row_bias(bias, y, n, rows);
 }

@@ -1,5 +1,6 @@
-"""The linear op of every stored weight format: full precision, W8A16 and W4A16-AWQ, dequantized on the fly
-(the few tokens of a native decode step: dequantized in registers by runtime/kernels/quant_matvec.c).
+"""The linear op of every stored weight format: full precision, W8A16, W4A16-AWQ and int4-g32 (and the int8 head),
+dequantized on the fly (the few tokens of a native decode step: dequantized in registers by
+runtime/kernels/quant_matvec.c).
 
 Layouts are those of a TensorRT-LLM checkpoint as ModelOpt exports it (modelopt/torch/export/quant_utils.py,
 ``to_quantized_weight`` and ``pack_int4_in_uint8``; read by TensorRT-LLM's ``WeightOnlyQuantLinear`` and
@@ -9,6 +10,11 @@ Layouts are those of a TensorRT-LLM checkpoint as ModelOpt exports it (modelopt/
 - W4A16_AWQ: ``weight`` int8 (out / 2, in) holding two signed int4 per byte, row 2r in the low nibble and
   row 2r + 1 in the high one; ``weights_scaling_factor`` (out, in / group); ``prequant_scaling_factor`` (in,),
   which multiplies the input: y = (x * p) @ (q * s[out, in // group]).T.
+- int4-g32 (llama.cpp's Q4_1 block, ggml-quants.c ``dequantize_row_q4_1``): ``weight`` uint8 (out, in / 2), the 32
+  inputs of a group in 16 bytes, input j in the low nibble of byte j and input j + 16 in the high one;
+  ``weights_scaling_factor`` and ``weights_minimum`` fp16 (out, in / 32); w = q * d + m.
+- int8 head (llama.cpp's Q8_0 block, ``dequantize_row_q8_0``): int8 (vocab, hidden), fp16 scale (vocab, hidden / 32);
+  w = q * d.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
-from cabinllm.runtime.formats.weight_formats import PREQUANT, SCALE, WeightFormat
+from cabinllm.runtime.formats.weight_formats import GGUF_GROUP, MINIMUM, PREQUANT, SCALE, WeightFormat
 from cabinllm.runtime.kernels.bindings import KernelLinear, MatVec, WeightsKind, quant_matvec
 
 INT4_MIN, INT4_MAX = -8, 7
@@ -83,6 +89,74 @@ class Int4AwqLinear:
         return self.dequantize() * self.prequant.float()[None, :]
 
 
+def unpack_g32(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (out, in / 2) of int4-g32 -> (out, in) values in [0, 15], in input order."""
+    out = codes.shape[0]
+    blocks = codes.view(out, -1, GGUF_GROUP // 2)
+    return torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).reshape(out, -1)
+
+
+def pack_g32(q: torch.Tensor) -> torch.Tensor:
+    """Values (out, in) in [0, 15] -> uint8 codes (out, in / 2) of ``unpack_g32``."""
+    blocks = q.to(torch.uint8).view(q.shape[0], -1, GGUF_GROUP)
+    half = GGUF_GROUP // 2
+    return (blocks[..., :half] | (blocks[..., half:] << 4)).reshape(q.shape[0], -1)
+
+
+def _per_input(groups: torch.Tensor) -> torch.Tensor:
+    return groups.float().repeat_interleave(GGUF_GROUP, dim=-1)
+
+
+@dataclass
+class Int4G32Linear:
+    """int4-g32: 4-bit codes with an fp16 scale and minimum per 32 inputs (llama.cpp's Q4_1 block)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 (out, in) weight, q * d + m as llama.cpp computes it."""
+        return unpack_g32(self.codes).float() * _per_input(self.scale) + _per_input(self.minimum)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, native: bool = False) -> torch.Tensor:
+        kernel = quant_matvec() if native else None
+        if kernel is not None:
+            return kernel.q4g32(x, self.codes, self.scale, self.minimum, bias)
+        return F.linear(x, self.dequantize(), bias)
+
+    def full_precision(self) -> torch.Tensor:
+        """The fp32 (out, in) weight of the same op."""
+        return self.dequantize()
+
+
+@dataclass
+class Int8G32Table:
+    """The int8 head: int8 rows with an fp16 scale per 32 columns (llama.cpp's Q8_0 block), as the embedding table
+    (rows looked up and dequantized) and as the lm_head."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The fp32 rows of these ids."""
+        return self.codes[ids].float() * _per_input(self.scale[ids])
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 (vocab, hidden) table."""
+        return self.codes.float() * _per_input(self.scale)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, native: bool = False) -> torch.Tensor:
+        kernel = quant_matvec() if native else None
+        if kernel is not None:
+            return kernel.q8g32(x, self.codes, self.scale, bias)
+        return F.linear(x, self.dequantize(), bias)
+
+    def full_precision(self) -> torch.Tensor:
+        """The fp32 (vocab, hidden) table of the same op."""
+        return self.dequantize()
+
+
 @dataclass
 class Stacked:
     """Two linears of the same input whose outputs are concatenated (the MLP's fc and gate when they do not share
@@ -98,7 +172,7 @@ class Stacked:
         return torch.cat([full_precision(part) for part in self.parts])
 
 
-Linear = Union[torch.Tensor, Int8Linear, Int4AwqLinear, Stacked]
+Linear = Union[torch.Tensor, Int8Linear, Int4AwqLinear, Int4G32Linear, Int8G32Table, Stacked]
 
 
 def linear_op(fmt: WeightFormat, tensors: dict[str, torch.Tensor], quantization: dict) -> Linear:
@@ -108,6 +182,9 @@ def linear_op(fmt: WeightFormat, tensors: dict[str, torch.Tensor], quantization:
     if fmt.name == "int4-awq":
         return Int4AwqLinear(tensors["weight"].contiguous(), tensors[SCALE].float().contiguous(),
                              tensors[PREQUANT].float(), fmt.group_size(quantization))
+    if fmt.name == "int4-g32":
+        return Int4G32Linear(tensors["weight"].contiguous(), tensors[SCALE].contiguous(),
+                             tensors[MINIMUM].contiguous())
     return tensors["weight"].float().contiguous()
 
 
@@ -117,6 +194,9 @@ def stack(first: Linear, second: Linear) -> Linear:
         return torch.cat([first, second])
     if isinstance(first, Int8Linear) and isinstance(second, Int8Linear):
         return Int8Linear(torch.cat([first.weight, second.weight]), torch.cat([first.scale, second.scale]))
+    if isinstance(first, Int4G32Linear) and isinstance(second, Int4G32Linear):
+        return Int4G32Linear(*(torch.cat([a, b]) for a, b in zip((first.codes, first.scale, first.minimum),
+                                                                  (second.codes, second.scale, second.minimum))))
     return Stacked((first, second))
 
 
@@ -140,6 +220,10 @@ def halves(both: Linear) -> tuple[Linear, Linear]:
     if isinstance(both, Int8Linear):
         rows = both.weight.shape[0] // 2
         return (Int8Linear(both.weight[:rows], both.scale[:rows]), Int8Linear(both.weight[rows:], both.scale[rows:]))
+    if isinstance(both, Int4G32Linear):
+        rows = both.codes.shape[0] // 2
+        return (Int4G32Linear(both.codes[:rows], both.scale[:rows], both.minimum[:rows]),
+                Int4G32Linear(both.codes[rows:], both.scale[rows:], both.minimum[rows:]))
     if isinstance(both, torch.Tensor):
         return both[: both.shape[0] // 2], both[both.shape[0] // 2:]
     raise ValueError(f"{type(both).__name__} is not a stacked pair of linear ops")
@@ -156,6 +240,10 @@ def kernel_linear(weight: Linear, bias: torch.Tensor | None = None) -> KernelLin
         return KernelLinear(WeightsKind.INT4, weight.packed.contiguous(), 2 * weight.packed.shape[0],
                             weight.packed.shape[1], scale=weight.scale.float().contiguous(),
                             prequant=weight.prequant.float().contiguous(), group=weight.group_size, bias=bias)
+    if isinstance(weight, Int4G32Linear):
+        return KernelLinear(WeightsKind.Q4G32, weight.codes.contiguous(), weight.codes.shape[0],
+                            2 * weight.codes.shape[1], scale=weight.scale.contiguous(), group=GGUF_GROUP, bias=bias,
+                            minimum=weight.minimum.contiguous())
     kinds = {torch.float32: WeightsKind.FP32, torch.float16: WeightsKind.FP16}
     if isinstance(weight, torch.Tensor) and weight.dtype in kinds:
         return KernelLinear(kinds[weight.dtype], weight.contiguous(), *weight.shape, bias=bias)

@@ -40,7 +40,8 @@ from cabinllm.runtime.kernels.bindings import (MATVEC_MAX_TOKENS, KernelLayer, M
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache
 from cabinllm.runtime.kv.storage import KVLayout, KVStorage
-from cabinllm.runtime.model.linear import Linear, halves, kernel_linear, linear_op, stack
+from cabinllm.runtime.formats.weight_formats import HEAD_TENSORS, SCALE, head_format
+from cabinllm.runtime.model.linear import Int8G32Table, Linear, halves, kernel_linear, linear_op, stack
 from cabinllm.runtime.model.linear import linear as _linear
 from cabinllm.runtime.model.rope import Rope, apply_rope
 from cabinllm.runtime.model.threads import CPU_THREADS
@@ -81,10 +82,9 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         self.config = config
         w = {k: v for k, v in weights.items() if not k.endswith("cache_scaling_factor")}
-        self.embedding = w["transformer.vocab_embedding.weight"].float()
-        self.final_norm = w["transformer.ln_f.weight"].float()
         self.native_kernels = native_kernels_enabled()
-        self.lm_head = _lm_head(w.pop("lm_head.weight"), self.native_kernels)
+        self.embedding, self.lm_head = _head_tables(w, config, self.native_kernels)
+        self.final_norm = w["transformer.ln_f.weight"].float()
         self.layers = [_layer_weights(w, i, config) for i in range(config.num_hidden_layers)]
         rotary, local = config.rotated_channels, config.rope_local_base_freq
         self.rope = Rope(rotary, config.rotary_base, config.rotary_scaling)
@@ -98,6 +98,10 @@ class Transformer:
     def kv_layout(self) -> KVLayout:
         """Shape of this model's KV cache."""
         return KVLayout.of(self.config)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The fp32 embedding rows of these token ids (an int8 table's rows dequantized)."""
+        return self.embedding.rows(ids) if isinstance(self.embedding, Int8G32Table) else self.embedding[ids]
 
     def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
                 all_logits: bool = False) -> torch.Tensor:
@@ -132,7 +136,7 @@ class Transformer:
         if x is not None:
             return _linear(_rms_norm(x[None], self.final_norm, c.norm_epsilon), self.lm_head, matvec())
         positions = torch.cat([torch.arange(span.start_pos, span.end) for span in spans])
-        x = self.embedding[torch.tensor(ids, dtype=torch.long)]
+        x = self.embed(torch.tensor(ids, dtype=torch.long))
         x = x * c.embedding_multiplier if c.embedding_multiplier != 1.0 else x
         ropes = [rope.rows(positions) for rope in (self.rope, self.local_rope) if rope]  # global, then local
         mv = matvec() if self.native_kernels and len(ids) <= MATVEC_MAX_TOKENS else None
@@ -179,7 +183,7 @@ class Transformer:
             return None
         position, seq = span.start_pos, span.seq
         cos, sin = self.rope.rows(torch.tensor([position]))
-        return kernel(self._step_weights, self.embedding[span.token_ids[0]], c.norm_epsilon, cos[0], sin[0], pools,
+        return kernel(self._step_weights, self.embed(torch.tensor(span.token_ids[0])), c.norm_epsilon, cos[0], sin[0], pools,
                       cache.block_table(seq), int(cache.slots(seq, position, span.end)), span.end)
 
     @functools.cached_property
@@ -316,11 +320,21 @@ def _layer_weights(w: dict[str, torch.Tensor], layer: int, config: ModelConfig) 
     return out
 
 
-def _lm_head(weight: torch.Tensor, native: bool) -> torch.Tensor:
-    """The output projection as the decode kernels read it fastest: an fp16 one stays fp16 (half the bytes of
-    the largest matrix of a small model; fp32 copy on the torch path only)."""
+def _head_tables(w: dict[str, torch.Tensor], config: ModelConfig,
+                 native: bool) -> tuple[torch.Tensor | Int8G32Table, Linear]:
+    """The embedding table and the output projection: an int8 head (quantization ``head``) as int8 tables, the
+    two shared when the model ties them; else the embedding in fp32 and the lm_head as the decode kernels read it
+    fastest: an fp16 one stays fp16 (half the bytes of the largest matrix of a small model; fp32 copy on the torch
+    path only)."""
+    if head_format(config.quantization).name == "int8":
+        tables = [Int8G32Table(w.pop(f"{name}.weight").contiguous(), w.pop(f"{name}.{SCALE}").contiguous())
+                  for name in HEAD_TENSORS]
+        tied = all(torch.equal(a, b) for a, b in zip((tables[0].codes, tables[0].scale),
+                                                    (tables[1].codes, tables[1].scale)))
+        return tables[0], tables[0] if tied else tables[1]
+    weight = w.pop("lm_head.weight")
     keep = native and weight.dtype == torch.float16
-    return weight.contiguous() if keep else weight.float().contiguous()
+    return w["transformer.vocab_embedding.weight"].float(), weight.contiguous() if keep else weight.float().contiguous()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

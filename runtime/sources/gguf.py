@@ -1,6 +1,13 @@
-"""Open a llama.cpp GGUF file for import: config from metadata, dequantized weights."""
+"""Open a llama.cpp GGUF file for import: config from metadata, dequantized weights, and the Q4_0 / Q4_1 / Q8_0
+blocks of its tensors as stored (for int4-g32 weights and the int8 head).
+
+Block layouts (ggml-common.h ``block_q4_0``, ``block_q4_1``, ``block_q8_0``; 32 weights each): Q4_1 is fp16 d, fp16
+m, 16 bytes of nibbles, weight j in the low nibble of byte j and weight j + 16 in the high one, w = d * q + m; Q4_0
+the same without m, w = d * (q - 8); Q8_0 fp16 d and 32 int8, w = d * q.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -30,6 +37,43 @@ GGUF_NAMES = SourceNames(
     mlp_down="blk.{l}.ffn_down.weight",
 )
 _REQUIRED = object()
+BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
+_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
+
+
+@dataclass
+class Blocks:
+    """A tensor's GGUF blocks as arrays over (rows, ...): 4-bit codes (rows, cols / 2) in the block's nibble order
+    with fp16 ``scale`` and ``minimum`` (rows, cols / 32), or int8 codes (rows, cols) with ``minimum`` None (Q8_0)."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    minimum: np.ndarray | None
+
+    @property
+    def bits(self) -> int:
+        """4 or 8."""
+        return 8 if self.minimum is None else 4
+
+    def rows(self, order: np.ndarray | slice) -> "Blocks":
+        """These rows only, in this order."""
+        return Blocks(self.codes[order], self.scale[order], None if self.minimum is None else self.minimum[order])
+
+
+def parse_blocks(data: np.ndarray, kind: GGMLQuantizationType) -> Blocks | None:
+    """The blocks of a tensor's raw bytes (rows, bytes per row); None for a type other than Q4_0, Q4_1 and Q8_0."""
+    size = _BLOCK_BYTES.get(kind)
+    if size is None:
+        return None
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(data.shape[0], -1, size)
+    rows, groups = raw.shape[:2]
+    scale = raw[..., 0:2].copy().view(np.float16).reshape(rows, groups)
+    if kind == GGMLQuantizationType.Q8_0:
+        return Blocks(raw[..., 2:].copy().view(np.int8).reshape(rows, groups * BLOCK), scale, None)
+    if kind == GGMLQuantizationType.Q4_0:  # d * (q - 8) = d * q + (-8 d), exact in fp16 and in the fp32 sum
+        return Blocks(raw[..., 2:].reshape(rows, groups * BLOCK // 2).copy(), scale, scale * np.float16(-8))
+    minimum = raw[..., 2:4].copy().view(np.float16).reshape(rows, groups)
+    return Blocks(raw[..., 4:].reshape(rows, groups * BLOCK // 2).copy(), scale, minimum)
 
 
 def read_gguf(path: Path) -> GGUFReader:
@@ -132,4 +176,12 @@ def open_gguf(path: Path) -> SourceModel:
             weight = unpermute_rows(weight, n_head)
         return torch.from_numpy(np.array(weight, dtype=np.float32))
 
-    return SourceModel(config, plan, load)
+    def load_blocks(name: str) -> Blocks | None:
+        tensor = tensors[name]
+        blocks = parse_blocks(tensor.data, tensor.tensor_type)
+        n_head = permuted.get(name.split(".")[-2])
+        if blocks is None or n_head is None:
+            return blocks
+        return blocks.rows(unpermute_rows(np.arange(blocks.codes.shape[0]), n_head))
+
+    return SourceModel(config, plan, load, load_blocks)

