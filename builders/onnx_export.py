@@ -31,7 +31,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from cabinllm.builders.onnx_profiles import PRECISIONS, WEIGHT_FORMS, OnnxProfile, Precision, onnx_profile, precision
+from cabinllm.builders.onnx_profiles import (HEAD_FORMS, PRECISIONS, WEIGHT_FORMS, OnnxProfile, Precision,
+                                             onnx_profile, precision)
 from cabinllm.builders.progress import Steps
 from cabinllm.builders.qnn_quantize import CalibrationData, quantize_graphs
 from cabinllm.runtime.backends.qnn import check_htp_arch, compile_context_binaries, qnn_versions
@@ -45,9 +46,11 @@ from cabinllm.runtime.formats.onnx_folder import (HOST_DIR, INPUTS_EMBEDS, LOCAL
                                                   TOKEN_GRAPH, TOKENIZER_DIR, WEIGHTS_FILE, KvGraphType, OnnxFolder,
                                                   graph_metadata, new_key, new_value, past_key, past_value)
 from cabinllm.runtime.formats.scales_file import KVScales
+from cabinllm.runtime.formats.weight_formats import GGUF_GROUP, head_format
 from cabinllm.runtime.kv.modes import ONNX_KV_MODES, kv_mode
 from cabinllm.runtime.kv.quant import INT8_MAX
-from cabinllm.runtime.model.linear import Int4AwqLinear, Int8Linear, Linear, Stacked, unpack_int4
+from cabinllm.runtime.model.linear import (Int4AwqLinear, Int4G32Linear, Int8G32Table, Int8Linear, Linear, Stacked,
+                                           unpack_g32, unpack_int4)
 from cabinllm.runtime.model.transformer import Transformer
 from cabinllm.runtime.sources.tokenizer_export import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
@@ -57,6 +60,7 @@ _ALIGN = 64
 CONTRIB_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
 REDUCE_AXES_INPUT_OPSET = 18  # ReduceMean takes its axes as an input from here
 INT4_ZERO_POINT = 8  # MatMulNBits' default zero point: the signed int4 code q travels as q + 8
+INT8_ZERO_POINT = 128  # its 8-bit default: the int8 head's code q travels as q + 128
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,8 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
     import onnx
 
     profile, chosen = check_request(request)
-    profile.check_weights(EngineFolder(request.engine).config().weight_format.name)  # before loading the weights
+    stored = EngineFolder(request.engine).config()
+    profile.check_weights(stored.weight_format.name, head_format(stored.quantization).name)  # before the weights
     if chosen.quantized or request.htp_arch is not None:
         qnn_versions()  # onnxruntime-qnn installed, before the long work
     steps = Steps(4 + chosen.quantized + (request.htp_arch is not None), log)
@@ -143,6 +148,8 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
         "precision": chosen.name, "host_inputs": profile.host_inputs,
         "attention_mask_value": QUANTIZED_MASKED if chosen.quantized else MASKED,
         "weight_format": {"name": config.weight_format.name, "linear": WEIGHT_FORMS[config.weight_format.name]},
+        "head": {"name": head_format(config.quantization).name,
+                 "form": HEAD_FORMS[head_format(config.quantization).name]},
         "graphs": {"prompt": PROMPT_GRAPH, "token": TOKEN_GRAPH}, "weights": WEIGHTS_FILE,
         "plan": {"tokens_per_block": engine.kv_cache_config().tokens_per_block},
         "system_prompt": engine.manifest.get("system_prompt"),  # the engine's default, which cabin-chat reads
@@ -300,30 +307,75 @@ def _weight(t: torch.Tensor) -> np.ndarray:
     return t.float().t().contiguous().numpy()
 
 
-def _linear(g: _Graph, x: str, name: str, weight: Linear) -> str:
+def _linear(g: _Graph, x: str, name: str, weight: Linear | Int8G32Table, out: str | None = None) -> str:
     """x @ W.T of one linear op, its weights in their stored form: float32 MatMul, int8 per-channel QDQ into
-    MatMul, int4 MatMulNBits after the prequant Mul; stacked parts concatenated."""
+    MatMul, int4-AWQ MatMulNBits after the prequant Mul, int4-g32 MatMulNBits with a float zero point per block
+    (w = (q - z) * d with z = -m / d), the int8 head 8-bit MatMulNBits; stacked parts concatenated."""
     if isinstance(weight, Stacked):
-        return g.op("Concat", *(_linear(g, x, f"{name}.{i}", part) for i, part in enumerate(weight.parts)), axis=-1)
+        return g.op("Concat", *(_linear(g, x, f"{name}.{i}", part) for i, part in enumerate(weight.parts)), axis=-1,
+                    name=out)
     if isinstance(weight, Int8Linear):
         codes = g.const(f"{name}.int8", weight.weight.t().contiguous().numpy())  # (in, out)
         return g.op("MatMul", x, g.op("DequantizeLinear", codes, g.const(f"{name}.scale", weight.scale.numpy()),
-                                      axis=1))
+                                      axis=1), name=out)
     if isinstance(weight, Int4AwqLinear):
-        out, inp = weight.scale.shape[0], weight.packed.shape[1]
+        rows, cols = weight.scale.shape[0], weight.packed.shape[1]
         scaled = g.op("Mul", x, g.const(f"{name}.prequant", weight.prequant.float().numpy()))
-        return g.op("MatMulNBits", scaled, g.const(f"{name}.uint4", _nbits_blocks(weight)),
+        codes = (unpack_int4(weight.packed).to(torch.int16) + INT4_ZERO_POINT).to(torch.uint8)
+        return g.op("MatMulNBits", scaled, g.const(f"{name}.uint4", _nbits_blocks(codes, weight.group_size)),
                     g.const(f"{name}.scales", weight.scale.float().reshape(-1).numpy()), domain=CONTRIB_DOMAIN,
-                    K=inp, N=out, bits=4, block_size=weight.group_size)
-    return g.op("MatMul", x, g.const(name, _weight(weight)))
+                    K=cols, N=rows, bits=4, block_size=weight.group_size, name=out)
+    if isinstance(weight, Int4G32Linear):
+        codes, scale, zero = _g32_blocks(weight)
+        return g.op("MatMulNBits", x, g.const(f"{name}.uint4", _nbits_blocks(codes, GGUF_GROUP)),
+                    g.const(f"{name}.scales", scale), g.const(f"{name}.zero_points", zero), domain=CONTRIB_DOMAIN,
+                    K=codes.shape[1], N=codes.shape[0], bits=4, block_size=GGUF_GROUP, name=out)
+    if isinstance(weight, Int8G32Table):
+        rows, cols = weight.codes.shape
+        return g.op("MatMulNBits", x, g.const(f"{name}.uint8", _head_blocks(weight)),
+                    g.const(f"{name}.scales", weight.scale.float().reshape(-1).numpy()), domain=CONTRIB_DOMAIN,
+                    K=cols, N=rows, bits=8, block_size=GGUF_GROUP, name=out)
+    return g.op("MatMul", x, g.const(name, _weight(weight)), name=out)
 
 
-def _nbits_blocks(weight: Int4AwqLinear) -> np.ndarray:
-    """MatMulNBits' B: uint8 (out, in / group, group / 2), the codes q + 8 of each output row's input block, two
-    per byte along the input, the first in the low nibble."""
-    codes = (unpack_int4(weight.packed).to(torch.int16) + INT4_ZERO_POINT).to(torch.uint8)  # (out, in)
-    blocks = codes.reshape(codes.shape[0], -1, weight.group_size)
+def _nbits_blocks(codes: torch.Tensor, group: int) -> np.ndarray:
+    """MatMulNBits' 4-bit B: uint8 (out, in / group, group / 2), the unsigned codes (out, in) of each output row's
+    input block, two per byte along the input, the first in the low nibble."""
+    blocks = codes.reshape(codes.shape[0], -1, group)
     return (blocks[..., 0::2] | (blocks[..., 1::2] << 4)).numpy()
+
+
+def _g32_blocks(weight: Int4G32Linear) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """int4-g32 as MatMulNBits takes it: codes (out, in), float32 scales d and zero points -m / d per block. A block
+    of d = 0 (all its weights m) is written as codes 0, scale m, zero point -1."""
+    codes, d, m = unpack_g32(weight.codes), weight.scale.float(), weight.minimum.float()
+    flat = d == 0
+    codes = codes.masked_fill(flat.repeat_interleave(GGUF_GROUP, dim=1), 0)
+    zero = torch.where(flat, torch.tensor(-1.0), -m / torch.where(flat, torch.tensor(1.0), d))
+    return codes, torch.where(flat, m, d).reshape(-1).numpy(), zero.reshape(-1).numpy()
+
+
+def _head_blocks(table: Int8G32Table) -> np.ndarray:
+    """The int8 head's codes as 8-bit MatMulNBits' B: uint8 (vocab, hidden / 32, 32), each code q + 128."""
+    rows, cols = table.codes.shape
+    return (table.codes.to(torch.int16) + INT8_ZERO_POINT).to(torch.uint8).reshape(rows, cols // GGUF_GROUP,
+                                                                                   GGUF_GROUP).numpy()
+
+
+def _embedding(g: _Graph, model: Transformer) -> str:
+    """The rows of input_ids: a Gather from the float table, or from the int8 head's blocks (the lm_head's own
+    when tied) dequantized: (B - 128) * scale of each block."""
+    table = model.embedding
+    if not isinstance(table, Int8G32Table):
+        return g.op("Gather", g.const("embedding", table.numpy()), "input_ids", axis=0)
+    name = "lm_head" if table is model.lm_head else "embedding"
+    rows, cols = table.codes.shape
+    blocks = g.op("Cast", g.op("Gather", g.const(f"{name}.uint8", _head_blocks(table)), "input_ids", axis=0), to=1)
+    scales = g.op("Reshape", g.const(f"{name}.scales", table.scale.float().reshape(-1).numpy()),
+                  g.ints(rows, cols // GGUF_GROUP, 1))
+    rows_out = g.op("Mul", g.op("Sub", blocks, g.scalar("head_zero_point", INT8_ZERO_POINT)),
+                    g.op("Gather", scales, "input_ids", axis=0))
+    return g.op("Reshape", rows_out, g.ints(1, -1, cols))
 
 
 def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, opset: int, weights: WeightsFile,
@@ -349,7 +401,7 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
     else:
         inputs = [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.INT64, [1, tokens])
                   for name in ("input_ids", "position_ids")]
-        x = g.op("Gather", g.const("embedding", model.embedding.numpy()), "input_ids", axis=0)
+        x = _embedding(g, model)
         if c.embedding_multiplier != 1.0:
             x = g.op("Mul", x, g.scalar("embedding_multiplier", c.embedding_multiplier))
         rope = _rope_rows(g, "rope", *model.rope.rows(torch.arange(context)))
@@ -416,7 +468,7 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
                  name=layer_output(index))
     h = _rms_norm(g, x, g.const("final_norm", model.final_norm.numpy()), eps)
     cap = c.final_logit_softcapping
-    logits = g.op("MatMul", h, g.const("lm_head", _weight(model.lm_head)), name="logits" if cap is None else None)
+    logits = _linear(g, h, "lm_head", model.lm_head, out="logits" if cap is None else None)
     if cap is not None:
         _softcap(g, logits, cap, "logits")
     graph = onnx.helper.make_graph(g.nodes, f"cabin_{tokens}_over_{context}", inputs, outputs,

@@ -12,11 +12,13 @@ graphs take as input) and of the precisions an NPU graph computes in.
   the embedding and RoPE tables inside; INT8 KV as int8 with zero point 0 (the signed symmetric form ONNX
   Runtime's quantization tools default to); float graphs.
 
-Linear weights by the engine's weight format (``WEIGHT_FORMS``; embedding, lm_head and norms are float32 in
-every one): full precision as float32 MatMul operands; W8A16 as an int8 (in, out) initializer through a
-per-channel DequantizeLinear (axis 1, per-axis since 13) into MatMul, standard QDQ, in both profiles; W4A16-AWQ
-in the ``ort`` profile only, as ONNX Runtime's ``com.microsoft.MatMulNBits`` after a Mul by the prequant scale
-(standard ONNX has int4 tensors only from opset 21).
+Linear weights by the engine's weight format (``WEIGHT_FORMS``; norms are float32 in every one): full
+precision as float32 MatMul operands; W8A16 as an int8 (in, out) initializer through a per-channel
+DequantizeLinear (axis 1, per-axis since 13) into MatMul, standard QDQ, in both profiles; W4A16-AWQ and
+int4-g32 in the ``ort`` profile only, as ONNX Runtime's ``com.microsoft.MatMulNBits`` (AWQ after a Mul by the
+prequant scale; int4-g32 with a float zero point per block of 32), since standard ONNX has int4 tensors only from
+opset 21. The head (``HEAD_FORMS``): float32 embedding and lm_head, or the int8 head in the ``ort`` profile as an
+8-bit MatMulNBits lm_head whose blocks the embedding Gather dequantizes.
 
 ``ort`` is opset 17: QuantizeLinear/DequantizeLinear take int8 and uint8 (since 10, per-axis since 13),
 Split/Unsqueeze take their sizes and axes as inputs (13), and ReduceMean still takes ``axes`` as an attribute
@@ -42,9 +44,14 @@ class OnnxProfile:
     host_inputs: bool  # the host looks up embeddings and RoPE rows (the graphs take inputs_embeds, rope_cos, ...)
     weight_formats: tuple[str, ...]  # engine weight formats (runtime.formats.weight_formats) the graphs can carry
     precisions: tuple[str, ...]  # PRECISIONS the graphs can compute in, the default first
+    head_formats: tuple[str, ...]  # engine head formats (runtime.formats.weight_formats.HEAD_FORMATS) it carries
 
-    def check_weights(self, weight_format: str) -> None:
-        """ValueError naming the fix when this profile cannot write an engine's weight format."""
+    def check_weights(self, weight_format: str, head: str = "fp16") -> None:
+        """ConfigError naming the fix when this profile cannot write an engine's weight or head format."""
+        if head not in self.head_formats:
+            raise ConfigError(f"the {self.name} profile cannot write the {head} head; export with --profile "
+                              f"{' or '.join(p.name for p in ONNX_PROFILES.values() if head in p.head_formats)}, "
+                              f"or build the engine with cabin-build --head {' or '.join(self.head_formats)}")
         if weight_format not in self.weight_formats:
             others = [p.name for p in ONNX_PROFILES.values() if weight_format in p.weight_formats]
             why = " (standard ONNX has int4 tensors only from opset 21)" if "int4" in weight_format and self.opset < 21 else ""
@@ -79,15 +86,21 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
 
 ONNX_PROFILES: dict[str, OnnxProfile] = {p.name: p for p in (
     OnnxProfile("npu", "QNN HTP: inputs_embeds and RoPE rows from the host, INT8 KV as uint8 + zero point 128",
-                23, "uint8", 128, True, ("fp16", "int8"), ("a16w8", "fp16")),
+                23, "uint8", 128, True, ("fp16", "int8"), ("a16w8", "fp16"), ("fp16",)),
     OnnxProfile("ort", "ONNX Runtime providers: input_ids in, INT8 KV as int8 + zero point 0", 17, "int8", 0,
-                False, ("fp16", "int8", "int4-awq"), ("fp16",)),
+                False, ("fp16", "int8", "int4-awq", "int4-g32"), ("fp16",), ("fp16", "int8")),
 )}
 # engine weight format -> how the graphs carry its linear layers
 WEIGHT_FORMS = {
     "fp16": "float32 MatMul weights",
     "int8": "int8 (in, out) weights, per-channel DequantizeLinear into MatMul",
     "int4-awq": "uint4 blocks in com.microsoft.MatMulNBits (zero point 8) after a Mul by the prequant scale",
+    "int4-g32": "uint4 blocks of 32 in com.microsoft.MatMulNBits with a float zero point -minimum / scale each",
+}
+# engine head format -> how the graphs carry the embedding and lm_head
+HEAD_FORMS = {
+    "fp16": "float32 embedding Gather and lm_head MatMul",
+    "int8": "8-bit com.microsoft.MatMulNBits lm_head (blocks of 32, zero point 128); the embedding Gathers its blocks",
 }
 
 

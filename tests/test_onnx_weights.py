@@ -1,5 +1,5 @@
-"""cabin-export of quantized engines: W8A16 linear layers as int8 per-channel QDQ (both profiles), W4A16-AWQ as
-ONNX Runtime's MatMulNBits (ort profile); the graphs compute what the reference engine computes on the same
+"""cabin-export of quantized engines: W8A16 linear layers as int8 per-channel QDQ (both profiles), W4A16-AWQ and
+int4-g32 (with the int8 head) as ONNX Runtime's MatMulNBits (ort profile); the graphs compute what the reference engine computes on the same
 engine, within float rounding; a weight format a profile cannot write is one clear error."""
 import json
 import random
@@ -28,13 +28,15 @@ LINEAR = (".qkv", ".dense", ".fc_gate", ".proj")
 
 @pytest.fixture(scope="module")
 def quant_engines(tmp_path_factory):
-    """Weight format -> engine folder of the tiny model (W8A16 and W4A16-AWQ, INT8 KV scales)."""
+    """Weight format -> engine folder of the tiny model (W8A16, W4A16-AWQ, int4-g32 with the int8 head; INT8 KV
+    scales)."""
     root = tmp_path_factory.mktemp("onnx-weights")
     model = write_tiny_llama(root / "model", **TINY_ENGINE_SHAPE)
     folders = {}
-    for weights in ("int8", "int4-awq"):
+    for weights in ("int8", "int4-awq", "int4-g32"):
         folders[weights] = root / weights
-        build_engine(BuildRequest(str(model), folders[weights], kv_cache="int8", weights=weights), **QUIET)
+        build_engine(BuildRequest(str(model), folders[weights], kv_cache="int8", weights=weights,
+                                  head="int8" if weights == "int4-g32" else "fp16"), **QUIET)
     return folders
 
 
@@ -43,14 +45,14 @@ def quant_exports(quant_engines, tmp_path_factory):
     """(weight format, profile) -> graph folder with fp32 KV."""
     root = tmp_path_factory.mktemp("onnx-weight-exports")
     folders = {}
-    for weights, profile in (("int8", "npu"), ("int8", "ort"), ("int4-awq", "ort")):
+    for weights, profile in (("int8", "npu"), ("int8", "ort"), ("int4-awq", "ort"), ("int4-g32", "ort")):
         folders[weights, profile] = root / f"{weights}-{profile}"
         export_onnx(OnnxExportRequest(quant_engines[weights], folders[weights, profile], CONTEXT, CHUNK, "fp32",
                                       profile), **QUIET)
     return folders
 
 
-@pytest.mark.parametrize("key", [("int8", "npu"), ("int8", "ort"), ("int4-awq", "ort")])
+@pytest.mark.parametrize("key", [("int8", "npu"), ("int8", "ort"), ("int4-awq", "ort"), ("int4-g32", "ort")])
 def test_quantized_graphs_predict_and_answer_as_the_reference(quant_engines, quant_exports, key):
     reference = Engine.load(quant_engines[key[0]])
     onnx_engine = load_onnx_engine(quant_exports[key], threads=1)
@@ -109,3 +111,31 @@ def test_int4_awq_on_the_npu_profile_is_one_clear_error(quant_engines, tmp_path,
     assert err.startswith("cabin-export: error: the npu profile (opset 23) cannot write int4-awq weights;")
     assert "--profile ort" in err and "--weights fp16 or int8" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_int4_g32_and_the_int8_head_are_4_and_8_bit_blocks(quant_engines, quant_exports):
+    """Every linear as 4-bit MatMulNBits blocks of 32 with float zero points; the lm_head 8-bit blocks, which the
+    embedding Gathers too where the model ties them (one copy of the table)."""
+    folder = quant_exports["int4-g32", "ort"]
+    model = Engine.load(quant_engines["int4-g32"]).model
+    table = "lm_head.uint8" if model.embedding is model.lm_head else "embedding.uint8"
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    assert manifest["weight_format"]["name"] == "int4-g32" and manifest["head"]["name"] == "int8"
+    graph = onnx.load(str(folder / TOKEN_GRAPH), load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nbits]
+    assert [a["bits"] for a in attrs].count(4) == 4 * 3 and [a["bits"] for a in attrs].count(8) == 1
+    assert {a["block_size"] for a in attrs} == {32} and all(len(n.input) == 4 for n, a in zip(nbits, attrs)
+                                                            if a["bits"] == 4)
+    head = [n.input[1] for n, a in zip(nbits, attrs) if a["bits"] == 8]
+    gathered = {n.input[0] for n in graph.node if n.op_type == "Gather"}
+    assert head == ["lm_head.uint8"] and table in gathered and "embedding" not in _initializers(folder)
+
+
+def test_the_int8_head_on_the_npu_profile_is_one_clear_error(quant_engines, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert export_main(["--engine", str(quant_engines["int4-g32"]), "--output", str(out), "--context", "64",
+                        "--chunk", "16", "--profile", "npu"]) == 2
+    err = capsys.readouterr().err
+    assert "the npu profile cannot write the int8 head; export with --profile ort" in err
+    assert "--head fp16" in err and "Traceback" not in err and not out.exists()

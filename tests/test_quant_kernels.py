@@ -1,4 +1,4 @@
-"""The one-token kernels over int8 and int4 weights compute what the torch path computes on dequantized weights."""
+"""The one-token kernels over int8, int4 and the GGUF group formats compute what the torch path computes on dequantized weights."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cabinllm.runtime.kernels import bindings as native_kernels
-from cabinllm.runtime.model.linear import Int4AwqLinear, Int8Linear, pack_int4, stack
+from cabinllm.runtime.model.linear import Int4AwqLinear, Int4G32Linear, Int8G32Table, Int8Linear, pack_g32, pack_int4, stack
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the kernels")
 
@@ -50,6 +50,33 @@ def test_wide_and_generic_builds_agree(rows, cols, group):
               generic.int4(x, i4.packed, i4.scale, group))]
     for wide, plain in pairs:
         assert torch.allclose(wide, plain, rtol=1e-5, atol=1e-5 * math.sqrt(cols) * plain.abs().max())
+
+
+def g32_ops(rows: int, cols: int, gen: torch.Generator) -> tuple[Int4G32Linear, Int8G32Table]:
+    """An int4-g32 linear (a Q4_1-like minimum of about -8 scales) and an int8 head with fp16 scales per 32."""
+    scale = (torch.rand(rows, cols // 32, generator=gen) / 50).half()
+    minimum = (-8 * scale.float() * (0.5 + torch.rand(rows, cols // 32, generator=gen))).half()
+    q4 = Int4G32Linear(pack_g32(torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)), scale, minimum)
+    return q4, Int8G32Table(torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8), scale)
+
+
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize("rows, cols, tokens", [(1536, 576, 1), (7, 64, 1), (6, 96, 3), (9, 160, 6)])
+def test_group_kernels_equal_the_torch_path_on_dequantized_weights(rows, cols, tokens, generic):
+    """int4-g32 and the int8 head, AVX2 loops (where this CPU has them) and the plain ones: every block of rows
+    and chunk of tokens, remainders included, within float rounding of F.linear on the dequantized weights."""
+    gen = torch.Generator().manual_seed(rows * cols + tokens)
+    kernel = native_kernels.QuantMatVec(native_kernels._load("quant_matvec", {"GENERIC": 1})) if generic \
+        else native_kernels.quant_matvec()
+    x, bias = torch.randn(tokens, cols, generator=gen), torch.randn(rows, generator=gen)
+    q4, head = g32_ops(rows, cols, gen)
+    for got, op in ((kernel.q4g32(x, q4.codes, q4.scale, q4.minimum, bias), q4),
+                    (kernel.q8g32(x, head.codes, head.scale, bias), head)):
+        expected = op(x, bias, native=False)
+        assert got.shape == (tokens, rows)
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * math.sqrt(cols) * expected.abs().max())
+    with pytest.raises(ValueError, match="inputs a multiple of 32"):
+        kernel.q8g32(torch.randn(1, 48), head.codes[:, :48].contiguous(), head.scale[:, :1].contiguous())
 
 
 def test_stacked_int4_runs_as_two_kernels():

@@ -240,7 +240,8 @@ def _check_groups(x: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype, scal
             or cols % GROUP_INPUTS or codes.dtype != dtype or not codes.is_contiguous()
             or any(s.dtype != torch.float16 or not s.is_contiguous() or tuple(s.shape) != shape for s in scales)
             or (bias is not None and not bias.is_contiguous())):
-        raise ValueError(f"group matvec needs fp32 x (n, {cols}) with 1 <= n <= {MATVEC_MAX_TOKENS}, contiguous "
+        raise ValueError(f"group matvec needs fp32 x (n, {cols}) with 1 <= n <= {MATVEC_MAX_TOKENS} and inputs a "
+                         f"multiple of {GROUP_INPUTS}, contiguous "
                          f"{dtype} codes and fp16 scales {list(shape)}, got {x.dtype} {tuple(x.shape)}, "
                          f"{codes.dtype} {tuple(codes.shape)}, {[(s.dtype, tuple(s.shape)) for s in scales]}")
 
