@@ -189,7 +189,7 @@ def checked_plan(request: BuildRequest, target: Target, weights: str = "fp16") -
     """The memory plan for the requested KV dtype and weight format; PlanRefused (with the nearest working config)
     if it cannot work."""
     plan_request = PlanRequest(request.model, target, weights, request.reserve_gb, request.kv_cache,
-                               request.max_beam_width)
+                               request.max_beam_width, request.head)
     plan = working_plan(plan_request, load_model_config(request.model))
     if plan.cannot_build:
         raise ConfigError(f"--target {target.name}: {plan.cannot_build}")

@@ -7,7 +7,8 @@ per token count the global layers, ``kv_window_bytes`` the local ones. Weight-on
 layers only (embedding, lm_head and norms
 stay fp16, as TensorRT-LLM's weight-only modes do); int8 adds one float32 scale per
 output channel, int4-awq one per group of 128 (or 64) inputs and an fp16 prequant scale per input,
-as ModelOpt exports them.
+as ModelOpt exports them; int4-g32 an fp16 scale and minimum per 32 inputs. The int8 head (reference engine)
+stores embedding and lm_head as int8 with an fp16 scale per 32.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import math
 
 from cabinllm.builders.targets import Backend
 from cabinllm.runtime.formats.checkpoint import ModelConfig, expected_shapes, linear_shapes
-from cabinllm.runtime.formats.weight_formats import awq_group_size
+from cabinllm.runtime.formats.weight_formats import AWQ_GROUP_SIZES, HEAD_FORMATS, HEAD_TENSORS, awq_group_size
 from cabinllm.runtime.formats.weight_formats import weight_format as weight_format_of
 from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.modes import bytes_per_token
@@ -30,19 +31,23 @@ def parameter_count(config: ModelConfig) -> int:
     return sum(math.prod(shape) for name, shape in _weight_shapes(config).items())
 
 
-def weights_bytes(config: ModelConfig, weight_format: str, in_memory: str | None = None) -> int:
+def weights_bytes(config: ModelConfig, weight_format: str, in_memory: str | None = None, head: str = "fp16") -> int:
     """Bytes of the weights stored as ``weight_format`` (cabinllm.runtime.formats.weight_formats: the checkpoint's
-    tensors, scales included; AWQ with the group size cabin-build picks), float tensors (norms, embedding, lm_head,
-    Qwen2's qkv bias) held as ``in_memory`` (fp32) when given."""
-    fmt = weight_format_of(weight_format)
+    tensors, scales included; AWQ with the group size cabin-build picks) and the embedding and lm_head as ``head``
+    (HEAD_FORMATS), float tensors (norms, an fp16 head, Qwen2's qkv bias) held as ``in_memory`` (fp32) when
+    given."""
+    fmt, head_fmt = weight_format_of(weight_format), HEAD_FORMATS[head]
     float_bytes = _BYTES[in_memory] if in_memory is not None else 2
     linears = linear_shapes(config)
-    quantization = {"group_size": awq_group_size([s[1] for s in linears.values()])} if fmt.group_size({}) else {}
+    awq = fmt.group_sizes == AWQ_GROUP_SIZES  # the group size cabin-build picks; int4-g32's is fixed
+    quantization = {"group_size": awq_group_size([s[1] for s in linears.values()])} if awq else {}
     total = 0
     for name, shape in _weight_shapes(config).items():
         suffix = ".".join(name.split(".")[3:-1])
         if suffix in linears and name.endswith(".weight"):  # a linear's bias is a float tensor
             total += fmt.weight_bytes(shape[0], shape[1], quantization, float_bytes)
+        elif name.removesuffix(".weight") in HEAD_TENSORS:
+            total += head_fmt.head_bytes(shape[0], shape[1], float_bytes)
         else:
             total += math.prod(shape) * float_bytes
     return total

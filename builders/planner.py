@@ -29,7 +29,7 @@ from cabinllm.builders.targets import GIB, Backend, Target, load_targets
 from cabinllm.builders.trtllm import EngineShape, build_args, cannot_build, flag_set
 from cabinllm.runtime.backends.trtllm import beam_kv_blocks_up_to
 from cabinllm.runtime.errors import ConfigError, PlanRefused
-from cabinllm.runtime.formats.checkpoint import ModelConfig
+from cabinllm.runtime.formats.checkpoint import ModelConfig, linear_shapes
 from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
 from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig
@@ -54,6 +54,7 @@ class PlanRequest:
     reserve_gb: float | None = None  # memory of co-resident models in GiB; None = the profile's
     kv_dtype: str | None = None  # one KV dtype; None = every dtype the target allows
     max_beam_width: int = 1  # beams the TensorRT engine searches (trtllm-build --max_beam_width)
+    head: str = "fp16"  # embedding and lm_head storage (HEAD_FORMATS; int8 on the reference engine only)
 
 
 @dataclass
@@ -120,8 +121,8 @@ class Plan:
     def refusal(self) -> str | None:
         """Why this plan cannot work, or None."""
         t, req = self.target, self.request
-        if req.weights not in t.weight_formats:
-            return f"{req.weights} weights are not available on {t.name}; it takes {', '.join(t.weight_formats)}"
+        if why := t.weights_refusal(req.weights) or t.head_refusal(req.head):
+            return why
         if req.kv_dtype is not None and req.kv_dtype not in t.kv_dtypes:
             why = t.unsupported_kv.get(req.kv_dtype, f"{t.name} takes KV dtypes {', '.join(t.kv_dtypes)}")
             return f"{req.kv_dtype} KV cache does not work on {t.name}: {why}"
@@ -148,6 +149,7 @@ class Plan:
         kvs = ", ".join(f"{kv.kv_dtype} KV {kv.est_turns} turns" for kv in self.kv.values() if kv.fits)
         weights = f" --weights {self.request.weights}" if self.request.weights != "fp16" else ""
         kv_flag = f" --kv-cache {self.request.kv_dtype}" if self.request.kv_dtype else ""
+        weights += f" --head {self.request.head}" if self.request.head != "fp16" else ""
         beams = f" --max-beam-width {self.request.max_beam_width}" if self.request.max_beam_width > 1 else ""
         return f"--target {self.target.name}{weights}{kv_flag}{beams} ({kvs})"
 
@@ -165,6 +167,8 @@ class Plan:
                       "kv_heads": self.config.num_key_value_heads, "head_size": self.config.head_size,
                       "context": self.config.max_position_embeddings},
             "weights": self.request.weights,
+            "head": self.request.head,
+            "weight_formats": weight_choices(self.config, t, self.request.head),
             "max_beam_width": self.request.max_beam_width,
             "weights_bytes": self.weights_bytes,
             "memory_bytes": {"total": int(t.memory_gib * GIB), "os_reserve": int(t.os_reserve_gib * GIB),
@@ -199,11 +203,25 @@ class Plan:
         return plan
 
 
+def weight_choices(config: ModelConfig, target: Target, head: str = "fp16") -> list[dict]:
+    """Every weight format of the registry on this target: whether its runtime takes it (and why not), the bytes it
+    would hold and what converting the model to it costs."""
+    inputs = {shape[1] for shape in linear_shapes(config).values()}
+    choices = []
+    for name, fmt in WEIGHT_FORMATS.items():
+        holds = not fmt.group_sizes or any(all(i % g == 0 for i in inputs) for g in fmt.group_sizes)
+        why = target.weights_refusal(name) or (None if holds else (
+            f"no group of {' or '.join(map(str, fmt.group_sizes))} divides the inputs {sorted(inputs)}"))
+        choices.append({"weights": name, "taken": why is None, "conversion": fmt.conversion, "why_not": why,
+                        "bytes": weights_bytes(config, name, target.weights_in_memory, head) if holds else None})
+    return choices
+
+
 def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPICAL_TURN) -> Plan:
     """The plan of a model on a target (check ``refusal()`` before building from it)."""
     t = request.target
     co_resident = int((t.co_resident_gib if request.reserve_gb is None else request.reserve_gb) * GIB)
-    weights = weights_bytes(config, request.weights, t.weights_in_memory)
+    weights = weights_bytes(config, request.weights, t.weights_in_memory, request.head)
     plan = Plan(request, config, turn, co_resident, weights, {})
     dtypes = [request.kv_dtype] if request.kv_dtype in t.kv_dtypes else list(t.kv_dtypes)
     plan.kv = {dtype: size_kv(config, t, dtype, plan.budget_bytes, turn, request.weights, request.max_beam_width)
@@ -419,7 +437,8 @@ def onnx_warnings(plan: Plan) -> list[str]:
 def nearest_working(request: PlanRequest, config: ModelConfig, targets: dict[str, Target],
                     weight_formats: tuple[str, ...] = tuple(WEIGHT_FORMATS),
                     turn: TurnTokens = TYPICAL_TURN) -> Plan | None:
-    """The closest plan that works: another KV dtype here, lighter weights here, then larger targets.
+    """The closest plan that works: the fp16 head here (where an int8 one is refused), another KV dtype here,
+    lighter weights here, then larger targets.
 
     ``weight_formats`` limits the weights tried.
     """
@@ -432,6 +451,8 @@ def nearest_working(request: PlanRequest, config: ModelConfig, targets: dict[str
         kv_here = min(here.kv_dtypes, key=lambda d: (kv_bytes_per_token(config, d, here.tokens_per_block),
                                                    d != "int8"))
     candidates = [replace(request, kv_dtype=kv_here)]
+    if here.head_refusal(request.head):  # an int8 head off the reference engine: the fp16 one here first
+        candidates.insert(0, replace(request, kv_dtype=kv_here, head="fp16"))
     candidates += [replace(request, weights=w, kv_dtype=kv_here) for w in lighter]
     onnx = here.backend is Backend.ONNX  # graphs for an NPU, or an engine: the nearest config stays on its side
     larger = sorted((t for t in targets.values() if t.memory_gib > here.memory_gib
@@ -443,7 +464,10 @@ def nearest_working(request: PlanRequest, config: ModelConfig, targets: dict[str
     for candidate in candidates:
         if candidate.max_beam_width > 1 and candidate.target.backend is not Backend.TENSORRT:
             continue  # check_beam_width refuses it
-        plan = make_plan(candidate, config, turn)
+        try:
+            plan = make_plan(candidate, config, turn)
+        except ConfigError:  # weights that cannot hold this model (no group size divides its inputs)
+            continue
         if plan.refusal() is None:
             return plan
     return None

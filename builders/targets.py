@@ -13,6 +13,7 @@ from cabinllm.builders.onnx_profiles import ONNX_PROFILES, PRECISIONS
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.errors import TargetError
+from cabinllm.runtime.formats.weight_formats import weight_format
 from cabinllm.runtime.kv.modes import ONNX_KV_MODES
 
 if sys.version_info >= (3, 11):
@@ -77,6 +78,24 @@ class Target:
     weights_in_memory: str | None = None  # the dtype the runtime holds weights in, when it is not the stored one
     unsupported_kv: dict[str, str] = field(default_factory=dict)
     npu: NpuProfile | None = None  # ONNX targets only
+
+    def weights_refusal(self, weights: str) -> str | None:
+        """Why this target's runtime does not take a weight format, or None."""
+        if weights in self.weight_formats:
+            return None
+        why = (f"{self.name}'s TensorRT-LLM W4A16 kernels take symmetric groups of 64 / 128 only, not "
+               f"{weights}'s blocks of 32 with a minimum; it runs on the reference engine (--target cpu) and "
+               f"ONNX Runtime (cabin-export --profile ort)" if self.backend is Backend.TENSORRT
+               and not weight_format(weights).trtllm else f"{weights} weights are not available on {self.name}")
+        return f"{why}; it takes {', '.join(self.weight_formats)}"
+
+    def head_refusal(self, head: str) -> str | None:
+        """Why this target's runtime does not take a head format (an int8 head runs on the reference engine only),
+        or None."""
+        if head == "fp16" or self.backend is Backend.REFERENCE:
+            return None
+        return (f"--head {head} runs on the reference engine only ({self.name}'s {self.backend.value} runtime reads "
+                "the embedding and lm_head in fp16); use --head fp16 or --target cpu")
 
     def to_dict(self) -> dict:
         """JSON-ready form (``npu`` only where there is one)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from cabinllm.builders.targets import Backend, Target
+from cabinllm.builders.targets import Target
 from cabinllm.calibration.gguf_weights import Conversion, to_int4_g32, to_int8_head
 from cabinllm.calibration.weight_quant import calibration_tokens, quantize_weights
 from cabinllm.runtime.errors import CheckpointError, ConfigError
@@ -62,9 +62,8 @@ def check_head(head: str, target: Target) -> None:
     """ConfigError for an unknown head format or an int8 head on a target whose runtime reads the head in fp16."""
     if head not in HEAD_FORMATS:
         raise ConfigError(f"unknown --head {head!r}; choose one of {', '.join(HEAD_FORMATS)}")
-    if head != "fp16" and target.backend is not Backend.REFERENCE:
-        raise ConfigError(f"--head {head} runs on the reference engine only ({target.name}'s {target.backend.value} "
-                          "runtime reads the embedding and lm_head in fp16); use --head fp16 or --target cpu")
+    if why := target.head_refusal(head):
+        raise ConfigError(why)
 
 
 def quantize_step_text(fmt: WeightFormat, data: str | None) -> str:

@@ -7,11 +7,11 @@ import sys
 from typing import Callable
 
 from cabinllm.builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER, GraphPlan
-from cabinllm.builders.planner import MIB, KVPlan, Plan, PlanRequest, working_plan
+from cabinllm.builders.planner import MIB, KVPlan, Plan, PlanRequest, weight_choices, working_plan
 from cabinllm.builders.targets import GIB, Backend, get_target
 from cabinllm.cli.args import entry_point, int_range, os_error_message, output_name, reserve_gib
 from cabinllm.runtime.errors import CabinError, PlanRefused
-from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
+from cabinllm.runtime.formats.weight_formats import HEAD_FORMATS, WEIGHT_FORMATS
 from cabinllm.runtime.sources.model_source import load_model_config
 
 
@@ -29,6 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reserve-gb", type=reserve_gib, help="GiB held for co-resident models (ASR, TTS, vision); "
                         "default: the profile's")
     parser.add_argument("--weights", default="fp16", choices=tuple(WEIGHT_FORMATS), help="weight storage (default fp16)")
+    parser.add_argument("--head", default="fp16", choices=tuple(HEAD_FORMATS),
+                        help="embedding and lm_head storage: fp16, or int8 with a scale per 32 (the reference "
+                             "engine only; default fp16)")
     parser.add_argument("--kv-cache", help="plan one KV dtype only (refused when the target cannot run it); default: "
                         "every KV dtype the target takes")
     parser.add_argument("--max-beam-width", type=int_range(1), default=1, metavar="N",
@@ -42,7 +45,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     """The plan for the arguments; PlanRefused (with the nearest working plan) when it cannot work."""
     config = load_model_config(args.model)
     request = PlanRequest(args.model, get_target(args.target), args.weights, args.reserve_gb, args.kv_cache,
-                          args.max_beam_width)
+                          args.max_beam_width, args.head)
     return working_plan(request, config)
 
 
@@ -54,12 +57,16 @@ def format_table(plan: Plan) -> str:
     npu = (f"; Hexagon HTP v{t.npu.htp_arch} ({' or '.join(t.npu.precisions)}): cabin-export --profile "
            f"{t.npu.onnx_profile} --htp-arch {t.npu.htp_arch}, --ort-provider {t.npu.ort_provider}" if t.npu else "")
     held = f" (floats as {t.weights_in_memory})" if t.weights_in_memory else ""
+    head = f" + {plan.request.head} head" if plan.request.head != "fp16" else ""
     lines = [
         f"{plan.request.model} ({c.architecture}, {c.num_hidden_layers} layers, {c.num_key_value_heads} KV heads x "
         f"{c.head_size}, context {c.max_position_embeddings}) on {t.name}: {t.description}{sm}{line}{npu}",
         f"memory: {t.memory_gib:.2f} GiB - OS {t.os_reserve_gib:.2f} - co-resident {plan.co_resident_bytes / GIB:.2f}"
-        f" - runtime {t.runtime_overhead_gib:.2f} - {plan.request.weights} weights{held} {plan.weights_bytes / GIB:.2f}"
+        f" - runtime {t.runtime_overhead_gib:.2f} - {plan.request.weights} weights{head}{held} {plan.weights_bytes / GIB:.2f}"
         f" = {plan.budget_bytes / GIB:.2f} GiB for activations and KV",
+        f"weight formats on {t.name} ({t.backend.value} runtime):",
+        *(f"  {w['weights']:<9} {_mib(w['bytes']) if w['bytes'] else '-':>7} MiB  "
+          f"{w['conversion'] if w['taken'] else 'no: ' + w['why_not']}" for w in weight_choices(c, t, plan.request.head)),
         f"one turn = {turn.per_turn} tokens (user {turn.user} + assistant {turn.assistant}), system prompt "
         f"{turn.system}; measured on {turn.measured_on} with the {turn.tokenizer} tokenizer",
         "",

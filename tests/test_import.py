@@ -201,7 +201,8 @@ def test_tiny_qwen2_sharded_with_bias_and_tied_embeddings(tmp_path):
 HIDDEN, HEADS, KV_HEADS, INTER, VOCAB = 64, 4, 2, 96, 32
 
 
-def write_tiny_gguf(path: Path, qtype: QType = QType.F32, arch: str = "llama", extra: dict | None = None) -> dict:
+def write_tiny_gguf(path: Path, qtype: QType = QType.F32, arch: str = "llama", extra: dict | None = None,
+                    context: int = 128) -> dict:
     """A one-layer GGUF written the way llama.cpp does (q/k permuted for llama); returns the HF-order weights."""
     rng = np.random.default_rng(0)
     head = HIDDEN // HEADS
@@ -224,7 +225,7 @@ def write_tiny_gguf(path: Path, qtype: QType = QType.F32, arch: str = "llama", e
     weights = {k: v.astype(np.float32) for k, v in {**weights, **(extra or {})}.items()}
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
-    writer.add_context_length(128)
+    writer.add_context_length(context)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(INTER)
     writer.add_head_count(HEADS)

@@ -18,6 +18,7 @@ from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
 from cabinllm.runtime.formats.onnx_folder import TOKEN_GRAPH
 from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.linear import unpack_g32
 
 from fakes.tiny_model import write_tiny_llama
 
@@ -139,3 +140,21 @@ def test_the_int8_head_on_the_npu_profile_is_one_clear_error(quant_engines, tmp_
     err = capsys.readouterr().err
     assert "the npu profile cannot write the int8 head; export with --profile ort" in err
     assert "--head fp16" in err and "Traceback" not in err and not out.exists()
+
+
+def test_int4_g32_round_trips_bit_for_bit_through_the_export(quant_engines, quant_exports):
+    """From each MatMulNBits' blocks, scales and zero points the engine's codes, fp16 scales and minima
+    (m = -z * d) come back exactly."""
+    model = Engine.load(quant_engines["int4-g32"]).model
+    graph = onnx.load(str(quant_exports["int4-g32", "ort"] / TOKEN_GRAPH))
+    tensors = {t.name: onnx.numpy_helper.to_array(t) for t in graph.graph.initializer}
+    for index, layer in enumerate(model.layers):
+        for name in ("qkv", "dense", "proj"):
+            op, prefix = layer[name], f"layers.{index}.{name}"
+            blocks = tensors[f"{prefix}.uint4"]
+            codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(blocks.shape[0], -1)
+            scale = tensors[f"{prefix}.scales"].reshape(op.scale.shape)
+            minimum = (-tensors[f"{prefix}.zero_points"].reshape(op.scale.shape) * scale).astype(np.float16)
+            assert np.array_equal(codes, unpack_g32(op.codes).numpy())
+            assert np.array_equal(scale.astype(np.float16), op.scale.numpy())
+            assert np.array_equal(minimum, op.minimum.numpy())

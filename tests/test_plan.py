@@ -224,3 +224,22 @@ def test_the_nearest_config_for_beams_is_a_tensorrt_engine_with_them(capsys):
     nearest = out["refused"]["nearest"]
     assert code == 2 and nearest["target_profile"]["backend"] == "tensorrt" and nearest["max_beam_width"] == 4
     assert f"nearest working config: --target {nearest['target']}" in err and "--max-beam-width 4 (" in err
+
+
+def test_plan_says_which_weight_formats_each_runtime_takes(capsys, planned):
+    """int4-g32 runs on the reference engine, not on a TensorRT-LLM target (whose W4A16 kernels take symmetric
+    groups of 64 / 128): the table lists it with the reason, a request for it is refused naming the targets that
+    run it; the int8 head counts its int8 bytes."""
+    code, plan, _ = run_plan(capsys, *planned.args, "--target", "cpu", "--weights", "int4-g32", "--head", "int8")
+    assert code == 0 and plan["head"] == "int8"
+    choices = {w["weights"]: w for w in plan["weight_formats"]}
+    assert choices["int4-g32"]["taken"] and "no loss" in choices["int4-g32"]["conversion"]
+    _, fp16_head, _ = run_plan(capsys, *planned.args, "--target", "cpu", "--weights", "int4-g32")
+    assert plan["weights_bytes"] < fp16_head["weights_bytes"]
+    code, refused, err = run_plan(capsys, *planned.args, "--target", "orin-nano-8gb", "--weights", "int4-g32")
+    assert code == 2 and "TensorRT-LLM W4A16 kernels take symmetric groups of 64 / 128" in err
+    assert "--target cpu" in err and "--profile ort" in err
+    assert cabin_plan([*planned.args, "--target", "orin-nano-8gb"]) == 0
+    table = capsys.readouterr().out
+    assert "weight formats on orin-nano-8gb (tensorrt runtime):" in table
+    assert any(line.split()[:1] == ["int4-g32"] and "no: " in line for line in table.splitlines())

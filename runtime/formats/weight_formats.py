@@ -46,6 +46,7 @@ class WeightFormat:
     tensors: tuple[str, ...] = ("weight",)  # what each linear layer stores, by name suffix
     trtllm: bool = True  # TensorRT-LLM builds engines from it
     group_sizes: tuple[int, ...] = ()  # the group sizes it takes (none: not grouped)
+    conversion: str = "the source's values as floats, nothing rounded (a GGUF's blocks dequantized)"
 
     def group_size(self, quantization: dict) -> int | None:
         """Inputs per scale group (None: per channel or not quantized)."""
@@ -69,6 +70,7 @@ class W8A16(WeightFormat):
     quant_algo: str | None = "W8A16"
     label: str = "int8 weight-only, per-channel scales (W8A16)"
     tensors: tuple[str, ...] = ("weight", SCALE)
+    conversion: str = "rounds every weight to 8 bits per channel (default model: +0.17% perplexity)"
 
     def stored(self, out: int, inp: int, quantization: dict) -> dict[str, Stored]:
         return {"weight": Stored((out, inp), (torch.int8,)), SCALE: Stored((out,), (torch.float32,) + _FLOATS)}
@@ -87,6 +89,8 @@ class W4A16Awq(WeightFormat):
     label: str = "int4 weight-only AWQ, per-group scales (W4A16_AWQ)"
     tensors: tuple[str, ...] = ("weight", SCALE, PREQUANT)
     group_sizes: tuple[int, ...] = AWQ_GROUP_SIZES
+    conversion: str = ("re-rounds into symmetric groups of 64 / 128 (default model, from its Q4_1 blocks: "
+                       "+24% perplexity)")
 
     def group_size(self, quantization: dict) -> int | None:
         return quantization.get("group_size", 128)
@@ -113,6 +117,7 @@ class Int4G32(WeightFormat):
     tensors: tuple[str, ...] = ("weight", SCALE, MINIMUM)
     trtllm: bool = False
     group_sizes: tuple[int, ...] = (GGUF_GROUP,)
+    conversion: str = "copies a GGUF's Q4_0 / Q4_1 blocks: no loss (float weights are rounded to Q4_1 blocks)"
 
     def group_size(self, quantization: dict) -> int | None:
         return GGUF_GROUP
