@@ -12,7 +12,7 @@ from tqdm import tqdm
 from cabinllm.benchmarks.accuracy import accuracy_rows
 from cabinllm.benchmarks.claims import check_claims
 from cabinllm.benchmarks.kv_memory import measure_kv_memory
-from cabinllm.benchmarks.machine import machine_info, oversubscribed
+from cabinllm.benchmarks.machine import machine_info, oversubscribed, read_bandwidth
 from cabinllm.benchmarks.multiturn import measure_multiturn
 from cabinllm.benchmarks.runners.base import Runner, Unavailable
 from cabinllm.benchmarks.runners.cabin import available_modes, cabin_runner
@@ -65,6 +65,7 @@ def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unav
     """Measure everything on ours (the engine, the same model in other weight formats, our ONNX Runtime backend on
     graphs exported from it) and the available peers; the JSON-ready results (without command/notes)."""
     info = machine_info()
+    bandwidth = {"1": read_bandwidth(1), "all": read_bandwidth(os.cpu_count() or 1)}  # before the runs, quiet
     crowded = oversubscribed(info)
     if crowded:
         print(f"cabin-bench: warning: {crowded}", file=sys.stderr)
@@ -85,6 +86,7 @@ def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unav
         multiturn = measure_multiturn(engine, TURN_MODE, users, turn_peers, settings.turn_repeats,
                                       settings.reply_tokens, settings.kv_budget_mib, bar) if users else None
     ratios = speed_ratios(speed, [r.name for r in ours], [r.name for r in runners if r.family != "cabin"])
+    limit = memory_limit(ours, speed_rows(speed), bandwidth)
     quantized = [r.name for r in runners if r.family == "transformers" and r.name != "transformers dynamic"]
     growth = multiturn["growth_last_vs_first_quarter"] if multiturn else {}
     equalized = bool(engine.manifest.get("equalization", {}).get("enabled"))
@@ -105,6 +107,7 @@ def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unav
                    + [{"name": p.name, "family": p.family, "kv": "-", "weights": "-", "status": "unavailable",
                        "reason": p.reason} for p in peers if isinstance(p, Unavailable)],
         "kv_memory": kv,
+        "memory_limit": limit,
         "speed": {"rows": speed_rows(speed), "ratios": [asdict(r) for r in ratios], "errors": speed.errors,
                   "warm_up_runs": speed.warm_up_runs},
         "multiturn": multiturn,
@@ -115,3 +118,18 @@ def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unav
         "claims": [asdict(c) for c in check_claims(ratios, settings.contexts, quantized, growth,
                                                    f"cabin {TURN_MODE} (reuse)")],
     }
+
+
+def memory_limit(ours: list[Runner], rows: list[dict], bandwidth: dict[str, float]) -> dict:
+    """Each of our rows against the machine's read bandwidth (1 thread, or all threads when the run used more):
+    the bytes a decode step reads (weights as held, the KV of the context) times decode tokens/s."""
+    key = "1" if torch.get_num_threads() == 1 else "all"
+    reads = {r.name: r.read_bytes for r in ours if r.read_bytes}
+    out = []
+    for row in rows:
+        if row["runner"] in reads and row["decode_tok_s"] is not None:
+            read = reads[row["runner"]](row["context"])
+            out.append({"runner": row["runner"], "context": row["context"], "bytes_per_token": read,
+                        "decode_tok_s": row["decode_tok_s"], "read_bytes_s": read * row["decode_tok_s"],
+                        "fraction": read * row["decode_tok_s"] / bandwidth[key]})
+    return {"read_bandwidth_bytes_s": bandwidth, "against": key, "rows": out}

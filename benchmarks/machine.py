@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -41,6 +42,27 @@ def c_compiler() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return result.stdout.splitlines()[0] if result.returncode == 0 and result.stdout else None
+
+
+READ_BUFFER_BYTES = 1 << 30  # larger than any CPU's last-level cache
+
+
+def read_bandwidth(threads: int, repeats: int = 5) -> float:
+    """Bytes per second one read of a 1 GiB buffer (a STREAM-like sum) streams on ``threads`` threads, the best of
+    ``repeats``: the ceiling a bandwidth-bound decode step can reach."""
+    before = torch.get_num_threads()
+    buffer = torch.ones(READ_BUFFER_BYTES // 4)
+    torch.set_num_threads(threads)
+    try:
+        buffer.sum()  # pages touched, threads started
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            buffer.sum()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return READ_BUFFER_BYTES / best
 
 
 def machine_info() -> dict:

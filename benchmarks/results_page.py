@@ -77,6 +77,20 @@ def _turn_table(multiturn: dict) -> list[str]:
     return lines
 
 
+def _limit_table(limit: dict) -> list[str]:
+    bandwidth = limit["read_bandwidth_bytes_s"]
+    lines = [f"Read bandwidth (a 1 GiB buffer summed, best of 5): {bandwidth['1'] / 1e9:.1f} GB/s on 1 thread, "
+             f"{bandwidth['all'] / 1e9:.1f} GB/s on all cores; fractions against the "
+             f"{'1-thread' if limit['against'] == '1' else 'all-core'} figure. Bytes per token: the weights as "
+             "held plus the context's KV.", "",
+             "| ours @ context | MB read per token | decode tok/s | GB/s read | fraction of the bandwidth |",
+             "|---|---|---|---|---|"]
+    for r in limit["rows"]:
+        lines.append(f"| {r['runner']} @ {r['context']} | {r['bytes_per_token'] / 1e6:.1f} | "
+                     f"{r['decode_tok_s']:.2f} | {r['read_bytes_s'] / 1e9:.2f} | {r['fraction']:.2f} |")
+    return lines
+
+
 def render_markdown(results: dict, figures: dict[str, str]) -> str:
     """The whole RESULTS.md text; ``figures`` maps a title to a PNG path relative to the file."""
     s, m = results["settings"], results["machine"]
@@ -105,6 +119,8 @@ def render_markdown(results: dict, figures: dict[str, str]) -> str:
         lines.append(f"| {c['claim']} | {_num(c['value'], '{:.2f}')} | {c['threshold']} | {verdict} |")
     lines += ["", "## Decode tokens/s, ours / peer", ""] + _ratio_table(results, "decode_tok_s")
     lines += ["", "## Prefill tokens/s, ours / peer", ""] + _ratio_table(results, "prefill_tok_s")
+    if results.get("memory_limit"):
+        lines += ["", "## Decode against the memory limit", ""] + _limit_table(results["memory_limit"])
     if results.get("multiturn"):
         lines += ["", f"## Time to first token over {s['turns']} turns of a ShareGPT dialogue", ""]
         lines += [f"- {n}: {note}" for n, note in results["multiturn"]["notes"].items()] + [""]

@@ -23,16 +23,22 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cabinllm.calibration.gguf_weights import to_int4_g32, to_int8_head
 from cabinllm.calibration.hf_model import family, transformers_model
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, ModelConfig, layer_prefix, linear_inputs
-from cabinllm.runtime.formats.weight_formats import (PREQUANT, SCALE, W8A16, WEIGHT_FORMATS, W4A16Awq, WeightFormat,
-                                                     awq_group_size)
+from cabinllm.runtime.formats.weight_formats import (PREQUANT, SCALE, W8A16, WEIGHT_FORMATS, Int4G32, W4A16Awq,
+                                                     WeightFormat, awq_group_size)
 from cabinllm.runtime.model.linear import INT4_MAX, INT4_MIN, pack_int4
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.sources.weight_plan import SourceModel
 
-EVAL_WEIGHTS = ("fp32", "int8", "int4-awq", "int4-rtn")  # cabin-eval's weights axis: fp32 is the model as loaded
+# cabin-eval's weights axis: fp32 is the model as loaded; int4-g32 takes a GGUF's blocks as stored (lossless), and
+# with G32_INT8_HEAD also its Q8_0 embedding as the int8 head
+G32_INT8_HEAD = "int4-g32+int8-head"
+EVAL_WEIGHTS = ("fp32", "int8", "int4-awq", "int4-rtn", "int4-g32", G32_INT8_HEAD)
+CALIBRATED_WEIGHTS = ("int8", "int4-awq")  # the entries ModelOpt quantizes on calibration dialogues
 RTN = "int4-rtn"
 DEFAULT_CALIB_DIALOGUES = 8
 DEFAULT_CALIB_TOKENS = 256
@@ -207,16 +213,20 @@ def round_to_nearest(config: ModelConfig, weights: dict[str, torch.Tensor],
 
 
 def eval_weights(name: str, config: ModelConfig, weights: dict[str, torch.Tensor], calibration: list[list[int]],
-                 progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+                 progress: bool = True,
+                 source: SourceModel | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The checkpoint cabin-eval measures for one entry of EVAL_WEIGHTS, made from full-precision weights:
     fp32 as given, int8 and int4-awq quantized by ModelOpt on ``calibration``, int4-rtn by round to nearest on
-    AWQ's groups."""
+    AWQ's groups, int4-g32 (and its int8 head) from the blocks of ``source`` where it has them, else rounded."""
     if name not in EVAL_WEIGHTS:
         raise ConfigError(f"unknown weights {name!r}; choose from {', '.join(EVAL_WEIGHTS)}")
     if name == EVAL_WEIGHTS[0]:
         return config, weights
     if name == RTN:
         return round_to_nearest(config, weights)
+    if name.startswith(Int4G32.name):
+        config, weights, _ = to_int4_g32(config, weights, source)
+        return to_int8_head(config, weights, source)[:2] if name == G32_INT8_HEAD else (config, weights)
     return quantize_weights(config, weights, WEIGHT_FORMATS[name], calibration, progress)
 
 

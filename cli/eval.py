@@ -12,13 +12,13 @@ from cabinllm.calibration.charts import plot_accuracy
 from cabinllm.calibration.evaluate import (EVAL_MODES, REFERENCE_MODE, REFERENCE_WEIGHTS, STATIC_MODES,
                                            WEIGHTS_SEPARATOR, ModeResult, evaluate, results_json)
 from cabinllm.calibration.selection import prepare_dialogues
-from cabinllm.calibration.weight_quant import (DEFAULT_CALIB_DIALOGUES, DEFAULT_CALIB_TOKENS, EVAL_WEIGHTS, RTN,
-                                               calibration_tokens, eval_weights)
+from cabinllm.calibration.weight_quant import (CALIBRATED_WEIGHTS, DEFAULT_CALIB_DIALOGUES, DEFAULT_CALIB_TOKENS,
+                                               EVAL_WEIGHTS, G32_INT8_HEAD, calibration_tokens, eval_weights)
 from cabinllm.cli.args import entry_point, int_range, non_negative_int, os_error_message, output_name, positive_int
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.formats.scales_file import ScalesFile, load_scales_file
-from cabinllm.runtime.sources.model_source import LoadedModel, load_model
+from cabinllm.runtime.sources.model_source import LoadedModel, load_model, open_source, resolve_model
 
 RESULTS_JSON = "eval.json"
 EVAL_SPLITS = ("heldout", "all")
@@ -44,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated weights to measure, each alone (fp32 KV) and with each --kv-cache mode: "
                              f"{', '.join(EVAL_WEIGHTS)}; int8 and int4-awq are quantized with ModelOpt on "
                              f"{DEFAULT_CALIB_DIALOGUES} train dialogues of --data ({DEFAULT_CALIB_TOKENS} tokens "
-                             "each), int4-rtn rounds to nearest on the same groups; the -eq modes run on fp32 "
+                             "each), int4-rtn rounds to nearest on the same groups, int4-g32 takes a GGUF's Q4_0 / "
+                             f"Q4_1 blocks as stored ({G32_INT8_HEAD}: and its Q8_0 embedding as the int8 head); "
+                             "the -eq modes run on fp32 "
                              "weights only (default fp32: weights as loaded)")
     parser.add_argument("--scales", type=Path,
                         help="kv_scales.json from cabin-calibrate; default: the engine's own if it has channel "
@@ -116,16 +118,19 @@ def format_table(results: dict[str, ModeResult]) -> str:
     return "\n".join(rows)
 
 
-def quantized_weights(names: list[str], model: LoadedModel, data: str, seed: int) -> dict:
-    """Each requested weights entry other than fp32, made from the model's full-precision weights."""
+def quantized_weights(names: list[str], model: LoadedModel, source: str, data: str, seed: int) -> dict:
+    """Each requested weights entry other than fp32, made from the model's full-precision weights (int4-g32 from
+    the blocks of ``source``, the --model argument, where it is a GGUF)."""
     names = [n for n in names if n != REFERENCE_WEIGHTS]
     if not names:
         return {}
     if model.config.weight_format.quant_algo is not None:
         raise ConfigError(f"--weights {','.join(names)} quantizes full-precision weights, and {model.name} is "
                          f"{model.config.weight_format.quant_algo}; give the full-precision model")
-    tokens = calibration_tokens(data, model.tokenizer, seed=seed) if set(names) - {RTN} else []
-    return {name: eval_weights(name, model.config, model.weights, tokens) for name in names}
+    tokens = calibration_tokens(data, model.tokenizer, seed=seed) if set(names) & set(CALIBRATED_WEIGHTS) else []
+    path = resolve_model(source)
+    blocks = open_source(path) if path.suffix == ".gguf" else None  # int4-g32 takes a GGUF's blocks
+    return {name: eval_weights(name, model.config, model.weights, tokens, source=blocks) for name in names}
 
 
 def format_position_table(results: dict[str, ModeResult]) -> str:
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         count = args.num_dialogues or (DEFAULT_EVAL_DIALOGUES if split == "heldout" else None)
         dialogues, data = prepare_dialogues(args.data, split, count, args.seed, model.tokenizer,
                                             args.max_tokens, args.min_tokens, args.sessions)
-        weights = quantized_weights(weight_names, model, args.data, args.seed)
+        weights = quantized_weights(weight_names, model, args.model, args.data, args.seed)
         results = evaluate(model, dialogues, modes, scales, weights=weights)
     except CabinError as err:
         print(f"cabin-eval: error: {err}", file=sys.stderr)

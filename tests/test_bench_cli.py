@@ -59,8 +59,18 @@ def test_one_run_writes_results_markdown_and_figures(tiny_engine, tmp_path, caps
     assert set(turns[2]["ttft_s"]) == {"cabin int8 (reuse)", "transformers dynamic"}
     assert turns[2]["context_tokens"] > turns[1]["context_tokens"] > turns[2]["new_tokens"]
     assert len(results["claims"]) >= 3
+    limit = results["memory_limit"]
+    assert limit["against"] == "1" and limit["read_bandwidth_bytes_s"]["1"] > 1e8
+    read = {(r["runner"], r["context"]): r for r in limit["rows"]}
+    assert set(read) == {(f"cabin {m}", c) for m in ("fp16", "int8") for c in (16, 32)}
+    kv_step = kv["cabin int8"]["bytes_per_token"] * 16  # the KV of 16 more tokens of context
+    assert read["cabin int8", 32]["bytes_per_token"] - read["cabin int8", 16]["bytes_per_token"] == kv_step
+    assert read["cabin int8", 32]["fraction"] == pytest.approx(read["cabin int8", 32]["bytes_per_token"]
+                                                               * rows[("cabin int8", 32)]["decode_tok_s"]
+                                                               / limit["read_bandwidth_bytes_s"]["1"])
     text = (out / "RESULTS.md").read_text()
     for part in ("## Results", "## Claims", "## Decode tokens/s, ours / peer", "## KV memory",
+                 "## Decode against the memory limit",
                  "## Peers unavailable or failed", "llama.cpp q8_0: unavailable: the engine was not imported from"):
         assert part in text
     assert sorted(p.name for p in (out / "figures").iterdir()) == ["cabin_bench_kv.png", "cabin_bench_speed.png",

@@ -63,6 +63,7 @@ class Runner:
     turn: Callable[[list[int], bool], float] | None = None
     mode: str | None = None  # our KV mode, for the accuracy columns
     turn_note: str = ""  # how this system treats the history in a dialogue turn
+    read_bytes: Callable[[int], int] | None = None  # bytes one decode step reads at a context (ours only)
 
 
 @dataclass

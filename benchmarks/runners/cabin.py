@@ -1,6 +1,8 @@
 """Our reference engine as a benchmark runner, one per KV cache mode."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from cabinllm.benchmarks.runners.base import KVFootprint, Runner, RunTiming
@@ -11,7 +13,8 @@ from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kernels.bindings import matvec, native_kernels_enabled
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import sized_config
-from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES, kv_mode
+from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES, bytes_per_token, kv_mode
+from cabinllm.runtime.model.transformer import Transformer
 
 
 def available_modes(wanted: list[str]) -> list[str]:
@@ -40,8 +43,30 @@ def cabin_runner(engine: Engine, mode: str, name: str | None = None, weights: st
 
     fmt = engine.config.weight_format
     name = name or f"cabin {mode}" + (f" + {fmt.quant_algo}" if fmt.quant_algo else "")
+    def read_bytes(context: int) -> int:
+        return step_weight_bytes(engine.model) + context * bytes_per_token(layout, mode, engine.kv_cache_config(
+            mode).tokens_per_block)
+
     return Runner(name, "cabin", kv_mode(mode).label, weights or weights_note(engine, mode), run, footprint,
-                  mode=mode)
+                  mode=mode, read_bytes=read_bytes if isinstance(engine.model, Transformer) else None)
+
+
+def step_weight_bytes(model: Transformer) -> int:
+    """Bytes of the weights one decode step reads, as the model holds them: every layer's tensors and linear ops,
+    the final norm and the lm_head (one embedding row besides is left out)."""
+    return sum(_bytes(v) for layer in model.layers for v in layer.values()) + _bytes(model.final_norm) \
+        + _bytes(model.lm_head)
+
+
+def _bytes(value: object) -> int:
+    """Bytes of a tensor, or of the tensors of a linear op (a dataclass of tensors, or of parts)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_bytes(v) for v in value)
+    if dataclasses.is_dataclass(value):
+        return sum(_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
 
 
 def weights_note(engine: Engine, mode: str) -> str:
