@@ -108,12 +108,13 @@ def eval_split(args: argparse.Namespace, scales_source: str) -> str:
 
 def format_table(results: dict[str, ModeResult]) -> str:
     """The results as an aligned text table."""
-    rows = [f"{'weights':<10}{'weight MB':>10}  {'KV mode':<16}{'bytes/token':>12}{'perplexity':>12}{'vs fp32':>10}"
+    w = max(10, *(len(r.weights) + 2 for r in results.values()))
+    rows = [f"{'weights':<{w}}{'weight MB':>10}  {'KV mode':<16}{'bytes/token':>12}{'perplexity':>12}{'vs fp32':>10}"
             f"{'KL':>11}{'top-1 agree':>13}"]
     for mode, r in results.items():
         delta = "-" if mode == REFERENCE_MODE else f"{r.ppl_delta_pct:+.2f}%"
         kv = mode.split(WEIGHTS_SEPARATOR)[-1]
-        rows.append(f"{r.weights:<10}{r.weight_bytes / 1e6:>10.1f}  {kv:<16}{r.kv_bytes_per_token:>12}"
+        rows.append(f"{r.weights:<{w}}{r.weight_bytes / 1e6:>10.1f}  {kv:<16}{r.kv_bytes_per_token:>12}"
                     f"{r.ppl:>12.4f}{delta:>10}{r.kl:>11.5f}{100 * r.top1_agree:>12.2f}%")
     return "\n".join(rows)
 
@@ -136,10 +137,11 @@ def quantized_weights(names: list[str], model: LoadedModel, source: str, data: s
 def format_position_table(results: dict[str, ModeResult]) -> str:
     """KL and top-1 agreement of each mode per bucket of positions (with its token count), as an aligned table."""
     buckets = results[REFERENCE_MODE].by_position
-    rows = [f"{'KL / top-1 at':<16}" + "".join(f"{f'{b} ({n.tokens} tok)':>22}" for b, n in buckets.items())]
+    w = max(16, *(len(mode) + 2 for mode in results))
+    rows = [f"{'KL / top-1 at':<{w}}" + "".join(f"{f'{b} ({n.tokens} tok)':>22}" for b, n in buckets.items())]
     for mode, r in results.items():
         if mode != REFERENCE_MODE:
-            rows.append(f"{mode:<16}" + "".join(
+            rows.append(f"{mode:<{w}}" + "".join(
                 f"{f'{r.by_position[b].kl:.5f} / {100 * r.by_position[b].top1_agree:.2f}%':>22}" for b in buckets))
     return "\n".join(rows)
 
