@@ -5,6 +5,7 @@ overflow, session files, kernels) take ``engine`` / ``engine_dir`` and run on bo
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cabinllm.builders.engine_build import BuildRequest, build_engine
 from cabinllm.runtime.engine import Engine
@@ -98,3 +99,11 @@ def engine_dir(request, model_name):
 def engine(request, model_name) -> Engine:
     """The loaded engine of ``model_name``."""
     return request.getfixturevalue(f"{model_name}_engine")
+
+
+@pytest.fixture
+def keep_threads():
+    """Restore torch's thread count after a test that sets it (cabin-bench --threads, the kernels' threads)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from cabinllm.benchmarks.cli import main
 from cabinllm.builders.engine_build import BuildRequest, build_engine
@@ -19,14 +18,6 @@ def tiny_engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     return build_engine(BuildRequest(str(write_tiny_llama(root / "model")), root / "engine", "int8",
                                      dtype="float32"), log=lambda _msg: None)
-
-
-@pytest.fixture
-def keep_threads():
-    """Restore torch's thread count after a test that sets it through --threads."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_one_run_writes_results_markdown_and_figures(tiny_engine, tmp_path, capsys, keep_threads):

@@ -118,3 +118,17 @@ def test_quantized_matvec_rejects_wrong_scales():
     op = int4_linear(4, 128, 64, gen)
     with pytest.raises(ValueError, match=r"float32 scales \[4, 1\]"):
         native_kernels.quant_matvec().int4(torch.randn(1, 128), op.packed, op.scale, 128)
+
+
+def test_group_kernels_give_the_same_sums_on_any_thread_count(keep_threads):
+    """The rows of a large matrix are split over torch's threads (one OpenMP runtime); each row is still summed
+    by one thread in one order, so 1 and 2 threads agree exactly."""
+    gen = torch.Generator().manual_seed(7)
+    q4, head = g32_ops(1536, 576, gen)
+    x = torch.randn(3, 576, generator=gen)
+    runs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        kernel = native_kernels.quant_matvec()
+        runs.append((kernel.q4g32(x, q4.codes, q4.scale, q4.minimum), kernel.q8g32(x, head.codes, head.scale)))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

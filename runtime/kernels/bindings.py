@@ -13,7 +13,8 @@ Decoding is bound by memory reads. Five kernels in runtime/kernels/ serve that c
   above, RoPE, the new K/V stored, attention, MLP) in one call, over a cache whose pools convert with one
   static scale per layer (fp32, fp16, int8 with static scales; built like the attention kernel).
 
-They are built with ``-O3 -march=native`` into ``$CABIN_KERNEL_DIR`` (default
+They are built with ``-O3 -march=native -fopenmp`` (the group kernels split large matrices by rows over the
+threads of the OpenMP runtime torch loads, so ``torch.set_num_threads`` sets theirs too) into ``$CABIN_KERNEL_DIR`` (default
 ``~/.cache/cabinllm/kernels``) and loaded with ctypes. Where no C compiler is found or a build
 fails, a warning names the cause and the model keeps its torch path (same math, slower).
 ``CABIN_NATIVE_KERNELS=0`` turns them off; ``CC`` picks the compiler (default ``cc``).
@@ -39,7 +40,7 @@ import torch
 KERNEL_SOURCES = Path(str(resources.files("cabinllm.runtime.kernels")))
 # -ffast-math only when compiling: linked with it, the library would switch the whole process to
 # flushing subnormal floats to zero when it is loaded.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 _POINTER, _SIZE, _REAL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 GROUP_INPUTS = 32  # inputs per scale of the group kernels (llama.cpp's blocks)
 MATVEC_MAX_TOKENS = 16  # tokens of a step the linear kernel takes (one per decoding sequence); more: BLAS
@@ -472,8 +473,8 @@ def _build(name: str, defines: dict[str, int | str]) -> Path:
         objects, built = Path(temp) / f"{name}.o", Path(temp) / library.name
         subprocess.run([cc, *flags, "-c", str(source), "-o", str(objects)], check=True, capture_output=True,
                        text=True)
-        subprocess.run([cc, "-shared", str(objects), "-o", str(built), "-lm"], check=True, capture_output=True,
-                       text=True)
+        subprocess.run([cc, "-shared", "-fopenmp", str(objects), "-o", str(built), "-lm"], check=True,
+                       capture_output=True, text=True)
         os.replace(built, library)
     return library
 

@@ -24,6 +24,7 @@
 #include "half.h"
 
 #define G32 32
+#define PARALLEL_WEIGHTS (1 << 16)  /* matrices at least this large are split by rows over the OpenMP threads */
 #define PREFETCH_BLOCKS 4  /* how far ahead the next codes are fetched (measured: 1 to 8 read alike) */
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(GENERIC)
@@ -154,16 +155,19 @@ static inline __attribute__((always_inline)) void g32_block(const uint8_t *codes
     }
 }
 
-/* Both group formats: rows in blocks of R (4 for one token, 2 for up to 4 tokens), the tokens in chunks of up to
- * 4 (a block is in L1 after the first chunk); each block's scales and minima are converted to floats once; the
+/* Both group formats: rows in blocks of R (4 for one token, 2 for up to 4 tokens), shared by the threads torch runs
+ * (one OpenMP runtime: torch.set_num_threads sets both), the tokens in chunks of up to 4 (a block is in L1 after
+ * the first chunk); each block's scales and minima are converted to floats once; the
  * minimum term is sum_g m_g * (sum_j x_tgj), the x sums computed once per call. */
 static void g32_rows_wide(const void *codes, const uint16_t *scale, const uint16_t *minimum, const float *x,
                           const float *xsum, float *y, int64_t n, int64_t rows, int64_t cols, int four_bits)
 {
     const int64_t groups = cols / G32, row_bytes = four_bits ? cols / 2 : cols, block = n == 1 ? 4 : 2;
-    float d[block * groups], m[block * groups];
-    for (int64_t r0 = 0, R; r0 < rows; r0 += R) {
-        R = rows - r0 < block ? 1 : block;
+    const int64_t blocks = rows / block, units = blocks + rows % block;  /* whole blocks, then single rows */
+    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t R = u < blocks ? block : 1, r0 = u < blocks ? u * block : blocks * block + (u - blocks);
+        float d[block * groups], m[block * groups];
         const uint8_t *row = (const uint8_t *)codes + r0 * row_bytes;
         halves(scale + r0 * groups, d, R * groups);
         if (minimum) halves(minimum + r0 * groups, m, R * groups);
@@ -242,6 +246,18 @@ static void int4_rows(const int8_t *restrict packed, const float *restrict scale
 }
 
 /* The plain loops of the group formats: a row dequantized into an L1-resident buffer, then dotted with each x. */
+static void dot_row(const float *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t rows,
+                    int64_t cols)
+{
+    for (int64_t t = 0; t < n; t++) {
+        const float *xt = x + t * cols;
+        float a = 0.0f;
+        #pragma omp simd reduction(+:a)
+        for (int64_t i = 0; i < cols; i++) a += w[i] * xt[i];
+        y[t * rows] = a;
+    }
+}
+
 static void q4g32_rows(const uint8_t *restrict codes, const uint16_t *restrict scale,
                        const uint16_t *restrict minimum, const float *restrict x, float *restrict y, int64_t n,
                        int64_t rows, int64_t cols)
@@ -260,13 +276,7 @@ static void q4g32_rows(const uint8_t *restrict codes, const uint16_t *restrict s
                 wg[j + 16] = (float)(b[j] >> 4) * d + m;
             }
         }
-        for (int64_t t = 0; t < n; t++) {
-            const float *xt = x + t * cols;
-            float a = 0.0f;
-            #pragma omp simd reduction(+:a)
-            for (int64_t i = 0; i < cols; i++) a += w[i] * xt[i];
-            y[t * rows + r] = a;
-        }
+        dot_row(w, x, y + r, n, rows, cols);
     }
 }
 
@@ -282,13 +292,7 @@ static void q8g32_rows(const int8_t *restrict codes, const uint16_t *restrict sc
             #pragma omp simd
             for (int64_t j = 0; j < G32; j++) w[g * G32 + j] = (float)q[j] * d;
         }
-        for (int64_t t = 0; t < n; t++) {
-            const float *xt = x + t * cols;
-            float a = 0.0f;
-            #pragma omp simd reduction(+:a)
-            for (int64_t i = 0; i < cols; i++) a += w[i] * xt[i];
-            y[t * rows + r] = a;
-        }
+        dot_row(w, x, y + r, n, rows, cols);
     }
 }
 
