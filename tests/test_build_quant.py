@@ -161,3 +161,17 @@ def test_batched_decode_on_quantized_weights_matches_each_sequence_alone(built):
         alone_cache.append(alone, [4])
         want = engine.model.forward([4], len(prompt), alone_cache, alone)
         assert torch.allclose(row, want, atol=1e-4 * want.abs().max())
+
+
+def test_int4_g32_and_the_int8_head_are_refused_where_tensorrt_runs(tiny_hf, tmp_path, capsys):
+    """TensorRT-LLM's W4A16 kernels take symmetric groups of 64 / 128 and its runtime reads an fp16 head: both
+    are refused on a TensorRT target before any work, naming what runs them; nothing is written."""
+    out = tmp_path / "out"
+    args = ["--model", str(tiny_hf), "--output", str(out), "--target", "orin-nano-8gb", "--kv-cache", "fp16"]
+    assert build_main([*args, "--weights", "int4-g32"]) == 2
+    err = capsys.readouterr().err
+    assert "TensorRT-LLM W4A16 kernels take symmetric groups of 64 / 128" in err and "--target cpu" in err
+    assert build_main([*args, "--head", "int8"]) == 2
+    err = capsys.readouterr().err
+    assert "--head int8 runs on the reference engine only" in err and "Traceback" not in err
+    assert not out.exists()

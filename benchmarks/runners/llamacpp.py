@@ -8,7 +8,7 @@ from cabinllm.benchmarks.runners.base import (KVFootprint, Runner, RunTiming, Un
                                               missing_module)
 
 KV_TYPES = ("f16", "q8_0")
-WEIGHTS = "as stored in the GGUF (Q4_1 for the default model), not the fp32 tensors ours and transformers run"
+WEIGHTS = "as stored in the GGUF (Q4_1 layers and a Q8_0 embedding for the default model)"
 
 
 def llamacpp_runners(gguf: Path, threads: int, n_ctx: int, kv_types: tuple[str, ...] = KV_TYPES,
