@@ -9,6 +9,8 @@
  * for n = 1. fp16 rows are converted into an L1 buffer first (F16C where the CPU has it, else half.h;
  * finite weights), then dotted as fp32 rows are: half the bytes read, the same sums. bias may be NULL.
  */
+#ifndef CABIN_MATVEC_C  /* quant_matvec.c and decode_step.c both include it */
+#define CABIN_MATVEC_C
 #include <stdint.h>
 
 #include "half.h"
@@ -91,3 +93,4 @@ void matvec_half(const uint16_t *restrict w, const float *restrict x, const floa
     }
     add_bias(bias, y, n, rows);
 }
+#endif

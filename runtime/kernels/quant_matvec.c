@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "half.h"
+#include "matvec.c"  /* one_row, add_bias, halves_to_floats */
 
 #define G32 32
 #define PARALLEL_WEIGHTS (1 << 16)  /* matrices at least this large are split by rows over the OpenMP threads */
@@ -102,14 +103,6 @@ static void int4_rows_wide(const int8_t *packed, const float *scale, const float
     }
 }
 
-/* The fp16 values h (n) as floats (F16C, eight at a time). */
-static inline void halves(const uint16_t *h, float *f, int64_t n)
-{
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-    for (; i < n; i++) f[i] = half_to_float(h[i]);
-}
-
 /* A group's 32 codes as four vectors of floats: inputs 0-7, 8-15, 16-23, 24-31. */
 static inline void q4_group(const uint8_t *codes, __m256 *q)
 {
@@ -169,8 +162,8 @@ static void g32_rows_wide(const void *codes, const uint16_t *scale, const uint16
         const int64_t R = u < blocks ? block : 1, r0 = u < blocks ? u * block : blocks * block + (u - blocks);
         float d[block * groups], m[block * groups];
         const uint8_t *row = (const uint8_t *)codes + r0 * row_bytes;
-        halves(scale + r0 * groups, d, R * groups);
-        if (minimum) halves(minimum + r0 * groups, m, R * groups);
+        halves_to_floats(scale + r0 * groups, d, R * groups);
+        if (minimum) halves_to_floats(minimum + r0 * groups, m, R * groups);
         for (int64_t t0 = 0; t0 < n; t0 += 4) {
             const int64_t N = n - t0 < 4 ? n - t0 : 4;
             const float *xt = x + t0 * cols;
@@ -246,18 +239,6 @@ static void int4_rows(const int8_t *restrict packed, const float *restrict scale
 }
 
 /* The plain loops of the group formats: a row dequantized into an L1-resident buffer, then dotted with each x. */
-static void dot_row(const float *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t rows,
-                    int64_t cols)
-{
-    for (int64_t t = 0; t < n; t++) {
-        const float *xt = x + t * cols;
-        float a = 0.0f;
-        #pragma omp simd reduction(+:a)
-        for (int64_t i = 0; i < cols; i++) a += w[i] * xt[i];
-        y[t * rows] = a;
-    }
-}
-
 static void q4g32_rows(const uint8_t *restrict codes, const uint16_t *restrict scale,
                        const uint16_t *restrict minimum, const float *restrict x, float *restrict y, int64_t n,
                        int64_t rows, int64_t cols)
@@ -276,7 +257,7 @@ static void q4g32_rows(const uint8_t *restrict codes, const uint16_t *restrict s
                 wg[j + 16] = (float)(b[j] >> 4) * d + m;
             }
         }
-        dot_row(w, x, y + r, n, rows, cols);
+        one_row(w, x, y + r, n, rows, cols);
     }
 }
 
@@ -292,15 +273,8 @@ static void q8g32_rows(const int8_t *restrict codes, const uint16_t *restrict sc
             #pragma omp simd
             for (int64_t j = 0; j < G32; j++) w[g * G32 + j] = (float)q[j] * d;
         }
-        dot_row(w, x, y + r, n, rows, cols);
+        one_row(w, x, y + r, n, rows, cols);
     }
-}
-
-static void add_row_bias(const float *restrict bias, float *restrict y, int64_t n, int64_t rows)
-{
-    if (bias)
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t r = 0; r < rows; r++) y[t * rows + r] += bias[r];
 }
 
 void matvec_int8(const int8_t *restrict w, const float *restrict scale, const float *restrict x,
@@ -312,7 +286,7 @@ void matvec_int8(const int8_t *restrict w, const float *restrict scale, const fl
     else
 #endif
         int8_rows(w, scale, x, y, n, rows, cols);
-    add_row_bias(bias, y, n, rows);
+    add_bias(bias, y, n, rows);
 }
 
 void matvec_int4(const int8_t *restrict packed, const float *restrict scale, const float *restrict x,
@@ -324,7 +298,7 @@ void matvec_int4(const int8_t *restrict packed, const float *restrict scale, con
     else
 #endif
         int4_rows(packed, scale, x, y, n, rows, cols, group);
-    add_row_bias(bias, y, n, rows);
+    add_bias(bias, y, n, rows);
 }
 
 void matvec_q4g32(const uint8_t *restrict codes, const uint16_t *restrict scale, const uint16_t *restrict minimum,
@@ -344,7 +318,7 @@ void matvec_q4g32(const uint8_t *restrict codes, const uint16_t *restrict scale,
 #else
     q4g32_rows(codes, scale, minimum, x, y, n, rows, cols);
 #endif
-    add_row_bias(bias, y, n, rows);
+    add_bias(bias, y, n, rows);
 }
 
 void matvec_q8g32(const int8_t *restrict codes, const uint16_t *restrict scale, const float *restrict x,
@@ -355,5 +329,5 @@ void matvec_q8g32(const int8_t *restrict codes, const uint16_t *restrict scale, 
 #else
     q8g32_rows(codes, scale, x, y, n, rows, cols);
 #endif
-    add_row_bias(bias, y, n, rows);
+    add_bias(bias, y, n, rows);
 }
