@@ -86,7 +86,8 @@ def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unav
         multiturn = measure_multiturn(engine, TURN_MODE, users, turn_peers, settings.turn_repeats,
                                       settings.reply_tokens, settings.kv_budget_mib, bar) if users else None
     ratios = speed_ratios(speed, [r.name for r in ours], [r.name for r in runners if r.family != "cabin"])
-    limit = memory_limit(ours, speed_rows(speed), bandwidth)
+    rows = speed_rows(speed)
+    limit = memory_limit(ours, rows, bandwidth)
     quantized = [r.name for r in runners if r.family == "transformers" and r.name != "transformers dynamic"]
     growth = multiturn["growth_last_vs_first_quarter"] if multiturn else {}
     equalized = bool(engine.manifest.get("equalization", {}).get("enabled"))
@@ -108,7 +109,7 @@ def run_bench(engine: Engine, settings: BenchSettings, peers: list[Runner | Unav
                        "reason": p.reason} for p in peers if isinstance(p, Unavailable)],
         "kv_memory": kv,
         "memory_limit": limit,
-        "speed": {"rows": speed_rows(speed), "ratios": [asdict(r) for r in ratios], "errors": speed.errors,
+        "speed": {"rows": rows, "ratios": [asdict(r) for r in ratios], "errors": speed.errors,
                   "warm_up_runs": speed.warm_up_runs},
         "multiturn": multiturn,
         "accuracy": {"source": {k: v for k, v in evaluation.items() if k != "modes"},

@@ -87,8 +87,8 @@ def notes(results: dict) -> list[str]:
         "int8 head: the GGUF's own Q4_1 and Q8_0 blocks, llama.cpp's bytes), so a speed ratio compares weights "
         "as well as KV caches. The KV sizes (f16, q8_0) compare KV alone.",
         "Ours stores K/V in the mode named and computes in fp32. A decode step runs on our native C kernels where "
-        "a compiler was found (see Machine): a matrix-vector product per linear layer over the engine's weights (quantized ones converted in registers), "
-        "and attention that reads fp16/int8 elements in their blocks (int4: dequantized natively first). Prefill "
+        "a compiler was found (see Machine): a matrix-vector product per linear layer over the engine's weights "
+        "(quantized ones converted in registers), and attention that reads fp16/int8 elements in their blocks (int4: dequantized natively first). Prefill "
         "runs torch (MKL) like transformers. transformers' QuantizedCache dequantizes the whole cache every step "
         "and keeps up to 128 new tokens in fp32, "
         f"re-quantizing everything when they flush; runs of {s['decode_steps']} decode tokens {flush} a flush.",

@@ -139,6 +139,7 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
         raise ConfigError(f"--context {request.context} exceeds the model's context of "
                          f"{config.max_position_embeddings} tokens; lower --context")
     kv = kv_graph_type(request.kv_cache, profile, engine.scales, request.engine)
+    head = head_format(config.quantization).name
     manifest = {
         "format": ONNX_FORMAT,
         "model": {"fingerprint": engine.fingerprint, "architecture": config.architecture,
@@ -148,8 +149,7 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
         "precision": chosen.name, "host_inputs": profile.host_inputs,
         "attention_mask_value": QUANTIZED_MASKED if chosen.quantized else MASKED,
         "weight_format": {"name": config.weight_format.name, "linear": WEIGHT_FORMS[config.weight_format.name]},
-        "head": {"name": head_format(config.quantization).name,
-                 "form": HEAD_FORMS[head_format(config.quantization).name]},
+        "head": {"name": head, "form": HEAD_FORMS[head]},
         "graphs": {"prompt": PROMPT_GRAPH, "token": TOKEN_GRAPH}, "weights": WEIGHTS_FILE,
         "plan": {"tokens_per_block": engine.kv_cache_config().tokens_per_block},
         "system_prompt": engine.manifest.get("system_prompt"),  # the engine's default, which cabin-chat reads

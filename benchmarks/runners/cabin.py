@@ -43,12 +43,14 @@ def cabin_runner(engine: Engine, mode: str, name: str | None = None, weights: st
 
     fmt = engine.config.weight_format
     name = name or f"cabin {mode}" + (f" + {fmt.quant_algo}" if fmt.quant_algo else "")
+    held = step_weight_bytes(engine.model) if isinstance(engine.model, Transformer) else None
+    per_token = bytes_per_token(layout, mode, engine.kv_cache_config(mode).tokens_per_block)
+
     def read_bytes(context: int) -> int:
-        return step_weight_bytes(engine.model) + context * bytes_per_token(layout, mode, engine.kv_cache_config(
-            mode).tokens_per_block)
+        return held + context * per_token
 
     return Runner(name, "cabin", kv_mode(mode).label, weights or weights_note(engine, mode), run, footprint,
-                  mode=mode, read_bytes=read_bytes if isinstance(engine.model, Transformer) else None)
+                  mode=mode, read_bytes=read_bytes if held is not None else None)
 
 
 def step_weight_bytes(model: Transformer) -> int:

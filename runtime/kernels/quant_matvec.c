@@ -1,5 +1,5 @@
 /* Y = X W^T + b for the few tokens of a decode step over quantized weights, dequantized in registers
- * (runtime/quant_linear.py has the layouts and the torch path these match). X is (n, cols), Y is (n, rows), one
+ * (runtime/model/linear.py has the layouts and the torch path these match). X is (n, cols), Y is (n, rows), one
  * row per token; a block of weight rows, still in L1, serves each token in turn, so the weights come from memory
  * once per step whatever n is and each token's sums are computed exactly as for n = 1.
  *
@@ -12,7 +12,7 @@
  * group in the low nibble of its byte j and input j + 16 in the high one; scale and minimum fp16 (rows, cols / 32):
  * y[r] = sum_g (sum_j (scale * q_j) x_j + minimum * sum_j x_j), each group's x sum computed once per call.
  * matvec_q8g32 (the int8 head, llama.cpp's Q8_0 block): codes int8 (rows, cols), scale fp16 (rows, cols / 32).
- * Both convert a group's codes to floats times its scale once and use them for every token of the step.
+ * Both convert a group's codes to floats once for every token of the step and apply its scale to each group sum.
  * bias may be NULL. Like matvec.c, a step is bound by reading the weights: 1 byte (int8) or half a byte (int4)
  * per weight instead of 4, once each weight's conversion to float is cheap enough: with AVX2 and FMA (x86-64)
  * eight weights are widened, converted and multiplied per instruction; other CPUs, rows whose length is not a
