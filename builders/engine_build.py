@@ -32,6 +32,8 @@ from cabinllm.runtime.formats.engine_folder import (CHECKPOINT_DIR, ENGINE_FORMA
                                                     TRT_ENGINE_DIR, TRTLLM_LOG_FILE, read_manifest)
 from cabinllm.runtime.formats.scales_file import model_fingerprint
 from cabinllm.runtime.sources.model_source import import_model, load_model_config, resolve_model
+from cabinllm.runtime.model.vision import VISION_FOLDER
+from cabinllm.runtime.sources.hf_vision import export_vision, is_vision_folder
 
 Log = Callable[[str], None]
 GRAPHS_SUFFIX = "-graphs"  # an ONNX target's graph folder: the engine folder's name and this
@@ -103,7 +105,8 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
     device = device_step(target, trtllm)
     quantize = needs_quantizing(fmt, source_config)
     head = request.head != "fp16"
-    steps = Steps((5 if device.status == "run here" else 4) + quantize + head, log)
+    vision = is_vision_folder(source)
+    steps = Steps((5 if device.status == "run here" else 4) + quantize + head + vision, log)
     started = time.perf_counter()
     with staging_folder(request.output) as tmp:
         checkpoint = tmp / CHECKPOINT_DIR
@@ -112,6 +115,9 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
             import_model(source, checkpoint, dtype=request.dtype)
             config, weights = load_checkpoint(checkpoint)
             fingerprint = model_fingerprint(config, weights)
+        if vision:
+            with steps.step(f"writing the vision tower, projector and processor -> {VISION_FOLDER}/"):
+                vision = export_vision(source, tmp / VISION_FOLDER)
         with steps.step(scales_step_text(request)):
             kv = build_scales(request, config, weights, checkpoint, fingerprint, tmp / SCALES_FILE, log)
         weights, linears, tables = kv.weights, None, None
@@ -145,6 +151,8 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
             manifest = make_manifest(request, target, plan, source, fingerprint, kv, scales_sha256, device, trtllm,
                                      trt_command, inputs, time.perf_counter() - started)
             manifest["weights"] = weights_record(fmt, config, request.calibrate, quantize, linears, tables)
+            if vision:
+                manifest["vision"] = {**vision, "folder": VISION_FOLDER}
             atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2))
     failed_log.unlink(missing_ok=True)  # a failed earlier attempt's log is stale now
     log(f"engine written to {request.output} ({manifest['backend']} backend; device step: {device.status})")

@@ -17,6 +17,7 @@ from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, P
 from cabinllm.runtime.kv.modes import KV_MODES
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.transformer import Transformer
+from cabinllm.runtime.model.vision import VISION_FOLDER, Vision
 
 DEFAULT_KV_BUDGET = 64 << 20
 
@@ -66,6 +67,12 @@ class Engine:
         """The KV mode the engine was built for (fp16 where the reference engine has no such storage, e.g. fp8)."""
         mode = KV_MODES.get(built_kv_mode(self.manifest))
         return mode.name if mode is not None and mode.reference else "fp16"
+
+    @cached_property
+    def vision(self) -> Vision | None:
+        """The engine's vision part (a vision-language engine's ``vision/`` folder, loaded on first use), or None."""
+        folder = self.folder / VISION_FOLDER
+        return Vision(folder) if folder.is_dir() else None
 
     @cached_property
     def vocabulary(self) -> Vocabulary:

@@ -79,6 +79,10 @@ class DataError(CabinError, ValueError):
     """Dialogue data is missing, unreadable or too small for the request; the message says what to do."""
 
 
+class ImageError(CabinError, ValueError):
+    """A picture that cannot be taken: unreadable, truncated, empty, too large, over a cap."""
+
+
 class GrammarError(CabinError, ValueError):
     """A grammar, JSON schema or tool definition that cannot constrain decoding; the message names the part."""
 

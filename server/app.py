@@ -28,15 +28,17 @@ from prometheus_client.registry import Collector
 
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_message
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CapacityError, Fix, GrammarError, QueueFull
+from cabinllm.runtime.errors import CapacityError, Fix, GrammarError, ImageError, QueueFull
 from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.grammar import (GrammarState, choice_grammar, json_schema_grammar, regex_grammar,
                                                  reply_grammar)
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams, TokenLogprob
+from cabinllm.runtime.generation.generate import MediaFeed
+from cabinllm.runtime.model.vision import EncodedRows, PreparedImage
 from cabinllm.runtime.model.tools import Tool, ToolCall
 from cabinllm.server.conversation import plan_prompt
 from cabinllm.server.edge import Edge, ServeLimits, Shutdown
-from cabinllm.server.openai_api import (ApiError, ChatCompletion, ChatCompletionRequest, Choice, ChoiceDelta,
+from cabinllm.server.openai_api import (ApiError, ImagePart, ChatCompletion, ChatCompletionRequest, Choice, ChoiceDelta,
                                         ChoiceLogprobs, ErrorResponse, Usage, call_deltas, check_body, choice_logprobs,
                                         chunk, completion, is_json, reply_message, request_error, usage, usage_chunk)
 from cabinllm.server.scheduler import Request, Scheduler
@@ -249,6 +251,35 @@ class Output:
     finished: bool
 
 
+def _messages_with_images(engine: Engine, chat: ChatCompletionRequest, images: dict[str, PreparedImage]) -> list[dict]:
+    """The request's messages as the template takes them, each picture decoded, checked and prepared into
+    ``images`` (by digest); ApiError 400 naming the picture where one cannot be taken."""
+    sent = [message.images for message in chat.messages]
+    if not any(sent):
+        return [message.to_message() for message in chat.messages]
+    vision = engine.vision
+    if vision is None:
+        raise ApiError(400, "this engine is text-only: image_url parts need an engine built from a vision-language "
+                            "model (LLaVA, Idefics3 / SmolVLM, Qwen2-VL)", param="messages")
+    most = vision.limits.max_images
+    for index, parts in enumerate(sent):
+        if len(parts) > most:
+            raise ApiError(400, f"messages[{index}] has {len(parts)} pictures, over the cap of {most} per message; "
+                                "send fewer", param="messages")
+
+    def digest(index: int) -> Callable[[ImagePart], str]:
+        def prepared(part: ImagePart) -> str:
+            image = vision.prepare(part.data, f"messages[{index}] {part.name}", part.detail)
+            images[image.digest.hex()] = image
+            return image.digest.hex()
+        return prepared
+
+    try:
+        return [message.to_message(digest(i)) for i, message in enumerate(chat.messages)]
+    except ImageError as err:
+        raise ApiError(400, str(err), param="messages") from err
+
+
 def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: ChatCompletionRequest,
             loop: asyncio.AbstractEventLoop) -> tuple[list[Request], asyncio.Queue]:
     """Plan the prompt and queue its ``n`` choices (one prefill); their outputs arrive on the returned queue."""
@@ -261,11 +292,14 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
     if chat.n > most:
         raise ApiError(400, f"n must be at most {most} here (--max-n {config.max_n}, --max-sessions "
                             f"{scheduler.config.max_sessions}), got {chat.n}; ask for fewer choices", param="n")
-    messages = [message.to_message() for message in chat.messages]
+    images: dict[str, PreparedImage] = {}
+    messages = _messages_with_images(engine, chat, images)
     tools = [tool.to_tool() for tool in chat.tools or []]
     grammars = [_grammar(engine, chat, tools) for _ in range(chat.n)]  # each choice follows its grammar alone
+    tokenizer = engine.tokenizer.with_tools(tools)
+    tokenizer = tokenizer.with_images(images, engine.vision.placeholder) if images else tokenizer
     try:
-        plan = plan_prompt(engine.tokenizer.with_tools(tools), messages, max_tokens, capacity,
+        plan = plan_prompt(tokenizer, messages, max_tokens, capacity,
                            scheduler.cache.tokens_per_block, config.overflow, scheduler.cache.config.sink_token_length)
     except CapacityError as err:
         raise ApiError(400, capacity_message(err, config.overflow, max_tokens, capacity, SERVER_PHRASES),
@@ -290,7 +324,8 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
         beam = BeamParams(chat.beam_width, max_tokens, chat.length_penalty, chat.early_stopping,
                           tuple(engine.stop_token_ids())) if chat.beam_width > 1 else None
         choices.append(Request(plan.feed, params, on_output(index), grammar=grammar,
-                               logprobs=chat.top_logprobs if chat.logprobs else None, beam=beam))
+                               logprobs=chat.top_logprobs if chat.logprobs else None, beam=beam,
+                               media=MediaFeed(plan.media, EncodedRows(engine.vision, images)) if plan.media else None))
     choices[0].followers = choices[1:]
     problem = scheduler.never_fits(choices[0])
     if problem:

@@ -11,9 +11,13 @@ log-probability. A field of the API this server does not act on and that would c
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
+import re
 import time
+from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Callable, Literal, get_args
 
@@ -224,12 +228,44 @@ def _role(value: Any) -> str:
     return value
 
 
-def _text(value: Any) -> str:
-    """Message text: a string, or a list of {type: text, text} parts joined."""
+IMAGE_DETAILS = ("auto", "low", "high")
+DATA_URL = re.compile(r"data:(image/[\w.+-]+)?(;[\w=.+-]+)*;base64,(.*)", re.DOTALL)
+
+
+def _image_part(part: dict, index: int) -> ImagePart:
+    """An ``image_url`` part's picture: a data: URL decoded from base64 (this server fetches nothing)."""
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image
+    if not isinstance(url, str):
+        raise _refuse(f"part {index}: image_url must be {{\"url\": \"data:image/...;base64,...\"}}")
+    detail = image.get("detail", "auto") if isinstance(image, dict) else "auto"
+    if detail not in IMAGE_DETAILS:
+        raise _refuse(f"part {index}: image_url.detail must be one of {', '.join(IMAGE_DETAILS)}, got {_shown(detail)}")
+    found = DATA_URL.fullmatch(url)
+    if found is None:
+        raise _refuse(f"part {index}: image_url.url must be a data: URL (data:image/png;base64,...); this server "
+                      "fetches no remote pictures: send the picture's bytes")
+    try:
+        data = base64.b64decode(found.group(3), validate=True)
+    except binascii.Error as err:
+        raise _refuse(f"part {index}: image_url.url holds invalid base64 ({err}); encode the picture again") from err
+    return ImagePart(f"picture {index}", data, detail)
+
+
+def _text(value: Any) -> str | list:
+    """Message content: a string, or a list of {type: text, text} parts joined; with ``image_url`` parts, the text
+    and ``ImagePart``s in order."""
     if isinstance(value, list):
-        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                   for part in value):
-            raise _refuse("parts must be {\"type\": \"text\", \"text\": ...}; this server takes text only")
+        if not all(isinstance(part, dict) and (part.get("type") == "text" and isinstance(part.get("text"), str)
+                                               or part.get("type") == "image_url") for part in value):
+            raise _refuse("parts must be {\"type\": \"text\", \"text\": ...} or {\"type\": \"image_url\", "
+                          "\"image_url\": {\"url\": ...}}")
+        if any(part["type"] == "image_url" for part in value):
+            for part in value:
+                if part["type"] == "text":
+                    _text(part["text"])
+            return [_image_part(part, i) if part["type"] == "image_url" else part["text"]
+                    for i, part in enumerate(value)]
         value = "".join(part["text"] for part in value)
     if not isinstance(value, str):
         raise _refuse(f"must be a string, got {type(value).__name__}")
@@ -239,6 +275,15 @@ def _text(value: Any) -> str:
         raise _refuse(f"holds an invalid character (a lone surrogate at {err.start}); send valid UTF-8 "
                       "text") from err
     return value
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """A picture of a message, as sent: its bytes and the detail asked for."""
+
+    name: str
+    data: bytes
+    detail: str
 
 
 class _RequestObject(BaseModel):
@@ -260,10 +305,24 @@ class _RequestObject(BaseModel):
 
 
 class TextContentPart(BaseModel):
-    """One part of a message's content; this server takes text parts only."""
+    """A text part of a message's content."""
 
     type: Literal["text"]
     text: str
+
+
+class ImageUrl(BaseModel):
+    """A picture as a data: URL (no remote URLs) and the detail asked for."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class ImageContentPart(BaseModel):
+    """A picture part of a user message (a vision-language engine only)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
 
 
 def _function_name(value: Any) -> str:
@@ -302,8 +361,9 @@ class ChatMessage(_RequestObject):
     call ``tool_call_id``."""
 
     role: Annotated[Role, BeforeValidator(_role)]
-    content: Annotated[str, BeforeValidator(_text, json_schema_input_type=str | list[TextContentPart])] = Field(
-        default="", validate_default=True)
+    content: Annotated[str | list, BeforeValidator(
+        _text, json_schema_input_type=str | list[TextContentPart | ImageContentPart])] = Field(default="",
+                                                                                               validate_default=True)
     tool_calls: list[ToolCallMessagePart] | None = None
     tool_call_id: Annotated[str, _kind(str)] | None = Field(default=None, validate_default=True)
 
@@ -313,10 +373,19 @@ class ChatMessage(_RequestObject):
 
     @field_validator("content")
     @classmethod
-    def _has_text(cls, content: str, info: ValidationInfo) -> str:
+    def _has_text(cls, content: str | list, info: ValidationInfo) -> str | list:
+        if isinstance(content, list):
+            if info.data.get("role") != "user":
+                raise _refuse("may hold image_url parts in user messages only")
+            return content
         if info.data.get("role") in ("system", "user", "tool") and not content.strip():
             raise _refuse("is empty; send some text")
         return content
+
+    @property
+    def images(self) -> list[ImagePart]:
+        """The message's pictures, in order."""
+        return [part for part in self.content if isinstance(part, ImagePart)] if isinstance(self.content, list) else []
 
     @field_validator("tool_calls")
     @classmethod
@@ -332,9 +401,13 @@ class ChatMessage(_RequestObject):
             raise _refuse("is missing; a tool message names the call it answers")
         return call_id
 
-    def to_message(self) -> dict:
-        """The message as the chat template takes it."""
-        message: dict = {"role": self.role, "content": self.content}
+    def to_message(self, digests: Callable[[ImagePart], str] | None = None) -> dict:
+        """The message as the chat template takes it; its pictures as image parts by ``digests`` (hex)."""
+        content = self.content
+        if isinstance(content, list):
+            content = [{"type": "text", "text": part} if isinstance(part, str) else
+                       {"type": "image", "digest": digests(part)} for part in content]
+        message: dict = {"role": self.role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import ChainMap, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,11 +39,11 @@ from prometheus_client import Histogram
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import ConfigError, GrammarError, QueueFull
 from cabinllm.runtime.generation.beam import BeamParams, BeamSearch
-from cabinllm.runtime.generation.generate import BatchedModel
+from cabinllm.runtime.generation.generate import BatchedModel, MediaFeed
 from cabinllm.runtime.generation.grammar import GrammarState
 from cabinllm.runtime.generation.sampling import SamplingParams, TokenLogprob, make_generator, sample, token_logprob
 from cabinllm.runtime.generation.stops import ReplyStream
-from cabinllm.runtime.kv.blocks import Sequence, cdiv
+from cabinllm.runtime.kv.blocks import MediaSpan, Sequence, cdiv
 from cabinllm.runtime.kv.cache import CacheStats, PagedKVCache
 from cabinllm.runtime.model.transformer import Span
 
@@ -93,6 +93,12 @@ class Request:
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest at its place
     beam: BeamParams | None = None  # a beam search instead of sampling (its max_new_tokens: params')
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    media: MediaFeed | None = None  # the prompt's pictures
+
+    @property
+    def media_spans(self) -> list[MediaSpan]:
+        """Where the prompt's pictures are."""
+        return self.media.spans if self.media else []
 
     def cancel(self) -> None:
         """Ask the scheduler to stop this request and free its blocks (safe from any thread)."""
@@ -240,7 +246,9 @@ class Scheduler:
                 self._cache_stats = self.cache.stats()
             return False
         t0 = time.perf_counter()
-        logits = self.model.step(spans, self.cache)
+        rows = [r.request.media.rows for r in self._running if r.request.media and r.prefilling]
+        images = {"images": ChainMap(*rows)} if rows else {}  # only the reference engine takes pictures
+        logits = self.model.step(spans, self.cache, **images)
         peak = self.cache.stats()  # the most this step holds: before any sequence finishes
         beams: dict[_Running, list[torch.Tensor]] = {}
         for running, row in zip(owners, logits):
@@ -314,7 +322,7 @@ class Scheduler:
                 return
             reserved = sum(self._reserved(r) for r in self._running)
             prompt = request.prompt_ids
-            needed, cached = self.cache.blocks_to_admit(prompt, _own_reply(request))
+            needed, cached = self.cache.blocks_to_admit(prompt, _own_reply(request), request.media_spans)
             needed += self._extra_blocks(request)  # followers are admitted with their leader
             if needed > self.cache.available_blocks() - reserved:
                 return  # waits for running sequences to finish; those behind it wait too (FIFO)
@@ -358,13 +366,13 @@ class Scheduler:
                 break
             if not running.prefilling:
                 continue
-            prompt, start = running.request.prompt_ids, len(running.seq)
+            prompt, start, media = running.request.prompt_ids, len(running.seq), running.request.media_spans
             if start == 0:
                 end = min(len(prompt), running.request.cached_tokens + budget)
-                start = self.cache.allocate(running.seq, prompt[:end])
+                start = self.cache.allocate(running.seq, prompt[:end], [m for m in media if m.start < end])
             else:
                 end = min(len(prompt), start + budget)
-                self.cache.append(running.seq, prompt[start:end])
+                self.cache.append(running.seq, prompt[start:end], [m for m in media if start <= m.start < end])
             spans.append(Span(prompt[start:end], start, running.seq))
             owners.append(running if end == len(prompt) else None)
             budget -= end - start

@@ -70,7 +70,18 @@ BAD = [
     ({"messages": PLAY + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id",
      "messages[1].tool_call_id is missing; a tool message names the call it answers"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
-     'messages[0].content parts must be {"type": "text", "text": ...}; this server takes text only'),
+     'messages[0].content part 0: image_url must be {"url": "data:image/...;base64,..."}'),
+    ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content",
+     'messages[0].content parts must be {"type": "text", "text": ...} or {"type": "image_url", "image_url": '
+     '{"url": ...}}'),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "https://example.com/cam.png"}}]}]}, "messages[0].content",
+     "messages[0].content part 0: image_url.url must be a data: URL (data:image/png;base64,...); this server "
+     "fetches no remote pictures: send the picture's bytes"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,@@@"}}]}]}, "messages[0].content",
+     "messages[0].content part 0: image_url.url holds invalid base64 (Only base64 data is allowed); encode the "
+     "picture again"),
     ({"messages": PLAY, "stream_options": {"include_usage": 1}}, "stream_options.include_usage",
      "stream_options.include_usage must be true or false, got 1"),
     ({"messages": PLAY, "n": 200}, "n", "n must be an integer from 1 to 128, got 200"),

@@ -144,7 +144,7 @@ def bench_stream(engine: Engine, length: int = 20_000, window: int = 2048, chunk
     for start in range(0, length - 1, chunk):
         new = ids[start:min(start + chunk, length - 1)]
         if len(held) + len(new) > window:  # the policy: keep the sinks and the recent tokens, prefill them again
-            held = sink_window(held, sink, int(window * keep))
+            held = sink_window(held, sink, int(window * keep))[0]
             cache.free(seq)
             cache.allocate(seq, held)
             model.forward(held, 0, cache, seq)

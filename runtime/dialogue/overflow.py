@@ -13,7 +13,8 @@ evicting every turn; when the current turn alone needs more, it evicts just enou
 backend that prefills the whole history every turn fills the budget. Every policy keeps the
 system prompt and the whole current message; when those and the reply do not fit, the turn
 ends with a clear error. ``plan_turn`` is how every backend plans a turn: the whole rendered
-conversation when it fits the backend's ``Room``, else what the policy keeps.
+conversation when it fits the backend's ``Room``, else what the policy keeps. A picture goes as a unit:
+sink-window never keeps part of one, drop-turns drops it with its turn.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cabinllm.runtime.errors import CapacityError, ConfigError, Fix, Hint, join_hints
+from cabinllm.runtime.kv.blocks import MediaSpan, whole_media_prefix
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 OVERFLOW_POLICIES = ("sink-window", "drop-turns", "error")
@@ -61,14 +63,22 @@ class TurnPlan:
     prompt: str
     rebuild: bool = True
     evicted: int = 0
+    media: list[MediaSpan] = field(default_factory=list)  # the pictures among the feed's tokens
 
 
-def sink_window(tokens: list[int], sink: int, limit: int) -> list[int]:
-    """The first ``sink`` tokens and the most recent ones, ``limit`` tokens in all."""
+def sink_window(tokens: list[int], sink: int, limit: int,
+                media: list[MediaSpan] = ()) -> tuple[list[int], list[MediaSpan]]:
+    """The first ``sink`` tokens and the most recent ones, at most ``limit`` tokens in all, with the pictures
+    kept (``media``: those among ``tokens``): a cut that would split a picture leaves it out whole."""
     if len(tokens) <= limit:
-        return tokens
-    recent = limit - sink
-    return tokens[:sink] + (tokens[-recent:] if recent > 0 else [])
+        return tokens, list(media)
+    head = whole_media_prefix(sink, media)
+    recent = max(limit - sink, 0)
+    start = len(tokens) - recent
+    start = next((span.end for span in media if span.start < start < span.end), start)
+    kept = [span for span in media if span.end <= head] + [span.shifted(head - start) for span in media
+                                                           if span.start >= start]
+    return tokens[:head] + tokens[start:], kept
 
 
 def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) -> list[dict] | None:
@@ -109,22 +119,24 @@ def capacity_hints(policy: OverflowPolicy, max_new_tokens: int, capacity: int) -
 
 
 def plan_turn(tokenizer: ChatTokenizer, messages: list[dict], room: Room, policy: OverflowPolicy, sink_tokens: int,
-              max_new_tokens: int, prompt: str | None = None, stream: list[int] | None = None) -> TurnPlan:
+              max_new_tokens: int, prompt: str | None = None, stream: list[int] | None = None,
+              media: list[MediaSpan] = ()) -> TurnPlan:
     """What a turn prefills: the rendered ``messages`` whole when they and the reply fit the room, else what the
     policy keeps of them (``plan_overflow``).
 
-    ``prompt`` and ``stream`` are the rendering and its tokens where the caller has them already (a backend that
-    appends turns encodes only what is new since the cached history).
+    ``prompt`` and ``stream`` (with its pictures, ``media``) are the rendering and its tokens where the caller has
+    them already (a backend that appends turns encodes only what is new since the cached history).
     """
     prompt = tokenizer.render(messages) if prompt is None else prompt
-    stream = tokenizer.encode_prompt(prompt) if stream is None else stream
+    stream, media = tokenizer.encode_prompt_media(prompt) if stream is None else (stream, media)
     if room.fits(len(stream) + max_new_tokens):
-        return TurnPlan(stream, messages, prompt)
-    return plan_overflow(policy, sink_tokens, messages, prompt, stream, room, tokenizer, max_new_tokens)
+        return TurnPlan(stream, messages, prompt, media=media)
+    return plan_overflow(policy, sink_tokens, messages, prompt, stream, room, tokenizer, max_new_tokens, media)
 
 
 def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict], prompt: str, stream: list[int],
-                  room: Room, tokenizer: ChatTokenizer, max_new_tokens: int) -> TurnPlan:
+                  room: Room, tokenizer: ChatTokenizer, max_new_tokens: int,
+                  media: list[MediaSpan] = ()) -> TurnPlan:
     """Apply the policy to a turn whose token stream (whole history plus the new message) does not fit.
 
     Whatever the policy keeps, it keeps the system prompt and the whole current message with its
@@ -142,16 +154,17 @@ def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict]
     if policy.name == "sink-window":
         window = max(target, system + message)
         head = min(system + sink_tokens, window - message)  # the system prompt always, the sink tokens if room
-        kept = sink_window(stream, head, window)
+        kept, kept_media = sink_window(stream, head, window, media)
         if room.fits(len(kept) + max_new_tokens):
-            return TurnPlan(kept, messages, prompt, evicted=len(stream) - len(kept))
+            return TurnPlan(kept, messages, prompt, evicted=len(stream) - len(kept), media=kept_media)
     elif policy.name == "drop-turns":
         for limit in (target, most):  # leave room for the next turns if possible, else just fit this one
             kept_messages = drop_oldest_turns(messages,
                                               lambda m: len(tokenizer.encode_prompt(tokenizer.render(m))) <= limit)
             if kept_messages:
                 kept_prompt = tokenizer.render(kept_messages)
-                ids = tokenizer.encode_prompt(kept_prompt)
-                return TurnPlan(ids, kept_messages, kept_prompt, evicted=max(0, len(stream) - len(ids)))
+                ids, kept_media = tokenizer.encode_prompt_media(kept_prompt)
+                return TurnPlan(ids, kept_messages, kept_prompt, evicted=max(0, len(stream) - len(ids)),
+                                media=kept_media)
     raise CapacityError(f"the turn needs {len(stream) + max_new_tokens} tokens of KV but the budget holds {capacity} "
                         f"for this conversation (policy {policy.name})")

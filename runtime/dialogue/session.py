@@ -5,7 +5,9 @@ the cache. A shared prefix (the system prompt) is found again through the cache'
 block hashes, so a second session starting the same way reuses its blocks. When a
 turn does not fit the budget, the session's overflow policy (cabinllm.runtime.dialogue.overflow) decides
 what to keep. Sessions are saved to and restored from session files (cabinllm.runtime.dialogue.session_file).
-A session given ``tools`` shows them to the model and constrains each reply by ``tool_choice``
+Pictures sent with a message (a vision-language engine) are decoded, checked against the engine's caps and expanded
+into their tokens before anything runs; their rows come from the engine's encoder (or its feature cache) only for
+the tokens not reused from the cache. A session given ``tools`` shows them to the model and constrains each reply by ``tool_choice``
 (cabinllm.runtime.generation.grammar) to one call or none; a reply that calls comes back as
 ``TurnStats.tool_calls`` and the next message answers it (role ``tool``).
 """
@@ -20,17 +22,19 @@ from cabinllm.runtime.dialogue.interface import TurnStats
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
 from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file, within_memory, write_session_file
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CapacityError, ConfigError, GrammarError, OutOfBlocks, SessionFileError
+from cabinllm.runtime.errors import (CapacityError, ConfigError, GrammarError, ImageError, OutOfBlocks,
+                                     SessionFileError)
 from cabinllm.runtime.generation.beam import BeamParams, BeamSearch
-from cabinllm.runtime.generation.generate import (BatchedModel, GenerationResult, generate, generate_choices,
-                                                  prefill)
+from cabinllm.runtime.generation.generate import (BatchedModel, GenerationResult, MediaFeed, generate,
+                                                  generate_choices, prefill)
 from cabinllm.runtime.generation.grammar import reply_grammar
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
 from cabinllm.runtime.generation.stops import ReplyStream
-from cabinllm.runtime.kv.blocks import Sequence, cdiv
+from cabinllm.runtime.kv.blocks import MediaSpan, Sequence, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import Tool
+from cabinllm.runtime.model.vision import EncodedRows, PreparedImage
 
 
 class DialogueSession:
@@ -50,11 +54,14 @@ class DialogueSession:
         self.pending: list[int] = []  # the last sampled token, fed with the next turn
         self.transcript = ""          # the conversation text the KV and pending token stand for
         self.turns = 0
+        self.images: dict[str, PreparedImage] = {}  # the conversation's pictures by digest (hex)
 
     @property
     def tokenizer(self) -> ChatTokenizer:
-        """The engine's tokenizer, rendering this session's tools."""
-        return self.engine.tokenizer.with_tools(self.tools)
+        """The engine's tokenizer, rendering this session's tools (and pictures, on a vision-language engine)."""
+        tok = self.engine.tokenizer.with_tools(self.tools)
+        vision = self.engine.vision
+        return tok.with_images(self.images, vision.placeholder) if vision else tok
 
     @property
     def fed(self) -> list[int]:
@@ -63,15 +70,19 @@ class DialogueSession:
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None, n: int = 1,
-             beam: BeamParams | None = None) -> TurnStats:
+             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None) -> TurnStats:
         """Answer one message (text: the user's; or a message dict, e.g. a tool's result); ``tool_choice`` for this
         reply only (None: the session's). ``n`` > 1: that many sampled replies from one prefill (seeds ``seed``,
         ``seed + 1``, ...); ``beam``: a beam search; the conversation goes on with the first reply (the best beam),
-        the others are ``alternatives`` (neither streams). A turn that cannot fit ends with finish_reason
-        'capacity'."""
+        the others are ``alternatives`` (neither streams). ``images``: (name, bytes) of pictures the user's message
+        shows, before its text. A turn that cannot fit ends with finish_reason 'capacity'; a picture that cannot be
+        taken raises ImageError before anything changes."""
         self._check_forks(n, beam)
+        message = message if isinstance(message, dict) else {"role": "user", "content": message}
+        if images:
+            message = self._with_images(message, images)
         self.turns += 1
-        messages = self.messages + [message if isinstance(message, dict) else {"role": "user", "content": message}]
+        messages = self.messages + [message]
         grammar = reply_grammar(self.tokenizer.tool_format, self.tools, tool_choice or self.tool_choice,
                                 parallel=False)
         alternatives: list[str] = []
@@ -87,7 +98,7 @@ class DialogueSession:
             else:
                 result = generate(self.engine.model, self.cache, self.seq, plan.feed, self.params,
                                   self.engine.tokenizer.decode_reply, on_text, should_stop,
-                                  self.engine.vocabulary.start(grammar) if grammar else None)
+                                  self.engine.vocabulary.start(grammar) if grammar else None, self._media(plan))
         except CapacityError as err:
             message = capacity_message(err, self.overflow, self.params.max_new_tokens, self._room().capacity)
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, message)
@@ -105,6 +116,28 @@ class DialogueSession:
         return self._stats(result.text, result.token_ids, result.prefill_tokens, result.reused_tokens,
                            result.ttft_s, result.decode_tok_s, finish, plan.evicted, tool_calls=reply.get("tool_calls"),
                            alternatives=alternatives)
+
+    def _with_images(self, message: dict, images: list[tuple[str, bytes]]) -> dict:
+        """The message with its pictures as image parts (decoded, checked and kept by digest); ImageError naming
+        the picture and the cap where one cannot be taken."""
+        vision = self.engine.vision
+        if vision is None:
+            raise ImageError(f"{self.engine.folder} is a text-only engine; pictures need an engine built from a "
+                             "vision-language model (LLaVA, Idefics3 / SmolVLM, Qwen2-VL)")
+        if len(images) > vision.limits.max_images:
+            raise ImageError(f"the message has {len(images)} pictures, over the cap of {vision.limits.max_images} "
+                             "per message; send fewer")
+        prepared = [vision.prepare(data, name) for name, data in images]
+        self.images.update({image.digest.hex(): image for image in prepared})
+        text = message.get("content") or ""
+        return {**message, "content": [{"type": "image", "digest": image.digest.hex()} for image in prepared]
+                + [{"type": "text", "text": text}]}
+
+    def _media(self, plan: TurnPlan) -> MediaFeed | None:
+        """The pictures of a turn's feed, their rows encoded only when the forward pass reads them."""
+        if not plan.media:
+            return None
+        return MediaFeed(plan.media, EncodedRows(self.engine.vision, self.images))
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and release its KV blocks."""
@@ -143,6 +176,8 @@ class DialogueSession:
             "params": vars(self.params),
             "tools": [tool.to_openai() for tool in self.tools],
             "tool_choice": self.tool_choice,
+            "images": {digest: image.to_json() for digest, image in self.images.items()},
+            "media": [[span.start, span.length, span.digest.hex(), span.grid] for span in self.seq.media],
         }, tensors)
         return len(self.seq)
 
@@ -169,9 +204,12 @@ class DialogueSession:
         session = cls(engine, cache, SamplingParams(**header["params"]), header["system_prompt"],
                       OverflowPolicy(**header["overflow"]), tools, header.get("tool_choice", "auto"))
         fed = header["fed"]
+        session.images = {d: PreparedImage.from_json(d, image) for d, image in header.get("images", {}).items()}
+        media = [MediaSpan(start, length, bytes.fromhex(digest), tuple(grid) if grid else None)
+                 for start, length, digest, grid in header.get("media", [])]
         if fed:
             try:
-                reused = cache.allocate(session.seq, fed)
+                reused = cache.allocate(session.seq, fed, media)
             except OutOfBlocks as err:
                 raise SessionFileError(f"{path}: the session holds {len(fed)} tokens of KV, more than this cache "
                                        f"holds ({err}); raise --kv-budget-mb") from err
@@ -243,13 +281,17 @@ class DialogueSession:
         prompt = tok.render(messages)
         history = self.fed + self.pending
         stream = None
+        stream, media = None, []
         if history and prompt.startswith(self.transcript):
-            new = tok.encode(prompt[len(self.transcript):])
-            if self._fits_append(len(self.pending) + len(new)):
-                return TurnPlan(self.pending + new, messages, prompt, rebuild=False)
+            new, new_media = tok.encode_media(prompt[len(self.transcript):])
+            offset = len(self.pending)
+            if self._fits_append(offset + len(new)):
+                return TurnPlan(self.pending + new, messages, prompt, rebuild=False,
+                                media=[span.shifted(offset) for span in new_media])
             stream = history + new
+            media = self.seq.media + [span.shifted(len(history)) for span in new_media]
         return plan_turn(tok, messages, self._room(), self.overflow, self.cache.config.sink_token_length,
-                         self.params.max_new_tokens, prompt, stream)
+                         self.params.max_new_tokens, prompt, stream, media)
 
     def _room(self) -> Room:
         """What this conversation could hold once its own blocks are released."""

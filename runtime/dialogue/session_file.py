@@ -53,11 +53,37 @@ def _ids(value: object) -> bool:
     return type(value) is list and all(_count(i) for i in value)
 
 
+def _content(value: object) -> bool:
+    """A message's content: text, or parts of text and pictures (by digest)."""
+    return isinstance(value, str) or type(value) is list and all(
+        type(p) is dict and (p.keys() == {"type", "text"} and p["type"] == "text" and isinstance(p["text"], str)
+                             or p.keys() == {"type", "digest"} and p["type"] == "image" and _digest(p["digest"]))
+        for p in value)
+
+
+def _digest(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+
+
 def _messages(value: object) -> bool:
     return type(value) is list and all(type(m) is dict and {"role", "content"} <= m.keys() <= MESSAGE_KEYS
                                        and m["role"] in ("system", "user", "assistant", "tool")
-                                       and isinstance(m["content"], str)
+                                       and _content(m["content"])
                                        and type(m.get("tool_calls", [])) is list for m in value)
+
+
+def _images(value: object) -> bool:
+    return type(value) is dict and all(
+        _digest(d) and type(i) is dict and i.keys() == {"token_ids", "offsets", "grid", "size"}
+        and _ids(i["token_ids"]) and _ids(i["offsets"]) and all(o < len(i["token_ids"]) for o in i["offsets"])
+        and (i["grid"] is None or _ids(i["grid"]) and len(i["grid"]) == 3) and _ids(i["size"]) and len(i["size"]) == 2
+        for d, i in value.items())
+
+
+def _media(value: object) -> bool:
+    return type(value) is list and all(
+        type(m) is list and len(m) == 4 and _count(m[0]) and _count(m[1], 1) and _digest(m[2])
+        and (m[3] is None or _ids(m[3]) and len(m[3]) == 3) for m in value)
 
 
 def _tools(value: object) -> bool:
@@ -68,7 +94,7 @@ def _tools(value: object) -> bool:
 
 
 MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}
-OPTIONAL = {"tools": [], "tool_choice": "auto"}  # fields a file saved before tools were may lack
+OPTIONAL = {"tools": [], "tool_choice": "auto", "images": {}, "media": []}  # fields older files may lack
 
 
 STRING: Rule = ("a string", lambda v: isinstance(v, str))
@@ -88,7 +114,7 @@ HEADER: Spec = {  # the types; the ranges of kv_cache, overflow and params are t
         "sink_token_length": INTEGER,
     },
     "system_prompt": ("a string or null", lambda v: v is None or isinstance(v, str)),
-    "messages": ("a list of {role: system|user|assistant|tool, content: string} objects", _messages),
+    "messages": ("a list of {role: system|user|assistant|tool, content: string or parts} objects", _messages),
     "fed": ("a list of token ids", _ids),
     "pending": ("a list of at most one token id", lambda v: _ids(v) and len(v) <= 1),
     "transcript": STRING,
@@ -105,6 +131,8 @@ HEADER: Spec = {  # the types; the ranges of kv_cache, overflow and params are t
     },
     "tools": ("a list of OpenAI tool definitions", _tools),
     "tool_choice": STRING,
+    "images": ("an object of pictures by digest: {token_ids, offsets, grid, size}", _images),
+    "media": ("a list of [start, length, digest, grid] picture spans", _media),
 }
 CLASSES = {"kv_cache": KvCacheConfig, "overflow": OverflowPolicy, "params": SamplingParams}
 
@@ -196,6 +224,11 @@ def check_fits(path: str | Path, header: dict, tensors: dict[str, torch.Tensor],
     if tokens > context:
         raise SessionFileError(f"{path}: the session holds {tokens} tokens, more than this model's context of "
                                f"{context}; restore it with the engine it was saved from")
+    for start, length, digest, _ in header["media"]:
+        image = header["images"].get(digest)
+        if start + length > len(header["fed"]) or image is None or len(image["token_ids"]) != length:
+            raise SessionFileError(f"{path}: picture span [{start}, {start + length}) of {digest[:12]} does not match "
+                                   "the tokens and pictures saved; the file is damaged, start a new session")
     want = {name: (str(p.dtype), [p.shape[0], *p.shape[3:]]) for name, p in pools.items()}
     got = {name: (str(t.dtype), [t.shape[0], *t.shape[2:]]) for name, t in tensors.items()}
     if tensors and got != want:

@@ -14,10 +14,10 @@ from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.generation.grammar import GrammarState
 from cabinllm.runtime.generation.sampling import SamplingParams, make_generator, sample
 from cabinllm.runtime.generation.stops import ReplyStream
-from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.blocks import MediaSpan, Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache, sized_config
 from cabinllm.runtime.kv.storage import KVLayout
-from cabinllm.runtime.model.transformer import Span
+from cabinllm.runtime.model.transformer import ImageRows, Span
 
 
 class ForwardModel(Protocol):
@@ -63,9 +63,18 @@ class GenerationResult:
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
 
 
-def prefill(model: ForwardModel, cache: PagedKVCache, seq: Sequence,
-            new_ids: list[int]) -> tuple[torch.Tensor, int, int]:
-    """Feed new tokens to a sequence (allocated if empty).
+@dataclass
+class MediaFeed:
+    """The pictures among a feed's tokens: where they are (positions from the feed's first token) and their input
+    rows by digest (cabinllm.runtime.model.vision)."""
+
+    spans: list[MediaSpan]
+    rows: dict[bytes, ImageRows]
+
+
+def prefill(model: ForwardModel, cache: PagedKVCache, seq: Sequence, new_ids: list[int],
+            media: MediaFeed | None = None) -> tuple[torch.Tensor, int, int]:
+    """Feed new tokens (``media``: the pictures among them) to a sequence (allocated if empty).
 
     Returns the last logits, the tokens reused from the cache (history, or a prefix
     shared with another sequence) and the tokens computed now.
@@ -77,28 +86,32 @@ def prefill(model: ForwardModel, cache: PagedKVCache, seq: Sequence,
     limit = model.config.max_position_embeddings
     if start + len(new_ids) > limit:
         raise CapacityError(f"{start + len(new_ids)} tokens exceed the model's context of {limit}")
+    spans = [span.shifted(start) for span in media.spans] if media else []
     try:
         if existing:
-            cache.append(seq, new_ids)
+            cache.append(seq, new_ids, spans)
             computed_from = 0
         else:
-            computed_from = cache.allocate(seq, new_ids)
+            computed_from = cache.allocate(seq, new_ids, spans)
     except OutOfBlocks as err:
         raise CapacityError(str(err)) from err
-    logits = model.forward(new_ids[computed_from:], start + computed_from, cache, seq)
+    images = {"images": media.rows} if media and media.spans else {}  # only the reference engine takes pictures
+    logits = model.forward(new_ids[computed_from:], start + computed_from, cache, seq, **images)
     return logits, start + computed_from, len(new_ids) - computed_from
 
 
 def generate(model: ForwardModel, cache: PagedKVCache, seq: Sequence, new_ids: list[int], params: SamplingParams,
              decode_text: Callable[[list[int]], str], on_text: Callable[[str], None] | None = None,
-             should_stop: Callable[[], bool] | None = None, grammar: GrammarState | None = None) -> GenerationResult:
-    """Prefill new_ids into the sequence, then sample until a stop rule ends the reply.
+             should_stop: Callable[[], bool] | None = None, grammar: GrammarState | None = None,
+             media: MediaFeed | None = None) -> GenerationResult:
+    """Prefill new_ids (``media``: the pictures among them) into the sequence, then sample until a stop rule ends
+    the reply.
 
     The last sampled token is not fed back (a stop token needs no KV); the caller
     feeds it with the next turn. ``should_stop`` lets a UI interrupt a reply; ``grammar`` constrains it.
     """
     t0 = time.perf_counter()
-    logits, reused, computed = prefill(model, cache, seq, new_ids)
+    logits, reused, computed = prefill(model, cache, seq, new_ids, media)
     generator = make_generator(params.seed)
     reply = ReplyStream(params, decode_text, on_text, grammar)
     ended, ttft, t_first = None, 0.0, 0.0  # ended: a reason of this loop's own

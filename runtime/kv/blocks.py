@@ -9,6 +9,11 @@ a new block is needed and the free list is empty. A sequence forks into children
 that share all its blocks by reference count; the first write into a shared partial
 last block gives the writer a copy of its own (copy-on-write: ``append`` returns
 the copies the storage must make).
+
+Images in a sequence (``MediaSpan``) enter the block keys: a block that holds part of an image is keyed by the
+digest of the image's decoded pixels and where the image starts relative to the block, so the same placeholder
+tokens of another image, or the same image at another offset, miss. A reused prefix never ends inside an image:
+the image's tokens are computed together again (the feature rows are at hand, not the KV of half an image).
 """
 from __future__ import annotations
 
@@ -38,6 +43,26 @@ class _Block:
     hash: bytes | None = None
 
 
+@dataclass(frozen=True)
+class MediaSpan:
+    """An image's tokens in a sequence: positions [start, start + length), keyed by ``digest`` (of its decoded
+    pixels); ``grid`` (t, h, w) lays its tokens out in M-RoPE positions where the model has them (Qwen2-VL)."""
+
+    start: int
+    length: int
+    digest: bytes
+    grid: tuple[int, int, int] | None = None
+
+    @property
+    def end(self) -> int:
+        """The position after the image's last token."""
+        return self.start + self.length
+
+    def shifted(self, offset: int) -> "MediaSpan":
+        """The same image ``offset`` positions later."""
+        return MediaSpan(self.start + offset, self.length, self.digest, self.grid)
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sequence's tokens, the KV blocks that hold them and the chained hash of each full block.
@@ -48,16 +73,30 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block, registered or not
+    media: list[MediaSpan] = field(default_factory=list)  # its images, in order of position
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
 
-def _chain_hash(prev: bytes, token_ids: list[int]) -> bytes:
-    """blake2b of the previous block's hash followed by this block's token ids."""
+def _chain_hash(prev: bytes, token_ids: list[int], media: list[tuple[bytes, int]]) -> bytes:
+    """blake2b of the previous block's hash, this block's token ids and the (digest, start relative to the
+    block) of each image it holds part of."""
     h = hashlib.blake2b(prev, digest_size=16)
     h.update(array("q", token_ids).tobytes())
+    for digest, start in media:
+        h.update(digest)
+        h.update(start.to_bytes(8, "little", signed=True))
     return h.digest()
+
+
+def whole_media_prefix(tokens: int, media: list[MediaSpan]) -> int:
+    """The longest prefix of at most ``tokens`` positions that ends outside every image (at a span's start where
+    ``tokens`` would end inside it)."""
+    for span in media:
+        if span.start < tokens < span.end:
+            return span.start
+    return tokens
 
 
 def cdiv(a: int, b: int) -> int:
@@ -83,18 +122,19 @@ class BlockManager:
 
     # -- sequences ---------------------------------------------------------
 
-    def allocate(self, seq: Sequence, token_ids: list[int], reusable: Callable[[list[int]], int] | None = None) -> int:
-        """Fill an empty sequence with ``token_ids``; return how many leading tokens already have cached KV
-        (``reusable`` says how many of the cached leading blocks the storage can still serve)."""
+    def allocate(self, seq: Sequence, token_ids: list[int], reusable: Callable[[list[int]], int] | None = None,
+                 media: list[MediaSpan] = ()) -> int:
+        """Fill an empty sequence with ``token_ids`` (``media``: the images among them); return how many leading
+        tokens already have cached KV (``reusable`` says how many of the cached leading blocks the storage can still
+        serve)."""
         if seq:
             raise ValueError(f"the sequence already holds {len(seq)} tokens; free it first")
         if not token_ids:
             raise ValueError("token_ids is empty")
-        token_ids = list(token_ids)
+        token_ids, media = list(token_ids), list(media)
         bs = self.block_size
-        hashes = self._full_block_hashes(b"", token_ids, 0)
-        hits = self._prefix_hits(hashes, len(token_ids))
-        hits = hits[:reusable(hits)] if reusable else hits
+        hashes = self._full_block_hashes(b"", token_ids, 0, media)
+        hits = self._reusable_hits(hashes, len(token_ids), reusable, media)
         num_new = cdiv(len(token_ids), bs) - len(hits)
         available = self.num_free_blocks() - sum(self._blocks[b].ref_count == 0 for b in hits)
         self._check_available(num_new, available)
@@ -104,7 +144,7 @@ class BlockManager:
         for i in range(len(hits), len(hashes)):
             self._register(table[i], hashes[i])
         self._reuse_hits += len(hits)
-        seq.token_ids, seq.block_table, seq.hashes = token_ids, table, hashes
+        seq.token_ids, seq.block_table, seq.hashes, seq.media = token_ids, table, hashes, media
         self._seqs.add(seq)
         return len(hits) * bs
 
@@ -115,13 +155,13 @@ class BlockManager:
             raise ValueError(f"the child already holds {len(child)} tokens; fork into an empty sequence")
         for block_id in parent.block_table:
             self._acquire(block_id)
-        child.token_ids, child.block_table, child.hashes = (list(parent.token_ids), list(parent.block_table),
-                                                            list(parent.hashes))
+        child.token_ids, child.block_table, child.hashes, child.media = (
+            list(parent.token_ids), list(parent.block_table), list(parent.hashes), list(parent.media))
         self._seqs.add(child)
 
-    def append(self, seq: Sequence, token_ids: list[int]) -> list[tuple[int, int]]:
-        """Extend a sequence with new blocks as needed; returns the (source, copy) blocks whose written K/V the
-        storage must copy first.
+    def append(self, seq: Sequence, token_ids: list[int], media: list[MediaSpan] = ()) -> list[tuple[int, int]]:
+        """Extend a sequence with new blocks as needed (``media``: images among the new tokens, at their positions
+        in the sequence); returns the (source, copy) blocks whose written K/V the storage must copy first.
 
         Prefix reuse shares only full blocks, but a fork shares the parent's partial last block: the first
         sequence to write into it gets a copy of its own (copy-on-write); the others keep the original.
@@ -138,10 +178,11 @@ class BlockManager:
             self._release(shared)
             copies.append((shared, seq.block_table[-1]))
         seq.token_ids.extend(token_ids)
+        seq.media.extend(media)
         while len(seq.block_table) < cdiv(len(seq.token_ids), bs):
             seq.block_table.append(self._take_block())
         prev = seq.hashes[-1] if seq.hashes else b""
-        new_hashes = self._full_block_hashes(prev, seq.token_ids, len(seq.hashes))
+        new_hashes = self._full_block_hashes(prev, seq.token_ids, len(seq.hashes), seq.media)
         for i, h in enumerate(new_hashes, start=len(seq.hashes)):
             self._register(seq.block_table[i], h)
         seq.hashes.extend(new_hashes)
@@ -153,7 +194,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table):  # tail first, so prefixes are evicted last
             self._release(block_id)
         self._seqs.remove(seq)
-        seq.token_ids, seq.block_table, seq.hashes = [], [], []
+        seq.token_ids, seq.block_table, seq.hashes, seq.media = [], [], [], []
 
     # -- queries -----------------------------------------------------------
 
@@ -165,11 +206,13 @@ class BlockManager:
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def blocks_to_admit(self, token_ids: list[int], reserve_tokens: int,
-                        reusable: Callable[[list[int]], int] | None = None) -> tuple[int, int]:
-        """For a new sequence of ``token_ids`` that may grow by ``reserve_tokens``: the free or evictable blocks
-        it would take (new blocks plus reused cached ones that leave the LRU) and the tokens reused."""
-        hits = self._prefix_hits(self._full_block_hashes(b"", token_ids, 0), len(token_ids))
-        hits = hits[:reusable(hits)] if reusable else hits
+                        reusable: Callable[[list[int]], int] | None = None,
+                        media: list[MediaSpan] = ()) -> tuple[int, int]:
+        """For a new sequence of ``token_ids`` (``media`` among them) that may grow by ``reserve_tokens``: the free
+        or evictable blocks it would take (new blocks plus reused cached ones that leave the LRU) and the tokens
+        reused."""
+        hashes = self._full_block_hashes(b"", token_ids, 0, list(media))
+        hits = self._reusable_hits(hashes, len(token_ids), reusable, list(media))
         new = cdiv(len(token_ids) + reserve_tokens, self.block_size) - len(hits)
         return new + sum(self._blocks[b].ref_count == 0 for b in hits), len(hits) * self.block_size
 
@@ -234,13 +277,23 @@ class BlockManager:
         """Whether the sequence's last block is partly written and shared with a fork (writing needs a copy)."""
         return bool(len(seq) % self.block_size) and self._blocks[seq.block_table[-1]].ref_count > 1
 
-    def _full_block_hashes(self, prev: bytes, token_ids: list[int], first: int) -> list[bytes]:
+    def _full_block_hashes(self, prev: bytes, token_ids: list[int], first: int,
+                           media: list[MediaSpan]) -> list[bytes]:
         """Chained hashes of full blocks ``first``, ``first + 1``, ...; ``prev`` is the hash of block ``first - 1``."""
         bs, hashes = self.block_size, []
         for i in range(first, len(token_ids) // bs):
-            prev = _chain_hash(prev, token_ids[i * bs : (i + 1) * bs])
+            lo, hi = i * bs, (i + 1) * bs
+            held = [(span.digest, span.start - lo) for span in media if span.start < hi and span.end > lo]
+            prev = _chain_hash(prev, token_ids[lo:hi], held)
             hashes.append(prev)
         return hashes
+
+    def _reusable_hits(self, hashes: list[bytes], num_tokens: int, reusable: Callable[[list[int]], int] | None,
+                       media: list[MediaSpan]) -> list[int]:
+        """The cached leading blocks a new sequence takes: those the storage can serve, ending outside every image."""
+        hits = self._prefix_hits(hashes, num_tokens)
+        hits = hits[:reusable(hits)] if reusable else hits
+        return hits[:whole_media_prefix(len(hits) * self.block_size, media) // self.block_size]
 
     def _prefix_hits(self, hashes: list[bytes], num_tokens: int) -> list[int]:
         """Cached blocks holding the leading full blocks of a new sequence; its last token is always left to compute."""

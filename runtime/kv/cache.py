@@ -14,7 +14,7 @@ import torch
 
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.scales_file import KVScales
-from cabinllm.runtime.kv.blocks import BlockManager, Sequence, cdiv
+from cabinllm.runtime.kv.blocks import BlockManager, MediaSpan, Sequence, cdiv
 from cabinllm.runtime.kv.modes import KVMode, kv_mode
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.kv.window import WindowedStorage, WindowPlan
@@ -143,17 +143,19 @@ class PagedKVCache:
         return self.config.tokens_per_block
 
     # -- sequences -----------------------------------------------------------------
-    def allocate(self, seq: Sequence, token_ids: list[int]) -> int:
-        """Fill an empty sequence; returns how many leading tokens are already cached (reused)."""
+    def allocate(self, seq: Sequence, token_ids: list[int], media: list[MediaSpan] = ()) -> int:
+        """Fill an empty sequence (``media``: the images among its tokens); returns how many leading tokens are
+        already cached (reused)."""
         self.storage.check_room(self.blocks.num_sequences)
-        reused = self.blocks.allocate(seq, token_ids, self.storage.reusable_blocks)
+        reused = self.blocks.allocate(seq, token_ids, self.storage.reusable_blocks, media)
         self.storage.follow(seq, reused)
         return reused
 
-    def append(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Extend a sequence (a partial last block it shares with a fork is copied first)."""
+    def append(self, seq: Sequence, token_ids: list[int], media: list[MediaSpan] = ()) -> None:
+        """Extend a sequence (``media``: images among the new tokens; a partial last block it shares with a fork is
+        copied first)."""
         written = len(seq)
-        for source, copy in self.blocks.append(seq, token_ids):
+        for source, copy in self.blocks.append(seq, token_ids, media):
             self.storage.copy_block(source, copy)
         self.storage.follow(seq, written)
 
@@ -194,10 +196,12 @@ class PagedKVCache:
         """New blocks a sequence (empty: a new one, prefix reuse ignored) takes to grow by ``new_tokens``."""
         return self.blocks.blocks_needed(seq, new_tokens)
 
-    def blocks_to_admit(self, token_ids: list[int], reserve_tokens: int) -> tuple[int, int]:
-        """For a new sequence of ``token_ids`` that may grow by ``reserve_tokens``: the available blocks it would take
-        (its cached prefix counted where it leaves the evictable ones) and the tokens it reuses."""
-        return self.blocks.blocks_to_admit(token_ids, reserve_tokens, self.storage.reusable_blocks)
+    def blocks_to_admit(self, token_ids: list[int], reserve_tokens: int,
+                        media: list[MediaSpan] = ()) -> tuple[int, int]:
+        """For a new sequence of ``token_ids`` (``media`` among them) that may grow by ``reserve_tokens``: the
+        available blocks it would take (its cached prefix counted where it leaves the evictable ones) and the tokens
+        it reuses."""
+        return self.blocks.blocks_to_admit(token_ids, reserve_tokens, self.storage.reusable_blocks, media)
 
     def capacity(self, seq: Sequence) -> int:
         """Tokens a sequence could hold: its own blocks plus every free or evictable one."""

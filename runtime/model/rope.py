@@ -13,6 +13,7 @@ import math
 import torch
 
 from cabinllm.runtime.errors import ConfigError
+from cabinllm.runtime.kv.blocks import MediaSpan
 
 
 def scaling_kind(scaling: dict | None) -> str | None:
@@ -24,14 +25,14 @@ def inverse_frequencies(head_size: int, base: float, scaling: dict | None = None
     """Per-pair inverse frequencies, rescaled as Llama 3.1 does when ``scaling`` says llama3."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size))
     kind = scaling_kind(scaling)
-    if kind is None or kind == "default":
+    if kind in (None, "default", "mrope"):
         return inv_freq.float()
     if kind == "linear":
         return (inv_freq / scaling["factor"]).float()
     if kind == "longrope":
         return (inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)).float()
     if kind != "llama3":
-        raise ConfigError(f"unsupported rotary_scaling type {kind!r}; supported: linear, llama3, longrope")
+        raise ConfigError(f"unsupported rotary_scaling type {kind!r}; supported: linear, llama3, longrope, mrope")
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_len = scaling["original_max_position_embeddings"]
@@ -56,16 +57,49 @@ class Rope:
             self.long_inv_freq = inverse_frequencies(rotated, base, {**scaling, "short_factor": scaling["long_factor"]})
             self.boundary = scaling["original_max_position_embeddings"]
         self.factor = longrope_attention_factor(scaling)
+        self.mrope_section = (scaling or {}).get("mrope_section") if scaling_kind(scaling) == "mrope" else None
 
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape (len(positions), rotated) for integer positions."""
+        """cos and sin of shape (tokens, rotated) for integer positions (tokens,), or M-RoPE's (3, tokens): the
+        frequencies of each ``mrope_section`` turned by the temporal, height and width position in turn."""
         positions = positions.to(torch.float32)
+        if positions.dim() == 2:
+            sections = (positions[i % 3, :, None] * freqs[None, :] for i, freqs in
+                        enumerate(self.inv_freq.split(self.mrope_section)))
+            angles = torch.cat(list(sections), dim=-1)
+            angles = torch.cat([angles, angles], dim=-1)
+            return angles.cos(), angles.sin()
         angles = positions[:, None] * self.inv_freq[None, :]
         if self.long_inv_freq is not None:
             long = positions >= self.boundary
             angles[long] = positions[long][:, None] * self.long_inv_freq[None, :]
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos() * self.factor, angles.sin() * self.factor
+
+
+def mrope_positions(start: int, end: int, media: list[MediaSpan]) -> torch.Tensor:
+    """M-RoPE positions (3, end - start) of a sequence's tokens [start, end): an image's tokens at (t, h, w) of its
+    grid plus the position it starts at, text one position after another, the text after an image ``max(h, w)``
+    positions after the image's start (transformers' Qwen2VLModel.get_rope_index)."""
+    out = torch.arange(start, end).repeat(3, 1)
+    offset = 0  # what the images so far shift the positions after them by
+    for span in media:
+        if span.start >= end:
+            break
+        t, h, w = span.grid
+        lo, hi = max(span.start, start), min(span.end, end)
+        if lo < hi:
+            grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+            out[:, lo - start:hi - start] = grid.reshape(3, -1)[:, lo - span.start:hi - span.start] + span.start + offset
+        shift = max(h, w) - span.length
+        out[:, max(span.end - start, 0):] += shift
+        offset += shift
+    return out
+
+
+def mrope_offset(position: int, media: list[MediaSpan]) -> int:
+    """What images before ``position`` (a text token's) shift its M-RoPE position by."""
+    return sum(max(span.grid[1], span.grid[2]) - span.length for span in media if span.end <= position)
 
 
 def longrope_attention_factor(scaling: dict | None) -> float:

@@ -5,6 +5,10 @@ in its content (``<|im_start|>``, ``<|endoftext|>``, ... : the tokenizer's speci
 by a zero-width space after its first character, so it is tokenized as text. Only the template's own
 structure produces control tokens, so a user cannot forge a system or assistant turn.
 
+A vision-language engine's view (``with_images``) renders image parts of a message where the template puts its
+placeholder, as a marker naming the picture's digest; ``encode`` writes each marker as the picture's own tokens
+(its processor's expansion), and ``encode_media`` also says where each picture's tokens are.
+
 The template runs as transformers runs it (``tojson`` keeps key order and non-ASCII text, ``strftime_now``):
 transformers' ``utils/chat_template_utils.py`` ``_compile_jinja_template``. ``with_tools`` gives a view that
 renders the tools a reply may call (cabinllm.runtime.model.tools).
@@ -13,13 +17,22 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
 from cabinllm.runtime.errors import CheckpointError, ConfigError
+from cabinllm.runtime.kv.blocks import MediaSpan
 from cabinllm.runtime.model.tools import HERMES, Tool, ToolFormat, for_template, in_our_words, template_tool_format
 
 CONTENT_ESCAPE = "\u200b"  # zero-width space, put inside control-token strings found in message content
+IMAGE_OPEN, IMAGE_CLOSE = "\ue000", "\ue001"  # private-use characters around a picture's digest in a prompt
+_IMAGE_MARKER = re.compile(f"{IMAGE_OPEN}([0-9a-f]{{32}}){IMAGE_CLOSE}")
+
+
+def image_marker(digest: bytes) -> str:
+    """How a rendered prompt names a picture (``with_images`` writes its tokens in its place)."""
+    return f"{IMAGE_OPEN}{digest.hex()}{IMAGE_CLOSE}"
 
 
 class ChatTokenizer:
@@ -54,6 +67,8 @@ class ChatTokenizer:
         self._template = env.from_string(template)
         self._native_tools = template_tool_format(template)
         self.tools: list[Tool] = []
+        self.images: dict[str, object] = {}  # digest hex -> a PreparedImage (cabinllm.runtime.model.vision)
+        self.image_placeholder: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -61,16 +76,34 @@ class ChatTokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of text; special tokens written in the text are recognised."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of text; special tokens written in the text are recognised, image markers written as the
+        pictures' tokens."""
+        return self.encode_media(text)[0]
+
+    def encode_media(self, text: str) -> tuple[list[int], list[MediaSpan]]:
+        """Token ids of text and where each picture's tokens are among them (positions from 0)."""
+        pieces = _IMAGE_MARKER.split(text) if IMAGE_OPEN in text else [text]
+        ids, spans = self._tok.encode(pieces[0], add_special_tokens=False).ids, []
+        for digest, after in zip(pieces[1::2], pieces[2::2]):
+            image = self.images.get(digest)
+            if image is None:
+                raise ConfigError(f"the prompt names picture {digest[:12]}, which this conversation does not hold; "
+                                  "send the picture again")
+            spans.append(MediaSpan(len(ids), len(image.token_ids), bytes.fromhex(digest), image.grid))
+            ids += image.token_ids + self._tok.encode(after, add_special_tokens=False).ids
+        return ids, spans
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a whole rendered conversation: BOS first where the model wants it, once (Gemma's and Llama
         3's templates write it themselves)."""
-        ids = self.encode(text)
+        return self.encode_prompt_media(text)[0]
+
+    def encode_prompt_media(self, text: str) -> tuple[list[int], list[MediaSpan]]:
+        """``encode_prompt``'s ids and where each picture's tokens are among them."""
+        ids, media = self.encode_media(text)
         if not (self.add_bos_token and self.bos_token) or ids[:1] == [self.token_id(self.bos_token)]:
-            return ids
-        return [self.token_id(self.bos_token)] + ids
+            return ids, media
+        return [self.token_id(self.bos_token)] + ids, [span.shifted(1) for span in media]
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids, special tokens included."""
@@ -106,6 +139,14 @@ class ChatTokenizer:
         view.tools = list(tools)
         return view
 
+    def with_images(self, images: dict[str, object], placeholder: str) -> "ChatTokenizer":
+        """A view that renders a message's image parts (``{"type": "image", "digest": hex}``) as the pictures
+        ``images`` holds by digest, where the template writes ``placeholder``."""
+        view = copy.copy(self)
+        view.images, view.image_placeholder = images, placeholder
+        view._control_strings = sorted({*self._control_strings, IMAGE_OPEN}, key=len, reverse=True)
+        return view
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text of a conversation, as the model was trained to see it; message content escaped.
         Messages may hold tool calls and results in OpenAI's form."""
@@ -116,9 +157,26 @@ class ChatTokenizer:
                 extra["tools"] = [tool.to_openai() for tool in self.tools]
         else:
             messages = in_our_words(messages, self.tools)
-        messages = [{**m, "content": self.escape(m["content"])} for m in messages]
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        messages = [{**m, "content": self._escape_content(m["content"])} for m in messages]
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token, **extra)
+        digests = [part["digest"] for m in messages if isinstance(m["content"], list) for part in m["content"]
+                   if part.get("type") == "image"]
+        if not digests:
+            return text
+        if self.image_placeholder is None or text.count(self.image_placeholder) != len(digests):
+            raise ConfigError(f"the messages hold {len(digests)} pictures and the chat template wrote "
+                              f"{text.count(self.image_placeholder or '') if self.image_placeholder else 0} image "
+                              "placeholders; send pictures to a vision-language engine only")
+        pieces = text.split(self.image_placeholder)
+        return pieces[0] + "".join(f"{IMAGE_OPEN}{d}{IMAGE_CLOSE}{p}" for d, p in zip(digests, pieces[1:]))
+
+    def _escape_content(self, content: str | list[dict]) -> str | list[dict]:
+        """Message content with its text escaped: a string, or parts of which the text ones are."""
+        if isinstance(content, str):
+            return self.escape(content)
+        return [{**part, "text": self.escape(part["text"])} if part.get("type") == "text" else part
+                for part in content]
 
 
 def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,

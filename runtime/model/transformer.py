@@ -43,7 +43,7 @@ from cabinllm.runtime.kv.storage import KVLayout, KVStorage
 from cabinllm.runtime.formats.weight_formats import HEAD_TENSORS, SCALE, head_format
 from cabinllm.runtime.model.linear import Int8G32Table, Linear, halves, kernel_linear, linear_op, stack
 from cabinllm.runtime.model.linear import linear as _linear
-from cabinllm.runtime.model.rope import Rope, apply_rope
+from cabinllm.runtime.model.rope import Rope, apply_rope, mrope_offset, mrope_positions
 from cabinllm.runtime.model.threads import CPU_THREADS
 
 
@@ -62,6 +62,15 @@ class Span:
     def end(self) -> int:
         """Tokens attended to by the span's last new token, itself included."""
         return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class ImageRows:
+    """An image's input rows for the decoder: ``rows`` (n, hidden) at ``offsets`` (n,) within its span (the
+    placeholder tokens; a tiled image's span holds text tokens between its tiles)."""
+
+    rows: torch.Tensor
+    offsets: torch.Tensor
 
 
 @dataclass
@@ -104,18 +113,20 @@ class Transformer:
         return self.embedding.rows(ids) if isinstance(self.embedding, Int8G32Table) else self.embedding[ids]
 
     def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, images: dict[bytes, ImageRows] | None = None) -> torch.Tensor:
         """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated.
 
         Writes their K/V into the cache and returns logits of the last token
         (shape (vocab,)) or of every token (shape (N, vocab)).
         """
-        logits = self.step([Span(token_ids, start_pos, seq)], cache, all_logits)
+        logits = self.step([Span(token_ids, start_pos, seq)], cache, all_logits, images)
         return logits if all_logits else logits[0]
 
     @torch.inference_mode()
-    def step(self, spans: list[Span], cache: PagedKVCache, all_logits: bool = False) -> torch.Tensor:
-        """Run the new tokens of several sequences (slots allocated) in one pass over the weights.
+    def step(self, spans: list[Span], cache: PagedKVCache, all_logits: bool = False,
+             images: dict[bytes, ImageRows] | None = None) -> torch.Tensor:
+        """Run the new tokens of several sequences (slots allocated) in one pass over the weights; the positions of
+        their sequences' images (``Sequence.media``) take the rows of ``images`` (by digest) for input.
 
         Writes their K/V into the cache and returns the logits of each span's last token (shape
         (spans, vocab)), or of every token (shape (tokens, vocab)).
@@ -128,16 +139,18 @@ class Transformer:
                                  "tokens")
         limit = cache.storage.step_tokens
         if limit is not None and any(len(span.token_ids) > limit for span in spans):
-            return self._in_pieces(spans, cache, all_logits, limit)
+            return self._in_pieces(spans, cache, all_logits, limit, images)
         for span in spans:
             cache.storage.prepare(span.seq, span.start_pos, span.end)
         ids = [t for span in spans for t in span.token_ids]
         x = self._fused_step(spans[0], cache) if len(ids) == 1 and self.native_kernels else None
         if x is not None:
             return _linear(_rms_norm(x[None], self.final_norm, c.norm_epsilon), self.lm_head, matvec())
-        positions = torch.cat([torch.arange(span.start_pos, span.end) for span in spans])
+        positions = torch.cat([self._positions(span) for span in spans], dim=-1)
         x = self.embed(torch.tensor(ids, dtype=torch.long))
         x = x * c.embedding_multiplier if c.embedding_multiplier != 1.0 else x
+        if any(span.seq.media for span in spans):
+            _place_images(x, spans, images or {})
         ropes = [rope.rows(positions) for rope in (self.rope, self.local_rope) if rope]  # global, then local
         mv = matvec() if self.native_kernels and len(ids) <= MATVEC_MAX_TOKENS else None
         ctx = StepContext(spans, torch.cat([cache.slots(s.seq, s.start_pos, s.end) for s in spans]),
@@ -162,13 +175,20 @@ class Transformer:
         cap = c.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _in_pieces(self, spans: list[Span], cache: PagedKVCache, all_logits: bool, limit: int) -> torch.Tensor:
+    def _positions(self, span: Span) -> torch.Tensor:
+        """The RoPE positions of a span's tokens: (N,), or M-RoPE's (3, N) where the model has it."""
+        if self.rope.mrope_section is None:
+            return torch.arange(span.start_pos, span.end)
+        return mrope_positions(span.start_pos, span.end, span.seq.media)
+
+    def _in_pieces(self, spans: list[Span], cache: PagedKVCache, all_logits: bool, limit: int,
+                   images: dict[bytes, ImageRows] | None) -> torch.Tensor:
         """``step``'s logits, each span run in steps of at most ``limit`` tokens (a storage that holds only what
         the next positions read, e.g. sliding-window layers' pool)."""
         outs = []
         for span in spans:
             ids = span.token_ids
-            logits = [self.step([Span(ids[i:i + limit], span.start_pos + i, span.seq)], cache, all_logits)
+            logits = [self.step([Span(ids[i:i + limit], span.start_pos + i, span.seq)], cache, all_logits, images)
                       for i in range(0, len(ids), limit)]
             outs.append(torch.cat(logits) if all_logits else logits[-1])
         return torch.cat(outs)
@@ -182,7 +202,8 @@ class Transformer:
         if kernel is None or self._step_weights is None:
             return None
         position, seq = span.start_pos, span.seq
-        cos, sin = self.rope.rows(torch.tensor([position]))
+        shift = mrope_offset(position, seq.media) if self.rope.mrope_section is not None else 0
+        cos, sin = self.rope.rows(torch.tensor([position + shift]))
         return kernel(self._step_weights, self.embed(torch.tensor(span.token_ids[0])), c.norm_epsilon, cos[0], sin[0], pools,
                       cache.block_table(seq), int(cache.slots(seq, position, span.end)), span.end)
 
@@ -335,6 +356,24 @@ def _head_tables(w: dict[str, torch.Tensor], config: ModelConfig,
     weight = w.pop("lm_head.weight")
     keep = native and weight.dtype == torch.float16
     return w["transformer.vocab_embedding.weight"].float(), weight.contiguous() if keep else weight.float().contiguous()
+
+
+def _place_images(x: torch.Tensor, spans: list[Span], images: dict[bytes, ImageRows]) -> None:
+    """Write the rows of each image the spans' new tokens hold into the input rows ``x`` (tokens, hidden)."""
+    first = 0
+    for span in spans:
+        for media in span.seq.media:
+            lo, hi = max(media.start, span.start_pos), min(media.end, span.end)
+            if lo >= hi:
+                continue
+            if media.digest not in images:
+                raise ConfigError(f"the tokens at [{media.start}, {media.end}) are image {media.digest.hex()[:12]}'s, "
+                                  "and no feature rows of it were given; encode the image first")
+            image = images[media.digest]
+            at = image.offsets + media.start
+            held = (at >= lo) & (at < hi)
+            x[first + at[held] - span.start_pos] = image.rows[held].to(x.dtype)
+        first += len(span.token_ids)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -49,9 +49,11 @@ def _text_model_names(names: SourceNames, shapes: dict) -> SourceNames:
         return names
     for prefix in TEXT_MODEL_PREFIXES:
         if names.embedding.replace("model.", prefix, 1) in shapes:
-            return dataclasses.replace(names, **{
+            names = dataclasses.replace(names, **{
                 f.name: getattr(names, f.name).replace("model.", prefix, 1) for f in dataclasses.fields(names)
                 if isinstance(getattr(names, f.name), str)})
+            head = f"language_model.{names.lm_head}"  # transformers 4 keeps the head inside the text model too
+            return dataclasses.replace(names, lm_head=head) if head in shapes else names
     return names
 
 

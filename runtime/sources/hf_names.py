@@ -45,6 +45,7 @@ def _rope(data: dict, params: dict) -> tuple[float, dict | None]:
     base = float(data.get("rope_theta", params.get("rope_theta", 10000.0)))
     scaling = data.get("rope_scaling") or params
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = "mrope" if "mrope_section" in scaling else rope_type  # Qwen2-VL (transformers 5 says "default")
     if rope_type == "default":
         return base, None
     rope_type = "longrope" if rope_type in ("su", "yarn") and "short_factor" in scaling else rope_type  # Phi-3's names
@@ -87,6 +88,23 @@ def _gemma3_fields(data: dict, source: str) -> dict:
 
 
 GEMMA3_VLM = "Gemma3ForConditionalGeneration"
+# vision-language folders whose text model is imported (the vision part is the engine's vision folder's:
+# cabinllm.runtime.model.vision), and what their text config's model_type imports as
+VLM_ARCHITECTURES = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                     "Qwen2VLForConditionalGeneration")
+TEXT_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_vl": "Qwen2ForCausalLM"}
+
+
+def _vlm_text(data: dict, source: str) -> dict:
+    """The text model's config of a vision-language folder (transformers 4's Qwen2-VL keeps it at the top level),
+    with the architecture it imports as."""
+    text = dict(data.get("text_config") or {k: v for k, v in data.items() if k != "vision_config"})
+    kind = text.get("model_type", "llama" if data["architectures"][0] != VLM_ARCHITECTURES[2] else "qwen2")
+    if kind not in TEXT_MODEL_TYPES:
+        raise CheckpointError(f"{source}: the text model is a {kind!r}; supported: {', '.join(TEXT_MODEL_TYPES)}")
+    text.setdefault("tie_word_embeddings", data.get("tie_word_embeddings", False))
+    return {**text, "architectures": [TEXT_MODEL_TYPES[kind]]}
 
 
 def _gemma3_text(data: dict) -> dict:
@@ -128,6 +146,9 @@ def config_from_hf(data: dict, source: str) -> ModelConfig:
     architecture = (data.get("architectures") or [None])[0]
     if architecture in ("Gemma3ForCausalLM", GEMMA3_VLM):
         data, architecture = _gemma3_text(data), "Gemma3ForCausalLM"
+    if architecture in VLM_ARCHITECTURES:
+        data = _vlm_text(data, source)
+        architecture = data["architectures"][0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             f"{source}: unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"

@@ -1,0 +1,273 @@
+"""The vision part of a vision-language engine: images decoded and checked, preprocessed and expanded into their
+placeholder tokens as the family's transformers processor does, encoded into the decoder's input rows.
+
+An engine built from a LLaVA, Idefics3 (SmolVLM) or Qwen2-VL folder keeps, beside its text checkpoint, a
+``vision/`` folder: the HF config, the vision tower's and projector's (connector's, merger's) tensors and the
+processor's files. The tower runs as transformers defines it (its ``get_image_features``), on a copy of the model
+whose text part is a one-layer stub: the decoder is the reference engine's. Images are identified by the digest
+of their decoded pixels; encoded rows stay in an LRU of a byte budget (``FeatureCache``), so the same picture sent
+again skips the encoder.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cabinllm.runtime.errors import CheckpointError, ImageError
+from cabinllm.runtime.model.transformer import ImageRows
+
+VISION_FOLDER = "vision"
+VISION_WEIGHTS = "vision.safetensors"
+LOW_DETAIL_PIXELS = 448 * 448
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """What one family's vision part differs in: the placeholder its processor expands (one per image in the
+    rendered prompt), the processor outputs its ``get_image_features`` takes, its tensors' prefixes in an HF
+    folder, and whether the decoder places image tokens on an M-RoPE grid."""
+
+    model_type: str
+    placeholder_key: str  # the processor's attribute holding the placeholder text
+    feature_inputs: tuple[str, ...]
+    prefixes: tuple[str, ...]
+    mrope: bool = False
+
+
+FAMILIES = {family.model_type: family for family in (
+    VisionFamily("llava", "image_token", ("pixel_values",), ("vision_tower.", "multi_modal_projector.")),
+    VisionFamily("idefics3", "image_token", ("pixel_values", "pixel_attention_mask"), ("vision_model.", "connector.")),
+    VisionFamily("qwen2_vl", "image_token", ("pixel_values", "image_grid_thw"), ("visual.",), mrope=True),
+)}
+
+
+@dataclass
+class ImageLimits:
+    """Caps on what one request may send: decoded pixels per picture, image tokens per picture (Qwen2-VL's
+    processor resizes to at most ``max_image_tokens``' worth of pixels), pictures per request."""
+
+    max_decoded_pixels: int = field(default=40_000_000, metadata={
+        "help": "largest picture decoded, in pixels (width x height); larger ones are refused before decoding"})
+    max_image_tokens: int = field(default=1024, metadata={"help": "most tokens one picture may take in the dialogue"})
+    max_images: int = field(default=4, metadata={"help": "most pictures in one message"})
+
+
+@dataclass
+class PreparedImage:
+    """One picture as the decoder takes it: its digest, the tokens that stand for it in the prompt, the processor's
+    tensors for the encoder, and its M-RoPE grid (t, h, w) where the model has one."""
+
+    digest: bytes
+    token_ids: list[int]
+    offsets: torch.Tensor  # positions of the placeholder tokens (the encoder's rows) within token_ids
+    inputs: dict[str, torch.Tensor]
+    grid: tuple[int, int, int] | None
+    size: tuple[int, int]  # decoded width, height
+
+    @property
+    def image_tokens(self) -> int:
+        """Tokens the picture takes in the dialogue."""
+        return len(self.token_ids)
+
+    def to_json(self) -> dict:
+        """What a session file keeps of the picture (its tokens and layout, not its pixels)."""
+        return {"token_ids": self.token_ids, "offsets": self.offsets.tolist(), "grid": self.grid,
+                "size": list(self.size)}
+
+    @classmethod
+    def from_json(cls, digest: str, data: dict) -> "PreparedImage":
+        """A picture as a session file kept it: no pixels (encoded again only from the feature cache)."""
+        grid = tuple(data["grid"]) if data.get("grid") else None
+        return cls(bytes.fromhex(digest), list(data["token_ids"]), torch.tensor(data["offsets"], dtype=torch.long), {},
+                   grid, tuple(data["size"]))
+
+
+def decode_image(data: bytes, name: str, limits: ImageLimits):
+    """A picture's bytes as an RGB Pillow image and the digest of its decoded pixels; ImageError naming the picture
+    and the fix for bytes Pillow cannot read, a truncated file, an empty or an oversized picture."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height == 0:
+                raise ImageError(f"{name} is {width}x{height} pixels: an empty picture; send one with content")
+            if width * height > limits.max_decoded_pixels:
+                raise ImageError(f"{name} is {width}x{height} ({width * height / 1e6:.0f} MP), over the "
+                                 f"{limits.max_decoded_pixels / 1e6:.0f} MP a picture may have; downscale it")
+            image = image.convert("RGB")
+    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise ImageError(f"{name} is not a picture Pillow can read ({err}); send a PNG, JPEG or WebP") from err
+    except (OSError, SyntaxError, ValueError) as err:
+        raise ImageError(f"{name} could not be decoded ({err}): the file may be truncated; send it again") from err
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{image.width}x{image.height}".encode())
+    h.update(image.tobytes())
+    return image, h.digest()
+
+
+class FeatureCache:
+    """Encoded rows by image digest, least recently used dropped first beyond ``max_bytes``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._rows: OrderedDict[bytes, ImageRows] = OrderedDict()
+        self.hits = self.misses = 0
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of the rows held."""
+        return sum(r.rows.numel() * r.rows.element_size() for r in self._rows.values())
+
+    def get(self, digest: bytes) -> ImageRows | None:
+        """The rows of an image, or None (counted as a hit or a miss)."""
+        rows = self._rows.get(digest)
+        if rows is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._rows.move_to_end(digest)
+        return rows
+
+    def put(self, digest: bytes, rows: ImageRows) -> None:
+        """Keep an image's rows, dropping the oldest beyond the budget (rows larger than it are not kept)."""
+        self._rows[digest] = rows
+        while self._rows and self.bytes_used > self.max_bytes:
+            self._rows.popitem(last=False)
+
+
+class EncodedRows(Mapping):
+    """The input rows of a conversation's pictures by digest, each encoded when first read (``Vision.encode``)."""
+
+    def __init__(self, vision: "Vision", images: dict[str, PreparedImage]) -> None:
+        self.vision, self.images = vision, images
+
+    def __getitem__(self, digest: bytes) -> ImageRows:
+        image = self.images.get(digest.hex())
+        if image is None:
+            raise KeyError(digest)
+        return self.vision.encode(image)
+
+    def __iter__(self):
+        return (bytes.fromhex(d) for d in self.images)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+
+class Vision:
+    """A vision-language engine's images: preprocessing, placeholder expansion and the encoder."""
+
+    def __init__(self, folder: Path, limits: ImageLimits | None = None, cache_bytes: int = 64 << 20) -> None:
+        import transformers
+
+        self.folder, self.limits = folder, limits or ImageLimits()
+        try:
+            config = transformers.AutoConfig.from_pretrained(folder)
+            self.processor = transformers.AutoProcessor.from_pretrained(folder)
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{folder}: unreadable vision config or processor ({err}); rebuild the engine") from err
+        if config.model_type not in FAMILIES:
+            raise CheckpointError(f"{folder}: vision family {config.model_type!r} is not supported; supported: "
+                                  f"{', '.join(FAMILIES)}")
+        self.family, self.config = FAMILIES[config.model_type], config
+        self.placeholder = getattr(self.processor, self.family.placeholder_key)
+        self.image_token_id = self.processor.tokenizer.convert_tokens_to_ids(self.placeholder)
+        self.model = _vision_model(config, folder / VISION_WEIGHTS, self.family)
+        self.features = FeatureCache(cache_bytes)
+
+    def prepare(self, data: bytes, name: str, detail: str = "auto") -> PreparedImage:
+        """Decode, check and preprocess one picture; its token count is known before anything is encoded.
+        ``detail`` "low" (OpenAI's): Idefics3 without tiles, Qwen2-VL at most 448 x 448 pixels; LLaVA's one size."""
+        image, digest = decode_image(data, name, self.limits)
+        kwargs = {"max_pixels": self._max_pixels(detail)} if self.family.mrope else {}
+        if detail == "low" and self.family.model_type == "idefics3":
+            kwargs["do_image_splitting"] = False
+        images = [[image]] if self.family.model_type == "idefics3" else [image]
+        out = self.processor(text=[self.placeholder], images=images, return_tensors="pt", add_special_tokens=False,
+                             images_kwargs=kwargs)
+        ids = out["input_ids"][0].tolist()
+        if len(ids) > self.limits.max_image_tokens:
+            raise ImageError(f"{name} takes {len(ids)} tokens, over the cap of {self.limits.max_image_tokens} image "
+                             "tokens per picture; send a smaller picture or raise the cap (max image tokens)")
+        grid = None
+        if self.family.mrope:
+            t, h, w = out["image_grid_thw"][0].tolist()
+            merge = self.config.vision_config.spatial_merge_size
+            grid = (t, h // merge, w // merge)
+        offsets = torch.tensor([i for i, t in enumerate(ids) if t == self.image_token_id])
+        inputs = {key: out[key] for key in self.family.feature_inputs if key in out}
+        return PreparedImage(digest, ids, offsets, inputs, grid, image.size)
+
+    @torch.inference_mode()
+    def encode(self, image: PreparedImage) -> ImageRows:
+        """The decoder's input rows of a prepared picture (from the feature cache when it was encoded before)."""
+        rows = self.features.get(image.digest)
+        if rows is None and not image.inputs:
+            raise ImageError(f"picture {image.digest.hex()[:12]} is needed again and its pixels are not held (a "
+                             "restored session keeps none); send the picture again")
+        if rows is None:
+            rows = ImageRows(self._features(image.inputs).float(), image.offsets)
+            if len(rows.rows) != len(image.offsets):
+                raise CheckpointError(f"the vision encoder gave {len(rows.rows)} rows for {len(image.offsets)} image "
+                                      "tokens; the vision folder and processor do not match: rebuild the engine")
+            self.features.put(image.digest, rows)
+        return rows
+
+    def _features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The encoder's output rows for one picture's processor tensors."""
+        extra = {}
+        if self.family.model_type == "llava":
+            extra = dict(vision_feature_layer=self.config.vision_feature_layer,
+                         vision_feature_select_strategy=self.config.vision_feature_select_strategy)
+        out = self.model.get_image_features(**inputs, **extra)
+        rows = out.pooler_output if hasattr(out, "pooler_output") else out
+        return torch.cat(list(rows)) if isinstance(rows, (list, tuple)) else rows.reshape(-1, rows.shape[-1])
+
+    def _max_pixels(self, detail: str) -> int:
+        """Qwen2-VL: the pixels that make at most ``max_image_tokens`` tokens (each token is merge^2 patches), at
+        most 448 x 448 for detail "low"."""
+        v = self.config.vision_config
+        per_token = (v.patch_size * v.spatial_merge_size) ** 2
+        configured = self.processor.image_processor.max_pixels if hasattr(self.processor.image_processor,
+                                                                          "max_pixels") else None
+        cap = min(self.limits.max_image_tokens * per_token, *((LOW_DETAIL_PIXELS,) if detail == "low" else ()))
+        return min(cap, configured) if configured else cap
+
+
+def _vision_model(config, weights: Path, family: VisionFamily) -> torch.nn.Module:
+    """The family's transformers model with a one-layer stub for its text part and the vision tensors loaded."""
+    import transformers
+    from safetensors.torch import load_file
+
+    text = config.get_text_config()
+    stub = dict(num_hidden_layers=1, vocab_size=max(config_token_ids(config)) + 1, intermediate_size=8)
+    for key, value in stub.items():
+        setattr(text, key, value)
+    if hasattr(text, "layer_types"):
+        text.layer_types = text.layer_types[:1]
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: not found; rebuild the engine from the vision-language model's folder")
+    model = transformers.AutoModelForImageTextToText.from_config(config).model.eval()
+    tensors = load_file(str(weights))
+    missing, _ = model.load_state_dict(tensors, strict=False)
+    absent = [name for name in missing if name.startswith(family.prefixes)]
+    if absent:
+        raise CheckpointError(f"{weights}: {len(absent)} vision tensors are missing (first: {absent[0]}); rebuild the "
+                              "engine")
+    return model
+
+
+def config_token_ids(config) -> list[int]:
+    """The special token ids a vision-language config names (the stub's vocabulary must hold them)."""
+    keys = ("image_token_id", "image_token_index", "vision_start_token_id", "vision_end_token_id", "video_token_id")
+    return [getattr(config, k) for k in keys if isinstance(getattr(config, k, None), int)] or [0]

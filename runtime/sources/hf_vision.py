@@ -1,0 +1,69 @@
+"""The vision part of an HF vision-language folder (LLaVA, Idefics3 / SmolVLM, Qwen2-VL), written into an engine's
+``vision/`` folder: its config, the vision tensors (tower and projector, under the names transformers' inner model
+gives them) and the processor's files, all the runtime (cabinllm.runtime.model.vision) reads."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.formats.atomic import atomic_write_text
+from cabinllm.runtime.model.vision import FAMILIES, VISION_WEIGHTS
+from cabinllm.runtime.sources.hf import read_json
+from cabinllm.runtime.sources.hf_names import VLM_ARCHITECTURES
+
+# what AutoProcessor reads besides config.json
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja",
+                   "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# where transformers 5 (first) and 4 keep the vision tensors of these models
+INNER_PREFIXES = ("model.", "")
+
+
+def is_vision_folder(source: Path) -> bool:
+    """Whether ``source`` is an HF folder of a vision-language model whose vision part CabinLLM runs."""
+    config = source / "config.json"
+    return source.is_dir() and config.is_file() and \
+        (read_json(config).get("architectures") or [None])[0] in VLM_ARCHITECTURES
+
+
+def export_vision(source: Path, output: Path) -> dict:
+    """Write ``source``'s vision part into ``output``; returns the manifest's record of it (family, tensors,
+    bytes)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = read_json(source / "config.json")
+    family = FAMILIES.get(config.get("model_type"))
+    if family is None:
+        raise CheckpointError(f"{source}: vision family {config.get('model_type')!r} is not supported; supported: "
+                              f"{', '.join(FAMILIES)}")
+    tensors = {}
+    for path in sorted(source.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                inner = _inner_name(name, family.prefixes)
+                if inner is not None:
+                    tensors[inner] = handle.get_tensor(name)
+    if not tensors:
+        raise CheckpointError(f"{source}: no vision tensors (names starting {' or '.join(family.prefixes)}); is the "
+                              "folder complete?")
+    output.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(output / VISION_WEIGHTS))
+    atomic_write_text(output / "config.json", (source / "config.json").read_text(encoding="utf-8"))
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, output / name)
+    if not any((output / name).is_file() for name in PROCESSOR_FILES[:2]):
+        raise CheckpointError(f"{source}: no preprocessor_config.json or processor_config.json; save the model's "
+                              "processor into the folder (AutoProcessor.from_pretrained(...).save_pretrained(folder))")
+    return {"family": family.model_type, "tensors": len(tensors),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+
+def _inner_name(name: str, prefixes: tuple[str, ...]) -> str | None:
+    """A tensor's name in transformers' inner model where it belongs to the vision part, else None."""
+    for outer in INNER_PREFIXES:
+        inner = name[len(outer):] if name.startswith(outer) else None
+        if inner is not None and inner.startswith(prefixes):
+            return inner
+    return None

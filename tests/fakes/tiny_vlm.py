@@ -1,0 +1,208 @@
+"""Tiny random vision-language models (LLaVA, Idefics3, Qwen2-VL) saved as complete offline HF folders, for tests.
+
+``write_tiny_vlm(folder, family)`` writes what a Hub folder holds: ``config.json`` and ``model.safetensors`` (a
+randomly initialised transformers model, ``save_pretrained``), the tokenizer (``tokenizer.json``,
+``tokenizer_config.json`` with ``chat_template`` and ``stop_token_ids``) and the processor's files
+(``preprocessor_config.json``, ``processor_config.json``, ``chat_template.jinja``), so that
+``AutoProcessor.from_pretrained(folder)`` and ``AutoModelForImageTextToText.from_pretrained(folder)`` work from
+the folder alone.
+
+Shapes follow transformers' own model tests (tests/models/<family>/test_modeling_<family>.py), adjusted where a test
+needs it: a context of 4096 positions (several pictures in one dialogue), SwiGLU (silu) text MLPs whose
+intermediate size is a multiple of 32 (grouped quantization), and an image size giving a few image tokens. The
+tokenizer is a byte-level BPE without merges (every byte is a token, so any text encodes) plus each processor's
+special tokens; the chat template is ChatML-like and takes ``content`` as a string or as a list of OpenAI-style
+parts (``{"type": "text", "text": ...}``, ``{"type": "image"}``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+FAMILIES = ("llava", "idefics3", "qwen2_vl")
+
+MAX_POSITIONS = 4096
+# tokens every family's tokenizer has, first (ids 0, 1, 2)
+COMMON_SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>"]
+# Idefics3's processor names tiles <row_{i}_col_{j}> for grids up to 6 x 6
+IDEFICS3_TILES = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+
+FAMILY = {
+    "llava": {
+        "special": ["<image>"],
+        "eos": "<|im_end|>",
+        "placeholder": "<image>",
+        "config": {
+            "model_type": "llava",
+            "vision_feature_select_strategy": "default", "vision_feature_layer": -2, "image_seq_length": 16,
+            "projector_hidden_act": "gelu", "tie_word_embeddings": False,
+            "text_config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                            "hidden_act": "silu", "tie_word_embeddings": False},
+            # CLIP: (32 / 8)^2 = 16 patches + CLS; "default" drops CLS -> 16 image tokens
+            "vision_config": {"model_type": "clip_vision_model", "image_size": 32, "patch_size": 8,
+                              "num_channels": 3, "hidden_size": 32, "projection_dim": 32, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "intermediate_size": 37},
+        },
+        "image_processor": {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}},
+        "classes": ("LlavaProcessor", "LlavaImageProcessorPil"),
+        "processor": {"patch_size": 8, "vision_feature_select_strategy": "default",
+                      "num_additional_image_tokens": 1},
+    },
+    "idefics3": {
+        "special": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *IDEFICS3_TILES],
+        "eos": "<end_of_utterance>",
+        "placeholder": "<image>",
+        "config": {
+            "model_type": "idefics3",
+            "scale_factor": 2, "tie_word_embeddings": False,
+            "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 64,
+                            "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 2,
+                            "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+            # tiles of 16 px, patches of 4: (16 / 4)^2 = 16 patches, pixel-shuffled by 2 -> 4 tokens a tile
+            "vision_config": {"image_size": 16, "patch_size": 4, "hidden_size": 32, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "intermediate_size": 32},
+        },
+        # the longest edge is resized to 32 and split in 16 px tiles: up to 2 x 2 tiles + the global image
+        "image_processor": {"size": {"longest_edge": 32}, "max_image_size": {"longest_edge": 16},
+                            "do_image_splitting": True},
+        "classes": ("Idefics3Processor", "Idefics3ImageProcessorPil"),
+        "processor": {"image_seq_len": 4},
+    },
+    "qwen2_vl": {
+        "special": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+        "eos": "<|im_end|>",
+        "placeholder": "<|vision_start|><|image_pad|><|vision_end|>",
+        "config": {
+            "model_type": "qwen2_vl",
+            "tie_word_embeddings": False,
+            # head size 8: M-RoPE sections (t, h, w) of 2 + 1 + 1 frequency pairs
+            "text_config": {"model_type": "qwen2_vl_text", "hidden_size": 32, "intermediate_size": 64,
+                            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "hidden_act": "silu", "max_window_layers": 3, "tie_word_embeddings": False,
+                            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                "mrope_section": [2, 1, 1]}},
+            # its hidden_size is the merger's output: the text model's hidden size
+            "vision_config": {"depth": 2, "embed_dim": 32, "hidden_size": 32, "hidden_act": "quick_gelu",
+                              "mlp_ratio": 4, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2,
+                              "temporal_patch_size": 2},
+        },
+        # 56 x 56 to 112 x 112 pixels: 4 to 16 image tokens (one per 28 x 28 block)
+        "image_processor": {"min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14,
+                            "temporal_patch_size": 2, "merge_size": 2},
+        "classes": ("Qwen2VLProcessor", "Qwen2VLImageProcessorPil"),
+        "processor": {},
+    },
+}
+
+
+def chat_template(placeholder: str, end_of_turn: str) -> str:
+    """A ChatML-like template: ``<|im_start|>role\\n...`` closed by ``end_of_turn``; ``content`` a string or a list
+    of parts, each image part rendered as ``placeholder``."""
+    return (
+        "{%- for m in messages -%}"
+        "{{- '<|im_start|>' + m['role'] + '\\n' -}}"
+        "{%- if m['content'] is string -%}{{- m['content'] -}}"
+        "{%- elif m['content'] is iterable -%}{%- for part in m['content'] -%}"
+        "{%- if part['type'] in ('image', 'image_url') -%}{{- '" + placeholder + "' -}}"
+        "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{{- '" + end_of_turn + "\\n' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+
+
+def image(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A random RGB picture of ``width`` x ``height`` pixels."""
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, mode="RGB")
+
+
+def _tokenizer(family: str):
+    """The family's byte-level tokenizer (no merges: one token a byte) with its special tokens, as transformers'
+    fast tokenizer."""
+    import transformers
+
+    spec = FAMILY[family]
+    special = COMMON_SPECIAL + spec["special"]
+    vocab = {token: i for i, token in enumerate(special + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = Tokenizer(models.BPE(vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(special)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=spec["eos"], pad_token="<pad>", bos_token=None, unk_token=None,
+        padding_side="left", model_max_length=MAX_POSITIONS,
+        chat_template=chat_template(spec["placeholder"], spec["eos"]))
+
+
+def _write_processor(folder: Path, family: str, tokenizer) -> None:
+    """Save the family's processor (tokenizer included) into ``folder``, with ``preprocessor_config.json`` as Hub
+    folders have it. PIL image processors: no torchvision needed."""
+    import transformers
+
+    spec = FAMILY[family]
+    processor_class, image_processor_class = spec["classes"]
+    images = getattr(transformers, image_processor_class)(**spec["image_processor"])
+    if family == "qwen2_vl":
+        # transformers 5 builds a Qwen2VLProcessor only where torchvision is (its video processor needs it): write
+        # what the Hub's Qwen2-VL folders hold, from which AutoProcessor infers the video processor
+        tokenizer.save_pretrained(folder)
+        (folder / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}, indent=2),
+                                                      encoding="utf-8")
+    else:
+        processor = getattr(transformers, processor_class)(images, tokenizer, chat_template=tokenizer.chat_template,
+                                                           **spec["processor"])
+        processor.save_pretrained(folder)
+    images.save_pretrained(folder)
+
+
+def _config(family: str, tokenizer):
+    """The family's transformers config, its token ids those of ``tokenizer``."""
+    import transformers
+
+    ids = tokenizer.convert_tokens_to_ids
+    data = json.loads(json.dumps(FAMILY[family]["config"]))
+    text = data["text_config"]
+    text.update(vocab_size=len(tokenizer), max_position_embeddings=MAX_POSITIONS, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
+    if family == "llava":
+        data["image_token_index"] = ids("<image>")
+    elif family == "idefics3":
+        data.update(image_token_id=ids("<image>"), pad_token_id=tokenizer.pad_token_id)
+    else:
+        data.update(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                    vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+    model_type = data.pop("model_type")
+    return transformers.AutoConfig.for_model(model_type, **data)
+
+
+def write_tiny_vlm(folder: Path, family: str, seed: int = 0) -> Path:
+    """Write a tiny random ``family`` model (one of ``FAMILIES``), its tokenizer and processor into ``folder`` as
+    an HF folder; returns ``folder``."""
+    import transformers
+
+    if family not in FAMILY:
+        raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer(family)
+    config = _config(family, tokenizer)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config).eval()
+    model.generation_config = transformers.GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    model.save_pretrained(folder)
+    _write_processor(folder, family, tokenizer)
+    path = folder / "tokenizer_config.json"
+    tok_config = json.loads(path.read_text(encoding="utf-8"))
+    tok_config.update(chat_template=tokenizer.chat_template, stop_token_ids=[tokenizer.eos_token_id],
+                      processor_class=FAMILY[family]["classes"][0])
+    path.write_text(json.dumps(tok_config, indent=2), encoding="utf-8")
+    return folder
