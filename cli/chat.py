@@ -15,13 +15,14 @@ from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.backends.select import BACKENDS, SessionRequest, open_session
 from cabinllm.runtime.dialogue.interface import Session, TurnStats
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
-from cabinllm.runtime.errors import CabinError, ConfigError, SessionFileError
+from cabinllm.runtime.errors import CabinError, ConfigError, ImageError, SessionFileError
 from cabinllm.runtime.formats.chat_script import read_script, text_problem
 from cabinllm.runtime.formats.engine_folder import EngineFolder
 from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.model.tools import Tool, read_tools
 
-HELP_COMMANDS = "commands: /reset (new conversation), /stats (KV memory), /save FILE, /quit; Ctrl-C stops a reply"
+HELP_COMMANDS = ("commands: /reset (new conversation), /stats (KV memory), /save FILE, /image PATH (show a picture "
+                 "with the next message), /quit; Ctrl-C stops a reply")
 TOOLS_HELP = "; /tool RESULT answers the reply's call"
 BUILTIN_TOOLS = Path(__file__).parent / "data" / "vehicle_functions.json"
 
@@ -162,7 +163,19 @@ def run_script(session: Session, turns: list[dict], as_json: bool, options: dict
                 print(f"cabin-chat: error: message {number} of the script: {err}; it was not sent", file=sys.stderr,
                       flush=True)
                 continue
-        stats = session.chat(message, tool_choice=reply_choice(message), **(options or {}))
+        message = dict(message)
+        try:
+            images = read_images(message.pop("images", []))
+        except ImageError as err:
+            print(f"cabin-chat: error: message {number} of the script: {err}; it was not sent", file=sys.stderr,
+                  flush=True)
+            continue
+        try:
+            stats = session.chat(message, tool_choice=reply_choice(message), images=images, **(options or {}))
+        except ImageError as err:
+            print(f"cabin-chat: error: message {number} of the script: {err}; it was not sent", file=sys.stderr,
+                  flush=True)
+            continue
         calls.after(stats)
         if as_json:
             print(json.dumps(stats.to_dict(), ensure_ascii=False), flush=True)
@@ -174,6 +187,17 @@ def run_script(session: Session, turns: list[dict], as_json: bool, options: dict
                 print(f"  error: {stats.error}", flush=True)
     if not as_json:
         print(f"after {session.turns} turns: {session.describe_kv()}")
+
+
+def read_images(paths: list[str]) -> list[tuple[str, bytes]]:
+    """(name, bytes) of picture files; ImageError naming one that cannot be read."""
+    pictures = []
+    for path in paths:
+        try:
+            pictures.append((Path(path).name, Path(path).read_bytes()))
+        except OSError as err:
+            raise ImageError(f"{path}: cannot read the picture ({err.strerror}); check the path") from err
+    return pictures
 
 
 def save_command(session: Session, path: str) -> str:
@@ -206,9 +230,10 @@ def format_alternatives(stats: TurnStats) -> str:
     return "".join(f"\n  alternative {i}> {text}" for i, text in enumerate(stats.alternatives, start=2))
 
 
-def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer, options: dict | None = None) -> None:
-    """Stream the reply to one message (several replies, ``options``, come whole); Ctrl-C stops it and keeps the
-    session."""
+def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer, options: dict | None = None,
+              images: list[tuple[str, bytes]] | None = None) -> None:
+    """Stream the reply to one message (with ``images``; several replies, ``options``, come whole); Ctrl-C stops it
+    and keeps the session."""
     problem = text_problem(text if isinstance(text, str) else text["content"])
     if problem:
         print(f"  error: the message {problem}")
@@ -223,7 +248,8 @@ def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer, options:
     print("assistant> ", end="", flush=True)
     try:
         stats = session.chat(text, on_text=lambda piece: print(piece, end="", flush=True),
-                             should_stop=lambda: interrupted, tool_choice=reply_choice(text), **(options or {}))
+                             should_stop=lambda: interrupted, tool_choice=reply_choice(text), images=images,
+                             **(options or {}))
     finally:
         signal.signal(signal.SIGINT, previous)
     calls.after(stats)
@@ -241,6 +267,7 @@ def run_interactive(session: Session, options: dict | None = None) -> None:
     system = session.messages[0]["content"] if session.messages and session.messages[0]["role"] == "system" else None
     calls = CallsToAnswer()
     tools = session.tools
+    attached: list[tuple[str, bytes]] = []  # pictures for the next message
     print(f"cabin-chat: {session.describe_kv()}\nsystem prompt: {system or '(none)'}\n{HELP_COMMANDS}"
           f"{TOOLS_HELP if tools else ''}")
     if tools:
@@ -264,12 +291,18 @@ def run_interactive(session: Session, options: dict | None = None) -> None:
                 print("usage: /tool RESULT (the result of the reply's call, e.g. {\"ok\": true})")
             elif command == "/tool":
                 chat_turn(session, calls.result({"role": "tool", "content": argument.strip()}), calls, options)
+            elif command == "/image":
+                attached += read_images([argument.strip()] if argument.strip() else [])
+                print(f"({len(attached)} picture(s) attached, shown with your next message)" if argument.strip()
+                      else "usage: /image PATH (a PNG, JPEG or WebP the next message shows)")
             elif command.startswith("/"):
                 print(run_command(session, command, argument.strip()))
             else:
-                chat_turn(session, text, calls, options)
+                pictures, attached = attached, []
+                chat_turn(session, text, calls, options, pictures)
         except Exception as err:  # one failed command or turn never ends the chat
-            print(f"\n  error: {str(err) or type(err).__name__} (the conversation is kept)", flush=True)
+            again = "; attach pictures again with /image" if isinstance(err, ImageError) else ""
+            print(f"\n  error: {str(err) or type(err).__name__} (the conversation is kept{again})", flush=True)
 
 
 @entry_point("cabin-chat")

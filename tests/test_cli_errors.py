@@ -8,6 +8,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 import cabinllm.builders.engine_build
 import cabinllm.cli.args
@@ -20,7 +21,7 @@ from cabinllm.cli import build as build_cli
 from cabinllm.cli import calibrate as cli_calibrate
 from cabinllm.cli import eval as cli_eval
 from cabinllm.cli import plan as plan_cli
-from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.generation.sampling import SamplingParams, make_generator, sample
 
 
 def run_cli(main, argv, capsys) -> tuple[int, str, str]:
@@ -200,6 +201,13 @@ def test_eval_results_on_a_full_disk_are_one_error(tiny_engine_dir, tmp_path, ca
 def test_sampling_params_refuse_values_that_fail_mid_turn(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-9])
+def test_a_top_p_that_rounds_to_zero_still_samples_the_most_likely_token(top_p):
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    assert sample(logits, params, make_generator(0)) == 1
 
 
 def test_sampling_params_cut_text_at_the_earliest_stop_string():

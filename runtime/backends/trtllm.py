@@ -87,7 +87,7 @@ from typing import Callable
 
 from cabinllm.runtime.dialogue.interface import TurnStats
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
-from cabinllm.runtime.errors import CapacityError, CheckpointError, ConfigError, SessionFileError
+from cabinllm.runtime.errors import CapacityError, CheckpointError, ConfigError, ImageError, SessionFileError
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -271,13 +271,16 @@ class TrtllmSession:
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None, n: int = 1,
-             beam: BeamParams | None = None) -> TurnStats:
+             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None) -> TurnStats:
         """Answer one message (text: the user's), streaming the reply text to on_text; no tools here, so
         ``tool_choice`` changes nothing. ``n`` > 1 samples that many replies (num_return_sequences), ``beam`` runs
         TensorRT-LLM's beam search: the conversation goes on with the first reply (the best beam), the others are
-        ``alternatives`` (neither streams its text)."""
+        ``alternatives`` (neither streams its text). No pictures: ``images`` raises ImageError."""
         import torch
 
+        if images:
+            raise ImageError("a TensorRT-LLM session here takes text only; chat about pictures on the reference "
+                             "engine (--backend reference)")
         self._check_forks(n, beam)
         self.turns += 1
         max_new_tokens = beam.max_new_tokens if beam else self.params.max_new_tokens

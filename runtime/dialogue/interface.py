@@ -52,12 +52,13 @@ class Session(Protocol):
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None, n: int = 1,
-             beam: BeamParams | None = None) -> TurnStats:
+             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None) -> TurnStats:
         """Answer one message (text: the user's; a dict: a message such as a tool's result), streaming the reply's
         text; ``tool_choice`` for this reply (None: the session's). ``n`` > 1 samples that many replies from one
         prefill, ``beam`` runs a beam search instead of sampling: the conversation goes on with the first reply
-        (the best beam), the others come as ``alternatives``. A turn that cannot fit ends with finish_reason
-        'capacity' and the session stays usable."""
+        (the best beam), the others come as ``alternatives``. ``images``: (name, bytes) of the pictures the message
+        shows (ImageError, nothing changed, where one cannot be taken). A turn that cannot fit ends with
+        finish_reason 'capacity' and the session stays usable."""
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""

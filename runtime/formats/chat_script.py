@@ -1,6 +1,6 @@
 """Reading a scripted dialogue: JSONL with one ``{"role", "content"}`` message per line: an optional first system
 line, then user lines and tool lines (a tool's result for the call the reply before it made; ``tool_call_id``
-is optional)."""
+is optional). A user line may show pictures: ``"images": ["cam.png", ...]``, paths from the script's folder."""
 from __future__ import annotations
 
 import json
@@ -46,6 +46,12 @@ def read_script(path: str | Path) -> tuple[str | None, list[dict]]:
             system = content
         elif role in ("user", "tool"):
             users.append({key: message[key] for key in ("role", "content", "tool_call_id") if key in message})
+            images = message.get("images", [])
+            if not (isinstance(images, list) and all(isinstance(i, str) and i for i in images)) or \
+                    images and role != "user":
+                raise ScriptError(f"{path}:{number}: images must be a list of picture paths, on user lines")
+            if images:
+                users[-1]["images"] = [str(path.parent / image) for image in images]
         else:
             raise ScriptError(f"{path}:{number}: role {role!r} not allowed here; use one first 'system' line, then "
                               "'user' lines (and 'tool' lines with the results of calls)")

@@ -28,7 +28,7 @@ _COUNT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
                "head_size", "intermediate_size", "max_position_embeddings")
 # ModelOpt writes separate K and V scales beside TensorRT-LLM's shared kv_cache_scaling_factor; nothing reads them
 _OPTIONAL = ("attention.k_cache_scaling_factor", "attention.v_cache_scaling_factor")
-_ROPE_SCALINGS = ("default", "linear", "llama3", "longrope")  # cabinllm.runtime.model.rope computes these
+_ROPE_SCALINGS = ("default", "linear", "llama3", "longrope", "mrope")  # cabinllm.runtime.model.rope computes these
 
 
 @dataclass
@@ -144,6 +144,9 @@ class ModelConfig:
             if not isinstance(getattr(self, key), dict):
                 return key, "an object"
         need = _rotary_scaling_problem(self.rotary_scaling)
+        section = (self.rotary_scaling or {}).get("mrope_section") if not need else None
+        if section and 2 * sum(section) != self.rotated_channels:
+            need = f"an object whose mrope_section sums to half the rotated channels ({self.rotated_channels // 2})"
         return ("rotary_scaling", need) if need else None
 
     @classmethod
@@ -261,6 +264,10 @@ def _rotary_scaling_problem(scaling: object) -> str | None:
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     if kind not in _ROPE_SCALINGS:
         return f"null or an object whose rope_type is one of {', '.join(_ROPE_SCALINGS)}"
+    if kind == "mrope":
+        section = scaling.get("mrope_section")
+        return None if isinstance(section, list) and len(section) == 3 and all(_is_int(n) and n > 0 for n in section) \
+            else "an object with mrope_section: 3 positive integers (pairs turned by time, height, width)"
     if kind != "default" and not _is_positive_number(scaling.get("factor")):
         return "an object with a finite positive factor"
     original = scaling.get("original_max_position_embeddings")

@@ -169,7 +169,7 @@ class ChatTokenizer:
                               f"{text.count(self.image_placeholder or '') if self.image_placeholder else 0} image "
                               "placeholders; send pictures to a vision-language engine only")
         pieces = text.split(self.image_placeholder)
-        return pieces[0] + "".join(f"{IMAGE_OPEN}{d}{IMAGE_CLOSE}{p}" for d, p in zip(digests, pieces[1:]))
+        return pieces[0] + "".join(image_marker(bytes.fromhex(d)) + p for d, p in zip(digests, pieces[1:]))
 
     def _escape_content(self, content: str | list[dict]) -> str | list[dict]:
         """Message content with its text escaped: a string, or parts of which the text ones are."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -173,7 +174,7 @@ class Vision:
         self.folder, self.limits = folder, limits or ImageLimits()
         try:
             config = transformers.AutoConfig.from_pretrained(folder)
-            self.processor = transformers.AutoProcessor.from_pretrained(folder)
+            self.processor = _processor(folder)
         except (OSError, ValueError) as err:
             raise CheckpointError(f"{folder}: unreadable vision config or processor ({err}); rebuild the engine") from err
         if config.model_type not in FAMILIES:
@@ -240,8 +241,34 @@ class Vision:
         per_token = (v.patch_size * v.spatial_merge_size) ** 2
         configured = self.processor.image_processor.max_pixels if hasattr(self.processor.image_processor,
                                                                           "max_pixels") else None
-        cap = min(self.limits.max_image_tokens * per_token, *((LOW_DETAIL_PIXELS,) if detail == "low" else ()))
+        cap = self.limits.max_image_tokens * per_token
+        cap = min(cap, LOW_DETAIL_PIXELS) if detail == "low" else cap
         return min(cap, configured) if configured else cap
+
+
+def _processor(folder: Path):
+    """The folder's transformers processor; where its video processor needs torchvision (Qwen2-VL's) and torchvision
+    is not installed, the same processor without one: pictures are all a cabin sends."""
+    import transformers
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(folder)
+    except ImportError as err:
+        missing = err
+    configs = [folder / n for n in ("processor_config.json", "preprocessor_config.json") if (folder / n).is_file()]
+    name = next((c["processor_class"] for c in (json.loads(p.read_text(encoding="utf-8")) for p in configs)
+                 if "processor_class" in c), None)
+    if name is None or not hasattr(transformers, name):
+        raise CheckpointError(f"{folder}: the processor needs a library that is not installed ({missing}); install it")
+    base = getattr(transformers, name)
+
+    def check(self, attribute: str, value: object):
+        return None if value is None else base.check_argument_for_proper_class(self, attribute, value)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    images_only = type(name, (base,), {"check_argument_for_proper_class": check})
+    return images_only(image_processor=transformers.AutoImageProcessor.from_pretrained(folder), tokenizer=tokenizer,
+                       video_processor=None, chat_template=tokenizer.chat_template)
 
 
 def _vision_model(config, weights: Path, family: VisionFamily) -> torch.nn.Module:

@@ -38,8 +38,8 @@ def _weight_files(folder: Path) -> tuple[list[Path], str]:
     return files, str(files[0]) if len(files) == 1 else str(folder)
 
 
-# where a vision-language folder keeps its text model's "model." tensors: transformers 4 and 5
-TEXT_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+# where a vision-language folder keeps its text model's "model." tensors: transformers 4 and 5 (Idefics3: text_model)
+TEXT_MODEL_PREFIXES = ("language_model.model.", "model.language_model.", "model.text_model.")
 
 
 def _text_model_names(names: SourceNames, shapes: dict) -> SourceNames:
