@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from cabinllm.builders.dialogue_turns import TYPICAL_TURN, TurnTokens
 from cabinllm.builders.graph_plan import GraphPlan, graph_limit, npu_weight_bytes, size_graphs, tokens_held
+from cabinllm.builders.image_plan import ImageCost, image_cost
 from cabinllm.builders.memory_model import (activation_bytes, kv_bytes_per_token, kv_window_bytes, parameter_count,
                                             weights_bytes)
 from cabinllm.builders.targets import GIB, Backend, Target, load_targets
@@ -105,6 +106,7 @@ class Plan:
     kv: dict[str, KVPlan]
     warnings: list[str] = field(default_factory=list)
     cannot_build: str | None = None  # why the target's TensorRT-LLM cannot build this model (no trtllm-build)
+    images: ImageCost | None = None  # a vision-language model's pictures
 
     @property
     def target(self) -> Target:
@@ -116,7 +118,7 @@ class Plan:
         """Memory left for activations and the KV pool (negative when the weights do not fit)."""
         t = self.target
         fixed = int((t.memory_gib - t.os_reserve_gib - t.runtime_overhead_gib) * GIB) - self.co_resident_bytes
-        return fixed - self.weights_bytes
+        return fixed - self.weights_bytes - (self.images.memory_bytes if self.images else 0)
 
     def refusal(self) -> str | None:
         """Why this plan cannot work, or None."""
@@ -197,6 +199,11 @@ class Plan:
             "trtllm_build_args": per("trtllm_build_args") if t.backend is Backend.TENSORRT else None,
             "warnings": self.warnings,
             "trtllm_cannot_build": self.cannot_build,
+            "images": self.images and {
+                **self.images.to_dict(),
+                "kv_bytes_per_picture": {name: kv.bytes_per_token * self.images.tokens for name, kv in self.kv.items()},
+                "turns_with_a_picture": {name: self.images.turns(kv.max_seq_len, self.turn)
+                                         for name, kv in self.kv.items()}},
         }
         if t.backend is Backend.ONNX:
             plan["cabin_export"] = {name: kv.graphs.to_dict() if kv.graphs else None for name, kv in self.kv.items()}
@@ -222,7 +229,7 @@ def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPI
     t = request.target
     co_resident = int((t.co_resident_gib if request.reserve_gb is None else request.reserve_gb) * GIB)
     weights = weights_bytes(config, request.weights, t.weights_in_memory, request.head)
-    plan = Plan(request, config, turn, co_resident, weights, {})
+    plan = Plan(request, config, turn, co_resident, weights, {}, images=image_cost(request.model))
     dtypes = [request.kv_dtype] if request.kv_dtype in t.kv_dtypes else list(t.kv_dtypes)
     plan.kv = {dtype: size_kv(config, t, dtype, plan.budget_bytes, turn, request.weights, request.max_beam_width)
                for dtype in dtypes}

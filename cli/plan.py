@@ -6,7 +6,9 @@ import json
 import sys
 from typing import Callable
 
+from cabinllm.builders.dialogue_turns import TurnTokens
 from cabinllm.builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER, GraphPlan
+from cabinllm.builders.image_plan import ImageCost
 from cabinllm.builders.planner import MIB, KVPlan, Plan, PlanRequest, weight_choices, working_plan
 from cabinllm.builders.targets import GIB, Backend, get_target
 from cabinllm.cli.args import entry_point, int_range, os_error_message, output_name, reserve_gib
@@ -63,15 +65,19 @@ def format_table(plan: Plan) -> str:
         f"{c.head_size}, context {c.max_position_embeddings}) on {t.name}: {t.description}{sm}{line}{npu}",
         f"memory: {t.memory_gib:.2f} GiB - OS {t.os_reserve_gib:.2f} - co-resident {plan.co_resident_bytes / GIB:.2f}"
         f" - runtime {t.runtime_overhead_gib:.2f} - {plan.request.weights} weights{head}{held} {plan.weights_bytes / GIB:.2f}"
+        f"{f' - vision {plan.images.memory_bytes / GIB:.2f}' if plan.images else ''}"
         f" = {plan.budget_bytes / GIB:.2f} GiB for activations and KV",
         f"weight formats on {t.name} ({t.backend.value} runtime):",
         *(f"  {w['weights']:<9} {_mib(w['bytes']) if w['bytes'] else '-':>7} MiB  "
           f"{w['conversion'] if w['taken'] else 'no: ' + w['why_not']}" for w in weight_choices(c, t, plan.request.head)),
         f"one turn = {turn.per_turn} tokens (user {turn.user} + assistant {turn.assistant}), system prompt "
         f"{turn.system}; measured on {turn.measured_on} with the {turn.tokenizer} tokenizer",
+        *_picture_lines(plan),
         "",
     ]
     rows = GRAPH_ROWS if t.backend is Backend.ONNX else ENGINE_ROWS
+    if plan.images:
+        rows = rows + _picture_rows(plan.images, turn)
     if not any(kv.window_bytes for kv in plan.kv.values()):
         rows = [row for row in rows if row[0] != WINDOW_ROW]
     width = max(len(name) for name, _ in rows) + 2
@@ -93,6 +99,22 @@ def format_table(plan: Plan) -> str:
         lines.append(f"{ENGINE_PLACEHOLDER}: the folder cabin-build --target {t.name}{weights} writes; "
                      f"{GRAPHS_PLACEHOLDER}: where the graphs go")
     return "\n".join(lines)
+
+
+def _picture_lines(plan: Plan) -> list[str]:
+    """What a vision-language model's pictures cost, in words (none for a text model)."""
+    i = plan.images
+    if i is None:
+        return []
+    return [f"pictures: a {i.picture[0]}x{i.picture[1]} camera frame takes {i.tokens} tokens ({i.tokens_low} with "
+            f"detail low), counted by the model's processor; vision tower + projector {_mib(i.vision_weight_bytes)} "
+            f"MiB (fp16), encoder output cache {_mib(i.feature_cache_bytes)} MiB"]
+
+
+def _picture_rows(images: ImageCost, turn: TurnTokens) -> list[tuple[str, Callable[[KVPlan], str]]]:
+    """Table rows of a picture's KV and of the turns with a picture that one conversation holds."""
+    return [("KV MiB per picture", lambda kv: f"{kv.bytes_per_token * images.tokens / MIB:,.2f}"),
+            ("turns with a picture", lambda kv: f"{images.turns(kv.max_seq_len, turn):,}")]
 
 
 def _mib(value: int) -> str:

@@ -246,7 +246,7 @@ class Scheduler:
                 self._cache_stats = self.cache.stats()
             return False
         t0 = time.perf_counter()
-        rows = [r.request.media.rows for r in self._running if r.request.media and r.prefilling]
+        rows = [r.request.media.rows for r in self._running if r.request.media]  # encoded where a span reads them
         images = {"images": ChainMap(*rows)} if rows else {}  # only the reference engine takes pictures
         logits = self.model.step(spans, self.cache, **images)
         peak = self.cache.stats()  # the most this step holds: before any sequence finishes

@@ -17,6 +17,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from cabinllm.runtime.model.transformer import ImageRows
 VISION_FOLDER = "vision"
 VISION_WEIGHTS = "vision.safetensors"
 LOW_DETAIL_PIXELS = 448 * 448
+FEATURE_CACHE_BYTES = 64 << 20  # encoded rows kept per engine (the plan counts them)
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,11 @@ def decode_image(data: bytes, name: str, limits: ImageLimits):
                 raise ImageError(f"{name} is {width}x{height} ({width * height / 1e6:.0f} MP), over the "
                                  f"{limits.max_decoded_pixels / 1e6:.0f} MP a picture may have; downscale it")
             image = image.convert("RGB")
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise ImageError(f"{name} is not a picture Pillow can read ({err}); send a PNG, JPEG or WebP") from err
+    except UnidentifiedImageError as err:
+        raise ImageError(f"{name} is not a picture Pillow can read (not PNG, JPEG, WebP or another format it knows); "
+                         "send a PNG, JPEG or WebP") from err
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise ImageError(f"{name} has too many pixels to decode safely ({err}); downscale it") from err
     except (OSError, SyntaxError, ValueError) as err:
         raise ImageError(f"{name} could not be decoded ({err}): the file may be truncated; send it again") from err
     h = hashlib.blake2b(digest_size=16)
@@ -168,7 +173,8 @@ class EncodedRows(Mapping):
 class Vision:
     """A vision-language engine's images: preprocessing, placeholder expansion and the encoder."""
 
-    def __init__(self, folder: Path, limits: ImageLimits | None = None, cache_bytes: int = 64 << 20) -> None:
+    def __init__(self, folder: Path, limits: ImageLimits | None = None,
+                 cache_bytes: int = FEATURE_CACHE_BYTES) -> None:
         import transformers
 
         self.folder, self.limits = folder, limits or ImageLimits()
@@ -176,26 +182,29 @@ class Vision:
             config = transformers.AutoConfig.from_pretrained(folder)
             self.processor = _processor(folder)
         except (OSError, ValueError) as err:
-            raise CheckpointError(f"{folder}: unreadable vision config or processor ({err}); rebuild the engine") from err
+            raise CheckpointError(f"{folder}: unreadable vision config or processor ({err}); rebuild the "
+                                  "engine") from err
         if config.model_type not in FAMILIES:
             raise CheckpointError(f"{folder}: vision family {config.model_type!r} is not supported; supported: "
                                   f"{', '.join(FAMILIES)}")
         self.family, self.config = FAMILIES[config.model_type], config
         self.placeholder = getattr(self.processor, self.family.placeholder_key)
         self.image_token_id = self.processor.tokenizer.convert_tokens_to_ids(self.placeholder)
-        self.model = _vision_model(config, folder / VISION_WEIGHTS, self.family)
         self.features = FeatureCache(cache_bytes)
+
+    @cached_property
+    def model(self) -> torch.nn.Module:
+        """The vision tower and projector, loaded when a picture is first encoded (planning needs only the
+        processor)."""
+        return _vision_model(self.config, self.folder / VISION_WEIGHTS, self.family)
 
     def prepare(self, data: bytes, name: str, detail: str = "auto") -> PreparedImage:
         """Decode, check and preprocess one picture; its token count is known before anything is encoded.
         ``detail`` "low" (OpenAI's): Idefics3 without tiles, Qwen2-VL at most 448 x 448 pixels; LLaVA's one size."""
         image, digest = decode_image(data, name, self.limits)
-        kwargs = {"max_pixels": self._max_pixels(detail)} if self.family.mrope else {}
-        if detail == "low" and self.family.model_type == "idefics3":
-            kwargs["do_image_splitting"] = False
         images = [[image]] if self.family.model_type == "idefics3" else [image]
         out = self.processor(text=[self.placeholder], images=images, return_tensors="pt", add_special_tokens=False,
-                             images_kwargs=kwargs)
+                             images_kwargs=self._resize_kwargs(detail))
         ids = out["input_ids"][0].tolist()
         if len(ids) > self.limits.max_image_tokens:
             raise ImageError(f"{name} takes {len(ids)} tokens, over the cap of {self.limits.max_image_tokens} image "
@@ -235,15 +244,24 @@ class Vision:
         return torch.cat(list(rows)) if isinstance(rows, (list, tuple)) else rows.reshape(-1, rows.shape[-1])
 
     def _max_pixels(self, detail: str) -> int:
-        """Qwen2-VL: the pixels that make at most ``max_image_tokens`` tokens (each token is merge^2 patches), at
-        most 448 x 448 for detail "low"."""
+        """Qwen2-VL: the most pixels a picture is resized to: the processor's own, lowered to what makes at most
+        ``max_image_tokens`` tokens (each token is merge^2 patches), and to 448 x 448 for detail "low"."""
         v = self.config.vision_config
-        per_token = (v.patch_size * v.spatial_merge_size) ** 2
-        configured = self.processor.image_processor.max_pixels if hasattr(self.processor.image_processor,
-                                                                          "max_pixels") else None
-        cap = self.limits.max_image_tokens * per_token
+        cap = self.limits.max_image_tokens * (v.patch_size * v.spatial_merge_size) ** 2
         cap = min(cap, LOW_DETAIL_PIXELS) if detail == "low" else cap
+        size = self.processor.image_processor.size  # transformers 5: pixels as shortest / longest "edge"
+        configured = size.get("longest_edge") or getattr(self.processor.image_processor, "max_pixels", None)
         return min(cap, configured) if configured else cap
+
+    def _resize_kwargs(self, detail: str) -> dict:
+        """The processor's images_kwargs for one picture: Qwen2-VL's pixel range with ``_max_pixels`` on top,
+        Idefics3 without tiles for detail "low"."""
+        if self.family.mrope:
+            size = dict(self.processor.image_processor.size)
+            if "longest_edge" in size:
+                return {"size": {**size, "longest_edge": self._max_pixels(detail)}}
+            return {"max_pixels": self._max_pixels(detail)}  # transformers 4
+        return {"do_image_splitting": False} if detail == "low" and self.family.model_type == "idefics3" else {}
 
 
 def _processor(folder: Path):

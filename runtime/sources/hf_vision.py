@@ -3,12 +3,14 @@
 gives them) and the processor's files, all the runtime (cabinllm.runtime.model.vision) reads."""
 from __future__ import annotations
 
+import math
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.formats.atomic import atomic_write_text
-from cabinllm.runtime.model.vision import FAMILIES, VISION_WEIGHTS
+from cabinllm.runtime.model.vision import FAMILIES, VISION_WEIGHTS, VisionFamily
 from cabinllm.runtime.sources.hf import read_json
 from cabinllm.runtime.sources.hf_names import VLM_ARCHITECTURES
 
@@ -29,21 +31,10 @@ def is_vision_folder(source: Path) -> bool:
 def export_vision(source: Path, output: Path) -> dict:
     """Write ``source``'s vision part into ``output``; returns the manifest's record of it (family, tensors,
     bytes)."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
-    config = read_json(source / "config.json")
-    family = FAMILIES.get(config.get("model_type"))
-    if family is None:
-        raise CheckpointError(f"{source}: vision family {config.get('model_type')!r} is not supported; supported: "
-                              f"{', '.join(FAMILIES)}")
-    tensors = {}
-    for path in sorted(source.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                inner = _inner_name(name, family.prefixes)
-                if inner is not None:
-                    tensors[inner] = handle.get_tensor(name)
+    family = _family(source)
+    tensors = {inner: handle.get_tensor(name) for handle, name, inner in _vision_tensors(source, family)}
     if not tensors:
         raise CheckpointError(f"{source}: no vision tensors (names starting {' or '.join(family.prefixes)}); is the "
                               "folder complete?")
@@ -58,6 +49,34 @@ def export_vision(source: Path, output: Path) -> dict:
                               "processor into the folder (AutoProcessor.from_pretrained(...).save_pretrained(folder))")
     return {"family": family.model_type, "tensors": len(tensors),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+
+def vision_parameters(source: Path) -> int:
+    """Parameters of the folder's vision tower and projector, from the safetensors headers."""
+    return sum(math.prod(handle.get_slice(name).get_shape()) for handle, name, _ in _vision_tensors(source,
+                                                                                                   _family(source)))
+
+
+def _family(source: Path) -> VisionFamily:
+    """The vision family of an HF folder's config; CheckpointError for one CabinLLM does not run."""
+    config = read_json(source / "config.json")
+    family = FAMILIES.get(config.get("model_type"))
+    if family is None:
+        raise CheckpointError(f"{source}: vision family {config.get('model_type')!r} is not supported; supported: "
+                              f"{', '.join(FAMILIES)}")
+    return family
+
+
+def _vision_tensors(source: Path, family: VisionFamily) -> Iterator[tuple[object, str, str]]:
+    """(open safetensors file, name, inner name) of each vision tensor of the folder."""
+    from safetensors import safe_open
+
+    for path in sorted(source.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                inner = _inner_name(name, family.prefixes)
+                if inner is not None:
+                    yield handle, name, inner
 
 
 def _inner_name(name: str, prefixes: tuple[str, ...]) -> str | None:

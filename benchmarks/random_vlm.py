@@ -1,18 +1,22 @@
-"""Tiny random vision-language models (LLaVA, Idefics3, Qwen2-VL) saved as complete offline HF folders, for tests.
+"""Random-weight vision-language models (LLaVA, Idefics3, Qwen2-VL) saved as complete offline HF folders: tiny ones
+for the tests, one of a real model's shape for the benchmarks. Random weights prove mechanics and measure speed and
+memory, never answers.
 
-``write_tiny_vlm(folder, family)`` writes what a Hub folder holds: ``config.json`` and ``model.safetensors`` (a
+``write_random_vlm(folder, family)`` writes what a Hub folder holds: ``config.json`` and ``model.safetensors`` (a
 randomly initialised transformers model, ``save_pretrained``), the tokenizer (``tokenizer.json``,
 ``tokenizer_config.json`` with ``chat_template`` and ``stop_token_ids``) and the processor's files
-(``preprocessor_config.json``, ``processor_config.json``, ``chat_template.jinja``), so that
-``AutoProcessor.from_pretrained(folder)`` and ``AutoModelForImageTextToText.from_pretrained(folder)`` work from
-the folder alone.
+(``preprocessor_config.json``, ``processor_config.json``), so that ``AutoProcessor.from_pretrained(folder)`` and
+``AutoModelForImageTextToText.from_pretrained(folder)`` work from the folder alone.
 
-Shapes follow transformers' own model tests (tests/models/<family>/test_modeling_<family>.py), adjusted where a test
-needs it: a context of 4096 positions (several pictures in one dialogue), SwiGLU (silu) text MLPs whose
-intermediate size is a multiple of 32 (grouped quantization), and an image size giving a few image tokens. The
-tokenizer is a byte-level BPE without merges (every byte is a token, so any text encodes) plus each processor's
-special tokens; the chat template is ChatML-like and takes ``content`` as a string or as a list of OpenAI-style
-parts (``{"type": "text", "text": ...}``, ``{"type": "image"}``).
+The tiny shapes follow transformers' own model tests (tests/models/<family>/test_modeling_<family>.py), adjusted
+where a test needs it: a context of 4096 positions (several pictures in one dialogue), SwiGLU (silu) text MLPs
+whose intermediate size is a multiple of 32 (grouped quantization), and an image size giving a few image tokens.
+``SHAPES["smolvlm-256m"]`` is SmolVLM-256M-Instruct's: a SigLIP-B/16 tower at 512 px (64 tokens a tile after the
+pixel shuffle by 4, tiles of 512 px up to a 2048 px longest edge) on SmolLM2-135M's text shape. The tokenizer is a
+byte-level BPE without merges (every byte is a token, so any text encodes) or a given ``tokenizer.json`` (the
+default model's, for the real shape), plus each processor's special tokens; the chat template is ChatML-like and
+takes ``content`` as a string or as a list of OpenAI-style parts (``{"type": "text", "text": ...}``,
+``{"type": "image"}``).
 """
 from __future__ import annotations
 
@@ -118,23 +122,40 @@ def chat_template(placeholder: str, end_of_turn: str) -> str:
     )
 
 
+# a real model's shape: (family, its config's changes, its image processor's, its processor's)
+SHAPES = {
+    "smolvlm-256m": ("idefics3", {
+        "scale_factor": 4,
+        "text_config": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                        "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
+                        "rope_theta": 100000.0, "max_position_embeddings": 8192},
+        "vision_config": {"image_size": 512, "patch_size": 16, "hidden_size": 768, "num_hidden_layers": 12,
+                          "num_attention_heads": 12, "intermediate_size": 3072}},
+        # tiles of 512 px up to a 1024 px longest edge (SmolVLM's processor takes N x 512; the Hub's default N is 4)
+        {"size": {"longest_edge": 1024}, "max_image_size": {"longest_edge": 512}}, {"image_seq_len": 64}),
+}
+
+
 def image(width: int, height: int, seed: int = 0) -> Image.Image:
     """A random RGB picture of ``width`` x ``height`` pixels."""
     pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels, mode="RGB")
 
 
-def _tokenizer(family: str):
-    """The family's byte-level tokenizer (no merges: one token a byte) with its special tokens, as transformers'
-    fast tokenizer."""
+def _tokenizer(family: str, tokenizer_json: Path | None = None):
+    """The family's special tokens on a byte-level tokenizer (no merges: one token a byte), or on the tokenizer of
+    ``tokenizer_json``, as transformers' fast tokenizer."""
     import transformers
 
     spec = FAMILY[family]
     special = COMMON_SPECIAL + spec["special"]
-    vocab = {token: i for i, token in enumerate(special + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tokenizer = Tokenizer(models.BPE(vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    if tokenizer_json is None:
+        vocab = {token: i for i, token in enumerate(special + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+        tokenizer = Tokenizer(models.BPE(vocab, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+    else:
+        tokenizer = Tokenizer.from_file(str(tokenizer_json))
     tokenizer.add_special_tokens(special)
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=spec["eos"], pad_token="<pad>", bos_token=None, unk_token=None,
@@ -142,14 +163,14 @@ def _tokenizer(family: str):
         chat_template=chat_template(spec["placeholder"], spec["eos"]))
 
 
-def _write_processor(folder: Path, family: str, tokenizer) -> None:
-    """Save the family's processor (tokenizer included) into ``folder``, with ``preprocessor_config.json`` as Hub
-    folders have it. PIL image processors: no torchvision needed."""
+def _write_processor(folder: Path, family: str, tokenizer, images_changes: dict, processor_changes: dict) -> None:
+    """Save the family's processor (tokenizer included; its settings with the shape's changes) into ``folder``,
+    with ``preprocessor_config.json`` as Hub folders have it. PIL image processors: no torchvision needed."""
     import transformers
 
     spec = FAMILY[family]
     processor_class, image_processor_class = spec["classes"]
-    images = getattr(transformers, image_processor_class)(**spec["image_processor"])
+    images = getattr(transformers, image_processor_class)(**{**spec["image_processor"], **images_changes})
     if family == "qwen2_vl":
         # transformers 5 builds a Qwen2VLProcessor only where torchvision is (its video processor needs it): write
         # what the Hub's Qwen2-VL folders hold, from which AutoProcessor infers the video processor
@@ -158,20 +179,23 @@ def _write_processor(folder: Path, family: str, tokenizer) -> None:
                                                       encoding="utf-8")
     else:
         processor = getattr(transformers, processor_class)(images, tokenizer, chat_template=tokenizer.chat_template,
-                                                           **spec["processor"])
+                                                           **{**spec["processor"], **processor_changes})
         processor.save_pretrained(folder)
     images.save_pretrained(folder)
 
 
-def _config(family: str, tokenizer):
-    """The family's transformers config, its token ids those of ``tokenizer``."""
+def _config(family: str, tokenizer, changes: dict):
+    """The family's transformers config with the shape's ``changes``, its token ids those of ``tokenizer``."""
     import transformers
 
     ids = tokenizer.convert_tokens_to_ids
     data = json.loads(json.dumps(FAMILY[family]["config"]))
+    for key, value in changes.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
     text = data["text_config"]
-    text.update(vocab_size=len(tokenizer), max_position_embeddings=MAX_POSITIONS, pad_token_id=tokenizer.pad_token_id,
-                bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
+    text.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                eos_token_id=tokenizer.eos_token_id)
+    text.setdefault("max_position_embeddings", MAX_POSITIONS)
     if family == "llava":
         data["image_token_index"] = ids("<image>")
     elif family == "idefics3":
@@ -183,23 +207,25 @@ def _config(family: str, tokenizer):
     return transformers.AutoConfig.for_model(model_type, **data)
 
 
-def write_tiny_vlm(folder: Path, family: str, seed: int = 0) -> Path:
-    """Write a tiny random ``family`` model (one of ``FAMILIES``), its tokenizer and processor into ``folder`` as
-    an HF folder; returns ``folder``."""
+def write_random_vlm(folder: Path, name: str, seed: int = 0, tokenizer_json: Path | None = None) -> Path:
+    """Write a random model into ``folder`` as an HF folder (weights, tokenizer, processor): ``name`` a family of
+    ``FAMILIES`` (its tiny shape) or a shape of ``SHAPES``; ``tokenizer_json`` the text tokenizer (default: bytes).
+    Returns ``folder``."""
     import transformers
 
-    if family not in FAMILY:
-        raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+    if name not in FAMILY and name not in SHAPES:
+        raise ValueError(f"unknown model {name!r}; one of {', '.join([*FAMILIES, *SHAPES])}")
+    family, config_changes, images_changes, processor_changes = SHAPES.get(name, (name, {}, {}, {}))
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(family)
-    config = _config(family, tokenizer)
+    tokenizer = _tokenizer(family, tokenizer_json)
+    config = _config(family, tokenizer, config_changes)
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(config).eval()
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     model.save_pretrained(folder)
-    _write_processor(folder, family, tokenizer)
+    _write_processor(folder, family, tokenizer, images_changes, processor_changes)
     path = folder / "tokenizer_config.json"
     tok_config = json.loads(path.read_text(encoding="utf-8"))
     tok_config.update(chat_template=tokenizer.chat_template, stop_token_ids=[tokenizer.eos_token_id],

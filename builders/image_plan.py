@@ -1,0 +1,55 @@
+"""What pictures cost a vision-language model on a target: the tokens of a cabin camera's frame (counted by the
+model's own processor, as the runtime counts them), the memory of the vision tower and of the encoder's output
+cache, and per KV dtype the KV of one picture and the turns with a picture that fit beside the dialogue."""
+from __future__ import annotations
+
+import io
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cabinllm.builders.dialogue_turns import TurnTokens
+from cabinllm.runtime.model.vision import FEATURE_CACHE_BYTES, VISION_FOLDER, Vision
+from cabinllm.runtime.sources.hf_vision import is_vision_folder, vision_parameters
+
+CAMERA_FRAME = (1280, 720)  # a cabin camera's frame, width x height
+VISION_BYTES_PER_PARAMETER = 2  # the tower runs in fp16 on the board
+
+
+@dataclass(frozen=True)
+class ImageCost:
+    """A picture's tokens (OpenAI detail "auto" and "low") and what the vision part holds in memory."""
+
+    picture: tuple[int, int]
+    tokens: int
+    tokens_low: int
+    vision_weight_bytes: int
+    feature_cache_bytes: int
+
+    @property
+    def memory_bytes(self) -> int:
+        """Memory the vision part takes beside the text model: its weights and the encoder's output cache."""
+        return self.vision_weight_bytes + self.feature_cache_bytes
+
+    def turns(self, max_seq_len: int, turn: TurnTokens) -> int:
+        """Turns of the dialogue, each showing one picture, that one conversation of ``max_seq_len`` holds."""
+        return max((max_seq_len - turn.system) // (turn.per_turn + self.tokens), 0)
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {**asdict(self), "picture": list(self.picture), "memory_bytes": self.memory_bytes}
+
+
+def image_cost(model: str) -> ImageCost | None:
+    """The picture costs of an HF vision-language folder or an engine built from one (None for any other model)."""
+    folder = Path(model)
+    folder = folder / VISION_FOLDER if is_vision_folder(folder / VISION_FOLDER) else folder
+    if not is_vision_folder(folder):
+        return None
+    from PIL import Image
+
+    frame = io.BytesIO()
+    Image.new("RGB", CAMERA_FRAME, (128, 128, 128)).save(frame, "PNG")
+    vision, name = Vision(folder), f"a {CAMERA_FRAME[0]}x{CAMERA_FRAME[1]} camera frame"
+    return ImageCost(CAMERA_FRAME, vision.prepare(frame.getvalue(), name).image_tokens,
+                     vision.prepare(frame.getvalue(), name, "low").image_tokens,
+                     vision_parameters(folder) * VISION_BYTES_PER_PARAMETER, FEATURE_CACHE_BYTES)
