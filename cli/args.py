@@ -22,6 +22,7 @@ from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.memory import available_memory
 from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES
 from cabinllm.runtime.model.threads import AUTO, CPU_THREADS, parse_threads
+from cabinllm.runtime.model.vision import ImageLimits
 
 
 def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -67,6 +68,18 @@ reserve_gib = float_range(0, 1024, low_included=True)  # GiB held on a board for
 def help_of(config: type, name: str) -> str:
     """The description a config dataclass gives its field ``name``: the help of the flag that sets it."""
     return next(f for f in dataclasses.fields(config) if f.name == name).metadata["help"]
+
+
+def add_image_flags(parser: argparse.ArgumentParser) -> None:
+    """The caps on pictures a message may show (a vision-language engine's; ImageLimits' fields)."""
+    for cap in dataclasses.fields(ImageLimits):
+        parser.add_argument("--" + cap.name.replace("_", "-"), type=positive_int, default=cap.default,
+                            help=f"{help_of(ImageLimits, cap.name)} (default {cap.default:,})")
+
+
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    """The picture caps of the flags."""
+    return ImageLimits(**{cap.name: getattr(args, cap.name) for cap in dataclasses.fields(ImageLimits)})
 
 
 def add_cache_flags(parser: argparse.ArgumentParser, shared_by: str = "") -> None:

@@ -7,9 +7,9 @@ import signal
 import sys
 from pathlib import Path
 
-from cabinllm.cli.args import (add_cache_flags, add_sampling_flags, add_thread_flag, entry_point, float_range, help_of,
-                               kv_budget_bytes, os_error_message, output_name, positive_int, sampling_params,
-                               use_threads)
+from cabinllm.cli.args import (add_cache_flags, add_image_flags, add_sampling_flags, add_thread_flag, entry_point,
+                               float_range, help_of, image_limits, kv_budget_bytes, os_error_message, output_name,
+                               positive_int, sampling_params, use_threads)
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.backends.select import BACKENDS, SessionRequest, open_session
@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--system", help="system prompt (default: the engine's, recorded by cabin-build; \"\" for "
                         "none; a script's system line wins)")
     add_cache_flags(parser)
+    add_image_flags(parser)
     parser.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
                         help="tensorrt-llm runs the engine's trt_engine/ through ModelRunnerCpp (needs tensorrt_llm); "
                              "onnxruntime runs the graphs of a cabin-export folder on our paged cache; reference runs "
@@ -104,7 +105,7 @@ def session_request(args: argparse.Namespace, system: str | None) -> SessionRequ
     return SessionRequest(args.engine, kv_budget_bytes(args.kv_budget_mb), sampling_params(args), system,
                           OverflowPolicy(args.overflow), args.kv_cache, args.tokens_per_block, args.backend,
                           args.ort_provider, args.htp_arch, args.restore, chat_tools(args), args.tool_choice,
-                          max(args.choices, args.beam_width))
+                          max(args.choices, args.beam_width), image_limits(args))
 
 
 def open_chat_session(args: argparse.Namespace, system: str | None) -> Session:

@@ -11,8 +11,8 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from cabinllm.cli.args import (add_cache_flags, add_thread_flag, entry_point, help_of, int_range, kv_budget_bytes,
-                               positive_float, positive_int, use_threads)
+from cabinllm.cli.args import (add_cache_flags, add_image_flags, add_thread_flag, entry_point, help_of, image_limits,
+                               int_range, kv_budget_bytes, positive_float, positive_int, use_threads)
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--allow-unauthenticated", action="store_true",
                         help="serve a non-loopback --host without an API key (anyone who reaches it may use it)")
     add_cache_flags(parser, ", shared by every conversation")
+    add_image_flags(parser)
     parser.add_argument("--max-sessions", type=positive_int, default=4, help="requests decoding together (default 4)")
     parser.add_argument("--max-queue", type=positive_int, default=16,
                         help="requests waiting for a session or KV blocks before new ones get 429 (default 16)")
@@ -95,6 +96,8 @@ def build(args: argparse.Namespace) -> FastAPI:
     budget = kv_budget_bytes(args.kv_budget_mb)
     use_threads(args)
     engine = Engine.load(args.engine)
+    if engine.vision is not None:
+        engine.vision.limits = image_limits(args)
     cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, budget, args.tokens_per_block), args.max_sessions)
     scheduler = Scheduler(engine, cache, SchedulerConfig(args.max_sessions, args.max_queue, args.prefill_chunk,
                                                          args.queue_timeout))

@@ -355,3 +355,17 @@ def test_cabin_chat_image_command_attaches_to_the_next_message(vlm, tmp_path, mo
     assert "1 picture(s) attached" in out and "usage: /image PATH" in out
     assert "bad.png is not a picture Pillow can read" in out and "the conversation is kept" in out
     assert "Traceback" not in out
+
+
+def test_cabin_chat_caps_pictures_as_its_flags_say(vlm, tmp_path, capsys):
+    from cabinllm.cli.chat import main
+
+    for name in ("a.png", "b.png"):
+        (tmp_path / name).write_bytes(png(image(40, 40, seed=len(name))))
+    line = {"role": "user", "content": QUESTION, "images": ["a.png", "b.png"]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(line), encoding="utf-8")
+    argv = ["--engine", str(vlm["engine"].folder), "--script", str(tmp_path / "d.jsonl"), "--max-new-tokens", "2"]
+    assert main(argv + ["--max-images", "1"]) == 0
+    assert "over the cap of 1 per message" in capsys.readouterr().err
+    assert main(argv + ["--max-image-tokens", "3"]) == 0
+    assert "over the cap of 3 image tokens per picture" in capsys.readouterr().err

@@ -130,8 +130,9 @@ def encoder_ms(engine: Engine, data: bytes, repeats: int) -> dict:
     vision, out = engine.vision, {}
     for detail in ("auto", "low"):
         prepared = vision.prepare(data, "cam.png", detail)
-        vision._features(prepared.inputs)
-        seconds = statistics.median(timed(lambda: vision._features(prepared.inputs))[0] for _ in range(repeats))
+        with torch.inference_mode():  # as Vision.encode runs it
+            vision._features(prepared.inputs)
+            seconds = statistics.median(timed(lambda: vision._features(prepared.inputs))[0] for _ in range(repeats))
         out[detail] = {"ms": seconds * 1e3, "tokens": prepared.image_tokens, "image_rows": len(prepared.offsets)}
     return out
 

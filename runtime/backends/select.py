@@ -22,6 +22,7 @@ from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import Tool
+from cabinllm.runtime.model.vision import ImageLimits
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class SessionRequest:
     tools: tuple[Tool, ...] = ()  # functions the replies may call (reference and onnxruntime backends)
     tool_choice: str = "auto"  # how: auto, required, none or one tool's name
     max_sequences: int = 1  # sequences a turn runs at once (choices, beams): the windows a sliding-window model keeps
+    image_limits: ImageLimits = field(default_factory=ImageLimits)  # a vision-language engine's caps on pictures
 
     def __post_init__(self) -> None:
         """Folders given as text become paths."""
@@ -69,7 +71,10 @@ def choose_backend(engine: Path, backend: str = "auto") -> str:
 
 
 def _open_reference(request: SessionRequest) -> Session:
-    return _open_dialogue(request, Engine.load(request.engine))
+    engine = Engine.load(request.engine)
+    if engine.vision is not None:
+        engine.vision.limits = request.image_limits
+    return _open_dialogue(request, engine)
 
 
 def _open_onnxruntime(request: SessionRequest) -> Session:

@@ -258,8 +258,8 @@ class Vision:
         Idefics3 without tiles for detail "low"."""
         if self.family.mrope:
             size = dict(self.processor.image_processor.size)
-            if "longest_edge" in size:
-                return {"size": {**size, "longest_edge": self._max_pixels(detail)}}
+            if "longest_edge" in size:  # never under its least pixels: a picture over the token cap is refused
+                return {"size": {**size, "longest_edge": max(self._max_pixels(detail), size.get("shortest_edge", 0))}}
             return {"max_pixels": self._max_pixels(detail)}  # transformers 4
         return {"do_image_splitting": False} if detail == "low" and self.family.model_type == "idefics3" else {}
 
