@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from cabinllm.builders.image_plan import CAMERA_FRAME
 from cabinllm.builders.kv_attach import attach_kv_quant, quant_algo
 from cabinllm.builders.manifest import changed_inputs, file_sha256, source_identity, tool_versions
 from cabinllm.builders.planner import Plan, PlanRequest, working_plan
@@ -22,6 +23,7 @@ from cabinllm.builders.progress import Steps
 from cabinllm.builders.scales_source import BuildScales, calibrated_scales, quick_scales, scales_from_file
 from cabinllm.builders.targets import Backend, Target, get_target
 from cabinllm.builders.trtllm import TrtllmInstall, build_args, find_trtllm, flag_set, local_sm, run_trtllm_build
+from cabinllm.builders.vision_onnx import VISION_ONNX, export_vision_onnx
 from cabinllm.builders.weight_build import (build_weight_format, check_equalize, check_head, head_checkpoint,
                                             needs_quantizing, quantize_step_text, quantized_checkpoint,
                                             refingerprint_scales, weights_record)
@@ -32,7 +34,7 @@ from cabinllm.runtime.formats.engine_folder import (CHECKPOINT_DIR, ENGINE_FORMA
                                                     TRT_ENGINE_DIR, TRTLLM_LOG_FILE, read_manifest)
 from cabinllm.runtime.formats.scales_file import model_fingerprint
 from cabinllm.runtime.sources.model_source import import_model, load_model_config, resolve_model
-from cabinllm.runtime.model.vision import VISION_FOLDER
+from cabinllm.runtime.model.vision import VISION_FOLDER, Vision
 from cabinllm.runtime.sources.hf_vision import export_vision, is_vision_folder
 
 Log = Callable[[str], None]
@@ -106,7 +108,8 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
     quantize = needs_quantizing(fmt, source_config)
     head = request.head != "fp16"
     vision = is_vision_folder(source)
-    steps = Steps((5 if device.status == "run here" else 4) + quantize + head + vision, log)
+    vision_graph = vision and target.backend is not Backend.REFERENCE  # the board runs the encoder from ONNX
+    steps = Steps((5 if device.status == "run here" else 4) + quantize + head + vision + vision_graph, log)
     started = time.perf_counter()
     with staging_folder(request.output) as tmp:
         checkpoint = tmp / CHECKPOINT_DIR
@@ -118,6 +121,10 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
         if vision:
             with steps.step(f"writing the vision tower, projector and processor -> {VISION_FOLDER}/"):
                 vision = export_vision(source, tmp / VISION_FOLDER)
+        if vision_graph:
+            with steps.step(f"exporting the vision encoder to ONNX for a {CAMERA_FRAME[0]}x{CAMERA_FRAME[1]} frame "
+                            f"-> {VISION_FOLDER}/{VISION_ONNX}"):
+                vision["onnx"] = export_vision_onnx(Vision(tmp / VISION_FOLDER), tmp / VISION_FOLDER)
         with steps.step(scales_step_text(request)):
             kv = build_scales(request, config, weights, checkpoint, fingerprint, tmp / SCALES_FILE, log)
         weights, linears, tables = kv.weights, None, None

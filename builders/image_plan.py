@@ -24,6 +24,7 @@ class ImageCost:
     tokens_low: int
     vision_weight_bytes: int
     feature_cache_bytes: int
+    request_tokens: int  # the most image rows one request may hold: pictures per message x tokens per picture caps
 
     @property
     def memory_bytes(self) -> int:
@@ -52,4 +53,5 @@ def image_cost(model: str) -> ImageCost | None:
     vision, name = Vision(folder), f"a {CAMERA_FRAME[0]}x{CAMERA_FRAME[1]} camera frame"
     return ImageCost(CAMERA_FRAME, vision.prepare(frame.getvalue(), name).image_tokens,
                      vision.prepare(frame.getvalue(), name, "low").image_tokens,
-                     vision_parameters(folder) * VISION_BYTES_PER_PARAMETER, FEATURE_CACHE_BYTES)
+                     vision_parameters(folder) * VISION_BYTES_PER_PARAMETER, FEATURE_CACHE_BYTES,
+                     vision.limits.max_images * vision.limits.max_image_tokens)

@@ -52,6 +52,7 @@ from cabinllm.runtime.kv.quant import INT8_MAX
 from cabinllm.runtime.model.linear import (Int4AwqLinear, Int4G32Linear, Int8G32Table, Int8Linear, Linear, Stacked,
                                            unpack_g32, unpack_int4)
 from cabinllm.runtime.model.transformer import Transformer
+from cabinllm.runtime.model.vision import VISION_FOLDER
 from cabinllm.runtime.sources.tokenizer_export import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 Log = Callable[[str], None]
@@ -162,6 +163,12 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
             (tmp / HOST_DIR).mkdir()
             for name, table in host_tables(engine.model, request.context).items():
                 np.save(tmp / HOST_DIR / f"{name}.npy", table)
+            if engine.vision is not None and engine.vision.family.mrope:
+                log("cabin-export: the graphs take text only: Qwen2-VL's M-RoPE positions are not in the host RoPE "
+                    "tables; its pictures run on the reference engine")
+            elif engine.vision is not None:  # the host encodes pictures and feeds their rows as inputs_embeds
+                shutil.copytree(engine.folder / VISION_FOLDER, tmp / VISION_FOLDER)
+                manifest["vision"] = engine.manifest["vision"]
         # a quantized precision starts from float graphs with float K/V, quantized with the engine's scales
         float_kv = KvGraphType("float32") if chosen.quantized else kv
         weights, models = WeightsFile(tmp / WEIGHTS_FILE), {}

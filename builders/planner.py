@@ -82,6 +82,7 @@ class KVPlan:
     graphs: GraphPlan | None = None  # the cabin-export arguments on an ONNX target, where it fits
     max_beam_width: int = 1
     window_bytes: int = 0  # of the pool: the sliding-window layers' K/V, their window per sequence
+    max_multimodal_len: int = 0  # image rows the engine's prompt table holds (a vision-language model)
 
     def kv_cache_config(self) -> KvCacheConfig:
         """The runtime KV cache this plan sizes: the pool in blocks of the target's size, reuse where it works."""
@@ -91,7 +92,7 @@ class KVPlan:
     def shape(self) -> EngineShape:
         """The trtllm-build limits (weights as float16)."""
         return EngineShape(self.kv_dtype, "float16", self.tokens_per_block, MAX_BATCH_SIZE, self.max_input_len,
-                           self.max_seq_len, self.max_num_tokens, self.max_beam_width)
+                           self.max_seq_len, self.max_num_tokens, self.max_beam_width, self.max_multimodal_len)
 
 
 @dataclass
@@ -231,8 +232,9 @@ def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPI
     weights = weights_bytes(config, request.weights, t.weights_in_memory, request.head)
     plan = Plan(request, config, turn, co_resident, weights, {}, images=image_cost(request.model))
     dtypes = [request.kv_dtype] if request.kv_dtype in t.kv_dtypes else list(t.kv_dtypes)
-    plan.kv = {dtype: size_kv(config, t, dtype, plan.budget_bytes, turn, request.weights, request.max_beam_width)
-               for dtype in dtypes}
+    pictures = plan.images.request_tokens if plan.images else 0
+    plan.kv = {dtype: size_kv(config, t, dtype, plan.budget_bytes, turn, request.weights, request.max_beam_width,
+                              pictures) for dtype in dtypes}
     plan.warnings = plan_warnings(plan)
     why = cannot_build(config, t.trtllm_line) if t.backend is Backend.TENSORRT and t.trtllm_line else None
     if why:
@@ -267,9 +269,10 @@ def check_beam_width(request: PlanRequest) -> None:
 
 
 def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, turn: TurnTokens,
-            weights: str = "fp16", beams: int = 1) -> KVPlan:
+            weights: str = "fp16", beams: int = 1, pictures: int = 0) -> KVPlan:
     """Engine limits for one KV dtype within ``budget`` bytes for activations and the KV pool (``weights``: the
-    weight format, which an ONNX target's NPU graphs hold; ``beams``: the TensorRT engine's max_beam_width)."""
+    weight format, which an ONNX target's NPU graphs hold; ``beams``: the TensorRT engine's max_beam_width;
+    ``pictures``: the most image rows one request may hold, a vision-language model's)."""
     if target.backend is Backend.ONNX:
         return size_onnx(config, target, kv_dtype, budget, turn, weights)
     tpb = target.tokens_per_block
@@ -313,7 +316,8 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
     pool = num_blocks * tpb * per_token + window(seq)
     turns = max((seq - turn.system) // turn.per_turn, 0)
     fits = turns >= MIN_TURNS
-    shape = EngineShape(kv_dtype, "float16", tpb, MAX_BATCH_SIZE, max_input, seq, num_tokens, beams)
+    multimodal = min(pictures, max_input) * MAX_BATCH_SIZE
+    shape = EngineShape(kv_dtype, "float16", tpb, MAX_BATCH_SIZE, max_input, seq, num_tokens, beams, multimodal)
     return KVPlan(
         kv_dtype=kv_dtype, bytes_per_token=per_token, paged_context_fmha=paged_fmha, block_reuse=paged_fmha,
         activation_bytes=activations, max_kv_tokens=capacity, max_seq_len=seq, max_input_len=max_input,
@@ -321,7 +325,7 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
         memory_left_bytes=budget - activations - pool, est_turns=turns,
         prefill_tokens_per_turn=prefill_per_turn(turn, turns, tpb, paged_fmha),
         trtllm_build_args=build_args(shape, flag_set(target.trtllm_line)) if target.trtllm_line and fits else None,
-        fits=fits, max_beam_width=beams, window_bytes=window(seq),
+        fits=fits, max_beam_width=beams, window_bytes=window(seq), max_multimodal_len=multimodal,
     )
 
 

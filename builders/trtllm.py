@@ -10,6 +10,9 @@ Flag sets (checked against the sources of both lines):
 INT8 KV cannot be combined with paged context FMHA, so INT8-KV engines never ask for it.
 ``--max_beam_width`` is one flag in both: the beams the engine can search (tensorrt_llm/commands/build.py L107-111 at
 008b2b8d on 1.x, default ``BuildConfig.max_beam_width``; the 0.8-era parser has it too, default 1), written always.
+``--max_multimodal_len`` (a vision-language model's LLM part): the alias of ``--max_prompt_embedding_table_size``,
+the rows of image features the prompt table holds over the batch (build.py L137-144 at 008b2b8d; the
+examples/multimodal README sizes it max_batch_size x visual features per request), written only for such a model.
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ class EngineShape:
     max_seq_len: int
     max_num_tokens: int
     max_beam_width: int = 1  # beams a search may keep (trtllm-build --max_beam_width)
+    max_multimodal_len: int = 0  # a vision-language model's image rows over the batch (the prompt table's size)
 
     @property
     def paged_context_fmha(self) -> bool:
@@ -134,6 +138,7 @@ def build_args(shape: EngineShape, flags: str) -> list[str]:
         "--max_batch_size", str(shape.max_batch_size), "--max_beam_width", str(shape.max_beam_width),
         "--max_input_len", str(shape.max_input_len),
         "--max_seq_len", str(shape.max_seq_len), "--max_num_tokens", str(shape.max_num_tokens),
+        *(["--max_multimodal_len", str(shape.max_multimodal_len)] if shape.max_multimodal_len else []),
     ]
 
 

@@ -135,3 +135,24 @@ def test_cabin_build_takes_max_beam_width_for_tensorrt_targets_only(fake_trtllm,
     assert args[args.index("--max_beam_width") + 1] == "2"
     assert cabin_build([*argv, str(tmp_path / "cpu")]) == 2 and not (tmp_path / "cpu").exists()
     assert "--max-beam-width sizes a TensorRT engine's beam search" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the vision graph's export
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_a_vision_language_engine_for_the_board_holds_the_vision_graph_and_a_prompt_table(
+        fake_trtllm, tmp_path, monkeypatch, family):
+    from cabinllm.benchmarks.random_vlm import write_random_vlm
+    from cabinllm.runtime.model.vision import ImageLimits
+
+    monkeypatch.setenv("FAKE_TRTLLM_VERSION", "0.12.0")
+    model = write_random_vlm(tmp_path / family, family)
+    out = build_engine(BuildRequest(str(model), tmp_path / "e", "fp16", target="agx-orin-64gb"), log=lambda _: None)
+    argv, _ = recorded(fake_trtllm)
+    manifest = json.loads((out / "manifest.json").read_text())
+    limits, max_input = ImageLimits(), int(argv[argv.index("--max_input_len") + 1])
+    table = int(argv[argv.index("--max_multimodal_len") + 1])
+    assert table == min(limits.max_images * limits.max_image_tokens, max_input)  # one request at a time
+    built = json.loads((out / "trt_engine" / "config.json").read_text())["build_config"]
+    assert built["max_prompt_embedding_table_size"] == table
+    graph = manifest["vision"]["onnx"]
+    assert (out / "vision" / graph["file"]).is_file() and graph["max_abs_diff_vs_torch"] < 1e-4

@@ -180,6 +180,34 @@ def test_a_reused_prefix_never_ends_inside_a_picture():
     assert bm.allocate(Sequence(), first + [6] * 4, media=[MediaSpan(2, 9, cat)]) == 20
 
 
+def test_a_failed_forward_pass_leaves_no_block_keyed_to_kv_it_never_wrote():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    ids = list(range(20))
+    bm.allocate(Sequence(), ids[:8])  # blocks 0 and 1 written and keyed
+    failed = Sequence()
+    assert bm.allocate(failed, ids) == 8
+    bm.discard(failed, 8)  # the pass over positions 8..19 failed: blocks 2..4 lose their keys
+    assert not failed and bm.allocate(Sequence(), ids) == 8
+
+
+def test_a_picture_whose_rows_are_gone_is_an_error_and_the_next_turn_rebuilds(vlm, tmp_path):
+    """A restored session keeps no pixels: a turn that must compute the picture again (here: its KV dropped from
+    the cache) asks for the picture, and the conversation goes on."""
+    engine, data = vlm["engine"], png(image(80, 60, seed=14))
+    chat = session(engine)
+    chat.chat(QUESTION, images=[("cam.png", data)])
+    chat.save(tmp_path / "s.json")
+    restored = DialogueSession.restore(tmp_path / "s.json", engine, engine.new_cache(engine.kv_cache_config("fp32")))
+    restored.params = chat.params
+    engine.vision.features = type(engine.vision.features)(engine.vision.features.max_bytes)  # the rows forgotten
+    restored._release()  # the restored KV gone too (evicted): the next turn must compute the picture
+    restored.cache = engine.new_cache(engine.kv_cache_config("fp32"))
+    with pytest.raises(ImageError, match="send the picture again"):
+        restored.chat(FOLLOW_UP)
+    assert restored.cache.stats().blocks_cached == 0 and len(restored.messages) == 2
+    assert restored.chat(FOLLOW_UP, images=[("cam.png", data)]).finish_reason in ("stop", "length")
+
+
 def test_overflow_keeps_or_drops_a_picture_whole():
     tokens = list(range(40))
     media = [MediaSpan(2, 6, b"a" * 16), MediaSpan(20, 10, b"b" * 16)]
@@ -369,3 +397,44 @@ def test_cabin_chat_caps_pictures_as_its_flags_say(vlm, tmp_path, capsys):
     assert "over the cap of 1 per message" in capsys.readouterr().err
     assert main(argv + ["--max-image-tokens", "3"]) == 0
     assert "over the cap of 3 image tokens per picture" in capsys.readouterr().err
+
+
+# -- the vision encoder for the board --------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # an export per family
+def test_the_vision_graph_computes_the_encoders_rows_for_another_frame(vlm, tmp_path):
+    import onnxruntime as ort
+
+    from cabinllm.builders.image_plan import CAMERA_FRAME
+    from cabinllm.builders.vision_onnx import export_vision_onnx
+
+    vision = vlm["engine"].vision
+    record = export_vision_onnx(vision, tmp_path)
+    other = vision.prepare(png(image(*CAMERA_FRAME, seed=12)), "frame.png")  # the graph's size, other pixels
+    session = ort.InferenceSession(str(tmp_path / record["file"]), providers=["CPUExecutionProvider"])
+    rows = session.run(None, {i.name: other.inputs[i.name].numpy() for i in session.get_inputs()})[0]
+    assert all(list(other.inputs[name].shape) == spec["shape"] for name, spec in record["inputs"].items())
+    assert all(other.inputs[name].tolist() == value for name, value in record["traced"].items())
+    assert torch.allclose(torch.from_numpy(rows), vision.encode(other).rows, atol=1e-4)
+
+
+@pytest.mark.slow  # a graph export per family
+def test_npu_graphs_take_the_pictures_rows_as_inputs_embeds(vlm, tmp_path):
+    from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
+    from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
+
+    engine, data = vlm["engine"], png(image(90, 60, seed=13))
+    export_onnx(OnnxExportRequest(engine.folder, tmp_path / "npu", 512, 64, "fp16", "npu", "fp16"), log=lambda _: None)
+    graphs = load_onnx_engine(tmp_path / "npu", threads=1)
+    params = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=engine.stop_token_ids())
+    on_graphs = DialogueSession(graphs, graphs.new_cache(graphs.kv_cache_config("fp16")), params)
+    if vlm["family"] == "qwen2_vl":  # its M-RoPE positions are not in the host tables: refused, nothing changed
+        with pytest.raises(ImageError, match="takes text only"):
+            on_graphs.chat(QUESTION, images=[("cam.png", data)])
+        assert on_graphs.messages == [] and on_graphs.chat(QUESTION).finish_reason in ("stop", "length")
+        return
+    reference = DialogueSession(engine, engine.new_cache(engine.kv_cache_config("fp16")), params)
+    assert on_graphs.chat(QUESTION, images=[("cam.png", data)]).token_ids == reference.chat(
+        QUESTION, images=[("cam.png", data)]).token_ids
+    assert on_graphs.chat(FOLLOW_UP).token_ids == reference.chat(FOLLOW_UP).token_ids

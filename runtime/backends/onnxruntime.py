@@ -17,6 +17,7 @@ context binaries (cabinllm.runtime.backends.qnn). onnxruntime is imported only h
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,14 +26,15 @@ import torch
 
 from cabinllm.runtime.backends.qnn import context_session
 from cabinllm.runtime.engine import Engine
-from cabinllm.runtime.errors import CheckpointError, ConfigError, MissingDependency
+from cabinllm.runtime.errors import CheckpointError, ConfigError, ImageError, MissingDependency
 from cabinllm.runtime.formats.onnx_folder import (EXPORT_AGAIN, INPUTS_EMBEDS, LOCAL_MASK, LOCAL_ROPE_INPUTS,
                                                   PROMPT_GRAPH, ROPE_INPUTS, TOKEN_GRAPH, OnnxFolder, new_key,
                                                   new_value, past_key, past_value)
-from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.blocks import MediaSpan, Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache
 from cabinllm.runtime.kv.storage import KVLayout, gather
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.model.transformer import ImageRows
 
 _UINT8_ZERO_POINT = 128  # int8 codes passed as uint8
 # --ort-provider name -> ONNX Runtime execution provider
@@ -103,17 +105,31 @@ class OrtModel:
         return KVLayout.of(self.config)
 
     def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
-                all_logits: bool = False) -> torch.Tensor:
-        """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated; writes their
-        K/V into the cache and returns logits of the last token (vocab,) or of every token (N, vocab)."""
+                all_logits: bool = False, images: Mapping[bytes, ImageRows] | None = None) -> torch.Tensor:
+        """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated (``images``:
+        the rows of the pictures among them, by digest); writes their K/V into the cache and returns logits of the
+        last token (vocab,) or of every token (N, vocab)."""
         end = start_pos + len(token_ids)
         if end > self.context:  # the session plans against config.max_position_embeddings = context
             raise ConfigError(f"position {end} exceeds the graphs' KV window of {self.context} tokens")
+        pictures = [span for span in seq.media if span.start < end and span.end > start_pos]
+        if pictures:
+            self._check_pictures(pictures)
         self._fill_window(cache, seq, start_pos)
         graph = self.graphs[1 if len(token_ids) == 1 else self.chunk]
-        logits = [self._run(graph, token_ids[i:i + graph.tokens], start_pos + i, cache, seq)
+        logits = [self._run(graph, token_ids[i:i + graph.tokens], start_pos + i, cache, seq,
+                            _picture_rows(pictures, images or {}, start_pos + i, graph.tokens))
                   for i in range(0, len(token_ids), graph.tokens)]
         return torch.cat(logits) if all_logits else logits[-1][-1]
+
+    def _check_pictures(self, pictures: list[MediaSpan]) -> None:
+        """ImageError unless these graphs can take the pictures' rows: host-fed embeddings, no M-RoPE grid."""
+        if self.host is None:
+            raise ImageError("these graphs look the token ids up themselves and cannot take a picture's rows; "
+                             f"{EXPORT_AGAIN} --profile npu (its graphs take inputs_embeds from the host)")
+        if any(span.grid is not None for span in pictures):
+            raise ImageError("Qwen2-VL's M-RoPE positions are not in the graphs' host RoPE tables; show its "
+                             "pictures on the reference engine (--backend reference)")
 
     def _fill_window(self, cache: PagedKVCache, seq: Sequence, start: int) -> None:
         """Make the window hold the K/V of the sequence's first ``start`` tokens, from the cache's blocks unless it
@@ -140,9 +156,11 @@ class OrtModel:
         graph = self.graphs[1]
         return torch.cat([self._call(graph, [token], position)[0] for position, token in enumerate(seq.token_ids)])
 
-    def _call(self, graph: _Graph, piece: list[int], start: int) -> tuple[torch.Tensor, list[np.ndarray]]:
-        """One graph call for up to ``graph.tokens`` tokens at ``start`` over the window's first ``start`` tokens;
-        their logits (n, vocab) and the new K/V outputs (each for ``graph.tokens`` rows)."""
+    def _call(self, graph: _Graph, piece: list[int], start: int,
+              rows: dict[int, np.ndarray] | None = None) -> tuple[torch.Tensor, list[np.ndarray]]:
+        """One graph call for up to ``graph.tokens`` tokens at ``start`` over the window's first ``start`` tokens
+        (``rows``: input rows by position, a picture's, in place of the embedding's); their logits (n, vocab) and
+        the new K/V outputs (each for ``graph.tokens`` rows)."""
         n, tokens = len(piece), graph.tokens
         ids, positions = np.zeros((1, tokens), np.int64), np.zeros((1, tokens), np.int64)
         ids[0, :n], positions[0, :n] = piece, np.arange(start, start + n)
@@ -153,16 +171,19 @@ class OrtModel:
             feeds = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
         else:
             feeds = {**self.host.feeds(ids, positions, mask, self.context, self.masked), "attention_mask": mask}
+            for position, row in (rows or {}).items():
+                feeds[INPUTS_EMBEDS][0, position - start] = row
         for layer in range(self.config.num_hidden_layers):
             feeds[past_key(layer)], feeds[past_value(layer)] = self.window[2 * layer], self.window[2 * layer + 1]
         logits, *kv = graph.session.run(graph.outputs, feeds)
         return torch.from_numpy(logits[0, :n]), kv
 
-    def _run(self, graph: _Graph, piece: list[int], start: int, cache: PagedKVCache, seq: Sequence) -> torch.Tensor:
-        """One graph call for up to ``graph.tokens`` tokens at ``start``, their K/V stored in the window and the
-        cache; their logits (n, vocab)."""
+    def _run(self, graph: _Graph, piece: list[int], start: int, cache: PagedKVCache, seq: Sequence,
+             rows: dict[int, np.ndarray]) -> torch.Tensor:
+        """One graph call for up to ``graph.tokens`` tokens at ``start`` (``rows``: pictures' input rows by position),
+        their K/V stored in the window and the cache; their logits (n, vocab)."""
         n = len(piece)
-        logits, kv = self._call(graph, piece, start)
+        logits, kv = self._call(graph, piece, start, rows)
         cache.storage.prepare(seq, start, start + n)
         slots = cache.slots(seq, start, start + n)
         for layer in range(self.config.num_hidden_layers):
@@ -190,6 +211,23 @@ class OrtModel:
         if self.kv.zero_point == _UINT8_ZERO_POINT:
             rows = (rows.view(np.uint8) ^ np.uint8(_UINT8_ZERO_POINT)).view(np.int8)
         return torch.from_numpy(np.ascontiguousarray(rows))
+
+
+def _picture_rows(pictures: list[MediaSpan], images: Mapping[bytes, ImageRows], start: int,
+                  tokens: int) -> dict[int, np.ndarray]:
+    """The input rows by position of the pictures' image tokens among positions [start, start + tokens)."""
+    out = {}
+    for span in pictures:
+        if not (span.start < start + tokens and span.end > start):
+            continue
+        if span.digest not in images:
+            raise ImageError(f"the tokens at [{span.start}, {span.end}) are picture {span.digest.hex()[:12]}'s and "
+                             "its rows were not given; send the picture again")
+        picture = images[span.digest]
+        for offset, row in zip(picture.offsets.tolist(), picture.rows.numpy()):
+            if start <= span.start + offset < start + tokens:
+                out[span.start + offset] = row
+    return out
 
 
 def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threads: int | None,

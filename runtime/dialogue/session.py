@@ -105,6 +105,10 @@ class DialogueSession:
         except GrammarError as err:  # the cache holds part of a reply the messages will not: the next turn rebuilds
             self._release()
             return self._stats("", [], 0, 0, 0.0, 0.0, "error", 0, str(err))
+        except ImageError:  # a picture's rows were not at hand: its sequence is gone, the next turn rebuilds
+            self._release()
+            self.turns -= 1
+            raise
         calls = self.tokenizer.tool_format.read_calls(result.text) if self.tools else None
         reply = {"role": "assistant", "content": "" if calls else result.text}
         if calls:
@@ -122,8 +126,9 @@ class DialogueSession:
         the picture and the cap where one cannot be taken."""
         vision = self.engine.vision
         if vision is None:
-            raise ImageError(f"{self.engine.folder} is a text-only engine; pictures need an engine built from a "
-                             "vision-language model (LLaVA, Idefics3 / SmolVLM, Qwen2-VL)")
+            raise ImageError(f"{self.engine.folder} takes text only; pictures need an engine built from a "
+                             "vision-language model (LLaVA, Idefics3 / SmolVLM, Qwen2-VL; its cabin-export graphs: "
+                             "the npu profile, not for Qwen2-VL)")
         if len(images) > vision.limits.max_images:
             raise ImageError(f"the message has {len(images)} pictures, over the cap of {vision.limits.max_images} "
                              "per message; send fewer")
@@ -280,7 +285,6 @@ class DialogueSession:
         tok = self.tokenizer
         prompt = tok.render(messages)
         history = self.fed + self.pending
-        stream = None
         stream, media = None, []
         if history and prompt.startswith(self.transcript):
             new, new_media = tok.encode_media(prompt[len(self.transcript):])

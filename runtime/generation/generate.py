@@ -95,8 +95,12 @@ def prefill(model: ForwardModel, cache: PagedKVCache, seq: Sequence, new_ids: li
             computed_from = cache.allocate(seq, new_ids, spans)
     except OutOfBlocks as err:
         raise CapacityError(str(err)) from err
-    images = {"images": media.rows} if media and media.spans else {}  # only the reference engine takes pictures
-    logits = model.forward(new_ids[computed_from:], start + computed_from, cache, seq, **images)
+    images = {"images": media.rows} if media and media.spans else {}  # the engines that take pictures
+    try:
+        logits = model.forward(new_ids[computed_from:], start + computed_from, cache, seq, **images)
+    except BaseException:  # e.g. a picture's rows not at hand: the sequence goes, no block keeps unwritten K/V
+        cache.discard(seq, start + computed_from)
+        raise
     return logits, start + computed_from, len(new_ids) - computed_from
 
 

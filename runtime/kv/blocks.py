@@ -196,6 +196,15 @@ class BlockManager:
         self._seqs.remove(seq)
         seq.token_ids, seq.block_table, seq.hashes, seq.media = [], [], [], []
 
+    def discard(self, seq: Sequence, written: int) -> None:
+        """Free a sequence whose K/V was written only before position ``written`` (its forward pass failed): the
+        blocks from there on lose their keys, so no later prefix reuses K/V that was never written."""
+        self._check_live(seq)
+        for block_id in seq.block_table[written // self.block_size:]:
+            if self._blocks[block_id].hash is not None:
+                self._unregister(block_id)
+        self.free(seq)
+
     # -- queries -----------------------------------------------------------
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:

@@ -170,6 +170,11 @@ class PagedKVCache:
         self.storage.drop(seq)
         self.blocks.free(seq)
 
+    def discard(self, seq: Sequence, written: int) -> None:
+        """Release a sequence whose K/V was written only before position ``written``; no prefix reuses the rest."""
+        self.storage.drop(seq)
+        self.blocks.discard(seq, written)
+
     def block_table(self, seq: Sequence) -> torch.Tensor:
         """The sequence's block ids as a tensor."""
         return torch.tensor(seq.block_table, dtype=torch.long)

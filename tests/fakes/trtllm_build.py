@@ -28,6 +28,10 @@ def main() -> int:
     (out / "rank0.engine").write_bytes(b"fake engine")
     limits = ("max_batch_size", "max_beam_width", "max_input_len", "max_seq_len", "max_num_tokens")
     build_config = {name: int(args.get(f"--{name}", 1)) for name in limits}
+    # --max_multimodal_len is the alias of --max_prompt_embedding_table_size, the BuildConfig field it sets
+    # (tensorrt_llm/commands/build.py L137-144 at 008b2b8d: argparse's dest is the first long option)
+    build_config["max_prompt_embedding_table_size"] = int(args.get("--max_multimodal_len",
+                                                               args.get("--max_prompt_embedding_table_size", 0)))
     (out / "config.json").write_text(json.dumps({"kv_cache_quant_algo": kv_algo, "argv": argv,
                                                  "build_config": build_config}))
     print("[TensorRT-LLM] Total time of building all engines: 00:00:00")
