@@ -23,7 +23,7 @@ from cabinllm.builders.progress import Steps
 from cabinllm.builders.scales_source import BuildScales, calibrated_scales, quick_scales, scales_from_file
 from cabinllm.builders.targets import Backend, Target, get_target
 from cabinllm.builders.trtllm import TrtllmInstall, build_args, find_trtllm, flag_set, local_sm, run_trtllm_build
-from cabinllm.builders.vision_onnx import VISION_ONNX, export_vision_onnx
+from cabinllm.builders.vision_onnx import VISION_ONNX, export_vision_onnx, vision_engine_command
 from cabinllm.builders.weight_build import (build_weight_format, check_equalize, check_head, head_checkpoint,
                                             needs_quantizing, quantize_step_text, quantized_checkpoint,
                                             refingerprint_scales, weights_record)
@@ -125,6 +125,8 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
             with steps.step(f"exporting the vision encoder to ONNX for a {CAMERA_FRAME[0]}x{CAMERA_FRAME[1]} frame "
                             f"-> {VISION_FOLDER}/{VISION_ONNX}"):
                 vision["onnx"] = export_vision_onnx(Vision(tmp / VISION_FOLDER), tmp / VISION_FOLDER)
+            if target.backend is Backend.TENSORRT:  # TensorRT's own tool builds the encoder's engine on the board
+                vision["onnx"]["device_command"] = vision_engine_command(VISION_FOLDER)
         with steps.step(scales_step_text(request)):
             kv = build_scales(request, config, weights, checkpoint, fingerprint, tmp / SCALES_FILE, log)
         weights, linears, tables = kv.weights, None, None

@@ -22,6 +22,7 @@ from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.model.vision import Vision
 
 VISION_ONNX = "vision.onnx"
+VISION_ENGINE = "vision.engine"
 OPSET = 18
 OUTPUT = "image_rows"
 DYNAMO_FAMILIES = ("idefics3",)  # exported through torch.export (needs onnxscript)
@@ -36,6 +37,12 @@ class _Encoder(torch.nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         return self.vision._features(dict(zip(self.names, tensors)))
+
+
+def vision_engine_command(folder: str) -> list[str]:
+    """TensorRT's ``trtexec`` call that builds the encoder's engine from the graph, run in the engine folder on the
+    board (fp16; the graph's shapes are static)."""
+    return ["trtexec", f"--onnx={folder}/{VISION_ONNX}", "--fp16", f"--saveEngine={folder}/{VISION_ENGINE}"]
 
 
 def export_vision_onnx(vision: Vision, folder: Path) -> dict:
@@ -55,7 +62,7 @@ def export_vision_onnx(vision: Vision, folder: Path) -> dict:
     try:
         with torch.inference_mode():
             expected = encoder(*tensors).float().numpy()
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # the tracer's notes on constants
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), torch.no_grad():  # tracer notes
             warnings.simplefilter("ignore")
             torch.onnx.export(encoder, tensors, str(path), input_names=names, output_names=[OUTPUT],
                               opset_version=OPSET, dynamo=dynamo, external_data=False)

@@ -156,3 +156,5 @@ def test_a_vision_language_engine_for_the_board_holds_the_vision_graph_and_a_pro
     assert built["max_prompt_embedding_table_size"] == table
     graph = manifest["vision"]["onnx"]
     assert (out / "vision" / graph["file"]).is_file() and graph["max_abs_diff_vs_torch"] < 1e-4
+    assert graph["device_command"] == ["trtexec", "--onnx=vision/vision.onnx", "--fp16",
+                                       "--saveEngine=vision/vision.engine"]

@@ -195,8 +195,9 @@ class Vision:
     @cached_property
     def model(self) -> torch.nn.Module:
         """The vision tower and projector, loaded when a picture is first encoded (planning needs only the
-        processor)."""
-        return _vision_model(self.config, self.folder / VISION_WEIGHTS, self.family)
+        processor); normal tensors even when first asked for in inference mode (an export traces them)."""
+        with torch.inference_mode(False):
+            return _vision_model(self.config, self.folder / VISION_WEIGHTS, self.family)
 
     def prepare(self, data: bytes, name: str, detail: str = "auto") -> PreparedImage:
         """Decode, check and preprocess one picture; its token count is known before anything is encoded.
