@@ -180,6 +180,16 @@ def test_a_reused_prefix_never_ends_inside_a_picture():
     assert bm.allocate(Sequence(), first + [6] * 4, media=[MediaSpan(2, 9, cat)]) == 20
 
 
+def saved_and_restored(engine: Engine, picture: bytes, folder) -> tuple[DialogueSession, DialogueSession]:
+    """A session after a turn with the picture, and the session restored from its file on a new cache."""
+    chat = session(engine)
+    chat.chat(QUESTION, images=[("cam.png", picture)])
+    chat.save(folder / "s.json")
+    restored = DialogueSession.restore(folder / "s.json", engine, engine.new_cache(engine.kv_cache_config("fp32")))
+    restored.params = chat.params
+    return chat, restored
+
+
 def test_a_failed_forward_pass_leaves_no_block_keyed_to_kv_it_never_wrote():
     bm = BlockManager(num_blocks=16, block_size=4)
     ids = list(range(20))
@@ -194,11 +204,7 @@ def test_a_picture_whose_rows_are_gone_is_an_error_and_the_next_turn_rebuilds(vl
     """A restored session keeps no pixels: a turn that must compute the picture again (here: its KV dropped from
     the cache) asks for the picture, and the conversation goes on."""
     engine, data = vlm["engine"], png(image(80, 60, seed=14))
-    chat = session(engine)
-    chat.chat(QUESTION, images=[("cam.png", data)])
-    chat.save(tmp_path / "s.json")
-    restored = DialogueSession.restore(tmp_path / "s.json", engine, engine.new_cache(engine.kv_cache_config("fp32")))
-    restored.params = chat.params
+    _, restored = saved_and_restored(engine, data, tmp_path)
     engine.vision.features = type(engine.vision.features)(engine.vision.features.max_bytes)  # the rows forgotten
     restored._release()  # the restored KV gone too (evicted): the next turn must compute the picture
     restored.cache = engine.new_cache(engine.kv_cache_config("fp32"))
@@ -240,12 +246,7 @@ def test_two_pictures_of_the_same_size_never_share_their_blocks(vlm):
 
 
 def test_a_session_file_keeps_the_pictures_and_restores_without_them(vlm, tmp_path):
-    engine, picture = vlm["engine"], png(image(80, 60, seed=7))
-    chat = session(engine)
-    chat.chat(QUESTION, images=[("cam.png", picture)])
-    chat.save(tmp_path / "s.json")
-    restored = DialogueSession.restore(tmp_path / "s.json", engine, engine.new_cache(engine.kv_cache_config("fp32")))
-    restored.params = chat.params
+    chat, restored = saved_and_restored(vlm["engine"], png(image(80, 60, seed=7)), tmp_path)
     assert restored.seq.media == chat.seq.media
     assert restored.chat(FOLLOW_UP).token_ids == chat.chat(FOLLOW_UP).token_ids
 
