@@ -439,3 +439,31 @@ def test_npu_graphs_take_the_pictures_rows_as_inputs_embeds(vlm, tmp_path):
     assert on_graphs.chat(QUESTION, images=[("cam.png", data)]).token_ids == reference.chat(
         QUESTION, images=[("cam.png", data)]).token_ids
     assert on_graphs.chat(FOLLOW_UP).token_ids == reference.chat(FOLLOW_UP).token_ids
+
+
+# -- cabin-plan ------------------------------------------------------------------------------------------------
+
+
+def test_cabin_plan_counts_a_camera_frame_and_the_vision_memory(vlm, capsys):
+    from cabinllm.builders.image_plan import CAMERA_FRAME
+    from cabinllm.cli.plan import main as plan
+
+    frame = vlm["engine"].vision.prepare(png(image(*CAMERA_FRAME, seed=15)), "frame.png")
+    assert plan(["--model", str(vlm["folder"]), "--target", "orin-nano-8gb", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    pictures = record["images"]
+    assert pictures["tokens"] == frame.image_tokens and pictures["picture"] == list(CAMERA_FRAME)
+    assert pictures["memory_bytes"] == pictures["vision_weight_bytes"] + pictures["feature_cache_bytes"] > 0
+    memory = record["memory_bytes"]
+    assert memory["for_activations_and_kv"] == (memory["total"] - memory["os_reserve"] - memory["co_resident"]
+                                                - memory["runtime_overhead"] - memory["weights"]
+                                                - pictures["memory_bytes"])
+    for dtype, per_token in record["kv_bytes_per_token"].items():
+        assert pictures["kv_bytes_per_picture"][dtype] == per_token * frame.image_tokens
+        turn = record["turn_tokens"]
+        assert pictures["turns_with_a_picture"][dtype] == (record["max_seq_len"][dtype] - turn["system"]) // (
+            turn["per_turn"] + frame.image_tokens)
+    assert plan(["--model", str(vlm["folder"]), "--target", "orin-nano-8gb"]) == 0
+    table = capsys.readouterr().out
+    assert f"camera frame takes {frame.image_tokens} tokens" in table and "turns with a picture" in table
+    assert "--max_multimodal_len" in table
