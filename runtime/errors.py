@@ -21,6 +21,7 @@ class Fix(Enum):
     NEW_CONVERSATION = "start a new conversation (/reset)"
     RAISE_KV_BUDGET = "raise --kv-budget-mb"
     OTHER_OVERFLOW = "choose --overflow sink-window|drop-turns"
+    SMALLER_PICTURES = 'send fewer or smaller pictures (detail "low"), or lower --max-image-tokens'
 
 
 @dataclass(frozen=True)

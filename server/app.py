@@ -302,7 +302,8 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
         plan = plan_prompt(tokenizer, messages, max_tokens, capacity,
                            scheduler.cache.tokens_per_block, config.overflow, scheduler.cache.config.sink_token_length)
     except CapacityError as err:
-        raise ApiError(400, capacity_message(err, config.overflow, max_tokens, capacity, SERVER_PHRASES),
+        pictures = [(image.name, image.image_tokens) for image in images.values()]
+        raise ApiError(400, capacity_message(err, config.overflow, max_tokens, capacity, SERVER_PHRASES, pictures),
                        param="messages", code="context_length_exceeded") from err
     except ValueError as err:  # the chat template refused the messages
         raise ApiError(400, str(err), param="messages") from err

@@ -10,6 +10,7 @@ import io
 import json
 import struct
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from serve_helpers import running_server
 from test_hf_folders import cabin_build
 
 from cabinllm.benchmarks.random_vlm import FAMILIES, image, write_random_vlm
-from cabinllm.runtime.dialogue.overflow import sink_window
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, sink_window
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.errors import ImageError
@@ -467,3 +468,15 @@ def test_cabin_plan_counts_a_camera_frame_and_the_vision_memory(vlm, capsys):
     table = capsys.readouterr().out
     assert f"camera frame takes {frame.image_tokens} tokens" in table and "turns with a picture" in table
     assert "--max_multimodal_len" in table
+
+
+def test_a_turn_whose_picture_cannot_fit_names_the_picture_and_the_cap(vlm):
+    engine = vlm["engine"]
+    config = engine.kv_cache_config("fp32", tokens_per_block=16)
+    small = engine.new_cache(replace(config, max_bytes=config.bytes_per_token(engine.model.kv_layout) * 48))
+    chat = DialogueSession(engine, small, SamplingParams(4, temperature=0, stop_token_ids=engine.stop_token_ids()),
+                           overflow=OverflowPolicy("error"))
+    stats = chat.chat(QUESTION, images=[("rear-camera.png", png(image(120, 90, seed=16)))])
+    assert stats.finish_reason == "capacity"
+    assert "rear-camera.png takes" in stats.error and "--max-image-tokens" in stats.error
+    assert chat.messages == [] and chat.chat("hi").finish_reason in ("stop", "length", "capacity")

@@ -102,14 +102,19 @@ def system_tokens(tokenizer: ChatTokenizer, messages: list[dict]) -> int:
 
 
 def capacity_message(err: CapacityError, policy: OverflowPolicy, max_new_tokens: int, capacity: int,
-                     phrases: dict[Fix, str] | None = None) -> str:
-    """A refused turn's message: what did not fit and what the user can do, in a front end's ``phrases``."""
-    return f"{err}; {join_hints(capacity_hints(policy, max_new_tokens, capacity), phrases)}"
+                     phrases: dict[Fix, str] | None = None, pictures: list[tuple[str, int]] = ()) -> str:
+    """A refused turn's message: what did not fit and what the user can do, in a front end's ``phrases``
+    (``pictures``: the turn's, by name and tokens)."""
+    return f"{err}; {join_hints(capacity_hints(policy, max_new_tokens, capacity, pictures), phrases)}"
 
 
-def capacity_hints(policy: OverflowPolicy, max_new_tokens: int, capacity: int) -> tuple[Hint, ...]:
+def capacity_hints(policy: OverflowPolicy, max_new_tokens: int, capacity: int,
+                   pictures: list[tuple[str, int]] = ()) -> tuple[Hint, ...]:
     """What the user can do about a turn that does not fit, leaving out the policy already chosen."""
     hints = [Hint(Fix.NEW_CONVERSATION), Hint(Fix.RAISE_KV_BUDGET)]
+    if pictures:
+        hints.insert(0, Hint(Fix.SMALLER_PICTURES, ", ".join(f"{name} takes {tokens} tokens"
+                                                              for name, tokens in pictures)))
     if 2 * max_new_tokens > capacity:  # the reply's reservation is most of the budget
         hints.insert(0, Hint(Fix.LOWER_MAX_NEW_TOKENS, f"{max_new_tokens} of the {capacity} tokens the budget holds "
                                                        "are kept for the reply"))

@@ -100,7 +100,8 @@ class DialogueSession:
                                   self.engine.tokenizer.decode_reply, on_text, should_stop,
                                   self.engine.vocabulary.start(grammar) if grammar else None, self._media(plan))
         except CapacityError as err:
-            message = capacity_message(err, self.overflow, self.params.max_new_tokens, self._room().capacity)
+            message = capacity_message(err, self.overflow, self.params.max_new_tokens, self._room().capacity,
+                                       pictures=self._pictures_of(message))
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, message)
         except GrammarError as err:  # the cache holds part of a reply the messages will not: the next turn rebuilds
             self._release()
@@ -137,6 +138,12 @@ class DialogueSession:
         text = message.get("content") or ""
         return {**message, "content": [{"type": "image", "digest": image.digest.hex()} for image in prepared]
                 + [{"type": "text", "text": text}]}
+
+    def _pictures_of(self, message: dict) -> list[tuple[str, int]]:
+        """(name, tokens) of the pictures a message shows."""
+        parts = message["content"] if isinstance(message.get("content"), list) else []
+        return [(self.images[p["digest"]].name, self.images[p["digest"]].image_tokens) for p in parts
+                if p.get("type") == "image"]
 
     def _media(self, plan: TurnPlan) -> MediaFeed | None:
         """The pictures of a turn's feed, their rows encoded only when the forward pass reads them."""

@@ -73,6 +73,7 @@ class PreparedImage:
     inputs: dict[str, torch.Tensor]
     grid: tuple[int, int, int] | None
     size: tuple[int, int]  # decoded width, height
+    name: str = ""  # as the user named it (a file name, a message's part); a restored session's: its digest
 
     @property
     def image_tokens(self) -> int:
@@ -89,7 +90,7 @@ class PreparedImage:
         """A picture as a session file kept it: no pixels (encoded again only from the feature cache)."""
         grid = tuple(data["grid"]) if data.get("grid") else None
         return cls(bytes.fromhex(digest), list(data["token_ids"]), torch.tensor(data["offsets"], dtype=torch.long), {},
-                   grid, tuple(data["size"]))
+                   grid, tuple(data["size"]), f"picture {digest[:12]}")
 
 
 def decode_image(data: bytes, name: str, limits: ImageLimits):
@@ -217,7 +218,7 @@ class Vision:
             grid = (t, h // merge, w // merge)
         offsets = torch.tensor([i for i, t in enumerate(ids) if t == self.image_token_id])
         inputs = {key: out[key] for key in self.family.feature_inputs if key in out}
-        return PreparedImage(digest, ids, offsets, inputs, grid, image.size)
+        return PreparedImage(digest, ids, offsets, inputs, grid, image.size, name)
 
     @torch.inference_mode()
     def encode(self, image: PreparedImage) -> ImageRows:
