@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Iterator
 
 from cabinllm.calibration.dialogue_data import Dialogue, LoadReport, check_messages
+from cabinllm.runtime.errors import DataError
 
 
 def load_jsonl(path: Path, report: LoadReport) -> Iterator[Dialogue]:
@@ -29,5 +30,8 @@ def load_jsonl(path: Path, report: LoadReport) -> Iterator[Dialogue]:
             if reason:
                 report.skip(reason)
                 continue
+            if any(isinstance(m, dict) and "images" in m for m in messages):  # dropped, they would change the K/V
+                raise DataError(f"{path}:{number}: a message shows pictures (images); calibration and cabin-eval "
+                                "read text dialogues only: remove the images, or use a file without them")
             messages = [{"role": m["role"], "content": m["content"]} for m in messages]
             yield Dialogue(str(record.get("id") or f"line-{number}"), messages)

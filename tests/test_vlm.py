@@ -480,3 +480,15 @@ def test_a_turn_whose_picture_cannot_fit_names_the_picture_and_the_cap(vlm):
     assert stats.finish_reason == "capacity"
     assert "rear-camera.png takes" in stats.error and "--max-image-tokens" in stats.error
     assert chat.messages == [] and chat.chat("hi").finish_reason in ("stop", "length", "capacity")
+
+
+def test_calibration_data_with_pictures_is_refused_not_read_as_text(tmp_path):
+    from cabinllm.calibration.dialogue_data import LoadReport
+    from cabinllm.calibration.jsonl import load_jsonl
+    from cabinllm.runtime.errors import DataError
+
+    line = {"messages": [{"role": "user", "content": "what is this?", "images": ["cam.png"]},
+                         {"role": "assistant", "content": "a car"}]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(line) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match="d.jsonl:1: a message shows pictures"):
+        list(load_jsonl(tmp_path / "d.jsonl", LoadReport("d.jsonl")))
