@@ -31,6 +31,10 @@ class ImageCost:
         """Memory the vision part takes beside the text model: its weights and the encoder's output cache."""
         return self.vision_weight_bytes + self.feature_cache_bytes
 
+    def kv_bytes(self, bytes_per_token: int) -> int:
+        """KV bytes of one picture at ``bytes_per_token``."""
+        return bytes_per_token * self.tokens
+
     def turns(self, max_seq_len: int, turn: TurnTokens) -> int:
         """Turns of the dialogue, each showing one picture, that one conversation of ``max_seq_len`` holds."""
         return max((max_seq_len - turn.system) // (turn.per_turn + self.tokens), 0)
@@ -40,18 +44,23 @@ class ImageCost:
         return {**asdict(self), "picture": list(self.picture), "memory_bytes": self.memory_bytes}
 
 
+def camera_frame() -> tuple[bytes, str]:
+    """A plain camera frame of ``CAMERA_FRAME`` as PNG bytes, and its name in messages."""
+    from PIL import Image
+
+    frame = io.BytesIO()
+    Image.new("RGB", CAMERA_FRAME, (128, 128, 128)).save(frame, "PNG")
+    return frame.getvalue(), f"a {CAMERA_FRAME[0]}x{CAMERA_FRAME[1]} camera frame"
+
+
 def image_cost(model: str) -> ImageCost | None:
     """The picture costs of an HF vision-language folder or an engine built from one (None for any other model)."""
     folder = Path(model)
     folder = folder / VISION_FOLDER if is_vision_folder(folder / VISION_FOLDER) else folder
     if not is_vision_folder(folder):
         return None
-    from PIL import Image
-
-    frame = io.BytesIO()
-    Image.new("RGB", CAMERA_FRAME, (128, 128, 128)).save(frame, "PNG")
-    vision, name = Vision(folder), f"a {CAMERA_FRAME[0]}x{CAMERA_FRAME[1]} camera frame"
-    return ImageCost(CAMERA_FRAME, vision.prepare(frame.getvalue(), name).image_tokens,
-                     vision.prepare(frame.getvalue(), name, "low").image_tokens,
+    (frame, name), vision = camera_frame(), Vision(folder)
+    return ImageCost(CAMERA_FRAME, vision.prepare(frame, name).image_tokens,
+                     vision.prepare(frame, name, "low").image_tokens,
                      vision_parameters(folder) * VISION_BYTES_PER_PARAMETER, FEATURE_CACHE_BYTES,
                      vision.limits.max_images * vision.limits.max_image_tokens)

@@ -202,7 +202,8 @@ class Plan:
             "trtllm_cannot_build": self.cannot_build,
             "images": self.images and {
                 **self.images.to_dict(),
-                "kv_bytes_per_picture": {name: kv.bytes_per_token * self.images.tokens for name, kv in self.kv.items()},
+                "kv_bytes_per_picture": {name: self.images.kv_bytes(kv.bytes_per_token)
+                                         for name, kv in self.kv.items()},
                 "turns_with_a_picture": {name: self.images.turns(kv.max_seq_len, self.turn)
                                          for name, kv in self.kv.items()}},
         }

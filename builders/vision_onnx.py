@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cabinllm.builders.image_plan import CAMERA_FRAME
+from cabinllm.builders.image_plan import CAMERA_FRAME, camera_frame
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.model.vision import Vision
 
@@ -49,11 +49,8 @@ def export_vision_onnx(vision: Vision, folder: Path) -> dict:
     """Write ``folder``/vision.onnx for a camera frame's size and check it against torch; returns the manifest's
     record of it (inputs and their shapes, rows, the largest difference from torch)."""
     import onnxruntime as ort
-    from PIL import Image
 
-    frame = io.BytesIO()
-    Image.new("RGB", CAMERA_FRAME, (128, 128, 128)).save(frame, "PNG")
-    prepared = vision.prepare(frame.getvalue(), f"a {CAMERA_FRAME[0]}x{CAMERA_FRAME[1]} camera frame")
+    prepared = vision.prepare(*camera_frame())
     names = list(prepared.inputs)
     tensors = tuple(prepared.inputs[name] for name in names)
     encoder = _Encoder(vision, names).eval()

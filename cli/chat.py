@@ -166,13 +166,8 @@ def run_script(session: Session, turns: list[dict], as_json: bool, options: dict
                 continue
         message = dict(message)
         try:
-            images = read_images(message.pop("images", []))
-        except ImageError as err:
-            print(f"cabin-chat: error: message {number} of the script: {err}; it was not sent", file=sys.stderr,
-                  flush=True)
-            continue
-        try:
-            stats = session.chat(message, tool_choice=reply_choice(message), images=images, **(options or {}))
+            stats = session.chat(message, tool_choice=reply_choice(message),
+                                 images=read_images(message.pop("images", [])), **(options or {}))
         except ImageError as err:
             print(f"cabin-chat: error: message {number} of the script: {err}; it was not sent", file=sys.stderr,
                   flush=True)

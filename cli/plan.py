@@ -113,7 +113,7 @@ def _picture_lines(plan: Plan) -> list[str]:
 
 def _picture_rows(images: ImageCost, turn: TurnTokens) -> list[tuple[str, Callable[[KVPlan], str]]]:
     """Table rows of a picture's KV and of the turns with a picture that one conversation holds."""
-    return [("KV MiB per picture", lambda kv: f"{kv.bytes_per_token * images.tokens / MIB:,.2f}"),
+    return [("KV MiB per picture", lambda kv: f"{images.kv_bytes(kv.bytes_per_token) / MIB:,.2f}"),
             ("turns with a picture", lambda kv: f"{images.turns(kv.max_seq_len, turn):,}")]
 
 

@@ -261,12 +261,6 @@ def _messages_with_images(engine: Engine, chat: ChatCompletionRequest, images: d
     if vision is None:
         raise ApiError(400, "this engine is text-only: image_url parts need an engine built from a vision-language "
                             "model (LLaVA, Idefics3 / SmolVLM, Qwen2-VL)", param="messages")
-    most = vision.limits.max_images
-    for index, parts in enumerate(sent):
-        if len(parts) > most:
-            raise ApiError(400, f"messages[{index}] has {len(parts)} pictures, over the cap of {most} per message; "
-                                "send fewer", param="messages")
-
     def digest(index: int) -> Callable[[ImagePart], str]:
         def prepared(part: ImagePart) -> str:
             image = vision.prepare(part.data, f"messages[{index}] {part.name}", part.detail)
@@ -275,6 +269,8 @@ def _messages_with_images(engine: Engine, chat: ChatCompletionRequest, images: d
         return prepared
 
     try:
+        for index, parts in enumerate(sent):
+            vision.check_count(len(parts), f"messages[{index}]")
         return [message.to_message(digest(i)) for i, message in enumerate(chat.messages)]
     except ImageError as err:
         raise ApiError(400, str(err), param="messages") from err

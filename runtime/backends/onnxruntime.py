@@ -113,23 +113,12 @@ class OrtModel:
         if end > self.context:  # the session plans against config.max_position_embeddings = context
             raise ConfigError(f"position {end} exceeds the graphs' KV window of {self.context} tokens")
         pictures = [span for span in seq.media if span.start < end and span.end > start_pos]
-        if pictures:
-            self._check_pictures(pictures)
         self._fill_window(cache, seq, start_pos)
         graph = self.graphs[1 if len(token_ids) == 1 else self.chunk]
         logits = [self._run(graph, token_ids[i:i + graph.tokens], start_pos + i, cache, seq,
                             _picture_rows(pictures, images or {}, start_pos + i, graph.tokens))
                   for i in range(0, len(token_ids), graph.tokens)]
         return torch.cat(logits) if all_logits else logits[-1][-1]
-
-    def _check_pictures(self, pictures: list[MediaSpan]) -> None:
-        """ImageError unless these graphs can take the pictures' rows: host-fed embeddings, no M-RoPE grid."""
-        if self.host is None:
-            raise ImageError("these graphs look the token ids up themselves and cannot take a picture's rows; "
-                             f"{EXPORT_AGAIN} --profile npu (its graphs take inputs_embeds from the host)")
-        if any(span.grid is not None for span in pictures):
-            raise ImageError("Qwen2-VL's M-RoPE positions are not in the graphs' host RoPE tables; show its "
-                             "pictures on the reference engine (--backend reference)")
 
     def _fill_window(self, cache: PagedKVCache, seq: Sequence, start: int) -> None:
         """Make the window hold the K/V of the sequence's first ``start`` tokens, from the cache's blocks unless it

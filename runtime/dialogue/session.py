@@ -130,9 +130,7 @@ class DialogueSession:
             raise ImageError(f"{self.engine.folder} takes text only; pictures need an engine built from a "
                              "vision-language model (LLaVA, Idefics3 / SmolVLM, Qwen2-VL; its cabin-export graphs: "
                              "the npu profile, not for Qwen2-VL)")
-        if len(images) > vision.limits.max_images:
-            raise ImageError(f"the message has {len(images)} pictures, over the cap of {vision.limits.max_images} "
-                             "per message; send fewer")
+        vision.check_count(len(images), "the message")
         prepared = [vision.prepare(data, name) for name, data in images]
         self.images.update({image.digest.hex(): image for image in prepared})
         text = message.get("content") or ""

@@ -78,8 +78,8 @@ def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs >= params.top_p  # the mass of the more likely tokens
         drop[0] = False  # the most likely token stays, even where top_p rounds to 0 in float32
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits

@@ -200,6 +200,12 @@ class Vision:
         with torch.inference_mode(False):
             return _vision_model(self.config, self.folder / VISION_WEIGHTS, self.family)
 
+    def check_count(self, count: int, where: str) -> None:
+        """ImageError where ``where`` (a message) shows more pictures than the cap."""
+        if count > self.limits.max_images:
+            raise ImageError(f"{where} has {count} pictures, over the cap of {self.limits.max_images} per message; "
+                             "send fewer")
+
     def prepare(self, data: bytes, name: str, detail: str = "auto") -> PreparedImage:
         """Decode, check and preprocess one picture; its token count is known before anything is encoded.
         ``detail`` "low" (OpenAI's): Idefics3 without tiles, Qwen2-VL at most 448 x 448 pixels; LLaVA's one size."""
