@@ -28,7 +28,7 @@ from cabinllm.runtime.formats.scales_file import KVScales, LayerRanges, ScalesFi
 from cabinllm.runtime.kv.quant import INT8_MAX
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.transformer import Transformer
-from cabinllm.runtime.sources.model_source import LoadedModel
+from cabinllm.runtime.sources.model_source import LoadedModel, vision_of
 
 Log = Callable[[str], None]
 RANGE_FACTOR = 100.0  # a file's K/V range this many times above or below the model's own is refused
@@ -102,8 +102,10 @@ def clipping_warning(path: Path, ranges: list[LayerRanges] | None) -> str | None
 
 def calibrated_scales(data: str, config: ModelConfig, weights: dict[str, torch.Tensor], checkpoint: Path,
                       fingerprint: str, equalize: bool, out: Path) -> BuildScales:
-    """Scales calibrated now on dialogues (``builtin``, ``sharegpt`` or a file; cabinllm.calibration.calibrate)."""
-    model = LoadedModel("build", config, weights, ChatTokenizer(checkpoint), fingerprint)
+    """Scales calibrated now on dialogues (``builtin``, ``sharegpt`` or a file; cabinllm.calibration.calibrate); a
+    vision-language build's pictures are read by the vision part written beside the checkpoint."""
+    model = LoadedModel("build", config, weights, ChatTokenizer(checkpoint), fingerprint,
+                        vision=vision_of(checkpoint.parent))
     request = CalibrationRequest(data=data, grade=False)  # max_tokens: the default, capped at the context
     found = calibrate(model, request, progress=False).scales_file
     source = f"calibrated on {data} dialogues"

@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from cabinllm.calibration.clip_search import SEARCH_METHOD, CandidateScore, choose_clips
-from cabinllm.calibration.clips import DEFAULT_PERCENTILE, METHODS, LayerClips, compute_clips, layer_ranges
+from cabinllm.calibration.clips import (DEFAULT_PERCENTILE, METHODS, LayerClips, compute_clips, kind_ranges,
+                                        layer_ranges)
 from cabinllm.calibration.equalize import FIRST_TOKEN
 from cabinllm.calibration.evaluate import ModeResult, evaluate
-from cabinllm.calibration.selection import TokenizedDialogue, prepare_dialogues
+from cabinllm.calibration.selection import TokenizedDialogue, picture_summary, prepare_dialogues
 from cabinllm.calibration.stats import KVStats, collect_stats
 from cabinllm.runtime.errors import ConfigError, DataError
 from cabinllm.runtime.formats.scales_file import ScalesFile, save_scales
@@ -30,6 +31,7 @@ NO_MIX = "none"
 BUILTIN = "builtin"
 VALIDATION_TOKENS = 1024  # per source: the validation and grading parts are cut to this many tokens
 GRADE_MODES = ("int8-shared", "int8-shared-eq", "int8-dynamic")
+BY_KIND = "by_kind"  # the data summary's K/V ranges at text and at image positions (clips.kind_ranges)
 SHORT_COVERAGE = 0.25  # the report warns when the longest sequence covers less than this share of the context
 
 
@@ -78,8 +80,8 @@ class _Part:
 def _source_part(data: str, split: str, count: int, seed: int, model: LoadedModel, max_tokens: int,
                  min_tokens: int, sessions: bool, validation: int) -> _Part:
     dialogues, summary = prepare_dialogues(data, split, count + validation, seed, model.tokenizer, max_tokens,
-                                           min_tokens, sessions)
-    held = [TokenizedDialogue(d.id, d.token_ids[:VALIDATION_TOKENS]) for d in dialogues[count:]]
+                                           min_tokens, sessions, model.vision)
+    held = [d.cut(VALIDATION_TOKENS) for d in dialogues[count:]]
     return _Part(dialogues[:count], held, summary)
 
 
@@ -114,9 +116,10 @@ def describe_mix(data: dict) -> str:
 def _data_summary(parts: list[_Part], context: int) -> dict:
     primary = parts[0].summary
     longest = max(len(d.token_ids) for p in parts for d in p.stats)
+    primary = {key: value for key, value in primary.items() if key != "pictures"}  # counted again without validation
     summary = {**primary, "dialogues": len(parts[0].stats), "tokens": sum(len(d.token_ids) for d in parts[0].stats),
                "ids": [d.id for d in parts[0].stats], "positions": {"longest": longest, "context": context},
-               "validation_ids": [d.id for p in parts for d in p.validation]}
+               "validation_ids": [d.id for p in parts for d in p.validation], **picture_summary(parts[0].stats)}
     if len(parts) > 1:
         mixed = parts[1].summary
         summary["mixed"] = {"source": mixed["source"], "dialogues": len(parts[1].stats),
@@ -167,6 +170,8 @@ def calibrate(model: LoadedModel, request: CalibrationRequest, progress: bool = 
     else:
         clips = compute_clips(stats, request.method, request.percentile)
         method = f"percentile-{request.percentile:g}" if request.method == "percentile" else request.method
+    if stats.by_kind:
+        summary[BY_KIND] = kind_ranges(stats, clips)
     scales_file = ScalesFile(clips.scales(), model.fingerprint, method, summary, layer_ranges(stats, clips))
     grade = _grade(model, request, scales_file, progress) if request.grade else {}
     if grade:

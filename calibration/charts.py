@@ -48,6 +48,25 @@ def plot_ranges(stats: KVStats, clips: LayerClips, path: Path) -> None:
     _save(fig, path)
 
 
+def plot_kind_ranges(kinds: dict, clips: LayerClips, path: Path) -> None:
+    """Per-layer K and V abs-max at text and at image positions (cabinllm.calibration.clips.kind_ranges) beside the
+    layer's clip."""
+    layers = range(len(clips.k))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, name, clip in ((axes[0], "k", clips.k), (axes[1], "v", clips.v)):
+        for kind, style in (("text", "o-"), ("image", "s-")):
+            ax.plot(layers, kinds[kind][f"{name}_amax"], style,
+                    label=f"{name.upper()} abs-max at {kind} positions ({kinds[kind]['positions']})")
+        ax.plot(layers, clip, "--", color="black", label=f"{name.upper()} clip")
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_title(f"{name.upper()} at text and image positions", fontsize=10)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("|x|")
+    fig.tight_layout()
+    _save(fig, path)
+
+
 def plot_accuracy(results: dict[str, ModeResult], path: Path, title: str) -> None:
     """Perplexity change, KL and top-1 agreement of each KV mode against full precision, and KL by position."""
     modes = [m for m in results if m != REFERENCE_MODE]

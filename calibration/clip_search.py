@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from cabinllm.calibration.clips import LayerClips, compute_clips, layer_ranges
 from cabinllm.calibration.equalize import equalize
-from cabinllm.calibration.evaluate import Totals, accumulate, run_logits
+from cabinllm.calibration.evaluate import Totals, accumulate, image_mask, run_logits
 from cabinllm.calibration.selection import TokenizedDialogue
 from cabinllm.calibration.stats import KVStats
 from cabinllm.runtime.kv.modes import kv_mode
@@ -65,7 +65,7 @@ class CandidateScore:
 
 def reference_logprobs(model: Transformer, dialogues: list[TokenizedDialogue]) -> list[torch.Tensor]:
     """Full-precision next-token log-probabilities of each validation dialogue."""
-    return [run_logits(model, d.token_ids, kv_mode("fp32"), None)[:-1].log_softmax(-1) for d in dialogues]
+    return [run_logits(model, d, kv_mode("fp32"), None)[:-1].log_softmax(-1) for d in dialogues]
 
 
 def score_clips(model: LoadedModel, stats: KVStats, clips: LayerClips, dialogues: list[TokenizedDialogue],
@@ -76,8 +76,9 @@ def score_clips(model: LoadedModel, stats: KVStats, clips: LayerClips, dialogues
     equalized = Transformer(model.config, weights)
     totals, token_kl = Totals(), []
     for dialogue, reference in zip(dialogues, references):
-        logits = run_logits(equalized, dialogue.token_ids, kv_mode("int8"), scales)[:-1]
-        token_kl.append(accumulate(totals, reference, logits, torch.tensor(dialogue.token_ids[1:])))
+        logits = run_logits(equalized, dialogue, kv_mode("int8"), scales)[:-1]
+        token_kl.append(accumulate(totals, reference, logits, torch.tensor(dialogue.token_ids[1:]),
+                                   image_mask(dialogue)))
     return totals, torch.cat(token_kl)
 
 

@@ -141,3 +141,19 @@ def layer_ranges(stats: KVStats, clips: LayerClips) -> list[LayerRanges]:
                         clips.k_clip_rate[i], clips.v_clip_rate[i],
                         clips.k_channel[i].tolist(), clips.v_channel[i].tolist())
             for i in range(stats.k.channel_amax.shape[0])]
+
+
+def kind_ranges(stats: KVStats, clips: LayerClips) -> dict:
+    """Where the data shows pictures: per kind of position (text, image), the positions seen and per layer the K and
+    V abs-max and the share of values (%) beyond the layer's clip; JSON-ready, {} for text-only data."""
+    channels = stats.k.channel_amax[0].numel()
+    ranges = {}
+    for kind, (k, v) in stats.by_kind.items():
+        ranges[kind] = {"positions": int(k.layer_hist[0].sum()) // channels,
+                        "k_amax": [round(x, 4) for x in k.layer_amax.tolist()],
+                        "v_amax": [round(x, 4) for x in v.layer_amax.tolist()],
+                        "k_clipped_pct": [round(100 * x, 4) for x in clip_rates(k.layer_hist, torch.tensor(clips.k))
+                                          .tolist()],
+                        "v_clipped_pct": [round(100 * x, 4) for x in clip_rates(v.layer_hist, torch.tensor(clips.v))
+                                          .tolist()]}
+    return ranges

@@ -12,7 +12,9 @@ shared-scale mode on weights with KV equalization folded in (``-eq``).
 Per mode: perplexity of the dialogue's next tokens, mean KL(reference || mode)
 of the next-token distributions, and how often the top-1 token agrees; KL and
 top-1 also per bucket of positions (POSITION_BUCKETS), so drift with dialogue
-length shows. Quantized weights (cabinllm.calibration.weight_quant) are measured the same way against the same
+length shows, and, where the dialogues show pictures, at text and at image positions (a position whose input is
+a picture's encoder row); perplexity then counts text targets only (as transformers' labels leave picture tokens
+out). Quantized weights (cabinllm.calibration.weight_quant) are measured the same way against the same
 reference (fp32 weights, fp32 KV), alone (fp32 KV) and with each KV mode.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tqdm import tqdm
 
 from cabinllm.calibration.equalize import FIRST_TOKEN, equalize
 from cabinllm.calibration.selection import TokenizedDialogue
+from cabinllm.calibration.stats import POSITION_KINDS
 from cabinllm.calibration.weight_quant import stored_bytes
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import ModelConfig
@@ -96,6 +99,7 @@ class ModeResult:
     weights: str = REFERENCE_WEIGHTS  # the weights the row ran on (cabinllm.calibration.weight_quant.EVAL_WEIGHTS)
     weight_bytes: int = 0  # their checkpoint bytes, floats as fp16 (cabinllm.calibration.weight_quant.stored_bytes)
     by_position: dict[str, PositionResult] = field(default_factory=dict)
+    by_kind: dict[str, PositionResult] = field(default_factory=dict)  # text / image positions, where pictures were
 
 
 @dataclass
@@ -151,9 +155,16 @@ def weight_runners(weights: dict[str, tuple[ModelConfig, dict[str, torch.Tensor]
     return runners
 
 
-def run_logits(model: Transformer, token_ids: list[int], mode: KVMode, scales: KVScales | None) -> torch.Tensor:
-    """Logits (tokens, vocab) of token_ids prefilled over a fresh cache of the given mode."""
-    return run_tokens(model, token_ids, mode.name, scales, all_logits=True).logits
+def run_logits(model: Transformer, dialogue: TokenizedDialogue, mode: KVMode, scales: KVScales | None) -> torch.Tensor:
+    """Logits (tokens, vocab) of a dialogue (its pictures too) prefilled over a fresh cache of the given mode."""
+    return run_tokens(model, dialogue.token_ids, mode.name, scales, all_logits=True, media=dialogue.media).logits
+
+
+def image_mask(dialogue: TokenizedDialogue) -> torch.Tensor:
+    """Which of the dialogue's positions take a picture's encoder row (bool, one per token)."""
+    mask = torch.zeros(len(dialogue.token_ids), dtype=torch.bool)
+    mask[dialogue.image_positions] = True
+    return mask
 
 
 def stored_bytes_per_token(layout: KVLayout, mode: KVMode, tokens: int) -> int:
@@ -172,17 +183,28 @@ class Totals:
     """Sums over the positions of the dialogues seen so far, in all and per bucket of positions."""
 
     nll: float = 0.0
+    nll_tokens: int = 0  # the targets perplexity counts (text tokens)
     kl: float = 0.0
     agree: int = 0
     tokens: int = 0
     bucket_kl: torch.Tensor = field(default_factory=_bucket_sums)
     bucket_agree: torch.Tensor = field(default_factory=_bucket_sums)
     bucket_tokens: torch.Tensor = field(default_factory=_bucket_sums)
+    kind_kl: torch.Tensor = field(default_factory=lambda: torch.zeros(len(POSITION_KINDS), dtype=torch.float64))
+    kind_agree: torch.Tensor = field(default_factory=lambda: torch.zeros(len(POSITION_KINDS), dtype=torch.float64))
+    kind_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(len(POSITION_KINDS), dtype=torch.float64))
 
     def by_position(self) -> dict[str, PositionResult]:
         """Mean KL and top-1 agreement per bucket that has positions."""
         return {bucket_label(b): PositionResult(float(self.bucket_kl[i] / n), float(self.bucket_agree[i] / n), int(n))
                 for i, (b, n) in enumerate(zip(POSITION_BUCKETS, self.bucket_tokens.tolist())) if n > 0}
+
+    def by_kind(self) -> dict[str, PositionResult]:
+        """Mean KL and top-1 agreement at text and at image positions; {} where no image position was seen."""
+        if not self.kind_tokens[1]:
+            return {}
+        return {kind: PositionResult(float(self.kind_kl[i] / n), float(self.kind_agree[i] / n), int(n))
+                for i, (kind, n) in enumerate(zip(POSITION_KINDS, self.kind_tokens.tolist())) if n > 0}
 
 
 def _bucket_index(positions: torch.Tensor) -> torch.Tensor:
@@ -191,15 +213,19 @@ def _bucket_index(positions: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(upper, positions, right=True)
 
 
-def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Add one dialogue's NLL, KL and top-1 agreement over its positions that have a next token; returns the KL of
-    each of those positions."""
+def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
+               image: torch.Tensor | None = None) -> torch.Tensor:
+    """Add one dialogue's NLL, KL and top-1 agreement over its positions that have a next token (``image``: which
+    of its positions, one more than the targets, take a picture's row); returns the KL of each of those positions."""
     buckets = len(POSITION_BUCKETS)
+    image = torch.zeros(len(targets) + 1, dtype=torch.bool) if image is None else image
     token_kl = []
     for start in range(0, len(targets), _CHUNK):
         rows = slice(start, start + _CHUNK)
         ref, logp = ref_logp[rows], logits[rows].log_softmax(-1)
-        totals.nll -= float(logp.gather(1, targets[rows, None]).sum())
+        text_target = ~image[start + 1:start + 1 + _CHUNK]
+        totals.nll -= float(logp.gather(1, targets[rows, None]).squeeze(1)[text_target].sum())
+        totals.nll_tokens += int(text_target.sum())
         kl = (ref.exp() * (ref - logp)).sum(-1).double()
         agree = (ref.argmax(-1) == logp.argmax(-1)).double()
         totals.kl += float(kl.sum())
@@ -209,6 +235,10 @@ def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, tar
         totals.bucket_kl += torch.bincount(index, kl, minlength=buckets + 1)[:buckets]
         totals.bucket_agree += torch.bincount(index, agree, minlength=buckets + 1)[:buckets]
         totals.bucket_tokens += torch.bincount(index, minlength=buckets + 1)[:buckets].double()
+        kind = image[rows][:len(kl)].long()  # POSITION_KINDS' index: 0 text, 1 image
+        totals.kind_kl += torch.bincount(kind, kl, minlength=2)
+        totals.kind_agree += torch.bincount(kind, agree, minlength=2)
+        totals.kind_tokens += torch.bincount(kind, minlength=2).double()
     totals.tokens += len(targets)
     return torch.cat(token_kl)
 
@@ -229,26 +259,25 @@ def evaluate(model: LoadedModel, dialogues: list[TokenizedDialogue], modes: list
     steps = len(dialogues) * (len(runners) + 1)
     with tqdm(total=steps, desc="evaluating KV modes", unit="run", file=sys.stderr, disable=not progress) as bar:
         for dialogue in dialogues:
-            ids = dialogue.token_ids
-            targets = torch.tensor(ids[1:])
-            ref_logp = run_logits(reference, ids, kv_mode(REFERENCE_MODE), None)[:-1].log_softmax(-1)
-            accumulate(ref_totals, ref_logp, ref_logp, targets)
+            targets, image = torch.tensor(dialogue.token_ids[1:]), image_mask(dialogue)
+            ref_logp = run_logits(reference, dialogue, kv_mode(REFERENCE_MODE), None)[:-1].log_softmax(-1)
+            accumulate(ref_totals, ref_logp, ref_logp, targets, image)
             bar.update()
             for mode, runner in runners.items():
                 bar.set_postfix_str(mode)
-                logits = run_logits(runner.model, ids, runner.kv_mode, runner.scales)[:-1, :vocab]
-                accumulate(totals[mode], ref_logp, logits, targets)
+                logits = run_logits(runner.model, dialogue, runner.kv_mode, runner.scales)[:-1, :vocab]
+                accumulate(totals[mode], ref_logp, logits, targets, image)
                 bar.update()
-    ref_ppl = math.exp(ref_totals.nll / ref_totals.tokens)
+    ref_ppl = math.exp(ref_totals.nll / ref_totals.nll_tokens)
     reference_bytes = stored_bytes_per_token(reference.kv_layout, kv_mode(REFERENCE_MODE), 1)
     results = {REFERENCE_MODE: ModeResult(ref_ppl, 0.0, 0.0, 1.0, reference_bytes, REFERENCE_WEIGHTS, full_bytes,
-                                          ref_totals.by_position())}
+                                          ref_totals.by_position(), ref_totals.by_kind())}
     mean_tokens = round(sum(len(d.token_ids) for d in dialogues) / len(dialogues))
     for mode, t in totals.items():
-        ppl = math.exp(t.nll / t.tokens)
+        ppl = math.exp(t.nll / t.nll_tokens)
         stored = stored_bytes_per_token(runners[mode].model.kv_layout, runners[mode].kv_mode, mean_tokens)
         results[mode] = ModeResult(ppl, 100 * (ppl / ref_ppl - 1), t.kl / t.tokens, t.agree / t.tokens, stored,
-                                   runners[mode].weights, runners[mode].weight_bytes, t.by_position())
+                                   runners[mode].weights, runners[mode].weight_bytes, t.by_position(), t.by_kind())
     return results
 
 

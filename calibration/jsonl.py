@@ -1,4 +1,5 @@
-"""OpenAI-style chat JSONL: one ``{"messages": [{"role", "content"}, ...]}`` object per line."""
+"""OpenAI-style chat JSONL: one ``{"messages": [{"role", "content"}, ...]}`` object per line; a user message may
+show pictures, ``"images": ["cam.png", ...]``, paths from the file's folder (read by a vision-language model)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,6 @@ from pathlib import Path
 from typing import Iterator
 
 from cabinllm.calibration.dialogue_data import Dialogue, LoadReport, check_messages
-from cabinllm.runtime.errors import DataError
 
 
 def load_jsonl(path: Path, report: LoadReport) -> Iterator[Dialogue]:
@@ -30,8 +30,17 @@ def load_jsonl(path: Path, report: LoadReport) -> Iterator[Dialogue]:
             if reason:
                 report.skip(reason)
                 continue
-            if any(isinstance(m, dict) and "images" in m for m in messages):  # dropped, they would change the K/V
-                raise DataError(f"{path}:{number}: a message shows pictures (images); calibration and cabin-eval "
-                                "read text dialogues only: remove the images, or use a file without them")
-            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+            if not all(_pictures_ok(m) for m in messages):
+                report.skip("images not a list of picture paths on a user message")
+                continue
+            messages = [{"role": m["role"], "content": m["content"]}
+                        | ({"images": [str(path.parent / i) for i in m["images"]]} if m.get("images") else {})
+                        for m in messages]
             yield Dialogue(str(record.get("id") or f"line-{number}"), messages)
+
+
+def _pictures_ok(message: dict) -> bool:
+    """Whether a message's ``images`` (if any) is a list of picture paths on a user message."""
+    images = message.get("images", [])
+    return isinstance(images, list) and all(isinstance(i, str) and i for i in images) \
+        and (not images or message["role"] == "user")

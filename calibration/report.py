@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cabinllm.calibration.calibrate import CalibrationResult, describe_mix, short_coverage_warning
-from cabinllm.calibration.charts import plot_ranges
+from cabinllm.calibration.calibrate import BY_KIND, CalibrationResult, describe_mix, short_coverage_warning
+from cabinllm.calibration.charts import plot_kind_ranges, plot_ranges
 from cabinllm.runtime.formats.atomic import atomic_write_text
 
 RANGES_PNG = "ranges.png"
+KIND_RANGES_PNG = "ranges_by_kind.png"  # where the data shows pictures
 SUMMARY_MD = "summary.md"
 
 
@@ -52,7 +53,24 @@ def summary_markdown(model_name: str, result: CalibrationResult, command: str) -
     lines += ["", f"With one shared scale per layer (TensorRT-LLM's format), V uses {min(levels):.0f} to "
               f"{max(levels):.0f} of the 127 INT8 levels; KV equalization (int8-shared-eq) gives every layer "
               "all of them.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + _kind_lines(data.get(BY_KIND)))
+
+
+def _kind_lines(kinds: dict | None) -> list[str]:
+    """K/V ranges at image positions beside text positions, where the data shows pictures."""
+    if not kinds:
+        return []
+    text, image = kinds["text"], kinds["image"]
+    lines = [f"## K/V at image and text positions ({image['positions']} image, {text['positions']} text positions)",
+             "", "The scales cover both; a layer whose image K or V reaches past the clip loses those values.", "",
+             f"![K/V at text and image positions]({KIND_RANGES_PNG})", "",
+             "| layer | K abs-max text | K abs-max image | V abs-max text | V abs-max image "
+             "| K clipped % text / image | V clipped % text / image |", "|---|---|---|---|---|---|---|"]
+    for i in range(len(text["k_amax"])):
+        lines.append(f"| {i} | {text['k_amax'][i]:.3f} | {image['k_amax'][i]:.3f} | {text['v_amax'][i]:.3f} "
+                     f"| {image['v_amax'][i]:.3f} | {text['k_clipped_pct'][i]:.4f} / {image['k_clipped_pct'][i]:.4f} "
+                     f"| {text['v_clipped_pct'][i]:.4f} / {image['v_clipped_pct'][i]:.4f} |")
+    return lines + [""]
 
 
 def _candidate_lines(result: CalibrationResult) -> list[str]:
@@ -73,16 +91,21 @@ def _grade_lines(result: CalibrationResult) -> list[str]:
         return ["", "No held-out dialogue of this data to grade the scales on."]
     ids = result.scales_file.data.get("grade_ids", [])
     positions = sum(b.tokens for b in next(iter(result.grade.values())).by_position.values())
+    kinds = set(result.grade["fp32"].by_kind) == {"text", "image"}  # KL at text and at image positions
     lines = ["", f"## Grade on held-out data ({len(ids)} sequences of the held-out split, {positions} positions)", "",
-             "| KV mode | perplexity vs fp32 | KL | top-1 agreement |", "|---|---|---|---|"]
+             "| KV mode | perplexity vs fp32 | KL | top-1 agreement |" + (" KL text / image |" if kinds else ""),
+             "|---|---|---|---|" + ("---|" if kinds else "")]
     for mode, r in result.grade.items():
         if mode != "fp32":
-            lines.append(f"| {mode} | {r.ppl_delta_pct:+.2f}% | {r.kl:.5f} | {100 * r.top1_agree:.2f}% |")
+            split = f" {r.by_kind['text'].kl:.5f} / {r.by_kind['image'].kl:.5f} |" if kinds else ""
+            lines.append(f"| {mode} | {r.ppl_delta_pct:+.2f}% | {r.kl:.5f} | {100 * r.top1_agree:.2f}% |{split}")
     return lines
 
 
 def write_calibration_report(folder: Path, model_name: str, result: CalibrationResult, command: str) -> None:
-    """Write ranges.png and summary.md into folder."""
+    """Write ranges.png (and ranges_by_kind.png where the data shows pictures) and summary.md into folder."""
     folder.mkdir(parents=True, exist_ok=True)
     plot_ranges(result.stats, result.clips, folder / RANGES_PNG)
+    if result.scales_file.data.get(BY_KIND):
+        plot_kind_ranges(result.scales_file.data[BY_KIND], result.clips, folder / KIND_RANGES_PNG)
     atomic_write_text(folder / SUMMARY_MD, summary_markdown(model_name, result, command))

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from cabinllm.calibration.dialogue_data import Dialogue, LoadReport
 from cabinllm.calibration.sources import open_source
 from cabinllm.calibration.stitch import conversation_order, stitch
-from cabinllm.runtime.errors import ConfigError, DataError
+from cabinllm.runtime.errors import ConfigError, DataError, ImageError
+from cabinllm.runtime.generation.generate import MediaFeed
+from cabinllm.runtime.kv.blocks import whole_media_prefix
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.model.vision import EncodedRows, PreparedImage, Vision, read_pictures
 
 SPLITS = ("train", "heldout", "all")  # "all": every dialogue, whatever its split
 HELDOUT_PERCENT = 20
@@ -24,10 +27,22 @@ OVERSAMPLE = 8  # candidates kept per requested dialogue, for those that turn ou
 
 @dataclass
 class TokenizedDialogue:
-    """A dialogue rendered with the chat template and tokenized (cut to the token limit)."""
+    """A dialogue rendered with the chat template and tokenized (cut to the token limit); ``media``: the pictures
+    among its tokens and their rows, ``image_positions``: the positions that take an encoder row."""
 
     id: str
     token_ids: list[int]
+    media: MediaFeed | None = None
+    image_positions: list[int] = field(default_factory=list)
+
+    def cut(self, tokens: int) -> "TokenizedDialogue":
+        """The first ``tokens`` tokens at most, ending before a picture they would cut."""
+        if self.media is None:
+            return TokenizedDialogue(self.id, self.token_ids[:tokens])
+        end = whole_media_prefix(tokens, self.media.spans)
+        spans = [span for span in self.media.spans if span.end <= end]
+        return TokenizedDialogue(self.id, self.token_ids[:end], MediaFeed(spans, self.media.rows) if spans else None,
+                                 [p for p in self.image_positions if p < end])
 
 
 def split_of(key: str) -> str:
@@ -54,13 +69,32 @@ def select_dialogues(dialogues: Iterable[Dialogue], split: str, count: int | Non
     return sorted(pool, key=order) if count is None else heapq.nsmallest(count, pool, key=order)
 
 
-def tokenize_dialogue(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: int) -> list[int]:
-    """Token ids of the whole rendered conversation (BOS first if the model wants it), cut to max_tokens."""
-    return tokenizer.encode_prompt(tokenizer.render(dialogue.messages, add_generation_prompt=False))[:max_tokens]
+def tokenize_dialogue(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: int,
+                      vision: Vision | None = None) -> TokenizedDialogue:
+    """The whole rendered conversation (BOS first if the model wants it) cut to max_tokens, never inside a picture;
+    a message's pictures (``images``) are read and prepared by ``vision``, the model's vision part."""
+    pictured = [m for m in dialogue.messages if m.get("images")]
+    if not pictured:
+        return TokenizedDialogue(dialogue.id, tokenizer.encode_prompt(
+            tokenizer.render(dialogue.messages, add_generation_prompt=False))[:max_tokens])
+    if vision is None:
+        raise DataError(f"dialogue {dialogue.id} shows pictures, and only KV calibration and cabin-eval of a "
+                        "vision-language model (LLaVA, Idefics3 / SmolVLM, Qwen2-VL) read them (not a text-only model, "
+                        "nor weight quantization); use such a model, or data without pictures")
+    held: dict[str, PreparedImage] = {}
+    try:
+        messages = [vision.image_message(m, read_pictures(m["images"]), held) if m.get("images") else m
+                    for m in dialogue.messages]
+    except ImageError as err:
+        raise DataError(f"dialogue {dialogue.id}: {err}") from err
+    view = tokenizer.with_images(held, vision.placeholder)
+    ids, spans = view.encode_prompt_media(view.render(messages, add_generation_prompt=False))
+    positions = [span.start + int(p) for span in spans for p in held[span.digest.hex()].offsets]
+    return TokenizedDialogue(dialogue.id, ids, MediaFeed(spans, EncodedRows(vision, held)), positions).cut(max_tokens)
 
 
 def stitch_sessions(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tokens: int, max_tokens: int,
-                    count: int) -> list[TokenizedDialogue]:
+                    count: int, vision: Vision | None = None) -> list[TokenizedDialogue]:
     """Up to ``count`` sessions of ``min_tokens``..``max_tokens`` tokens, each stitched from consecutive dialogues
     (parts of one conversation together); a dialogue long enough by itself is a session of one."""
     sessions: list[TokenizedDialogue] = []
@@ -68,13 +102,12 @@ def stitch_sessions(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tok
     estimate = 0
     for dialogue in conversation_order(dialogues):
         current.append(dialogue)
-        estimate += len(tokenize_dialogue(dialogue, tokenizer, max_tokens))
+        estimate += len(tokenize_dialogue(dialogue, tokenizer, max_tokens, vision).token_ids)
         if estimate < min_tokens:
             continue
-        session = stitch(current)
-        ids = tokenize_dialogue(session, tokenizer, max_tokens)
-        if len(ids) >= max(min_tokens, 2):  # else the dropped system prompts made it short: add another
-            sessions.append(TokenizedDialogue(session.id, ids))
+        session = tokenize_dialogue(stitch(current), tokenizer, max_tokens, vision)
+        if len(session.token_ids) >= max(min_tokens, 2):  # else the dropped system prompts made it short: add another
+            sessions.append(session)
             current, estimate = [], 0
             if len(sessions) == count:
                 break
@@ -82,18 +115,19 @@ def stitch_sessions(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tok
 
 
 def prepare_dialogues(data: str, split: str, count: int | None, seed: int, tokenizer: ChatTokenizer,
-                      max_tokens: int, min_tokens: int = 0,
-                      sessions: bool = False) -> tuple[list[TokenizedDialogue], dict]:
+                      max_tokens: int, min_tokens: int = 0, sessions: bool = False,
+                      vision: Vision | None = None) -> tuple[list[TokenizedDialogue], dict]:
     """Load, split, select and tokenize ``count`` dialogues (None: every one) of ``min_tokens``..``max_tokens`` tokens.
 
     With ``sessions``, each is a session stitched from consecutive dialogues of the split until it has
-    ``min_tokens`` (cabinllm.calibration.stitch), for positions no single dialogue reaches.
+    ``min_tokens`` (cabinllm.calibration.stitch), for positions no single dialogue reaches. Dialogues that show
+    pictures need ``vision``, the model's vision part.
     Returns them with a data summary (source, load report, split, seed, token counts).
     """
     if count is None and sessions:
         raise DataError("stitched sessions need a number of sessions; pass --num-dialogues")
     if count is None:
-        return _prepare_every_dialogue(data, split, seed, tokenizer, max_tokens, min_tokens)
+        return _prepare_every_dialogue(data, split, seed, tokenizer, max_tokens, min_tokens, vision)
     if count < 1 or max_tokens < 2 or min_tokens > max_tokens:
         raise DataError(f"need at least 1 dialogue, max_tokens >= 2 and min_tokens <= max_tokens "
                         f"(got {count}, {max_tokens}, {min_tokens})")
@@ -103,9 +137,9 @@ def prepare_dialogues(data: str, split: str, count: int | None, seed: int, token
         # A token is at least one UTF-8 byte and a character at most four, so shorter texts cannot qualify.
         candidates = select_dialogues(dialogues, split, pool, seed, min_chars=0 if sessions else min_tokens // 4)
         if sessions:
-            chosen = stitch_sessions(candidates, tokenizer, min_tokens, max_tokens, count)
+            chosen = stitch_sessions(candidates, tokenizer, min_tokens, max_tokens, count, vision)
         else:
-            chosen = _long_enough(candidates, tokenizer, min_tokens, max_tokens, count)
+            chosen = _long_enough(candidates, tokenizer, min_tokens, max_tokens, count, vision)
         if len(chosen) == count or len(candidates) < pool:
             break
         pool *= OVERSAMPLE  # too many candidates were short once tokenized: look further down the same order
@@ -120,28 +154,28 @@ def prepare_dialogues(data: str, split: str, count: int | None, seed: int, token
 
 
 def _long_enough(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tokens: int, max_tokens: int,
-                 count: int) -> list[TokenizedDialogue]:
+                 count: int, vision: Vision | None) -> list[TokenizedDialogue]:
     """The first ``count`` dialogues that have at least ``min_tokens`` tokens, cut to ``max_tokens``."""
     chosen = []
     for dialogue in dialogues:
-        ids = tokenize_dialogue(dialogue, tokenizer, max_tokens)
-        if len(ids) >= max(min_tokens, 2):
-            chosen.append(TokenizedDialogue(dialogue.id, ids))
+        tokenized = tokenize_dialogue(dialogue, tokenizer, max_tokens, vision)
+        if len(tokenized.token_ids) >= max(min_tokens, 2):
+            chosen.append(tokenized)
             if len(chosen) == count:
                 break
     return chosen
 
 
 def _prepare_every_dialogue(data: str, split: str, seed: int, tokenizer: ChatTokenizer, max_tokens: int,
-                            min_tokens: int) -> tuple[list[TokenizedDialogue], dict]:
+                            min_tokens: int, vision: Vision | None) -> tuple[list[TokenizedDialogue], dict]:
     if max_tokens < 2 or min_tokens > max_tokens:
         raise DataError(f"need max_tokens >= 2 and min_tokens <= max_tokens (got {max_tokens}, {min_tokens})")
     dialogues, report = open_source(data)
     chosen = []
     for dialogue in select_dialogues(dialogues, split, None, seed, min_chars=min_tokens // 4):
-        ids = tokenize_dialogue(dialogue, tokenizer, max_tokens)
-        if len(ids) >= max(min_tokens, 2):
-            chosen.append(TokenizedDialogue(dialogue.id, ids))
+        tokenized = tokenize_dialogue(dialogue, tokenizer, max_tokens, vision)
+        if len(tokenized.token_ids) >= max(min_tokens, 2):
+            chosen.append(tokenized)
     if not chosen:
         raise DataError(f"{data}: no {split} dialogue of at least {min_tokens} tokens found; lower --min-tokens "
                         "or use a larger data set")
@@ -150,6 +184,14 @@ def _prepare_every_dialogue(data: str, split: str, seed: int, tokenizer: ChatTok
 
 def _summary(report: LoadReport, split: str, seed: int, chosen: list[TokenizedDialogue], max_tokens: int,
              min_tokens: int) -> dict:
-    return {**report.to_dict(), "split": split, "seed": seed, "dialogues": len(chosen),
-            "tokens": sum(len(d.token_ids) for d in chosen), "max_tokens": max_tokens,
-            "min_tokens": min_tokens, "ids": [d.id for d in chosen]}
+    summary = {**report.to_dict(), "split": split, "seed": seed, "dialogues": len(chosen),
+               "tokens": sum(len(d.token_ids) for d in chosen), "max_tokens": max_tokens,
+               "min_tokens": min_tokens, "ids": [d.id for d in chosen]}
+    return summary | picture_summary(chosen)
+
+
+def picture_summary(dialogues: list[TokenizedDialogue]) -> dict:
+    """``{"pictures": {"count", "image_positions"}}`` of dialogues that show pictures, else {}."""
+    count = sum(len(d.media.spans) for d in dialogues if d.media)
+    return {"pictures": {"count": count, "image_positions": sum(len(d.image_positions) for d in dialogues)}} \
+        if count else {}

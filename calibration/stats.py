@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -71,14 +71,19 @@ class RangeStats:
         self.channel_hist[layer] += counts.view(*x.shape[1:], HIST_BINS).double()
 
 
+POSITION_KINDS = ("text", "image")  # a position's input: a token's embedding, or a picture's encoder row
+
+
 @dataclass
 class KVStats:
-    """K and V statistics of a model over some data."""
+    """K and V statistics of a model over some data; where the data shows pictures, also per layer at text and at
+    image positions (``by_kind``: kind -> (K, V), each of one channel: a layer's values pooled)."""
 
     k: RangeStats
     v: RangeStats
     dialogues: int = 0
     tokens: int = 0
+    by_kind: dict[str, tuple[RangeStats, RangeStats]] = field(default_factory=dict)
 
 
 def collect_stats(model: Transformer, dialogues: list[TokenizedDialogue], progress: bool = True) -> KVStats:
@@ -86,11 +91,16 @@ def collect_stats(model: Transformer, dialogues: list[TokenizedDialogue], progre
     layout = model.kv_layout
     stats = KVStats(RangeStats.empty(layout.num_layers, layout.num_kv_heads, layout.head_size),
                     RangeStats.empty(layout.num_layers, layout.num_kv_heads, layout.head_size))
+    if any(d.image_positions for d in dialogues):
+        stats.by_kind = {kind: (RangeStats.empty(layout.num_layers, 1, 1), RangeStats.empty(layout.num_layers, 1, 1))
+                         for kind in POSITION_KINDS}
     total = sum(len(d.token_ids) for d in dialogues)
     with tqdm(total=total, unit="tok", desc="collecting K/V stats", file=sys.stderr, disable=not progress) as bar:
         for dialogue in dialogues:
             ids = dialogue.token_ids
-            run = run_tokens(model, ids)
+            run = run_tokens(model, ids, media=dialogue.media)
+            image = torch.zeros(len(ids), dtype=torch.bool)
+            image[dialogue.image_positions] = True
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # short element-wise passes: a busy machine's thread pool costs 5x more
             try:
@@ -98,6 +108,11 @@ def collect_stats(model: Transformer, dialogues: list[TokenizedDialogue], progre
                     k, v = run.kv(layer)
                     stats.k.update(layer, k)
                     stats.v.update(layer, v)
+                    for kind, (kind_k, kind_v) in stats.by_kind.items():
+                        rows = image if kind == "image" else ~image
+                        if rows.any():
+                            kind_k.update(layer, k[rows].reshape(-1, 1, 1))
+                            kind_v.update(layer, v[rows].reshape(-1, 1, 1))
             finally:
                 torch.set_num_threads(threads)
             stats.dialogues += 1

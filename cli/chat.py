@@ -20,6 +20,7 @@ from cabinllm.runtime.formats.chat_script import read_script, text_problem
 from cabinllm.runtime.formats.engine_folder import EngineFolder
 from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.model.tools import Tool, read_tools
+from cabinllm.runtime.model.vision import read_pictures
 
 HELP_COMMANDS = ("commands: /reset (new conversation), /stats (KV memory), /save FILE, /image PATH (show a picture "
                  "with the next message), /quit; Ctrl-C stops a reply")
@@ -167,7 +168,7 @@ def run_script(session: Session, turns: list[dict], as_json: bool, options: dict
         message = dict(message)
         try:
             stats = session.chat(message, tool_choice=reply_choice(message),
-                                 images=read_images(message.pop("images", [])), **(options or {}))
+                                 images=read_pictures(message.pop("images", [])), **(options or {}))
         except ImageError as err:
             print(f"cabin-chat: error: message {number} of the script: {err}; it was not sent", file=sys.stderr,
                   flush=True)
@@ -183,17 +184,6 @@ def run_script(session: Session, turns: list[dict], as_json: bool, options: dict
                 print(f"  error: {stats.error}", flush=True)
     if not as_json:
         print(f"after {session.turns} turns: {session.describe_kv()}")
-
-
-def read_images(paths: list[str]) -> list[tuple[str, bytes]]:
-    """(name, bytes) of picture files; ImageError naming one that cannot be read."""
-    pictures = []
-    for path in paths:
-        try:
-            pictures.append((Path(path).name, Path(path).read_bytes()))
-        except OSError as err:
-            raise ImageError(f"{path}: cannot read the picture ({err.strerror}); check the path") from err
-    return pictures
 
 
 def save_command(session: Session, path: str) -> str:
@@ -288,7 +278,7 @@ def run_interactive(session: Session, options: dict | None = None) -> None:
             elif command == "/tool":
                 chat_turn(session, calls.result({"role": "tool", "content": argument.strip()}), calls, options)
             elif command == "/image":
-                attached += read_images([argument.strip()] if argument.strip() else [])
+                attached += read_pictures([argument.strip()] if argument.strip() else [])
                 print(f"({len(attached)} picture(s) attached, shown with your next message)" if argument.strip()
                       else "usage: /image PATH (a PNG, JPEG or WebP the next message shows)")
             elif command.startswith("/"):

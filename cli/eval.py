@@ -136,13 +136,24 @@ def quantized_weights(names: list[str], model: LoadedModel, source: str, data: s
 
 def format_position_table(results: dict[str, ModeResult]) -> str:
     """KL and top-1 agreement of each mode per bucket of positions (with its token count), as an aligned table."""
-    buckets = results[REFERENCE_MODE].by_position
+    return _split_table(results, "by_position", "tok", 22)
+
+
+def format_kind_table(results: dict[str, ModeResult]) -> str:
+    """KL and top-1 agreement of each mode at text and at image positions ('' where no dialogue shows pictures)."""
+    return _split_table(results, "by_kind", "positions", 28) if results[REFERENCE_MODE].by_kind else ""
+
+
+def _split_table(results: dict[str, ModeResult], split: str, unit: str, width: int) -> str:
+    """KL / top-1 of each mode in each part of a split of the positions (a ModeResult field), aligned."""
+    parts = getattr(results[REFERENCE_MODE], split)
     w = max(16, *(len(mode) + 2 for mode in results))
-    rows = [f"{'KL / top-1 at':<{w}}" + "".join(f"{f'{b} ({n.tokens} tok)':>22}" for b, n in buckets.items())]
+    rows = [f"{'KL / top-1 at':<{w}}" + "".join(f"{f'{p} ({n.tokens} {unit})':>{width}}" for p, n in parts.items())]
     for mode, r in results.items():
         if mode != REFERENCE_MODE:
+            cells = getattr(r, split)
             rows.append(f"{mode:<{w}}" + "".join(
-                f"{f'{r.by_position[b].kl:.5f} / {100 * r.by_position[b].top1_agree:.2f}%':>22}" for b in buckets))
+                f"{f'{cells[p].kl:.5f} / {100 * cells[p].top1_agree:.2f}%':>{width}}" for p in parts))
     return "\n".join(rows)
 
 
@@ -168,13 +179,14 @@ def main(argv: list[str] | None = None) -> int:
                   "calibrated on; pass --scales or --split heldout for an unbiased figure", file=sys.stderr)
         count = args.num_dialogues or (DEFAULT_EVAL_DIALOGUES if split == "heldout" else None)
         dialogues, data = prepare_dialogues(args.data, split, count, args.seed, model.tokenizer,
-                                            args.max_tokens, args.min_tokens, args.sessions)
+                                            args.max_tokens, args.min_tokens, args.sessions, model.vision)
         weights = quantized_weights(weight_names, model, args.model, args.data, args.seed)
         results = evaluate(model, dialogues, modes, scales, weights=weights)
     except CabinError as err:
         print(f"cabin-eval: error: {err}", file=sys.stderr)
         return 2
-    table = format_table(results) + "\n\n" + format_position_table(results)
+    table = "\n\n".join(t for t in (format_table(results), format_position_table(results),
+                                      format_kind_table(results)) if t)
     record = {"modes": results_json(results), "model": model.name, "scales": scales_source, "data": data,
               "seconds": round(time.perf_counter() - started, 1),
               "command": " ".join(["cabin-eval", *sys.argv[1:]] if argv is None else ["cabin-eval", *argv])}

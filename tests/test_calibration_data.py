@@ -107,7 +107,7 @@ def test_dialogues_are_selected_and_cut_to_the_token_budget(engine):
     assert len(chosen) == 2 and all(len(d.token_ids) == 64 for d in chosen)
     assert summary["tokens"] == 128 and summary["split"] == "heldout"
     dialogue = next(d for d in open_source("builtin")[0] if d.id == chosen[0].id)
-    full = tokenize_dialogue(dialogue, tok, 10_000)
+    full = tokenize_dialogue(dialogue, tok, 10_000).token_ids
     assert len(full) > 64 and full[:64] == chosen[0].token_ids
     with pytest.raises(DataError, match="only .* dialogues of at least 100000 tokens"):
         prepare_dialogues("builtin", "train", 2, 0, tok, max_tokens=100_000, min_tokens=100_000)
@@ -119,7 +119,7 @@ def test_dialogues_render_with_the_engine_chat_template(default_engine):
     chosen, _ = prepare_dialogues("builtin", "heldout", 2, 0, tok, max_tokens=64)
     for chosen_dialogue in chosen:
         dialogue = next(d for d in open_source("builtin")[0] if d.id == chosen_dialogue.id)
-        full = tokenize_dialogue(dialogue, tok, 10_000)
+        full = tokenize_dialogue(dialogue, tok, 10_000).token_ids
         assert full[:64] == chosen_dialogue.token_ids
         assert tok.decode(full) == tok.render(dialogue.messages, add_generation_prompt=False)
         assert tok.decode(full).startswith("<|im_start|>system\n" + dialogue.messages[0]["content"])

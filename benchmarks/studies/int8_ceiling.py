@@ -100,8 +100,8 @@ def measure(model: Transformer, token_lists: list[list[int]], ranges: list[Layer
                 logits = run_tokens(model, ids, all_logits=True, cache=cache).logits
                 accumulate(totals[name], ref_logp, logits[:-1], targets)
                 bar.update()
-    ref_nll = reference.nll / reference.tokens
-    return {name: {"ppl_delta_pct": 100 * (math.exp(t.nll / t.tokens - ref_nll) - 1), "kl": t.kl / t.tokens,
+    ref_nll = reference.nll / reference.nll_tokens
+    return {name: {"ppl_delta_pct": 100 * (math.exp(t.nll / t.nll_tokens - ref_nll) - 1), "kl": t.kl / t.tokens,
                    "top1_agree": t.agree / t.tokens} for name, t in totals.items()}
 
 

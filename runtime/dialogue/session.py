@@ -130,12 +130,7 @@ class DialogueSession:
             raise ImageError(f"{self.engine.folder} takes text only; pictures need an engine built from a "
                              "vision-language model (LLaVA, Idefics3 / SmolVLM, Qwen2-VL; its cabin-export graphs: "
                              "the npu profile, not for Qwen2-VL)")
-        vision.check_count(len(images), "the message")
-        prepared = [vision.prepare(data, name) for name, data in images]
-        self.images.update({image.digest.hex(): image for image in prepared})
-        text = message.get("content") or ""
-        return {**message, "content": [{"type": "image", "digest": image.digest.hex()} for image in prepared]
-                + [{"type": "text", "text": text}]}
+        return vision.image_message(message, images, self.images)
 
     def _pictures_of(self, message: dict) -> list[tuple[str, int]]:
         """(name, tokens) of the pictures a message shows."""

@@ -206,8 +206,10 @@ class Prefilled:
 
 
 def run_tokens(model: ForwardModel, token_ids: list[int], kv_mode: str = "fp32", scales: KVScales | None = None,
-               all_logits: bool = False, cache: PagedKVCache | None = None, chunk: int | None = None) -> Prefilled:
-    """Run the model over token_ids on a fresh cache sized to them (or on ``cache``, empty) and hand back its K/V.
+               all_logits: bool = False, cache: PagedKVCache | None = None, chunk: int | None = None,
+               media: MediaFeed | None = None) -> Prefilled:
+    """Run the model over token_ids (``media``: the pictures among them) on a fresh cache sized to them (or on
+    ``cache``, empty) and hand back its K/V.
 
     A fresh cache keeps every layer's K/V of every token, sliding-window layers' too (their attention still sees
     their window only), so that calibration reads them all. They go through the model at once, or in pieces of
@@ -219,12 +221,14 @@ def run_tokens(model: ForwardModel, token_ids: list[int], kv_mode: str = "fp32",
         cache = PagedKVCache(layout, sized_config(layout, kv_mode, len(token_ids)), scales)
     seq = Sequence()
     chunk = min(chunk or len(token_ids), cache.tokens_per_block if cache.mode.recent_window else len(token_ids))
+    images = {"images": media.rows} if media and media.spans else {}
     logits = []
     for start in range(0, len(token_ids), chunk):
         piece = token_ids[start:start + chunk]
+        spans = [span for span in media.spans if start <= span.start < start + chunk] if images else []
         if start == 0:
-            cache.allocate(seq, piece)
+            cache.allocate(seq, piece, spans)
         else:
-            cache.append(seq, piece)
-        logits.append(model.forward(piece, start, cache, seq, all_logits=all_logits))
+            cache.append(seq, piece, spans)
+        logits.append(model.forward(piece, start, cache, seq, all_logits=all_logits, **images))
     return Prefilled(cache, seq, torch.cat(logits) if all_logits else logits[-1])

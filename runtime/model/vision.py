@@ -122,6 +122,17 @@ def decode_image(data: bytes, name: str, limits: ImageLimits):
     return image, h.digest()
 
 
+def read_pictures(paths: list[str | Path]) -> list[tuple[str, bytes]]:
+    """(file name, bytes) of picture files; ImageError naming one that cannot be read."""
+    pictures = []
+    for path in map(Path, paths):
+        try:
+            pictures.append((path.name, path.read_bytes()))
+        except OSError as err:
+            raise ImageError(f"{path}: cannot read the picture ({err.strerror}); check the path") from err
+    return pictures
+
+
 class FeatureCache:
     """Encoded rows by image digest, least recently used dropped first beyond ``max_bytes``."""
 
@@ -205,6 +216,16 @@ class Vision:
         if count > self.limits.max_images:
             raise ImageError(f"{where} has {count} pictures, over the cap of {self.limits.max_images} per message; "
                              "send fewer")
+
+    def image_message(self, message: dict, pictures: list[tuple[str, bytes]],
+                      held: dict[str, PreparedImage]) -> dict:
+        """The message with its pictures ((name, bytes)) before its text as image parts, each prepared into ``held``
+        (by digest hex); ImageError naming the picture and the cap where one cannot be taken."""
+        self.check_count(len(pictures), "the message")
+        prepared = [self.prepare(data, name) for name, data in pictures]
+        held.update({image.digest.hex(): image for image in prepared})
+        return {**message, "content": [{"type": "image", "digest": image.digest.hex()} for image in prepared]
+                + [{"type": "text", "text": message.get("content") or ""}]}
 
     def prepare(self, data: bytes, name: str, detail: str = "auto") -> PreparedImage:
         """Decode, check and preprocess one picture; its token count is known before anything is encoded.
