@@ -142,6 +142,26 @@ def image(width: int, height: int, seed: int = 0) -> Image.Image:
     return Image.fromarray(pixels, mode="RGB")
 
 
+def picture_dialogues(folder: Path, count: int, size: tuple[int, int] = (96, 72), source: str = "builtin",
+                      name: str = "dialogues.jsonl") -> Path:
+    """Calibration data with pictures: the first ``count`` dialogues of ``source`` (cabinllm.calibration.sources) as a
+    JSONL file in ``folder``, the first user message of each showing a random picture of ``size`` (a PNG beside it,
+    sizes varying a little). Returns the file."""
+    from cabinllm.calibration.sources import open_source
+
+    dialogues, _ = open_source(source)
+    lines = []
+    for i, dialogue in zip(range(count), dialogues):
+        width, height = size[0] + 8 * (i % 4), size[1] + 6 * (i % 3)
+        image(width, height, seed=100 + i).save(folder / f"picture-{i}.png")
+        first = next(j for j, m in enumerate(dialogue.messages) if m["role"] == "user")
+        messages = [{**m, "images": [f"picture-{i}.png"]} if j == first else m
+                    for j, m in enumerate(dialogue.messages)]
+        lines.append(json.dumps({"id": dialogue.id, "messages": messages}, ensure_ascii=False) + "\n")
+    (folder / name).write_text("".join(lines), encoding="utf-8")
+    return folder / name
+
+
 def _tokenizer(family: str, tokenizer_json: Path | None = None):
     """The family's special tokens on a byte-level tokenizer (no merges: one token a byte), or on the tokenizer of
     ``tokenizer_json``, as transformers' fast tokenizer."""

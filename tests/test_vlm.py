@@ -18,7 +18,7 @@ from PIL import Image
 from serve_helpers import running_server
 from test_hf_folders import cabin_build
 
-from cabinllm.benchmarks.random_vlm import FAMILIES, image, write_random_vlm
+from cabinllm.benchmarks.random_vlm import FAMILIES, image, picture_dialogues, write_random_vlm
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, sink_window
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine import Engine
@@ -482,13 +482,120 @@ def test_a_turn_whose_picture_cannot_fit_names_the_picture_and_the_cap(vlm):
     assert chat.messages == [] and chat.chat("hi").finish_reason in ("stop", "length", "capacity")
 
 
-def test_calibration_data_with_pictures_is_refused_not_read_as_text(tmp_path):
+def test_calibration_reads_a_dialogues_pictures_as_transformers_does(vlm, tmp_path):
+    """A dialogue of the data file is the processor's ids, its pictures' positions are the placeholder's, its
+    logits are transformers' own; the statistics at image positions are those K values."""
+    from cabinllm.calibration.calibrate import BY_KIND, CalibrationRequest, calibrate
+    from cabinllm.calibration.evaluate import run_logits
+    from cabinllm.calibration.selection import tokenize_dialogue
+    from cabinllm.calibration.sources import open_source
+    from cabinllm.runtime.generation.generate import run_tokens
+    from cabinllm.runtime.kv.modes import kv_mode
+    from cabinllm.runtime.sources.model_source import load_model
+
+    data = picture_dialogues(tmp_path, 12)
+    model = load_model(str(vlm["engine"].folder))
+    dialogue = next(iter(open_source(str(data))[0]))
+    tokenized = tokenize_dialogue(dialogue, model.tokenizer, 4096, model.vision)
+    pictures = [Image.open(path) for m in dialogue.messages for path in m.get("images", [])]
+    parts = [{"role": m["role"], "content": [{"type": "image"}] * len(m.get("images", []))
+              + [{"type": "text", "text": m["content"]}]} for m in dialogue.messages]
+    processor = vlm["processor"]
+    text = processor.tokenizer.apply_chat_template(parts, add_generation_prompt=False, tokenize=False)
+    inputs = processor(text=[text], images=[pictures] if vlm["family"] == "idefics3" else pictures,
+                       return_tensors="pt", add_special_tokens=False)
+    ids = inputs["input_ids"][0]
+    assert tokenized.token_ids == ids.tolist()
+    assert tokenized.image_positions == (ids == model.vision.image_token_id).nonzero().flatten().tolist()
+    ours = run_logits(model.transformer(), tokenized, kv_mode("fp32"), None)
+    with torch.no_grad():
+        theirs = vlm["model"](**inputs).logits[0]
+    assert torch.allclose(ours, theirs, atol=2e-4, rtol=1e-4), float((ours - theirs).abs().max())
+
+    result = calibrate(model, CalibrationRequest(str(data), num_dialogues=4, max_tokens=1024, grade=False),
+                       progress=False)
+    kinds = result.scales_file.data[BY_KIND]
+    assert kinds["image"]["positions"] == result.scales_file.data["pictures"]["image_positions"] > 0
+    chosen = [tokenize_dialogue(d, model.tokenizer, 1024, model.vision) for d in open_source(str(data))[0]
+              if d.id in result.scales_file.data["ids"]]
+    image_k = [[] for _ in range(model.config.num_hidden_layers)]
+    for d in chosen:
+        run = run_tokens(model.transformer(), d.token_ids, media=d.media)
+        for layer, found in enumerate(image_k):
+            found.append(run.kv(layer)[0][d.image_positions].abs().amax())
+    assert kinds["image"]["k_amax"] == pytest.approx([float(max(k)) for k in image_k], abs=1e-4)
+    assert kinds["text"]["k_amax"] != kinds["image"]["k_amax"]
+
+
+def test_cabin_calibrate_and_cabin_eval_split_by_text_and_image_positions(vlm, tmp_path, capsys):
+    from cabinllm.cli import calibrate as cli_calibrate
+    from cabinllm.cli import eval as cli_eval
+
+    data = picture_dialogues(tmp_path, 12)
+    scales, report = tmp_path / "kv_scales.json", tmp_path / "report"
+    assert cli_calibrate.main(["--model", str(vlm["engine"].folder), "--data", str(data), "--num-dialogues", "4",
+                               "--output", str(scales), "--report", str(report)]) == 0
+    summary = (report / "summary.md").read_text(encoding="utf-8")
+    assert "## K/V at image and text positions" in summary and (report / "ranges_by_kind.png").is_file()
+    assert "KL text / image" in summary  # the held-out grade, split
+    capsys.readouterr()
+    assert cli_eval.main(["--model", str(vlm["engine"].folder), "--data", str(data), "--scales", str(scales),
+                          "--split", "all", "--num-dialogues", "3", "--kv-cache", "int8-shared,int8-dynamic",
+                          "--output", str(tmp_path / "eval")]) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "eval" / "eval.json").read_text(encoding="utf-8"))
+    kinds = record["modes"]["int8-shared"]["by_kind"]
+    assert kinds["image"]["tokens"] == record["data"]["pictures"]["image_positions"] > 0
+    assert kinds["text"]["tokens"] + kinds["image"]["tokens"] == record["data"]["tokens"] - 3  # a next token each
+    assert f"image ({kinds['image']['tokens']} positions)" in out
+
+
+def test_calibration_data_with_pictures_names_what_cannot_be_read(vlm, tiny_engine_dir, tmp_path, capsys):
+    """A text-only model, a missing picture, a picture that is no picture: one error each, naming it; an images
+    field that is not a list of paths on a user message is a malformed record, skipped and counted."""
     from cabinllm.calibration.dialogue_data import LoadReport
     from cabinllm.calibration.jsonl import load_jsonl
-    from cabinllm.runtime.errors import DataError
+    from cabinllm.cli import calibrate as cli_calibrate
 
-    line = {"messages": [{"role": "user", "content": "what is this?", "images": ["cam.png"]},
-                         {"role": "assistant", "content": "a car"}]}
-    (tmp_path / "d.jsonl").write_text(json.dumps(line) + "\n", encoding="utf-8")
-    with pytest.raises(DataError, match="d.jsonl:1: a message shows pictures"):
-        list(load_jsonl(tmp_path / "d.jsonl", LoadReport("d.jsonl")))
+    data = picture_dialogues(tmp_path, 12)
+    args = ["--data", str(data), "--num-dialogues", "2", "--no-grade", "--output", str(tmp_path / "s.json")]
+    assert cli_calibrate.main(["--model", str(tiny_engine_dir), *args]) == 2
+    assert "shows pictures" in capsys.readouterr().err
+    (tmp_path / "picture-3.png").unlink()
+    (tmp_path / "picture-5.png").write_bytes(b"not a picture")
+    assert cli_calibrate.main(["--model", str(vlm["engine"].folder), *args, "--num-dialogues", "9",
+                               "--method", "max"]) == 2
+    err = capsys.readouterr().err
+    assert "picture-3.png: cannot read the picture" in err or "picture-5.png is not a picture" in err
+    assert not (tmp_path / "s.json").exists()
+    bad = [{"messages": [{"role": "user", "content": "hi", "images": "cam0.png"}, {"role": "assistant",
+                                                                                   "content": "hello"}]},
+           {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello",
+                                                              "images": ["cam0.png"]}]}]
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(b) + "\n" for b in bad), encoding="utf-8")
+    report = LoadReport("bad.jsonl")
+    assert list(load_jsonl(tmp_path / "bad.jsonl", report)) == []
+    assert report.skip_reasons == {"images not a list of picture paths on a user message": 2}
+
+
+def test_a_dialogue_cut_to_its_token_budget_never_ends_inside_a_picture(vlm, tmp_path):
+    from cabinllm.calibration.selection import tokenize_dialogue
+    from cabinllm.calibration.sources import open_source
+    from cabinllm.runtime.sources.model_source import load_model
+
+    model = load_model(str(vlm["engine"].folder))
+    dialogue = next(iter(open_source(str(picture_dialogues(tmp_path, 1)))[0]))
+    whole = tokenize_dialogue(dialogue, model.tokenizer, 4096, model.vision)
+    span = whole.media.spans[0]
+    cut = tokenize_dialogue(dialogue, model.tokenizer, span.start + span.length // 2, model.vision)
+    assert cut.token_ids == whole.token_ids[:span.start] and cut.media is None and cut.image_positions == []
+    assert whole.cut(span.end).media.spans == [span] and whole.cut(span.end).image_positions == whole.image_positions
+
+
+@pytest.mark.slow
+def test_cabin_build_calibrates_on_dialogues_with_pictures(vlm, tmp_path):
+    data = picture_dialogues(tmp_path, 90)
+    engine = cabin_build(vlm["folder"], tmp_path / "engine", options=("--dtype", "float32", "--calibrate", str(data)))
+    scales = json.loads((engine / "kv_scales.json").read_text(encoding="utf-8"))
+    assert scales["data"]["pictures"]["count"] == scales["data"]["dialogues"]  # one picture each
+    assert scales["data"]["by_kind"]["image"]["positions"] == scales["data"]["pictures"]["image_positions"]
