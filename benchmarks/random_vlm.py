@@ -28,6 +28,8 @@ import torch
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from cabinllm.calibration.sources import open_source
+
 FAMILIES = ("llava", "idefics3", "qwen2_vl")
 
 MAX_POSITIONS = 4096
@@ -147,8 +149,6 @@ def picture_dialogues(folder: Path, count: int, size: tuple[int, int] = (96, 72)
     """Calibration data with pictures: the first ``count`` dialogues of ``source`` (cabinllm.calibration.sources) as a
     JSONL file in ``folder``, the first user message of each showing a random picture of ``size`` (a PNG beside it,
     sizes varying a little). Returns the file."""
-    from cabinllm.calibration.sources import open_source
-
     dialogues, _ = open_source(source)
     lines = []
     for i, dialogue in zip(range(count), dialogues):

@@ -73,8 +73,7 @@ def tokenize_dialogue(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: 
                       vision: Vision | None = None) -> TokenizedDialogue:
     """The whole rendered conversation (BOS first if the model wants it) cut to max_tokens, never inside a picture;
     a message's pictures (``images``) are read and prepared by ``vision``, the model's vision part."""
-    pictured = [m for m in dialogue.messages if m.get("images")]
-    if not pictured:
+    if not any(m.get("images") for m in dialogue.messages):
         return TokenizedDialogue(dialogue.id, tokenizer.encode_prompt(
             tokenizer.render(dialogue.messages, add_generation_prompt=False))[:max_tokens])
     if vision is None:
@@ -83,8 +82,8 @@ def tokenize_dialogue(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: 
                         "nor weight quantization); use such a model, or data without pictures")
     held: dict[str, PreparedImage] = {}
     try:
-        messages = [vision.image_message(m, read_pictures(m["images"]), held) if m.get("images") else m
-                    for m in dialogue.messages]
+        messages = [vision.image_message({"role": m["role"], "content": m["content"]}, read_pictures(m["images"]),
+                                         held) if m.get("images") else m for m in dialogue.messages]
     except ImageError as err:
         raise DataError(f"dialogue {dialogue.id}: {err}") from err
     view = tokenizer.with_images(held, vision.placeholder)

@@ -3,7 +3,8 @@
 K is measured as the cache stores it (after RoPE). For K and for V, each layer
 keeps per channel the abs-max and a histogram of |x| on fixed log-spaced bins
 (per head and per layer follow by summing), good for percentiles and clipping
-error. Memory is fixed by the model's shape, whatever the amount of data.
+error. Memory is fixed by the model's shape, whatever the amount of data. Where the dialogues show pictures, each
+layer's K and V are also kept apart at text and at image positions (a position whose input is an encoder row).
 """
 from __future__ import annotations
 
