@@ -527,6 +527,7 @@ def test_calibration_reads_a_dialogues_pictures_as_transformers_does(vlm, tmp_pa
     assert kinds["text"]["k_amax"] != kinds["image"]["k_amax"]
 
 
+@pytest.mark.slow
 def test_cabin_calibrate_and_cabin_eval_split_by_text_and_image_positions(vlm, tmp_path, capsys):
     from cabinllm.cli import calibrate as cli_calibrate
     from cabinllm.cli import eval as cli_eval
