@@ -28,7 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "a .gguf file or an HF model folder")
     parser.add_argument("--data", default="builtin",
                         help="'builtin' (cockpit dialogues), 'sharegpt' (packaged ShareGPT V3), a .jsonl file "
-                             "(OpenAI messages) or a ShareGPT .json file")
+                             "(OpenAI messages; on a vision-language engine a user message may show pictures: "
+                             "\"images\": [paths from the file's folder]) or a ShareGPT .json file")
     parser.add_argument("--num-dialogues", type=positive_int,
                         help="sessions (builtin) or dialogues to collect statistics on (default: "
                              f"{DEFAULTS[BUILTIN][0]} cabin sessions for builtin, {DEFAULTS['other'][0]} dialogues "

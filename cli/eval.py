@@ -37,7 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "distributions, top-1 agreement, and KL and top-1 per bucket of token positions.")
     parser.add_argument("--model", default="default", help="'default', an engine or checkpoint folder, a .gguf "
                                                            "file or an HF model folder")
-    parser.add_argument("--data", default="builtin", help="'builtin', 'sharegpt', a .jsonl or a ShareGPT .json file")
+    parser.add_argument("--data", default="builtin",
+                        help="'builtin', 'sharegpt', a .jsonl (a vision-language engine's may show pictures: "
+                             "\"images\" on user messages) or a ShareGPT .json file")
     parser.add_argument("--kv-cache", default=",".join(EVAL_MODES),
                         help=f"comma-separated modes (default all: {','.join(EVAL_MODES)})")
     parser.add_argument("--weights", default=REFERENCE_WEIGHTS,
