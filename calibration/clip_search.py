@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from cabinllm.calibration.clips import LayerClips, compute_clips, layer_ranges
 from cabinllm.calibration.equalize import equalize
-from cabinllm.calibration.evaluate import Totals, accumulate, image_mask, run_logits
+from cabinllm.calibration.evaluate import Totals, accumulate, run_logits
 from cabinllm.calibration.selection import TokenizedDialogue
 from cabinllm.calibration.stats import KVStats
 from cabinllm.runtime.kv.modes import kv_mode
@@ -78,7 +78,7 @@ def score_clips(model: LoadedModel, stats: KVStats, clips: LayerClips, dialogues
     for dialogue, reference in zip(dialogues, references):
         logits = run_logits(equalized, dialogue, kv_mode("int8"), scales)[:-1]
         token_kl.append(accumulate(totals, reference, logits, torch.tensor(dialogue.token_ids[1:]),
-                                   image_mask(dialogue)))
+                                   dialogue.image_mask()))
     return totals, torch.cat(token_kl)
 
 

@@ -160,12 +160,6 @@ def run_logits(model: Transformer, dialogue: TokenizedDialogue, mode: KVMode, sc
     return run_tokens(model, dialogue.token_ids, mode.name, scales, all_logits=True, media=dialogue.media).logits
 
 
-def image_mask(dialogue: TokenizedDialogue) -> torch.Tensor:
-    """Which of the dialogue's positions take a picture's encoder row (bool, one per token)."""
-    mask = torch.zeros(len(dialogue.token_ids), dtype=torch.bool)
-    mask[dialogue.image_positions] = True
-    return mask
-
 
 def stored_bytes_per_token(layout: KVLayout, mode: KVMode, tokens: int) -> int:
     """Bytes per token of a sequence of ``tokens`` tokens, scales and what the mode reserves (int4's fp16
@@ -259,7 +253,7 @@ def evaluate(model: LoadedModel, dialogues: list[TokenizedDialogue], modes: list
     steps = len(dialogues) * (len(runners) + 1)
     with tqdm(total=steps, desc="evaluating KV modes", unit="run", file=sys.stderr, disable=not progress) as bar:
         for dialogue in dialogues:
-            targets, image = torch.tensor(dialogue.token_ids[1:]), image_mask(dialogue)
+            targets, image = torch.tensor(dialogue.token_ids[1:]), dialogue.image_mask()
             ref_logp = run_logits(reference, dialogue, kv_mode(REFERENCE_MODE), None)[:-1].log_softmax(-1)
             accumulate(ref_totals, ref_logp, ref_logp, targets, image)
             bar.update()

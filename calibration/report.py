@@ -91,14 +91,14 @@ def _grade_lines(result: CalibrationResult) -> list[str]:
         return ["", "No held-out dialogue of this data to grade the scales on."]
     ids = result.scales_file.data.get("grade_ids", [])
     positions = sum(b.tokens for b in next(iter(result.grade.values())).by_position.values())
-    kinds = set(result.grade["fp32"].by_kind) == {"text", "image"}  # KL at text and at image positions
+    split = set(result.grade["fp32"].by_kind) == {"text", "image"}  # KL at text and at image positions
     lines = ["", f"## Grade on held-out data ({len(ids)} sequences of the held-out split, {positions} positions)", "",
-             "| KV mode | perplexity vs fp32 | KL | top-1 agreement |" + (" KL text / image |" if kinds else ""),
-             "|---|---|---|---|" + ("---|" if kinds else "")]
+             "| KV mode | perplexity vs fp32 | KL | top-1 agreement |" + (" KL text / image |" if split else ""),
+             "|---|---|---|---|" + ("---|" if split else "")]
     for mode, r in result.grade.items():
         if mode != "fp32":
-            split = f" {r.by_kind['text'].kl:.5f} / {r.by_kind['image'].kl:.5f} |" if kinds else ""
-            lines.append(f"| {mode} | {r.ppl_delta_pct:+.2f}% | {r.kl:.5f} | {100 * r.top1_agree:.2f}% |{split}")
+            kinds = f" {r.by_kind['text'].kl:.5f} / {r.by_kind['image'].kl:.5f} |" if split else ""
+            lines.append(f"| {mode} | {r.ppl_delta_pct:+.2f}% | {r.kl:.5f} | {100 * r.top1_agree:.2f}% |{kinds}")
     return lines
 
 

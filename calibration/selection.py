@@ -11,6 +11,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import torch
+
 from cabinllm.calibration.dialogue_data import Dialogue, LoadReport
 from cabinllm.calibration.sources import open_source
 from cabinllm.calibration.stitch import conversation_order, stitch
@@ -34,6 +36,12 @@ class TokenizedDialogue:
     token_ids: list[int]
     media: MediaFeed | None = None
     image_positions: list[int] = field(default_factory=list)
+
+    def image_mask(self) -> torch.Tensor:
+        """Which positions take a picture's encoder row (bool, one per token)."""
+        mask = torch.zeros(len(self.token_ids), dtype=torch.bool)
+        mask[self.image_positions] = True
+        return mask
 
     def cut(self, tokens: int) -> "TokenizedDialogue":
         """The first ``tokens`` tokens at most, ending before a picture they would cut."""

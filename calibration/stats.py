@@ -100,8 +100,7 @@ def collect_stats(model: Transformer, dialogues: list[TokenizedDialogue], progre
         for dialogue in dialogues:
             ids = dialogue.token_ids
             run = run_tokens(model, ids, media=dialogue.media)
-            image = torch.zeros(len(ids), dtype=torch.bool)
-            image[dialogue.image_positions] = True
+            image = dialogue.image_mask()
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # short element-wise passes: a busy machine's thread pool costs 5x more
             try:
