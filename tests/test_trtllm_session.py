@@ -11,7 +11,7 @@ from cabinllm.runtime.backends.select import SessionRequest
 from cabinllm.runtime.backends.select import open_session as select_open_session
 from cabinllm.runtime.backends.trtllm import TrtllmSession, beam_kv_blocks, beam_kv_blocks_up_to, kv_settings
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
-from cabinllm.runtime.errors import ConfigError
+from cabinllm.runtime.errors import ConfigError, ImageError
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -153,7 +153,12 @@ class FakeRunner:
       ``sequence_index``; with ``return_all_generated_tokens`` a row becomes prompt + the response's tokens, else the
       tokens are appended (L1039-1058); ``sequence_lengths`` are the rows' lengths, and the rows are padded with
       end_id to max_seq_len;
-    - the executor (``self.executor``; ``self.session`` in 0.12) has ``cancel_request(request_id)``.
+    - the executor (``self.executor``; ``self.session`` in 0.12) has ``cancel_request(request_id)``;
+    - a ``prompt_table`` goes through ``_prepare_ptuning_executor`` (its copy below) into each
+      request's prompt tuning config, and the request's tokens are embedded as ``PromptTuningEmbedding`` does
+      (tensorrt_llm/layers/embedding.py): an id above ``vocab_size - 1`` (``pretrained_config.vocab_size`` of
+      ``config.json``; these tests' text-only configs name none: no id is above it) takes row ``id - vocab_size`` of its
+      table (``embedded``, one entry per token, None for text).
     """
 
     created: list[dict] = []
@@ -164,9 +169,13 @@ class FakeRunner:
     accepted = {"num_beams", "top_k", "top_p", "temperature", "length_penalty", "early_stopping", "random_seed",
                 "num_return_sequences"}  # the accepted_parameters the session may pass
     executor_class = FakeExecutor
+    dtype = torch.float16  # the engine's (ModelRunnerMixin.dtype)
+    embedded: list[list] = []  # per request, what PromptTuningEmbedding gives each token (None: a text token)
 
-    def __init__(self, max_input_len: int, max_seq_len: int, max_beam_width: int = 1) -> None:
+    def __init__(self, max_input_len: int, max_seq_len: int, max_beam_width: int = 1,
+                 vocab_size: int = sys.maxsize) -> None:
         self.max_input_len, self.max_seq_len, self.max_beam_width = max_input_len, max_seq_len, max_beam_width
+        self.vocab_size = vocab_size
         self.queue = self.executor = self.executor_class(self.sequences, self.beams)
 
     @classmethod
@@ -174,11 +183,13 @@ class FakeRunner:
         cls.created.append({"engine_dir": engine_dir, **kwargs})
         config = Path(engine_dir) / "config.json"
         # a bare folder (tests/test_cli_chat.py) stands for an engine built with the defaults
-        build = json.loads(config.read_text())["build_config"] if config.exists() else {
-            "max_input_len": MAX_INPUT_LEN, "max_seq_len": MAX_SEQ_LEN}
+        data = json.loads(config.read_text()) if config.exists() else {
+            "build_config": {"max_input_len": MAX_INPUT_LEN, "max_seq_len": MAX_SEQ_LEN}}
+        build = data["build_config"]
         width, engine_width = kwargs.get("max_beam_width"), build.get("max_beam_width", 1)
         assert width is None or width <= engine_width
-        return cls(build["max_input_len"], build["max_seq_len"], width or engine_width)
+        return cls(build["max_input_len"], build["max_seq_len"], width or engine_width,
+                   data.get("pretrained_config", {}).get("vocab_size", sys.maxsize))
 
     def _get_num_sequences(self, sampling) -> int:
         num_sequences = sampling.num_return_sequences or sampling.beam_width
@@ -186,10 +197,14 @@ class FakeRunner:
         return num_sequences
 
     def generate(self, batch_input_ids, *, max_new_tokens=1, end_id=None, streaming=False,
-                 return_all_generated_tokens=False, **kwargs):
+                 return_all_generated_tokens=False, prompt_table=None, prompt_tasks=None, input_token_extra_ids=None,
+                 **kwargs):
         self.calls.append({"input_ids": batch_input_ids[0].tolist(), "max_new_tokens": max_new_tokens,
                            "end_id": end_id, "streaming": streaming,
-                           "return_all_generated_tokens": return_all_generated_tokens, **kwargs})
+                           "return_all_generated_tokens": return_all_generated_tokens, "prompt_table": prompt_table,
+                           "prompt_tasks": prompt_tasks, "input_token_extra_ids": input_token_extra_ids, **kwargs})
+        configs = self._prepare_ptuning_executor(batch_input_ids, prompt_table, prompt_tasks, input_token_extra_ids)
+        self.embedded.extend(self._embed(ids.tolist(), config) for ids, config in zip(batch_input_ids, configs))
         params = {k: v for k, v in kwargs.items() if k in self.accepted}
         sampling = types.SimpleNamespace(beam_width=params.get("num_beams", 1),
                                          num_return_sequences=params.get("num_return_sequences"))
@@ -216,6 +231,27 @@ class FakeRunner:
 
     def _rows(self, sampling) -> int:
         return self._get_num_sequences(sampling)
+
+    def _prepare_ptuning_executor(self, batch_input_ids_list, prompt_table, prompt_tasks, input_token_extra_ids):
+        """ModelRunnerCpp's (at 03832911): the table cast to the engine's dtype (``_prepare_embedding_table``), one
+        task per request, ``prompt_table[task]`` and the request's extra ids in its PromptTuningConfig."""
+        if input_token_extra_ids:
+            assert len(batch_input_ids_list) == len(input_token_extra_ids)
+        configs = len(batch_input_ids_list) * [None]
+        if prompt_table is not None:
+            data = prompt_table.to(dtype=self.dtype)
+            tasks = [int(t) for t in prompt_tasks.split(",")] if prompt_tasks is not None else None
+            assert tasks is None or len(tasks) == len(batch_input_ids_list)
+            configs = [{"embedding_table": data[tasks[i] if tasks else 0],
+                        "input_token_extra_ids": input_token_extra_ids[i] if input_token_extra_ids else None}
+                       for i in range(len(batch_input_ids_list))]
+        return configs
+
+    def _embed(self, ids: list[int], config: dict | None) -> list:
+        """PromptTuningEmbedding: ids above vocab_size - 1 take their table's row id - vocab_size."""
+        fake = [t for t in ids if t > self.vocab_size - 1]
+        assert not fake or config is not None, "fake ids without a prompt table"
+        return [config["embedding_table"][t - self.vocab_size] if t > self.vocab_size - 1 else None for t in ids]
 
     def _initialize_and_fill_output(self, *, request_ids, batch_input_ids_list, rows, **fill):
         output_ids = [[[] for _ in range(rows)] for _ in request_ids]
@@ -267,8 +303,14 @@ class FakeRunner012(FakeRunner):
     executor_class = FakeExecutor012
     _get_num_sequences = None
 
-    def __init__(self, max_input_len: int, max_seq_len: int, max_beam_width: int = 1) -> None:
-        super().__init__(max_input_len, max_seq_len, max_beam_width)
+    def generate(self, batch_input_ids, *, prompt_table=None, prompt_tasks=None, **kwargs):
+        """An older generate: a prompt table and its tasks, no ``input_token_extra_ids``."""
+        assert "input_token_extra_ids" not in kwargs
+        return super().generate(batch_input_ids, prompt_table=prompt_table, prompt_tasks=prompt_tasks, **kwargs)
+
+    def __init__(self, max_input_len: int, max_seq_len: int, max_beam_width: int = 1,
+                 vocab_size: int = sys.maxsize) -> None:
+        super().__init__(max_input_len, max_seq_len, max_beam_width, vocab_size)
         self.session = self.__dict__.pop("executor")
 
     def _rows(self, sampling) -> int:
@@ -297,7 +339,7 @@ def fake_trtllm(monkeypatch, engine, tmp_path):
     module.runtime = runtime
     monkeypatch.setitem(sys.modules, "tensorrt_llm", module)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.runtime", runtime)
-    FakeRunner.created, FakeRunner.calls = [], []
+    FakeRunner.created, FakeRunner.calls, FakeRunner.embedded = [], [], []
     FakeRunner.reply = engine.tokenizer.encode(REPLY) + [engine.stop_token_ids()[0]]
     FakeRunner.sequences, FakeRunner.beams = [FakeRunner.reply], [FakeRunner.reply]
     write_engine_config(tmp_path)
@@ -587,3 +629,10 @@ def test_sliding_window_layers_get_their_window_per_layer():
     assert settings["max_tokens_in_paged_kv_cache"] == config.max_tokens(layout)
     assert config.bytes_per_token(layout) == 4 * 2 * 256 * 2  # four global layers' K and V in fp16
     assert "max_attention_window_size" not in kv_settings(config, KVLayout(26, 1, 256), 5500).as_kwargs()
+
+
+def test_a_text_engine_refuses_pictures_and_the_session_goes_on(fake_trtllm, engine, tmp_path):
+    session = open_session(engine, tmp_path, "fp16", "error")
+    with pytest.raises(ImageError, match="takes text only; pictures need an engine built from a vision-language"):
+        session.chat("what does the camera show?", images=[("cam.png", b"\x89PNG")])
+    assert session.chat("hello").reply == REPLY and not fake_trtllm.calls[0]["prompt_table"]

@@ -22,7 +22,7 @@ from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import Tool
-from cabinllm.runtime.model.vision import ImageLimits
+from cabinllm.runtime.model.vision import VISION_FOLDER, ImageLimits, Vision
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,10 @@ def _open_trtllm(request: SessionRequest) -> TrtllmSession:
     tokenizer = ChatTokenizer(folder.checkpoint)
     config = kv_cache_config(folder.manifest(), request.kv_mode, request.budget_bytes, request.tokens_per_block)
     params = dataclasses.replace(request.params, stop_token_ids=tokenizer.stop_token_ids)
-    return TrtllmSession(folder.path, tokenizer, KVLayout.of(folder.config()), config, params, request.system,
-                         request.overflow)
+    vision = folder.path / VISION_FOLDER
+    model = folder.config()
+    return TrtllmSession(folder.path, tokenizer, KVLayout.of(model), config, params, request.system, request.overflow,
+                         Vision(vision, request.image_limits) if vision.is_dir() else None, model.vocab_size)
 
 
 BACKENDS: dict[str, Callable[[SessionRequest], Session]] = {

@@ -75,15 +75,41 @@ Several replies per turn (``chat(n=...)`` and ``chat(beam=...)``), from TensorRT
   (cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp, ``KVCacheManager::getRemainingBlocksToCompletion``, at
   002ba6a7): a beam turn is planned against that (``beam_kv_blocks``), as cabin-plan sizes the pool with it.
 
+Pictures (a LLaVA or Idefics3 / SmolVLM engine, whose folder has ``vision/``) go to the engine as TensorRT-LLM's
+multimodal runner sends them: as a prompt table (p-tuning), from TensorRT-LLM's source:
+
+- ``MultimodalModelRunner`` (tensorrt_llm/runtime/multimodal_model_runner.py at 65b31db1): ``setup_fake_prompts``
+  replaces a picture's tokens by fake ids from the model's ``vocab_size`` up, one per row of the encoder's output, and
+  ``generate`` hands the rows to ``ModelRunnerCpp.generate`` as ``prompt_table`` of shape [batch, rows, hidden] with
+  ``prompt_tasks`` ``"0,1,..."`` (one task per request). The session does the same: its encoder (the engine's
+  ``vision/``, in torch, with the feature cache) gives each picture's rows, the placeholder tokens that take a row
+  get fake ids in the order of the rows, and the table holds every picture of the prompt, the history's included.
+- ``ModelRunnerCpp._prepare_ptuning_executor`` (model_runner_cpp.py at 03832911) casts the table to the engine's
+  dtype (``_prepare_embedding_table``), takes ``prompt_table[task]`` for each request and wraps it with that request's
+  ``input_token_extra_ids`` in a ``PromptTuningConfig``. The engine must be built with a prompt table
+  (``--max_multimodal_len``, ``build_config.max_prompt_embedding_table_size``); a prompt whose pictures need more
+  rows is refused before it is sent.
+- KV block reuse with fake ids (docs/source/advanced/kv-cache-reuse.md at 5ff8ee9d, "Enable kv cache reuse for
+  p-tuning"): requests with other embeddings behind the same fake ids would reuse each other's blocks unless every
+  token has an extra id, 0 for text and the same value > 0 for the same embeddings. The session gives a picture's
+  fake ids a key taken from the digest of its decoded pixels: the same picture at the same place hits, another one
+  misses. A runner whose ``generate`` takes no ``input_token_extra_ids`` cannot tell pictures apart, so a session on a
+  vision-language engine turns block reuse off there.
+- Qwen2-VL needs ``mrope_params`` as well (its M-RoPE positions, ``_prepare_mrope_executor``); the session does not
+  compute them, so its pictures are refused, naming the reference engine.
+
 Not yet run on hardware: tested against a fake module that copies those behaviours.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from cabinllm.runtime.dialogue.interface import TurnStats
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
@@ -92,11 +118,13 @@ from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.generation.stops import ReplyStream
-from cabinllm.runtime.kv.blocks import cdiv
+from cabinllm.runtime.kv.blocks import MediaSpan, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import Tool
+from cabinllm.runtime.model.transformer import ImageRows
+from cabinllm.runtime.model.vision import PreparedImage, Vision
 
 # Constrained decoding on TensorRT-LLM, from its source: 0.12 (v0.12.0-jetson, 20a7cec9) has none:
 # runtime/model_runner_cpp.py L406-408 refuses a logits_processor ("Logits processor is not supported in C++
@@ -113,6 +141,39 @@ TRTLLM_NO_N = ("n > 1 samples several replies through TensorRT-LLM's num_return_
 # transformers' early_stopping as the executor's SamplingConfig takes it: 1 = True, 0 = False, 2 (any other
 # value >= 0) = "never" (see the module notes)
 TRTLLM_EARLY_STOPPING = {True: 1, False: 0, NEVER: 2}
+
+
+@dataclass
+class PromptTable:
+    """A prompt's pictures as TensorRT-LLM takes them: the ids with a fake id (``vocab_size`` + row) at each token
+    that takes an encoder row, each token's extra id (0 for text, the picture's key for its fake ids) and the rows."""
+
+    ids: list[int]
+    extra_ids: list[int]
+    rows: torch.Tensor | None  # (rows, hidden); None without pictures
+
+
+def picture_key(digest: bytes) -> int:
+    """A picture's extra id for KV block reuse: from the digest of its decoded pixels, > 0 and below 2**63."""
+    return int.from_bytes(digest[:8], "big") >> 1 | 1
+
+
+def prompt_table(ids: list[int], media: list[MediaSpan], rows_of: Callable[[bytes], ImageRows],
+                 vocab_size: int) -> PromptTable:
+    """The prompt table of ``ids`` whose pictures are ``media`` (``rows_of``: a picture's encoder rows by digest)."""
+    ids, extra, tables = list(ids), [0] * len(ids), []
+    for span in media:
+        picture = rows_of(span.digest)
+        key, first = picture_key(span.digest), vocab_size + sum(len(t) for t in tables)
+        for row, offset in enumerate(picture.offsets.tolist()):
+            ids[span.start + offset], extra[span.start + offset] = first + row, key
+        tables.append(picture.rows)
+    return PromptTable(ids, extra, torch.cat(tables) if tables else None)
+
+
+def takes_extra_ids(runner_class) -> bool:
+    """Whether ModelRunnerCpp's ``generate`` names ``input_token_extra_ids`` (the per-token extra ids of KV reuse)."""
+    return "input_token_extra_ids" in inspect.signature(runner_class.generate).parameters
 
 
 @dataclass
@@ -247,16 +308,25 @@ class TrtllmSession:
 
     def __init__(self, engine_folder: str | Path, tokenizer: ChatTokenizer, layout: KVLayout, config: KvCacheConfig,
                  params: SamplingParams, system_prompt: str | None = None,
-                 overflow: OverflowPolicy | None = None) -> None:
+                 overflow: OverflowPolicy | None = None, vision: Vision | None = None,
+                 vocab_size: int = 0) -> None:
+        """``vision``: a vision-language engine's pictures (its ``vision/``), whose rows the engine's ``vocab_size``
+        fake ids point at."""
         from tensorrt_llm.runtime import ModelRunnerCpp
 
         self.tokenizer, self.params, self.config = tokenizer, params, config
+        self.vision, self.vocab_size = vision, vocab_size
+        self.images: dict[str, PreparedImage] = {}  # the conversation's pictures by digest (hex)
+        self.extra_ids = takes_extra_ids(ModelRunnerCpp)
         self.overflow = overflow or OverflowPolicy("error")
         self.system_prompt = system_prompt
         self.bytes_per_token = config.bytes_per_token(layout)
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.engine_dir = Path(engine_folder) / TRT_ENGINE_DIR
         self.settings = kv_settings(config, layout, engine_max_seq_len(self.engine_dir) if layout.windows else 0)
+        if vision is not None and not self.extra_ids:  # fake ids alone would let one picture's blocks serve another
+            self.settings = replace(self.settings, kv_cache_enable_block_reuse=False)
+        self.table_rows = _build_value(self.engine_dir, "max_prompt_embedding_table_size", 0)
         self.runner = ModelRunnerCpp.from_dir(engine_dir=str(self.engine_dir),
                                               max_beam_width=engine_max_beam_width(self.engine_dir),
                                               **self.settings.as_kwargs())
@@ -266,6 +336,7 @@ class TrtllmSession:
         budget = self.settings.max_tokens_in_paged_kv_cache
         self.capacity = self.limits.capacity(budget, params.max_new_tokens)
         self.previous_ids: list[int] = []
+        self.previous_keys: list[tuple[int, int]] = []  # (id, extra id) of the tokens the engine's blocks may hold
         self.turns = 0
         self.tools: list[Tool] = []  # constrained decoding is not available here: TRTLLM_NO_GRAMMAR
 
@@ -275,21 +346,22 @@ class TrtllmSession:
         """Answer one message (text: the user's), streaming the reply text to on_text; no tools here, so
         ``tool_choice`` changes nothing. ``n`` > 1 samples that many replies (num_return_sequences), ``beam`` runs
         TensorRT-LLM's beam search: the conversation goes on with the first reply (the best beam), the others are
-        ``alternatives`` (neither streams its text). No pictures: ``images`` raises ImageError."""
-        import torch
-
-        if images:
-            raise ImageError("a TensorRT-LLM session here takes text only; chat about pictures on the reference "
-                             "engine (--backend reference)")
+        ``alternatives`` (neither streams its text). ``images``: (name, bytes) of pictures the message shows, sent as
+        a prompt table (see the module notes); ImageError before anything changes where they cannot be taken."""
         self._check_forks(n, beam)
-        self.turns += 1
+        message = message if isinstance(message, dict) else {"role": "user", "content": message}
+        held = dict(self.images)
+        if images:
+            message = self._with_images(message, images, held)
         max_new_tokens = beam.max_new_tokens if beam else self.params.max_new_tokens
         try:
-            plan = self._plan(self.messages + [message if isinstance(message, dict) else
-                                               {"role": "user", "content": message}], beam)
+            plan = self._plan(self.messages + [message], beam, held)
         except CapacityError as err:
+            self.turns += 1
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, self._capacity_error(err, beam))
-        ids = plan.feed
+        table = self._prompt_table(plan, held)
+        self.images, ids = held, table.ids
+        self.turns += 1
         params = replace(self.params, max_new_tokens=max_new_tokens)
         replies = [ReplyStream(params, self.tokenizer.decode_reply, on_text if n == 1 and beam is None else None)
                    for _ in range(n)]
@@ -297,7 +369,7 @@ class TrtllmSession:
         start, ttft = time.perf_counter(), 0.0
         result = self.runner.generate(batch_input_ids=[torch.tensor(ids, dtype=torch.int32)],
                                       max_new_tokens=max_new_tokens, streaming=streaming,
-                                      **self._generate_kwargs(n, beam))
+                                      **self._generate_kwargs(n, beam), **self._table_kwargs(table))
         responses = result if streaming else iter([result])
         ended, drained, beams = "length", not streaming, None  # ended: why replies end where no stop rule ends them
         try:
@@ -324,9 +396,11 @@ class TrtllmSession:
         decode_s = time.perf_counter() - start - ttft
         reply = replies[0]
         generated = reply.ids
-        reused = self._reused_tokens(ids) if self.settings.kv_cache_enable_block_reuse else 0
+        keys = list(zip(ids, table.extra_ids))
+        reused = self._reused_tokens(keys) if self.settings.kv_cache_enable_block_reuse else 0
         # a beam search's prompt blocks are the ones known to be kept for reuse (BlockManager::storeContextBlocks)
         self.previous_ids = ids if beam is not None else ids + generated
+        self.previous_keys = keys if beam is not None else keys + [(t, 0) for t in generated]
         self.messages = plan.messages + [{"role": "assistant", "content": reply.text}]
         tok_s = (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0
         return self._stats(reply.text, generated, len(ids) - reused, reused, ttft, tok_s, reply.finish_reason,
@@ -335,7 +409,7 @@ class TrtllmSession:
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""
         self.messages = self.messages[:1] if self.system_prompt else []
-        self.previous_ids, self.turns = [], 0
+        self.previous_ids, self.previous_keys, self.turns, self.images = [], [], 0, {}
 
     def save(self, path: str | Path) -> int:
         """Not available: TensorRT-LLM keeps its KV blocks to itself."""
@@ -361,6 +435,45 @@ class TrtllmSession:
         if beam.length_penalty < 0:
             raise ConfigError(f"TensorRT-LLM takes length_penalty >= 0 (its SamplingConfig refuses "
                               f"{beam.length_penalty}); ask for one >= 0, or search with --backend reference")
+
+    def _with_images(self, message: dict, images: list[tuple[str, bytes]], held: dict[str, PreparedImage]) -> dict:
+        """The message with its pictures as image parts, prepared into ``held``; ImageError where this engine and
+        runner cannot take them."""
+        if self.vision is None:
+            raise ImageError(f"{self.engine_dir.parent} takes text only; pictures need an engine built from a "
+                             "vision-language model (LLaVA, Idefics3 / SmolVLM)")
+        if self.vision.family.mrope:
+            raise ImageError("Qwen2-VL's pictures need M-RoPE positions (TensorRT-LLM's mrope_params), which this "
+                             "backend does not pass; chat about pictures with --backend reference")
+        if not self.table_rows:
+            raise ImageError(f"{self.engine_dir} was built without a prompt table for pictures "
+                             "(build_config.max_prompt_embedding_table_size 0): build it again with cabin-build from "
+                             "the vision-language model's folder, which passes --max_multimodal_len")
+        return self.vision.image_message(message, images, held)
+
+    def _prompt_table(self, plan: TurnPlan, held: dict[str, PreparedImage]) -> PromptTable:
+        """The plan's feed with its pictures' rows as a prompt table; ImageError where they need more rows than the
+        engine's table holds."""
+        if not plan.media:
+            return PromptTable(plan.feed, [0] * len(plan.feed), None)
+        needed = sum(len(held[span.digest.hex()].offsets) for span in plan.media)
+        if needed > self.table_rows:
+            raise ImageError(f"the conversation's {len(plan.media)} pictures need {needed} rows of the prompt table, "
+                             f"over the {self.table_rows} the engine was built for (--max_multimodal_len); start a "
+                             "new conversation, send fewer or smaller pictures, or build the engine with a larger "
+                             "table")
+        return prompt_table(plan.feed, plan.media, lambda digest: self.vision.encode(held[digest.hex()]),
+                            self.vocab_size)
+
+    def _table_kwargs(self, table: PromptTable) -> dict:
+        """``generate``'s prompt-table arguments: MultimodalModelRunner's shape [batch, rows, hidden] and one task,
+        with the tokens' extra ids where the runner takes them."""
+        if table.rows is None:
+            return {}
+        kwargs = {"prompt_table": table.rows[None], "prompt_tasks": "0"}
+        if self.extra_ids:
+            kwargs["input_token_extra_ids"] = [table.extra_ids]
+        return kwargs
 
     def _generate_kwargs(self, n: int, beam: BeamParams | None) -> dict:
         """``generate``'s stop, output and decoding arguments: TensorRT-LLM's beam search (no sampling), or sampling
@@ -411,8 +524,10 @@ class TrtllmSession:
             replies.append(reply)
         return replies
 
-    def _plan(self, messages: list[dict], beam: BeamParams | None = None) -> TurnPlan:
-        """The whole rendered history, or what the overflow policy keeps of it."""
+    def _plan(self, messages: list[dict], beam: BeamParams | None = None,
+              images: dict[str, PreparedImage] | None = None) -> TurnPlan:
+        """The whole rendered history (with ``images``, the pictures its messages show), or what the overflow
+        policy keeps of it."""
         # sink-window truncates the stream here too: max_input_len and max_seq_len bound the prompt whatever
         # attention window the engine keeps
         if beam is None:
@@ -421,7 +536,8 @@ class TrtllmSession:
         else:
             room = Room(self._beam_prompt_limit(beam) + beam.max_new_tokens,
                         lambda n: self._beam_fits(n - beam.max_new_tokens, beam), appends_turns=False)
-        return plan_turn(self.tokenizer, messages, room, self.overflow, self.config.sink_token_length,
+        tokenizer = self.tokenizer.with_images(images, self.vision.placeholder) if images else self.tokenizer
+        return plan_turn(tokenizer, messages, room, self.overflow, self.config.sink_token_length,
                          beam.max_new_tokens if beam else self.params.max_new_tokens)
 
     def _beam_fits(self, prompt: int, beam: BeamParams,
@@ -455,16 +571,16 @@ class TrtllmSession:
                         f"{self.params.max_new_tokens} for the reply)")
         return message
 
-    def _reused_tokens(self, ids: list[int]) -> int:
-        """Tokens TensorRT-LLM can reuse with block reuse on: the common prefix with the previous turn's tokens
-        in whole blocks of the engine's ``tokens_per_block``, less the last token."""
+    def _reused_tokens(self, keys: list[tuple[int, int]]) -> int:
+        """Tokens TensorRT-LLM can reuse with block reuse on: the common prefix of (id, extra id) with the previous
+        turn's tokens in whole blocks of the engine's ``tokens_per_block``, less the last token."""
         common = 0
-        for a, b in zip(self.previous_ids, ids):
+        for a, b in zip(self.previous_keys, keys):
             if a != b:
                 break
             common += 1
         block = self.config.tokens_per_block
-        return min(common // block * block, len(ids) - 1)
+        return min(common // block * block, len(keys) - 1)
 
     def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
                finish: str, evicted: int, error: str | None = None, alternatives: list[str] | None = None) -> TurnStats:
