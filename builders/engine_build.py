@@ -278,7 +278,7 @@ def device_step(target: Target, trtllm: TrtllmInstall | None) -> DeviceStep:
 def device_record(request: BuildRequest, target: Target, plan: Plan, device: DeviceStep,
                   trt_command: list[str] | None) -> dict:
     """The manifest's device step: trtllm-build in the engine folder, or for an ONNX target cabin-export of the
-    planned graphs (and the cabin-chat command that runs them)."""
+    planned graphs, and the cabin-chat command that runs the result."""
     kv_plan = plan.kv[request.kv_cache]
     what, cwd, then = "TensorRT engine build (trtllm-build)", "the engine folder", {}
     if kv_plan.graphs:
@@ -289,6 +289,8 @@ def device_record(request: BuildRequest, target: Target, plan: Plan, device: Dev
     else:
         args = build_args(kv_plan.shape, device.flags) if device.flags else None
         command = trt_command or (["trtllm-build", *args] if args else None)
+        if command:  # run in the engine folder, as trtllm-build is
+            then = {"then": ["cabin-chat", "--engine", ".", "--backend", "tensorrt-llm"]}
     return {"what": what, "status": device.status, "reason": device.reason,
             "run_on": f"{target.name}: {target.description}", "flags": device.flags, "cwd": cwd, "command": command,
             **then, "log": TRTLLM_LOG_FILE if trt_command else None,

@@ -41,7 +41,8 @@ class _Encoder(torch.nn.Module):
 
 def vision_engine_command(folder: str) -> list[str]:
     """TensorRT's ``trtexec`` call that builds the encoder's engine from the graph, run in the engine folder on the
-    board (fp16; the graph's shapes are static)."""
+    board (fp16; the graph's shapes are static). CabinLLM's TensorRT-LLM session does not run that engine yet: it
+    encodes pictures with ``vision/`` in torch and sends the rows as a prompt table."""
     return ["trtexec", f"--onnx={folder}/{VISION_ONNX}", "--fp16", f"--saveEngine={folder}/{VISION_ENGINE}"]
 
 

@@ -85,6 +85,7 @@ def test_fp8_for_thor_stores_amax_over_448_and_leaves_the_device_step(tiny, tmp_
         "--kv_cache_type", "paged", "--tokens_per_block", "32", "--use_paged_context_fmha", "enable",
         "--max_batch_size", "1", "--max_beam_width", "1", "--max_input_len", "768", "--max_seq_len", "1024",
         "--max_num_tokens", "768"]
+    assert step["then"] == ["cabin-chat", "--engine", ".", "--backend", "tensorrt-llm"]  # in the engine folder too
 
 
 def test_same_inputs_are_a_no_op_unless_forced(tiny, tmp_path):
