@@ -68,6 +68,9 @@ class FakeRunner:
         cls.created.append({"engine_dir": engine_dir, **kwargs})
         return cls()
 
+    def generate(self, batch_input_ids, *, input_token_extra_ids=None, **kwargs):
+        raise AssertionError("these tests run no turn")
+
 
 def test_save_on_the_tensorrt_llm_backend_is_a_clear_message(engine_dir, tmp_path, monkeypatch, capsys):
     module, runtime = types.ModuleType("tensorrt_llm"), types.ModuleType("tensorrt_llm.runtime")
