@@ -332,18 +332,24 @@ def write_engine_config(tmp_path, max_input_len=MAX_INPUT_LEN, max_seq_len=MAX_S
                           "max_beam_width": max_beam_width}}))
 
 
-@pytest.fixture
-def fake_trtllm(monkeypatch, engine, tmp_path):
+def install_fake(monkeypatch, runner_class: type, tokenizer) -> type:
+    """``runner_class`` as ``tensorrt_llm.runtime.ModelRunnerCpp``, its records empty, replying REPLY in
+    ``tokenizer``'s tokens."""
     module, runtime = types.ModuleType("tensorrt_llm"), types.ModuleType("tensorrt_llm.runtime")
-    runtime.ModelRunnerCpp = FakeRunner
+    runtime.ModelRunnerCpp = runner_class
     module.runtime = runtime
     monkeypatch.setitem(sys.modules, "tensorrt_llm", module)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.runtime", runtime)
     FakeRunner.created, FakeRunner.calls, FakeRunner.embedded = [], [], []
-    FakeRunner.reply = engine.tokenizer.encode(REPLY) + [engine.stop_token_ids()[0]]
+    FakeRunner.reply = tokenizer.encode(REPLY) + [tokenizer.stop_token_ids[0]]
     FakeRunner.sequences, FakeRunner.beams = [FakeRunner.reply], [FakeRunner.reply]
+    return runner_class
+
+
+@pytest.fixture
+def fake_trtllm(monkeypatch, engine, tmp_path):
     write_engine_config(tmp_path)
-    return FakeRunner
+    return install_fake(monkeypatch, FakeRunner, engine.tokenizer)
 
 
 def open_session(engine, tmp_path, kv_mode, policy, tokens_per_block=64):

@@ -5,13 +5,11 @@ per-token extra ids that keep KV block reuse from mixing pictures up."""
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 import torch
 from test_hf_folders import cabin_build
-from test_trtllm_session import MAX_INPUT_LEN, MAX_SEQ_LEN, REPLY, FakeRunner, FakeRunner012
+from test_trtllm_session import MAX_INPUT_LEN, MAX_SEQ_LEN, REPLY, FakeRunner, FakeRunner012, install_fake
 from test_vlm import png
 
 from cabinllm.benchmarks.random_vlm import image, write_random_vlm
@@ -57,16 +55,7 @@ def runner(monkeypatch, vlm_folder):
 
 
 def install(monkeypatch, folder, runner_class):
-    module, runtime = types.ModuleType("tensorrt_llm"), types.ModuleType("tensorrt_llm.runtime")
-    runtime.ModelRunnerCpp = runner_class
-    module.runtime = runtime
-    monkeypatch.setitem(sys.modules, "tensorrt_llm", module)
-    monkeypatch.setitem(sys.modules, "tensorrt_llm.runtime", runtime)
-    tokenizer = ChatTokenizer(folder / "checkpoint")
-    FakeRunner.created, FakeRunner.calls, FakeRunner.embedded = [], [], []
-    FakeRunner.reply = tokenizer.encode(REPLY) + [tokenizer.stop_token_ids[0]]
-    FakeRunner.sequences, FakeRunner.beams = [FakeRunner.reply], [FakeRunner.reply]
-    return runner_class
+    return install_fake(monkeypatch, runner_class, ChatTokenizer(folder / "checkpoint"))
 
 
 def session(folder):
