@@ -60,6 +60,33 @@ def test_matvec_rejects_a_wrong_shape(x_shape):
     ("int4", 3, 3, 64, 32, 300), ("int4", 2, 1, 32, 8, 5), ("int8-dynamic", 3, 3, 64, 32, 300),
     ("int8-dynamic", 2, 2, 16, 3, 20)])
 def test_decode_attention_equals_torch_path(mode, kv_heads, group, head_size, tokens_per_block, context):
+    cache, seq, q = history(mode, kv_heads, group, head_size, tokens_per_block, context)
+    table = cache.block_table(seq)
+    k, v, k_scale, v_scale = cache.storage.read_unscaled(1, table, context)
+    want = grouped_attention(q[None] * k_scale, k, v, context - 1) * v_scale
+    stored = cache.storage.stored_kv(1, table, context)
+    kernel = native_kernels.decode_attention(stored.k.dtype, head_size, group)
+    assert torch.max(torch.abs(kernel(q, stored, context) - want)) <= 1e-5
+    first = context // 3  # a sliding window's start: the tokens before it not attended to
+    window = grouped_attention(q[None] * k_scale, k, v, context - 1, window=context - first) * v_scale
+    assert torch.max(torch.abs(kernel(q, stored, context, first) - window)) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp16", "int8-dynamic"])
+def test_decode_attention_gives_the_same_result_on_any_thread_count(keep_threads, mode):
+    """A long history is split over torch's threads (scores by blocks, values by KV heads); 1 and 2 threads agree
+    exactly."""
+    cache, seq, q = history(mode, 3, 3, 64, 32, 1000)
+    stored = cache.storage.stored_kv(1, cache.block_table(seq), 1000)
+    runs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        runs.append(native_kernels.decode_attention(stored.k.dtype, 64, 3)(q, stored, 1000))
+    assert torch.equal(*runs)
+
+
+def history(mode: str, kv_heads: int, group: int, head_size: int, tokens_per_block: int, context: int):
+    """A paged cache holding one sequence's random K/V (in blocks out of pool order) and a query for it."""
     layout = KVLayout(num_layers=2, num_kv_heads=kv_heads, head_size=head_size)
     scales = KVScales(k=[0.03, 0.05], v=[0.02, 0.04])
     blocks = math.ceil(context / tokens_per_block) + 4
@@ -76,16 +103,7 @@ def test_decode_attention_equals_torch_path(mode, kv_heads, group, head_size, to
     keys = torch.randn(context, kv_heads, head_size, generator=gen) * 2
     values = torch.randn(context, kv_heads, head_size, generator=gen)
     cache.storage.write(1, cache.slots(seq, 0, context), keys, values)
-    q = torch.randn(kv_heads * group, head_size, generator=gen)
-    table = cache.block_table(seq)
-    k, v, k_scale, v_scale = cache.storage.read_unscaled(1, table, context)
-    want = grouped_attention(q[None] * k_scale, k, v, context - 1) * v_scale
-    stored = cache.storage.stored_kv(1, table, context)
-    kernel = native_kernels.decode_attention(stored.k.dtype, head_size, group)
-    assert torch.max(torch.abs(kernel(q, stored, context) - want)) <= 1e-5
-    first = context // 3  # a sliding window's start: the tokens before it not attended to
-    window = grouped_attention(q[None] * k_scale, k, v, context - 1, window=context - first) * v_scale
-    assert torch.max(torch.abs(kernel(q, stored, context, first) - window)) <= 1e-5
+    return cache, seq, torch.randn(kv_heads * group, head_size, generator=gen)
 
 
 def test_int4_dequantize_equals_torch(monkeypatch):

@@ -120,15 +120,23 @@ def test_quantized_matvec_rejects_wrong_scales():
         native_kernels.quant_matvec().int4(torch.randn(1, 128), op.packed, op.scale, 128)
 
 
-def test_group_kernels_give_the_same_sums_on_any_thread_count(keep_threads):
+@pytest.mark.parametrize("generic", [False, True])
+def test_every_linear_kernel_gives_the_same_sums_on_any_thread_count(keep_threads, generic):
     """The rows of a large matrix are split over torch's threads (one OpenMP runtime); each row is still summed
-    by one thread in one order, so 1 and 2 threads agree exactly."""
+    by one thread in one order, so 1 and 2 threads agree exactly: fp32, fp16, int8, int4-awq, int4-g32 and the
+    int8 head, AVX2 and plain loops."""
     gen = torch.Generator().manual_seed(7)
     q4, head = g32_ops(1536, 576, gen)
+    i8, i4 = int8_linear(1536, 576, gen), int4_linear(1536, 576, 64, gen)
+    weight = torch.randn(1536, 576, generator=gen)
     x = torch.randn(3, 576, generator=gen)
+    defines = {"GENERIC": 1} if generic else {}
+    quant = native_kernels.QuantMatVec(native_kernels._load("quant_matvec", defines))
+    dense = native_kernels.MatVec(native_kernels._load("matvec", defines))
     runs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        kernel = native_kernels.quant_matvec()
-        runs.append((kernel.q4g32(x, q4.codes, q4.scale, q4.minimum), kernel.q8g32(x, head.codes, head.scale)))
+        runs.append((quant.q4g32(x, q4.codes, q4.scale, q4.minimum), quant.q8g32(x, head.codes, head.scale),
+                     quant.int8(x, i8.weight, i8.scale), quant.int4(x, i4.packed, i4.scale, 64),
+                     dense(x, weight), dense(x, weight.half())))
     assert all(torch.equal(a, b) for a, b in zip(*runs))

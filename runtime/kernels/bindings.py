@@ -13,8 +13,9 @@ Decoding is bound by memory reads. Five kernels in runtime/kernels/ serve that c
   above, RoPE, the new K/V stored, attention, MLP) in one call, over a cache whose pools convert with one
   static scale per layer (fp32, fp16, int8 with static scales; built like the attention kernel).
 
-They are built with ``-O3 -march=native -fopenmp`` (the group kernels split large matrices by rows over the
-threads of the OpenMP runtime torch loads, so ``torch.set_num_threads`` sets theirs too) into ``$CABIN_KERNEL_DIR`` (default
+They are built with ``-O3 -march=native -fopenmp`` (the linear kernels split large matrices by rows, and attention
+a long history, over the threads of the OpenMP runtime torch loads, so ``torch.set_num_threads`` sets theirs too;
+the results do not depend on the thread count) into ``$CABIN_KERNEL_DIR`` (default
 ``~/.cache/cabinllm/kernels``) and loaded with ctypes. Where no C compiler is found or a build
 fails, a warning names the cause and the model keeps its torch path (same math, slower).
 ``CABIN_NATIVE_KERNELS=0`` turns them off; ``CC`` picks the compiler (default ``cc``).

@@ -12,12 +12,17 @@
  * -DHALF_ELEMENTS for fp16 bits), -DHEAD_SIZE=... and -DGROUP=... (query heads per KV head), so
  * the inner loops have fixed lengths.
  * Pools are one layer's (blocks, tokens_per_block, kv_heads, HEAD_SIZE) tensors.
+ * A long history is split over the OpenMP threads torch runs: the scores by blocks, the values by KV heads; each
+ * score and each head's sum is computed by one thread in the same order, so the results do not depend on the
+ * thread count.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "half.h"
+
+#define PARALLEL_TOKENS 256  /* histories at least this long are split over the OpenMP threads */
 
 #ifdef HALF_ELEMENTS
 #define TO_FLOAT(x) half_to_float(x)
@@ -43,9 +48,10 @@ static void scores(const float *restrict q, const ELEMENT *restrict k_pool, cons
                    const int64_t *restrict block_table, int64_t num_tokens, int64_t tokens_per_block,
                    int64_t kv_heads, float qk_scale, float *restrict out)
 {
-    const int64_t row = kv_heads * HEAD_SIZE;
-    for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
-        const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
+    const int64_t row = kv_heads * HEAD_SIZE, blocks = (num_tokens + tokens_per_block - 1) / tokens_per_block;
+    #pragma omp parallel for schedule(static) if (num_tokens >= PARALLEL_TOKENS)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t start = b * tokens_per_block, n = tokens_in_block(start, num_tokens, tokens_per_block);
         const ELEMENT *k = k_pool + block_table[b] * tokens_per_block * row;
         const uint16_t *token_scales = block_scales(k_token_scales, block_table[b], tokens_per_block, kv_heads);
         for (int64_t t = 0; t < n; t++) {
@@ -82,7 +88,8 @@ static void softmax_rows(float *restrict scores, int64_t rows, int64_t num_token
     }
 }
 
-/* Weighted sum of the cached values for every query head, token rows read in order (one pass over V). */
+/* Weighted sum of the cached values for every query head, token rows read in order (one pass over V; each KV
+ * head's slice of it by one thread). */
 static void weighted_values(const float *restrict weights, const ELEMENT *restrict v_pool,
                             const uint16_t *restrict v_token_scales, const int64_t *restrict block_table,
                             int64_t num_tokens, int64_t tokens_per_block,
@@ -90,12 +97,13 @@ static void weighted_values(const float *restrict weights, const ELEMENT *restri
 {
     const int64_t row = kv_heads * HEAD_SIZE;
     memset(out, 0, sizeof(float) * kv_heads * GROUP * HEAD_SIZE);
-    for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
-        const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
-        const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row;
-        const uint16_t *token_scales = block_scales(v_token_scales, block_table[b], tokens_per_block, kv_heads);
-        for (int64_t t = 0; t < n; t++) {
-            for (int64_t h = 0; h < kv_heads; h++, v += HEAD_SIZE) {
+    #pragma omp parallel for schedule(static) if (num_tokens >= PARALLEL_TOKENS)
+    for (int64_t h = 0; h < kv_heads; h++) {
+        for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
+            const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
+            const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row + h * HEAD_SIZE;
+            const uint16_t *token_scales = block_scales(v_token_scales, block_table[b], tokens_per_block, kv_heads);
+            for (int64_t t = 0; t < n; t++, v += row) {
                 const float scale = token_scales ? half_to_float(token_scales[t * kv_heads + h]) : 1.0f;
                 for (int g = 0; g < GROUP; g++) {
                     const float p = weights[(h * GROUP + g) * num_tokens + start + t] * scale;

@@ -8,12 +8,15 @@
  * weights come from memory once per step whatever n is, and each token's sums are computed exactly as
  * for n = 1. fp16 rows are converted into an L1 buffer first (F16C where the CPU has it, else half.h;
  * finite weights), then dotted as fp32 rows are: half the bytes read, the same sums. bias may be NULL.
+ * Large matrices' row blocks are split over the OpenMP threads torch runs (torch.set_num_threads); each row is
+ * summed by one thread as it is alone, so the results do not depend on the thread count.
  */
 #ifndef CABIN_MATVEC_C  /* quant_matvec.c and decode_step.c both include it */
 #define CABIN_MATVEC_C
 #include <stdint.h>
 
 #include "half.h"
+#define PARALLEL_WEIGHTS (1 << 16)  /* matrices at least this large are split by rows over the OpenMP threads */
 #if defined(__F16C__) && !defined(GENERIC)
 #include <immintrin.h>
 #endif
@@ -59,12 +62,13 @@ static void add_bias(const float *restrict bias, float *restrict y, int64_t n, i
 void matvec(const float *restrict w, const float *restrict x, const float *restrict bias, float *restrict y,
             int64_t n, int64_t rows, int64_t cols)
 {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-        const float *w0 = w + r * cols;
-        four_rows(w0, w0 + cols, w0 + 2 * cols, w0 + 3 * cols, x, y + r, n, rows, cols);
+    const int64_t blocks = rows / 4;
+    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *w0 = w + 4 * b * cols;
+        four_rows(w0, w0 + cols, w0 + 2 * cols, w0 + 3 * cols, x, y + 4 * b, n, rows, cols);
     }
-    for (; r < rows; r++) one_row(w + r * cols, x, y + r, n, rows, cols);
+    for (int64_t r = 4 * blocks; r < rows; r++) one_row(w + r * cols, x, y + r, n, rows, cols);
     add_bias(bias, y, n, rows);
 }
 
@@ -81,15 +85,17 @@ static void halves_to_floats(const uint16_t *restrict h, float *restrict f, int6
 void matvec_half(const uint16_t *restrict w, const float *restrict x, const float *restrict bias,
                  float *restrict y, int64_t n, int64_t rows, int64_t cols)
 {
-    float rows4[4 * cols];  /* four rows converted: stay in cache */
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-        halves_to_floats(w + r * cols, rows4, 4 * cols);
-        four_rows(rows4, rows4 + cols, rows4 + 2 * cols, rows4 + 3 * cols, x, y + r, n, rows, cols);
+    const int64_t blocks = rows / 4;
+    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
+    for (int64_t b = 0; b < blocks; b++) {
+        float rows4[4 * cols];  /* four rows converted (one buffer per thread): stay in cache */
+        halves_to_floats(w + 4 * b * cols, rows4, 4 * cols);
+        four_rows(rows4, rows4 + cols, rows4 + 2 * cols, rows4 + 3 * cols, x, y + 4 * b, n, rows, cols);
     }
-    for (; r < rows; r++) {
-        halves_to_floats(w + r * cols, rows4, cols);
-        one_row(rows4, x, y + r, n, rows, cols);
+    float row[cols];
+    for (int64_t r = 4 * blocks; r < rows; r++) {
+        halves_to_floats(w + r * cols, row, cols);
+        one_row(row, x, y + r, n, rows, cols);
     }
     add_bias(bias, y, n, rows);
 }

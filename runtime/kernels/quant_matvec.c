@@ -13,7 +13,8 @@
  * y[r] = sum_g (sum_j (scale * q_j) x_j + minimum * sum_j x_j), each group's x sum computed once per call.
  * matvec_q8g32 (the int8 head, llama.cpp's Q8_0 block): codes int8 (rows, cols), scale fp16 (rows, cols / 32).
  * Both convert a group's codes to floats once for every token of the step and apply its scale to each group sum.
- * bias may be NULL. Like matvec.c, a step is bound by reading the weights: 1 byte (int8) or half a byte (int4)
+ * bias may be NULL. Rows are split over the OpenMP threads as in matvec.c (PARALLEL_WEIGHTS), each summed by one
+ * thread, so the results do not depend on the thread count. Like matvec.c, a step is bound by reading the weights: 1 byte (int8) or half a byte (int4)
  * per weight instead of 4, once each weight's conversion to float is cheap enough: with AVX2 and FMA (x86-64)
  * eight weights are widened, converted and multiplied per instruction; other CPUs, rows whose length is not a
  * multiple of 8, and builds with -DGENERIC take the plain loops, which the compiler vectorizes as it can.
@@ -25,7 +26,6 @@
 #include "matvec.c"  /* one_row, add_bias, halves_to_floats */
 
 #define G32 32
-#define PARALLEL_WEIGHTS (1 << 16)  /* matrices at least this large are split by rows over the OpenMP threads */
 #define PREFETCH_BLOCKS 4  /* how far ahead the next codes are fetched (measured: 1 to 8 read alike) */
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(GENERIC)
@@ -47,8 +47,10 @@ static inline __m256i widen8(const int8_t *p)  /* eight int8 -> eight int32 lane
 static void int8_rows_wide(const int8_t *w, const float *scale, const float *x, float *y, int64_t n, int64_t rows,
                            int64_t cols)
 {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
+    const int64_t blocks = rows / 4;
+    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t r = 4 * b;
         const int8_t *w0 = w + r * cols, *w1 = w0 + cols, *w2 = w1 + cols, *w3 = w2 + cols;
         for (int64_t t = 0; t < n; t++) {
             const float *xt = x + t * cols;
@@ -65,7 +67,7 @@ static void int8_rows_wide(const int8_t *w, const float *scale, const float *x, 
             yt[r + 2] = sum8(a2) * scale[r + 2], yt[r + 3] = sum8(a3) * scale[r + 3];
         }
     }
-    for (; r < rows; r++) {
+    for (int64_t r = 4 * blocks; r < rows; r++) {
         for (int64_t t = 0; t < n; t++) {
             __m256 a0 = _mm256_setzero_ps();
             for (int64_t i = 0; i < cols; i += 8)
@@ -80,6 +82,7 @@ static void int4_rows_wide(const int8_t *packed, const float *scale, const float
                            int64_t rows, int64_t cols, int64_t group)
 {
     const int64_t groups = cols / group;
+    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
     for (int64_t p = 0; p < rows / 2; p++) {
         const int8_t *row = packed + p * cols;
         const float *s0 = scale + (2 * p) * groups, *s1 = s0 + groups;
@@ -194,6 +197,7 @@ static void g32_rows_wide(const void *codes, const uint16_t *scale, const uint16
 static void int8_rows(const int8_t *restrict w, const float *restrict scale, const float *restrict x,
                       float *restrict y, int64_t n, int64_t rows, int64_t cols)
 {
+    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
     for (int64_t r = 0; r < rows; r++) {
         const int8_t *w0 = w + r * cols;
         for (int64_t t = 0; t < n; t++) {
@@ -210,8 +214,9 @@ static void int4_rows(const int8_t *restrict packed, const float *restrict scale
                       float *restrict y, int64_t n, int64_t rows, int64_t cols, int64_t group)
 {
     const int64_t groups = cols / group;
-    float w0[cols], w1[cols];  /* one packed row dequantized (both output rows): stays in L1 */
+    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
     for (int64_t p = 0; p < rows / 2; p++) {
+        float w0[cols], w1[cols];  /* one packed row dequantized (both output rows, one per thread): stays in L1 */
         const int8_t *row = packed + p * cols;
         const float *s0 = scale + (2 * p) * groups, *s1 = s0 + groups;
         for (int64_t g = 0; g < groups; g++) {
@@ -244,8 +249,9 @@ static void q4g32_rows(const uint8_t *restrict codes, const uint16_t *restrict s
                        int64_t rows, int64_t cols)
 {
     const int64_t groups = cols / G32;
-    float w[cols];
+    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
     for (int64_t r = 0; r < rows; r++) {
+        float w[cols];  /* one row dequantized (one per thread) */
         const uint8_t *row = codes + r * (cols / 2);
         for (int64_t g = 0; g < groups; g++) {
             const float d = half_to_float(scale[r * groups + g]), m = half_to_float(minimum[r * groups + g]);
@@ -265,8 +271,9 @@ static void q8g32_rows(const int8_t *restrict codes, const uint16_t *restrict sc
                        float *restrict y, int64_t n, int64_t rows, int64_t cols)
 {
     const int64_t groups = cols / G32;
-    float w[cols];
+    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
     for (int64_t r = 0; r < rows; r++) {
+        float w[cols];  /* one row dequantized (one per thread) */
         for (int64_t g = 0; g < groups; g++) {
             const float d = half_to_float(scale[r * groups + g]);
             const int8_t *q = codes + r * cols + g * G32;
