@@ -153,3 +153,17 @@ def test_an_engine_without_a_prompt_table_or_vision_refuses_pictures(runner, vlm
             session(vlm_folder).chat(QUESTION, images=[picture(1)])
     finally:
         write_trt_config(vlm_folder, 4096)
+
+
+def test_cabin_chat_sends_a_scripts_pictures_to_the_tensorrt_llm_engine(runner, vlm_folder, tmp_path, capsys):
+    from cabinllm.cli.chat import main
+
+    (tmp_path / "cam.png").write_bytes(picture(3)[1])
+    lines = [{"role": "user", "content": QUESTION, "images": ["cam.png"]}, {"role": "user", "content": "thanks"}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(line) for line in lines), encoding="utf-8")
+    code = main(["--engine", str(vlm_folder), "--backend", "tensorrt-llm", "--kv-cache", "fp16", "--script",
+                 str(tmp_path / "d.jsonl"), "--json", "--max-new-tokens", "64"])
+    out, err = capsys.readouterr()
+    turns = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [t["reply"] for t in turns] == [REPLY, REPLY] and "Traceback" not in err
+    assert [call["prompt_table"] is not None for call in runner.calls] == [True, True]  # the history's picture too
