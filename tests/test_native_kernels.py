@@ -17,7 +17,7 @@ from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
 from cabinllm.runtime.kv.modes import kv_mode
 from cabinllm.runtime.kv.storage import KVLayout
-from cabinllm.runtime.model.transformer import Transformer, grouped_attention
+from cabinllm.runtime.model.transformer import Span, Transformer, grouped_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the kernels")
 
@@ -280,10 +280,41 @@ def test_fused_decode_step_equals_the_step_layer_by_layer(tiny_engine_dir, tiny_
             assert torch.allclose(got, want, rtol=2e-3, atol=5e-4 * want.abs().max())
 
 
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+@pytest.mark.parametrize("weights", ["fp32", "int4-g32 + int8 head"])
+def test_a_fused_step_of_several_sequences_gives_each_what_it_gives_alone(tiny_engine_dir, tiny_engine, mode,
+                                                                          weights):
+    """Three sequences of other lengths decode in one fused step (the weights read once for the three tokens): the
+    logits and the K/V stored are those of three one-sequence steps, exactly."""
+    config, tensors = load_checkpoint(EngineFolder(tiny_engine_dir).checkpoint)
+    if weights != "fp32":
+        config, tensors, _ = to_int4_g32(config, tensors, None)
+        config, tensors, _ = to_int8_head(config, tensors, None)
+    model = Transformer(config, tensors)
+    prompts = [[1, 5, 9, 2, 7], [3, 8, 4, 6, 2, 9, 1, 5, 7, 3, 2], [6, 4]]
+    runs = []
+    for together in (True, False):
+        cache = tiny_engine.new_cache(tiny_engine.kv_cache_config(mode, 1 << 20, tokens_per_block=4), 3)
+        seqs = [Sequence() for _ in prompts]
+        spans = []
+        for seq, prompt in zip(seqs, prompts):
+            cache.allocate(seq, prompt)
+            token = int(model.forward(prompt, 0, cache, seq).argmax())
+            cache.append(seq, [token])
+            spans.append(Span([token], len(prompt), seq))
+        logits = model.step(spans, cache) if together else torch.cat([model.step([span], cache) for span in spans])
+        stored = [pool.flatten(1, 2)[:, torch.cat([cache.slots(s, 0, len(s)) for s in seqs])].clone()
+                  for pool in (cache.storage.k_data, cache.storage.v_data)]
+        runs.append((logits, stored))
+    (logits, stored), (alone, stored_alone) = runs
+    assert model._step_weights is not None and logits.shape == (3, config.vocab_size)
+    assert torch.equal(logits, alone) and all(torch.equal(a, b) for a, b in zip(stored, stored_alone))
+
+
 def test_fused_decode_step_rejects_another_models_pools(tiny_engine):
     kernel = native_kernels.decode_step(torch.int8, 16, 2)
     pools = native_kernels.StaticPools(torch.zeros(3, 2, 4, 2, 32, dtype=torch.int8),
                                        torch.zeros(3, 2, 4, 2, 32, dtype=torch.int8), torch.ones(3), torch.ones(3))
     with pytest.raises(ValueError, match="head size 16"):
-        kernel(tiny_engine.model._step_weights, torch.zeros(128), 1e-5, torch.zeros(32), torch.zeros(32), pools,
-               torch.arange(2), 0, 1)
+        kernel(tiny_engine.model._step_weights, torch.zeros(1, 128), 1e-5, torch.zeros(1, 32), torch.zeros(1, 32),
+               pools, [torch.arange(2)], [0], [1])

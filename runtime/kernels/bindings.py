@@ -327,40 +327,50 @@ def _layer_struct(layer: KernelLayer) -> _LayerWeights:
 
 
 class DecodeStep:
-    """The fused one-token step for one element type, head size and group."""
+    """The fused decode step (one token for each of up to ``MATVEC_MAX_TOKENS`` sequences) for one element type,
+    head size and group."""
 
     def __init__(self, library: ctypes.CDLL, dtype: torch.dtype, head_size: int, group: int) -> None:
         self.dtype, self.head_size, self.group = dtype, head_size, group
         self._fn = library.decode_step
-        self._fn.argtypes = [_POINTER, _SIZE, _POINTER, _SIZE, _SIZE, _SIZE, _SIZE, _REAL, _POINTER, _POINTER, _SIZE,
-                             _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE]
+        self._fn.argtypes = [_POINTER, _SIZE, _POINTER, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _REAL, _POINTER, _POINTER,
+                             _SIZE, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
+                             _POINTER, _SIZE]
         self._fn.restype = ctypes.c_int
 
     def __call__(self, weights: StepWeights, x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                 pools: StaticPools, block_table: torch.Tensor, slot: int, num_tokens: int) -> torch.Tensor:
-        """Run the token whose embedding is x (hidden,) at the position of the cos / sin rows (the rotated
-        channels, at most head_size) through every layer: stores its K/V at ``slot`` and attends over the first
-        ``num_tokens`` tokens of the sequence's blocks. Returns the last hidden state (hidden,)."""
+                 pools: StaticPools, block_tables: list[torch.Tensor], slots: list[int],
+                 num_tokens: list[int]) -> torch.Tensor:
+        """Run the tokens whose embeddings are x (n, hidden), one per sequence, at the positions of the cos / sin
+        rows (n, rotated channels, at most head_size) through every layer: stores token t's K/V at ``slots[t]``
+        and attends over the first ``num_tokens[t]`` tokens of ``block_tables[t]``'s blocks. Returns the last
+        hidden states (n, hidden), each token's as if it ran alone."""
         layers, blocks, tokens_per_block, kv_heads, head_size = pools.k.shape
+        n = x.shape[0]
         if (pools.k.dtype != self.dtype or pools.v.dtype != self.dtype or head_size != self.head_size
                 or layers != len(weights.layers) or not pools.k.is_contiguous() or not pools.v.is_contiguous()
-                or x.shape != (weights.hidden,) or cos.dim() != 1 or not 0 < cos.shape[0] <= head_size
-                or cos.shape[0] % 2 or sin.shape != cos.shape):
+                or x.dim() != 2 or x.shape[1] != weights.hidden or not 1 <= n <= MATVEC_MAX_TOKENS
+                or cos.dim() != 2 or cos.shape[0] != n or not 0 < cos.shape[1] <= head_size or cos.shape[1] % 2
+                or sin.shape != cos.shape or not len(block_tables) == len(slots) == len(num_tokens) == n):
             raise ValueError(f"decode step built for {self.dtype} pools of head size {self.head_size} got "
-                             f"{pools.k.dtype} pools {tuple(pools.k.shape)}, x {tuple(x.shape)} and "
-                             f"{len(weights.layers)} layers of weights")
-        block_table = _int64_table(block_table)
-        if len(block_table) * tokens_per_block < num_tokens:
-            raise ValueError(f"{num_tokens} tokens do not fit the {len(block_table)} blocks of the table")
+                             f"{pools.k.dtype} pools {tuple(pools.k.shape)}, x {tuple(x.shape)}, rotary rows "
+                             f"{tuple(cos.shape)} and {len(weights.layers)} layers of weights for "
+                             f"{len(block_tables)} block tables")
+        tables = [_int64_table(table) for table in block_tables]
+        for table, count in zip(tables, num_tokens):
+            if len(table) * tokens_per_block < count:
+                raise ValueError(f"{count} tokens do not fit the {len(table)} blocks of the table")
+        flat = torch.cat(tables)
+        starts = torch.tensor([0, *(len(t) for t in tables[:-1])], dtype=torch.int64).cumsum(0)
+        slots_t, counts = torch.tensor(slots, dtype=torch.int64), torch.tensor(num_tokens, dtype=torch.int64)
         x = x.float().contiguous().clone()
         k_scales, v_scales = pools.k_scales.float().contiguous(), pools.v_scales.float().contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
-        status = self._fn(ctypes.addressof(weights.array), layers, x.data_ptr(), weights.hidden, kv_heads,
-                          weights.intermediate, weights.activation, eps, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-                          pools.k.data_ptr(),
-                          pools.v.data_ptr(), blocks * tokens_per_block * kv_heads * head_size,
-                          k_scales.data_ptr(), v_scales.data_ptr(), block_table.data_ptr(), slot, num_tokens,
-                          tokens_per_block)
+        status = self._fn(ctypes.addressof(weights.array), layers, x.data_ptr(), n, weights.hidden, kv_heads,
+                          weights.intermediate, weights.activation, eps, cos.data_ptr(), sin.data_ptr(), cos.shape[1],
+                          pools.k.data_ptr(), pools.v.data_ptr(), blocks * tokens_per_block * kv_heads * head_size,
+                          k_scales.data_ptr(), v_scales.data_ptr(), flat.data_ptr(), starts.data_ptr(),
+                          slots_t.data_ptr(), counts.data_ptr(), tokens_per_block)
         if status != 0:
             raise MemoryError("the decode step could not allocate its work buffers")
         return x

@@ -1,5 +1,6 @@
-/* One decode step of one sequence through every layer in a single call: the one-token path of
- * runtime/model.py (Transformer.step), with no Python or torch work between the layer's parts.
+/* One decode step of n sequences (one token each) through every layer in a single call: the decode path of
+ * runtime/model/transformer.py (Transformer.step), with no Python or torch work between the layer's parts. The
+ * linear ops take the n tokens at once (the weights read once per step), the rest runs per token.
  *
  * Per layer: RMS norm, the qkv product, where the model has them RMS norms of each query and key head (Qwen3's
  * q_norm / k_norm), RoPE (GPT-NeoX halves of the first ``rotary`` channels) on the query and key heads, the new
@@ -47,24 +48,26 @@ typedef struct {
     const float *q_norm, *k_norm;  /* (HEAD_SIZE,) each, or NULL: no norm of the heads */
 } LayerWeights;
 
-static void run_linear(const LinearOp *op, const float *x, float *y, float *scaled_x)
+/* y (n, rows) = x (n, cols) W^T + b; scaled_x holds n rows of the widest input. */
+static void run_linear(const LinearOp *op, const float *x, float *y, float *scaled_x, int64_t n)
 {
     switch (op->kind) {
     case WEIGHTS_FP32:
-        matvec(op->weight, x, op->bias, y, 1, op->rows, op->cols);
+        matvec(op->weight, x, op->bias, y, n, op->rows, op->cols);
         break;
     case WEIGHTS_FP16:
-        matvec_half(op->weight, x, op->bias, y, 1, op->rows, op->cols);
+        matvec_half(op->weight, x, op->bias, y, n, op->rows, op->cols);
         break;
     case WEIGHTS_INT8:
-        matvec_int8(op->weight, op->scale, x, op->bias, y, 1, op->rows, op->cols);
+        matvec_int8(op->weight, op->scale, x, op->bias, y, n, op->rows, op->cols);
         break;
     case WEIGHTS_Q4G32:
-        matvec_q4g32(op->weight, op->scale, op->minimum, x, op->bias, y, 1, op->rows, op->cols);
+        matvec_q4g32(op->weight, op->scale, op->minimum, x, op->bias, y, n, op->rows, op->cols);
         break;
     default:
-        for (int64_t i = 0; i < op->cols; i++) scaled_x[i] = x[i] * op->prequant[i];
-        matvec_int4(op->weight, op->scale, scaled_x, op->bias, y, 1, op->rows, op->cols, op->group);
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t i = 0; i < op->cols; i++) scaled_x[t * op->cols + i] = x[t * op->cols + i] * op->prequant[i];
+        matvec_int4(op->weight, op->scale, scaled_x, op->bias, y, n, op->rows, op->cols, op->group);
     }
 }
 
@@ -121,48 +124,56 @@ static void store(ELEMENT *restrict slot, const float *restrict x, int64_t n, fl
     }
 }
 
-/* x (hidden,): the token's embedding in, its last hidden state out. k_pools / v_pools: (layers, blocks,
- * tokens_per_block, kv_heads, HEAD_SIZE); k_scales / v_scales: each layer's static INT8 scales (1 for float
- * pools); cos / sin: the RoPE rows (rotary,) of the token's position; slot: its flat slot in a layer's pool;
- * num_tokens: the sequence's tokens, this one included. Returns 0, or -1 (nothing done) when the work buffers
+/* x (n, hidden): each sequence's new token's embedding in, its last hidden state out. k_pools / v_pools: (layers,
+ * blocks, tokens_per_block, kv_heads, HEAD_SIZE); k_scales / v_scales: each layer's static INT8 scales (1 for float
+ * pools); cos / sin (n, rotary): the RoPE rows of each token's position; block_tables: the sequences' tables one
+ * after another, sequence t's from tables_start[t]; slots[t]: its token's flat slot in a layer's pool;
+ * num_tokens[t]: its sequence's tokens, this one included. Returns 0, or -1 (nothing done) when the work buffers
  * cannot be allocated. */
-int decode_step(const LayerWeights *layers, int64_t num_layers, float *x, int64_t hidden, int64_t kv_heads,
-                int64_t intermediate, int64_t act, float eps, const float *cos, const float *sin, int64_t rotary,
-                ELEMENT *k_pools,
-                ELEMENT *v_pools, int64_t layer_elements, const float *k_scales, const float *v_scales,
-                const int64_t *block_table, int64_t slot, int64_t num_tokens, int64_t tokens_per_block)
+int decode_step(const LayerWeights *layers, int64_t num_layers, float *x, int64_t n, int64_t hidden,
+                int64_t kv_heads, int64_t intermediate, int64_t act, float eps, const float *cos, const float *sin,
+                int64_t rotary, ELEMENT *k_pools, ELEMENT *v_pools, int64_t layer_elements, const float *k_scales,
+                const float *v_scales, const int64_t *block_tables, const int64_t *tables_start,
+                const int64_t *slots, const int64_t *num_tokens, int64_t tokens_per_block)
 {
     const int64_t heads = kv_heads * GROUP, q_size = heads * HEAD_SIZE, kv_size = kv_heads * HEAD_SIZE;
-    const int64_t widest = hidden > intermediate ? hidden : intermediate;
-    float *work = malloc(sizeof(float) * (2 * hidden + (q_size + 2 * kv_size) + q_size + 2 * intermediate + widest
-                                          + heads * num_tokens));
+    const int64_t qkv_size = q_size + 2 * kv_size, widest = hidden > intermediate ? hidden : intermediate;
+    int64_t longest = 0;
+    for (int64_t t = 0; t < n; t++) longest = num_tokens[t] > longest ? num_tokens[t] : longest;
+    float *work = malloc(sizeof(float) * (n * (2 * hidden + qkv_size + q_size + 2 * intermediate + widest)
+                                          + heads * longest));
     if (!work) return -1;
-    float *h = work, *qkv = h + hidden, *attended = qkv + q_size + 2 * kv_size, *fc = attended + q_size;
-    float *gate = fc + intermediate, *branch = gate + intermediate, *scaled_x = branch + hidden;
-    float *scores = scaled_x + widest;
+    float *h = work, *qkv = h + n * hidden, *attended = qkv + n * qkv_size, *fc = attended + n * q_size;
+    float *gate = fc + n * intermediate, *branch = gate + n * intermediate, *scaled_x = branch + n * hidden;
+    float *scores = scaled_x + n * widest;
     const float inverse_sqrt = 1.0f / sqrtf((float)HEAD_SIZE);
     for (int64_t l = 0; l < num_layers; l++) {
         const LayerWeights *layer = layers + l;
         ELEMENT *k_pool = k_pools + l * layer_elements, *v_pool = v_pools + l * layer_elements;
-        rms_norm(x, layer->input_norm, eps, hidden, h);
-        run_linear(&layer->qkv, h, qkv, scaled_x);
-        if (layer->q_norm) {
-            head_norms(qkv, layer->q_norm, eps, heads);
-            head_norms(qkv + q_size, layer->k_norm, eps, kv_heads);
+        for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, layer->input_norm, eps, hidden, h + t * hidden);
+        run_linear(&layer->qkv, h, qkv, scaled_x, n);
+        for (int64_t t = 0; t < n; t++) {
+            float *mine = qkv + t * qkv_size;
+            if (layer->q_norm) {
+                head_norms(mine, layer->q_norm, eps, heads);
+                head_norms(mine + q_size, layer->k_norm, eps, kv_heads);
+            }
+            rope(mine, cos + t * rotary, sin + t * rotary, heads + kv_heads, rotary);
+            store(k_pool + slots[t] * kv_size, mine + q_size, kv_size, k_scales[l]);
+            store(v_pool + slots[t] * kv_size, mine + q_size + kv_size, kv_size, v_scales[l]);
         }
-        rope(qkv, cos, sin, heads + kv_heads, rotary);
-        store(k_pool + slot * kv_size, qkv + q_size, kv_size, k_scales[l]);
-        store(v_pool + slot * kv_size, qkv + q_size + kv_size, kv_size, v_scales[l]);
-        decode_attention(qkv, k_pool, v_pool, NULL, NULL, block_table, num_tokens, 0, tokens_per_block, kv_heads,
-                         k_scales[l] * inverse_sqrt, v_scales[l], scores, attended);
-        run_linear(&layer->dense, attended, branch, scaled_x);
-        for (int64_t i = 0; i < hidden; i++) x[i] += branch[i];
-        rms_norm(x, layer->post_norm, eps, hidden, h);
-        run_linear(&layer->fc, h, fc, scaled_x);
-        run_linear(&layer->gate, h, gate, scaled_x);
-        for (int64_t i = 0; i < intermediate; i++) fc[i] = activation(fc[i], act) * gate[i];
-        run_linear(&layer->proj, fc, branch, scaled_x);
-        for (int64_t i = 0; i < hidden; i++) x[i] += branch[i];
+        for (int64_t t = 0; t < n; t++)  /* after every token's K/V is stored; each reads its own sequence */
+            decode_attention(qkv + t * qkv_size, k_pool, v_pool, NULL, NULL, block_tables + tables_start[t],
+                             num_tokens[t], 0, tokens_per_block, kv_heads, k_scales[l] * inverse_sqrt, v_scales[l],
+                             scores, attended + t * q_size);
+        run_linear(&layer->dense, attended, branch, scaled_x, n);
+        for (int64_t i = 0; i < n * hidden; i++) x[i] += branch[i];
+        for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, layer->post_norm, eps, hidden, h + t * hidden);
+        run_linear(&layer->fc, h, fc, scaled_x, n);
+        run_linear(&layer->gate, h, gate, scaled_x, n);
+        for (int64_t i = 0; i < n * intermediate; i++) fc[i] = activation(fc[i], act) * gate[i];
+        run_linear(&layer->proj, fc, branch, scaled_x, n);
+        for (int64_t i = 0; i < n * hidden; i++) x[i] += branch[i];
     }
     free(work);
     return 0;

@@ -143,9 +143,10 @@ class Transformer:
         for span in spans:
             cache.storage.prepare(span.seq, span.start_pos, span.end)
         ids = [t for span in spans for t in span.token_ids]
-        x = self._fused_step(spans[0], cache) if len(ids) == 1 and self.native_kernels else None
+        decoding = len(ids) == len(spans) <= MATVEC_MAX_TOKENS  # one new token per sequence
+        x = self._fused_step(spans, cache) if decoding and self.native_kernels else None
         if x is not None:
-            return _linear(_rms_norm(x[None], self.final_norm, c.norm_epsilon), self.lm_head, matvec())
+            return _linear(_rms_norm(x, self.final_norm, c.norm_epsilon), self.lm_head, matvec())
         positions = torch.cat([self._positions(span) for span in spans], dim=-1)
         x = self.embed(torch.tensor(ids, dtype=torch.long))
         x = x * c.embedding_multiplier if c.embedding_multiplier != 1.0 else x
@@ -193,19 +194,23 @@ class Transformer:
             outs.append(torch.cat(logits) if all_logits else logits[-1])
         return torch.cat(outs)
 
-    def _fused_step(self, span: Span, cache: PagedKVCache) -> torch.Tensor | None:
-        """One token through every layer in one native call (runtime/kernels/decode_step.c): its last hidden
-        state, or None where the cache's storage, the weights or the compiler do not allow it."""
+    def _fused_step(self, spans: list[Span], cache: PagedKVCache) -> torch.Tensor | None:
+        """One token of each span's sequence through every layer in one native call (runtime/kernels/decode_step.c):
+        their last hidden states (spans, hidden), or None where the cache's storage, the weights or the compiler do
+        not allow it."""
         c, pools = self.config, cache.storage.static_pools()
         kernel = None if pools is None else decode_step(pools.k.dtype, c.head_size,
                                                         c.num_attention_heads // c.num_key_value_heads)
         if kernel is None or self._step_weights is None:
             return None
-        position, seq = span.start_pos, span.seq
-        shift = mrope_offset(position, seq.media) if self.rope.mrope_section is not None else 0
-        cos, sin = self.rope.rows(torch.tensor([position + shift]))
-        return kernel(self._step_weights, self.embed(torch.tensor(span.token_ids[0])), c.norm_epsilon, cos[0], sin[0], pools,
-                      cache.block_table(seq), int(cache.slots(seq, position, span.end)), span.end)
+        positions = [span.start_pos + (mrope_offset(span.start_pos, span.seq.media)
+                                       if self.rope.mrope_section is not None else 0) for span in spans]
+        cos, sin = self.rope.rows(torch.tensor(positions))
+        ids = torch.tensor([span.token_ids[0] for span in spans])
+        return kernel(self._step_weights, self.embed(ids), c.norm_epsilon, cos, sin, pools,
+                      [cache.block_table(span.seq) for span in spans],
+                      [int(cache.slots(span.seq, span.start_pos, span.end)) for span in spans],
+                      [span.end for span in spans])
 
     @functools.cached_property
     def _step_weights(self) -> StepWeights | None:
