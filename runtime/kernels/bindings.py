@@ -9,8 +9,8 @@ Decoding is bound by memory reads. Five kernels in runtime/kernels/ serve that c
   the history (built per element type, head size and group);
 - ``int4_dequantize.c``: a sequence's INT4 blocks of one layer to fp32 K and V in one pass
   (built per head size and value group);
-- ``decode_step.c``: a whole one-token step of one sequence through every layer (norms, the linear kernels
-  above, RoPE, the new K/V stored, attention, MLP) in one call, over a cache whose pools convert with one
+- ``decode_step.c``: a whole decode step of one or several sequences (a token each) through every layer (norms,
+  the linear kernels above on all the tokens at once, RoPE, the new K/V stored, attention, MLP) in one call, over a cache whose pools convert with one
   static scale per layer (fp32, fp16, int8 with static scales; built like the attention kernel).
 
 They are built with ``-O3 -march=native -fopenmp`` (the linear kernels split large matrices by rows, and attention
@@ -438,7 +438,7 @@ def decode_attention(dtype: torch.dtype, head_size: int, group: int) -> DecodeAt
 
 @functools.cache
 def decode_step(dtype: torch.dtype, head_size: int, group: int) -> DecodeStep | None:
-    """The fused one-token step for pools of this dtype (int8, float16, float32), head size and group, built
+    """The fused decode step for pools of this dtype (int8, float16, float32), head size and group, built
     on first use; None for another dtype or, after a warning, if it cannot be built."""
     if dtype not in ELEMENT_DEFINES:
         return None
