@@ -20,6 +20,7 @@ def tiny_engine(tmp_path_factory):
                                      dtype="float32"), log=lambda _msg: None)
 
 
+@pytest.mark.slow  # a whole cabin-bench run
 def test_one_run_writes_results_markdown_and_figures(tiny_engine, tmp_path, capsys, keep_threads):
     out = tmp_path / "out"
     code = main(["--engine", str(tiny_engine), "--contexts", "16", "32", "--repeats", "2", "--decode-steps", "3",
@@ -86,6 +87,7 @@ def test_unknown_peer_family_and_bad_eval_json_are_clear_errors(tiny_engine, tmp
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a whole cabin-bench run
 def test_weights_engines_add_runners_on_their_weights(tiny_engine, tmp_path, capsys, keep_threads):
     """An engine of the same model with W8A16 weights adds 'cabin int8 + W8A16'; another model is refused."""
     root = tmp_path / "w8"
@@ -106,6 +108,7 @@ def test_weights_engines_add_runners_on_their_weights(tiny_engine, tmp_path, cap
     assert "holds another model" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a whole cabin-bench run
 def test_onnx_graphs_add_our_onnxruntime_backend_and_a_missing_genai_folder_is_reported(
         tiny_engine, tmp_path, keep_threads):
     """--onnx adds 'cabin onnxruntime int8' (contexts beyond the graphs' window fail, reported); --genai without

@@ -216,6 +216,7 @@ def test_bare_folder_names_do_not_import_from_the_tree(tmp_path: Path) -> None:
         assert not inside, f"`import {name}` finds this repository's folder: {inside}"
 
 
+@pytest.mark.slow  # imports onnxruntime-genai's builder with its torch models
 def test_onnxruntime_genai_builder_imports_its_own_builders(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime_genai")
     probe = ("import onnxruntime_genai.models.builder as b, builders, pathlib; print(pathlib.Path(builders.__file__)"

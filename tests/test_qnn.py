@@ -68,6 +68,7 @@ def replies(engine) -> list:
     return [(r.token_ids, r.prefill_tokens, r.reused_tokens) for r in map(session.chat, SCRIPT)]
 
 
+@pytest.mark.slow  # the HTP emulator's graphs (a module fixture)
 @pytest.mark.parametrize("arch", [68, 73])
 def test_a16w8_graphs_finalize_for_the_htp_and_reply_as_the_cpu_provider(htp_exports, arch):
     folder = htp_exports["a16w8", arch]
@@ -82,6 +83,7 @@ def test_a16w8_graphs_finalize_for_the_htp_and_reply_as_the_cpu_provider(htp_exp
     assert sum(len(ids) for ids, _, _ in got) > 20
 
 
+@pytest.mark.slow  # the HTP emulator's graphs (a module fixture)
 @pytest.mark.parametrize("name", [PROMPT_GRAPH, TOKEN_GRAPH])
 def test_a16w8_graphs_are_quantized_throughout_with_the_engines_kv_scales(htp_exports, calm_engine, name):
     """HTP v68 has no floating point: every op but Q/DQ reads dequantized tensors and writes quantized ones, and the
@@ -109,6 +111,7 @@ def test_a16w8_graphs_are_quantized_throughout_with_the_engines_kv_scales(htp_ex
         assert int(onnx.numpy_helper.to_array(initializers[node.input[2]])) == 128
 
 
+@pytest.mark.slow  # the HTP emulator's graphs (a module fixture)
 def test_fp16_graphs_run_on_v73_and_v68_takes_only_a16w8(htp_exports, calm_engine, tmp_path):
     htp = load_onnx_engine(htp_exports["fp16", 73], "qnn", threads=1)
     assert replies(htp)[0][0]
@@ -118,6 +121,7 @@ def test_fp16_graphs_run_on_v73_and_v68_takes_only_a16w8(htp_exports, calm_engin
         export_onnx(OnnxExportRequest(calm_engine, tmp_path / "x", CONTEXT, CHUNK, "fp16", "npu", "a16w8"), **QUIET)
 
 
+@pytest.mark.slow  # the HTP emulator's graphs (a module fixture)
 def test_cabin_chat_runs_a_script_on_the_htp(htp_exports, tmp_path, capsys):
     script = tmp_path / "d.jsonl"
     script.write_text("\n".join(json.dumps({"role": "user", "content": t}) for t in SCRIPT[:2]), encoding="utf-8")
@@ -130,6 +134,7 @@ def test_cabin_chat_runs_a_script_on_the_htp(htp_exports, tmp_path, capsys):
     assert "--htp-arch names the HTP of --ort-provider qnn, not cpu" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # the HTP emulator's graphs (a module fixture)
 def test_graphs_compiled_for_another_arch_are_refused(htp_exports, tmp_path):
     with pytest.raises(ConfigError, match="compiled for HTP v68, and this device is v73; .* --htp-arch 73"):
         load_onnx_engine(htp_exports["a16w8", 68], "qnn", htp_arch=73)
@@ -141,6 +146,7 @@ def test_graphs_compiled_for_another_arch_are_refused(htp_exports, tmp_path):
         load_onnx_engine(swapped, "qnn")
 
 
+@pytest.mark.slow  # the HTP emulator's graphs (a module fixture)
 @pytest.mark.parametrize("missing", ["token_ctx.onnx", "prompt_ctx_qnn.bin"])
 def test_a_missing_context_binary_is_one_clear_error(htp_exports, tmp_path, missing):
     folder = tmp_path / "graphs"
@@ -150,6 +156,7 @@ def test_a_missing_context_binary_is_one_clear_error(htp_exports, tmp_path, miss
         load_onnx_engine(folder, "qnn")
 
 
+@pytest.mark.slow  # the HTP emulator's graphs (a module fixture)
 def test_onnxruntime_without_the_qnn_plugin_is_one_error_naming_the_install(htp_exports, calm_engine, tmp_path,
                                                                            monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "onnxruntime_qnn", None)
