@@ -143,7 +143,7 @@ class Transformer:
         for span in spans:
             cache.storage.prepare(span.seq, span.start_pos, span.end)
         ids = [t for span in spans for t in span.token_ids]
-        decoding = len(ids) == len(spans) <= MATVEC_MAX_TOKENS  # one new token per sequence
+        decoding = len(spans) <= MATVEC_MAX_TOKENS and all(len(span.token_ids) == 1 for span in spans)
         x = self._fused_step(spans, cache) if decoding and self.native_kernels else None
         if x is not None:
             return _linear(_rms_norm(x, self.final_norm, c.norm_epsilon), self.lm_head, matvec())
