@@ -160,7 +160,6 @@ def run_logits(model: Transformer, dialogue: TokenizedDialogue, mode: KVMode, sc
     return run_tokens(model, dialogue.token_ids, mode.name, scales, all_logits=True, media=dialogue.media).logits
 
 
-
 def stored_bytes_per_token(layout: KVLayout, mode: KVMode, tokens: int) -> int:
     """Bytes per token of a sequence of ``tokens`` tokens, scales and what the mode reserves (int4's fp16
     window) included."""
@@ -170,6 +169,10 @@ def stored_bytes_per_token(layout: KVLayout, mode: KVMode, tokens: int) -> int:
 
 def _bucket_sums() -> torch.Tensor:
     return torch.zeros(len(POSITION_BUCKETS), dtype=torch.float64)
+
+
+def _kind_sums() -> torch.Tensor:
+    return torch.zeros(len(POSITION_KINDS), dtype=torch.float64)
 
 
 @dataclass
@@ -184,9 +187,9 @@ class Totals:
     bucket_kl: torch.Tensor = field(default_factory=_bucket_sums)
     bucket_agree: torch.Tensor = field(default_factory=_bucket_sums)
     bucket_tokens: torch.Tensor = field(default_factory=_bucket_sums)
-    kind_kl: torch.Tensor = field(default_factory=lambda: torch.zeros(len(POSITION_KINDS), dtype=torch.float64))
-    kind_agree: torch.Tensor = field(default_factory=lambda: torch.zeros(len(POSITION_KINDS), dtype=torch.float64))
-    kind_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(len(POSITION_KINDS), dtype=torch.float64))
+    kind_kl: torch.Tensor = field(default_factory=_kind_sums)
+    kind_agree: torch.Tensor = field(default_factory=_kind_sums)
+    kind_tokens: torch.Tensor = field(default_factory=_kind_sums)
 
     def by_position(self) -> dict[str, PositionResult]:
         """Mean KL and top-1 agreement per bucket that has positions."""
@@ -230,9 +233,9 @@ def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, tar
         totals.bucket_agree += torch.bincount(index, agree, minlength=buckets + 1)[:buckets]
         totals.bucket_tokens += torch.bincount(index, minlength=buckets + 1)[:buckets].double()
         kind = image[rows][:len(kl)].long()  # POSITION_KINDS' index: 0 text, 1 image
-        totals.kind_kl += torch.bincount(kind, kl, minlength=2)
-        totals.kind_agree += torch.bincount(kind, agree, minlength=2)
-        totals.kind_tokens += torch.bincount(kind, minlength=2).double()
+        totals.kind_kl += torch.bincount(kind, kl, minlength=len(POSITION_KINDS))
+        totals.kind_agree += torch.bincount(kind, agree, minlength=len(POSITION_KINDS))
+        totals.kind_tokens += torch.bincount(kind, minlength=len(POSITION_KINDS)).double()
     totals.tokens += len(targets)
     return torch.cat(token_kl)
 

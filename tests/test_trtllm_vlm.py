@@ -134,7 +134,7 @@ def test_qwen2_vl_pictures_are_refused_and_the_session_goes_on(monkeypatch, tmp_
     assert chat.chat(QUESTION).reply == REPLY and runner.calls[-1]["prompt_table"] is None
 
 
-def test_a_conversation_over_the_engines_table_is_refused_before_anything_changes(runner, vlm_folder, tmp_path):
+def test_a_conversation_over_the_engines_table_is_refused_before_anything_changes(runner, vlm_folder):
     chat = session(vlm_folder)
     chat.chat(QUESTION, images=[picture(1)])
     (held,) = chat.images.values()
@@ -146,7 +146,7 @@ def test_a_conversation_over_the_engines_table_is_refused_before_anything_change
     assert chat.chat("and the lane beside us?").error is None
 
 
-def test_an_engine_without_a_prompt_table_or_vision_refuses_pictures(runner, vlm_folder, tmp_path):
+def test_an_engine_without_a_prompt_table_refuses_pictures(runner, vlm_folder):
     write_trt_config(vlm_folder, 0)
     try:
         with pytest.raises(ImageError, match="without a prompt table.*--max_multimodal_len"):

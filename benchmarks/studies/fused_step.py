@@ -28,6 +28,7 @@ from cabinllm.runtime.model.transformer import Span
 
 PATHS = ("fused", "per-layer")
 BATCHED_PATHS = ("fused, one call", "per-layer", "fused, one call per sequence")
+ALONE = "one sequence alone, fused"  # the batched step's baseline, timed the same way
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,12 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     ratio = medians["per-layer"] / medians["fused"]
     prompts = [torch.randint(100, engine.config.vocab_size - 100, (args.context,),
                              generator=torch.Generator().manual_seed(seed)).tolist() for seed in range(args.sequences)]
-    batched: dict[str, list[float]] = {path: [] for path in BATCHED_PATHS}
+    batched: dict[str, list[float]] = {path: [] for path in (ALONE, *BATCHED_PATHS)}
     for _ in range(args.repeats):
+        batched[ALONE].append(batched_step_ms(engine, prompts[:1], args.new_tokens, "fused, one call"))
         for path in BATCHED_PATHS:
             batched[path].append(batched_step_ms(engine, prompts, args.new_tokens, path))
     step_ms = {path: statistics.median(values) for path, values in batched.items()}
-    alone_ms = 1e3 / medians["fused"]  # one sequence's fused step
+    alone_ms = step_ms.pop(ALONE)
     result = {"machine": machine_info(), "command": " ".join(["python -m cabinllm.benchmarks.studies.fused_step",
                                                                *(argv or sys.argv[1:])]),
               "kv_mode": engine.default_kv_mode, "medians_tok_s": medians, "per_layer_over_fused": ratio,

@@ -109,10 +109,10 @@ def _open_trtllm(request: SessionRequest) -> TrtllmSession:
     tokenizer = ChatTokenizer(folder.checkpoint)
     config = kv_cache_config(folder.manifest(), request.kv_mode, request.budget_bytes, request.tokens_per_block)
     params = dataclasses.replace(request.params, stop_token_ids=tokenizer.stop_token_ids)
-    vision = folder.path / VISION_FOLDER
-    model = folder.config()
-    return TrtllmSession(folder.path, tokenizer, KVLayout.of(model), config, params, request.system, request.overflow,
-                         Vision(vision, request.image_limits) if vision.is_dir() else None, model.vocab_size)
+    vision, model_config = folder.path / VISION_FOLDER, folder.config()
+    return TrtllmSession(folder.path, tokenizer, KVLayout.of(model_config), config, params, request.system,
+                         request.overflow, Vision(vision, request.image_limits) if vision.is_dir() else None,
+                         model_config.vocab_size)
 
 
 BACKENDS: dict[str, Callable[[SessionRequest], Session]] = {

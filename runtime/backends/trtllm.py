@@ -335,7 +335,6 @@ class TrtllmSession:
         self.forks = callable(getattr(self.runner, "_get_num_sequences", None))
         budget = self.settings.max_tokens_in_paged_kv_cache
         self.capacity = self.limits.capacity(budget, params.max_new_tokens)
-        self.previous_ids: list[int] = []
         self.previous_keys: list[tuple[int, int]] = []  # (id, extra id) of the tokens the engine's blocks may hold
         self.turns = 0
         self.tools: list[Tool] = []  # constrained decoding is not available here: TRTLLM_NO_GRAMMAR
@@ -399,7 +398,6 @@ class TrtllmSession:
         keys = list(zip(ids, table.extra_ids))
         reused = self._reused_tokens(keys) if self.settings.kv_cache_enable_block_reuse else 0
         # a beam search's prompt blocks are the ones known to be kept for reuse (BlockManager::storeContextBlocks)
-        self.previous_ids = ids if beam is not None else ids + generated
         self.previous_keys = keys if beam is not None else keys + [(t, 0) for t in generated]
         self.messages = plan.messages + [{"role": "assistant", "content": reply.text}]
         tok_s = (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0
@@ -409,7 +407,7 @@ class TrtllmSession:
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""
         self.messages = self.messages[:1] if self.system_prompt else []
-        self.previous_ids, self.previous_keys, self.turns, self.images = [], [], 0, {}
+        self.previous_keys, self.turns, self.images = [], 0, {}
 
     def save(self, path: str | Path) -> int:
         """Not available: TensorRT-LLM keeps its KV blocks to itself."""
@@ -584,7 +582,7 @@ class TrtllmSession:
 
     def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
                finish: str, evicted: int, error: str | None = None, alternatives: list[str] | None = None) -> TurnStats:
-        held = min(len(self.previous_ids), self.settings.max_tokens_in_paged_kv_cache)
+        held = min(len(self.previous_keys), self.settings.max_tokens_in_paged_kv_cache)
         budget = self.settings.max_tokens_in_paged_kv_cache * self.bytes_per_token
         return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, held * self.bytes_per_token, budget,
                          self.bytes_per_token, self.config.kv_mode, finish, evicted, self.overflow.name, error,

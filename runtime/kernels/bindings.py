@@ -10,8 +10,9 @@ Decoding is bound by memory reads. Five kernels in runtime/kernels/ serve that c
 - ``int4_dequantize.c``: a sequence's INT4 blocks of one layer to fp32 K and V in one pass
   (built per head size and value group);
 - ``decode_step.c``: a whole decode step of one or several sequences (a token each) through every layer (norms,
-  the linear kernels above on all the tokens at once, RoPE, the new K/V stored, attention, MLP) in one call, over a cache whose pools convert with one
-  static scale per layer (fp32, fp16, int8 with static scales; built like the attention kernel).
+  the linear kernels above on all the tokens at once, RoPE, the new K/V stored, attention, MLP) in one call, over
+  a cache whose pools convert with one static scale per layer (fp32, fp16, int8 with static scales; built like the
+  attention kernel).
 
 They are built with ``-O3 -march=native -fopenmp`` (the linear kernels split large matrices by rows, and attention
 a long history, over the threads of the OpenMP runtime torch loads, so ``torch.set_num_threads`` sets theirs too;

@@ -14,8 +14,9 @@
  * matvec_q8g32 (the int8 head, llama.cpp's Q8_0 block): codes int8 (rows, cols), scale fp16 (rows, cols / 32).
  * Both convert a group's codes to floats once for every token of the step and apply its scale to each group sum.
  * bias may be NULL. Rows are split over the OpenMP threads as in matvec.c (PARALLEL_WEIGHTS), each summed by one
- * thread, so the results do not depend on the thread count. Like matvec.c, a step is bound by reading the weights: 1 byte (int8) or half a byte (int4)
- * per weight instead of 4, once each weight's conversion to float is cheap enough: with AVX2 and FMA (x86-64)
+ * thread, so the results do not depend on the thread count. Like matvec.c, a step is bound by reading the weights:
+ * 1 byte (int8) or half a byte (int4) per weight instead of 4, once each weight's conversion to float is cheap
+ * enough: with AVX2 and FMA (x86-64)
  * eight weights are widened, converted and multiplied per instruction; other CPUs, rows whose length is not a
  * multiple of 8, and builds with -DGENERIC take the plain loops, which the compiler vectorizes as it can.
  */
