@@ -52,6 +52,8 @@ class OnnxProfile:
             raise ConfigError(f"the {self.name} profile cannot write the {head} head; export with --profile "
                               f"{' or '.join(p.name for p in ONNX_PROFILES.values() if head in p.head_formats)}, "
                               f"or build the engine with cabin-build --head {' or '.join(self.head_formats)}")
+        if weight_format in NOT_EXPORTED:
+            raise ConfigError(f"{weight_format} weights cannot be exported to ONNX: {NOT_EXPORTED[weight_format]}")
         if weight_format not in self.weight_formats:
             others = [p.name for p in ONNX_PROFILES.values() if weight_format in p.weight_formats]
             why = " (standard ONNX has int4 tensors only from opset 21)" if "int4" in weight_format and self.opset < 21 else ""
@@ -96,6 +98,13 @@ WEIGHT_FORMS = {
     "int8": "int8 (in, out) weights, per-channel DequantizeLinear into MatMul",
     "int4-awq": "uint4 blocks in com.microsoft.MatMulNBits (zero point 8) after a Mul by the prequant scale",
     "int4-g32": "uint4 blocks of 32 in com.microsoft.MatMulNBits with a float zero point -minimum / scale each",
+}
+# engine weight formats no profile writes -> why (cabin-export quotes it)
+NOT_EXPORTED = {
+    "int4-g32-a8": ("ONNX Runtime's MatMulNBits takes int8 inputs (accuracy_level 4) with integer zero points only, "
+                    "and int4-g32's minima are not (onnxruntime 1.32 computed the same logits at accuracy_level 4 "
+                    "as at 0 on these blocks); build the engine with cabin-build --weights int4-g32, the same "
+                    "blocks on float activations, to export it"),
 }
 # engine head format -> how the graphs carry the embedding and lm_head
 HEAD_FORMS = {

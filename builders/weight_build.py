@@ -69,7 +69,7 @@ def check_head(head: str, target: Target) -> None:
 def quantize_step_text(fmt: WeightFormat, data: str | None) -> str:
     """What the weight step does, for the progress display."""
     if isinstance(fmt, Int4G32):
-        return "converting linear weights to int4-g32 (the source's Q4_0 / Q4_1 blocks as stored, others rounded)"
+        return f"converting linear weights to {fmt.name} (the source's Q4_0 / Q4_1 blocks as stored, others rounded)"
     return (f"quantizing weights to {fmt.name} ({fmt.quant_algo}, ModelOpt) calibrated on {data or DEFAULT_DATA} "
             "dialogues")
 
@@ -81,7 +81,7 @@ def quantized_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor], 
     calibrated on ``data`` (default builtin) read with the tokenizer in ``checkpoint``; int4-g32 from the blocks of
     the ``source`` model (with the record of what was taken and what rounded)."""
     if isinstance(fmt, Int4G32):
-        return to_int4_g32(config, weights, open_source(source))
+        return to_int4_g32(config, weights, open_source(source), fmt)
     tokens = calibration_tokens(data or DEFAULT_DATA, ChatTokenizer(checkpoint))
     return *quantize_weights(config, weights, fmt, tokens), None
 

@@ -81,10 +81,11 @@ def _convert(weights: dict[str, torch.Tensor], name: str, source: SourceModel | 
     return _rounded(weight, bits)
 
 
-def to_int4_g32(config: ModelConfig, weights: dict[str, torch.Tensor],
-                source: SourceModel | None) -> tuple[ModelConfig, dict[str, torch.Tensor], Conversion]:
+def to_int4_g32(config: ModelConfig, weights: dict[str, torch.Tensor], source: SourceModel | None,
+                fmt: Int4G32 = Int4G32()) -> tuple[ModelConfig, dict[str, torch.Tensor], Conversion]:
     """Full-precision ``config``/``weights`` with every linear layer in int4-g32 (Q4_0 / Q4_1 blocks of ``source``
-    taken as stored where they still give the weights, the rest rounded to Q4_1)."""
+    taken as stored where they still give the weights, the rest rounded to Q4_1), named ``fmt`` (int4-g32 or its
+    int8-activation form)."""
     out, done = dict(weights), Conversion()
     for layer in range(config.num_hidden_layers):
         for linear in linear_inputs(config):
@@ -93,7 +94,7 @@ def to_int4_g32(config: ModelConfig, weights: dict[str, torch.Tensor],
             out[f"{base}.weight"] = torch.from_numpy(blocks.codes)
             out[f"{base}.{SCALE}"] = torch.from_numpy(blocks.scale)
             out[f"{base}.{MINIMUM}"] = torch.from_numpy(blocks.minimum)
-    quantization = {**config.quantization, "quant_algo": Int4G32.quant_algo, "group_size": GGUF_GROUP,
+    quantization = {**config.quantization, "quant_algo": fmt.quant_algo, "group_size": GGUF_GROUP,
                     "has_zero_point": True}
     return replace(config, quantization=quantization), out, done
 

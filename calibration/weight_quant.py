@@ -35,9 +35,10 @@ from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.sources.weight_plan import SourceModel
 
 # cabin-eval's weights axis: fp32 is the model as loaded; int4-g32 takes a GGUF's blocks as stored (lossless), and
-# with G32_INT8_HEAD also its Q8_0 embedding as the int8 head
-G32_INT8_HEAD = "int4-g32+int8-head"
-EVAL_WEIGHTS = ("fp32", "int8", "int4-awq", "int4-rtn", "int4-g32", G32_INT8_HEAD)
+# with INT8_HEAD also its Q8_0 embedding as the int8 head; int4-g32-a8 the same blocks on int8 activations
+INT8_HEAD = "+int8-head"
+EVAL_WEIGHTS = ("fp32", "int8", "int4-awq", "int4-rtn", "int4-g32", "int4-g32" + INT8_HEAD, "int4-g32-a8",
+                "int4-g32-a8" + INT8_HEAD)
 CALIBRATED_WEIGHTS = ("int8", "int4-awq")  # the entries ModelOpt quantizes on calibration dialogues
 RTN = "int4-rtn"
 DEFAULT_CALIB_DIALOGUES = 8
@@ -225,8 +226,8 @@ def eval_weights(name: str, config: ModelConfig, weights: dict[str, torch.Tensor
     if name == RTN:
         return round_to_nearest(config, weights)
     if name.startswith(Int4G32.name):
-        config, weights, _ = to_int4_g32(config, weights, source)
-        return to_int8_head(config, weights, source)[:2] if name == G32_INT8_HEAD else (config, weights)
+        config, weights, _ = to_int4_g32(config, weights, source, WEIGHT_FORMATS[name.removesuffix(INT8_HEAD)])
+        return to_int8_head(config, weights, source)[:2] if name.endswith(INT8_HEAD) else (config, weights)
     return quantize_weights(config, weights, WEIGHT_FORMATS[name], calibration, progress)
 
 

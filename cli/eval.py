@@ -13,7 +13,7 @@ from cabinllm.calibration.evaluate import (EVAL_MODES, REFERENCE_MODE, REFERENCE
                                            WEIGHTS_SEPARATOR, ModeResult, evaluate, results_json)
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.calibration.weight_quant import (CALIBRATED_WEIGHTS, DEFAULT_CALIB_DIALOGUES, DEFAULT_CALIB_TOKENS,
-                                               EVAL_WEIGHTS, G32_INT8_HEAD, calibration_tokens, eval_weights)
+                                               EVAL_WEIGHTS, INT8_HEAD, calibration_tokens, eval_weights)
 from cabinllm.cli.args import entry_point, int_range, non_negative_int, os_error_message, output_name, positive_int
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text
@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{', '.join(EVAL_WEIGHTS)}; int8 and int4-awq are quantized with ModelOpt on "
                              f"{DEFAULT_CALIB_DIALOGUES} train dialogues of --data ({DEFAULT_CALIB_TOKENS} tokens "
                              "each), int4-rtn rounds to nearest on the same groups, int4-g32 takes a GGUF's Q4_0 / "
-                             f"Q4_1 blocks as stored ({G32_INT8_HEAD}: and its Q8_0 embedding as the int8 head); "
+                             f"Q4_1 blocks as stored (int4-g32-a8: on int8 activations; {INT8_HEAD}: and its Q8_0 "
+                             "embedding as the int8 head); "
                              "the -eq modes run on fp32 "
                              "weights only (default fp32: weights as loaded)")
     parser.add_argument("--scales", type=Path,

@@ -11,6 +11,7 @@ from cabinllm.calibration.gguf_weights import to_int4_g32, to_int8_head
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import EngineFolder
 from cabinllm.runtime.formats.scales_file import KVScales
+from cabinllm.runtime.formats.weight_formats import weight_format
 from cabinllm.runtime.kernels import bindings as native_kernels
 from cabinllm.runtime.kernels.bindings import StoredKV
 from cabinllm.runtime.kv.blocks import Sequence
@@ -237,13 +238,14 @@ def test_an_fp16_lm_head_is_read_as_fp16_with_the_same_logits(tiny_engine_dir):
 
 
 @pytest.mark.parametrize("mode", ["fp32", "fp16", "int8", "int8-separate"])
-@pytest.mark.parametrize("weights", ["fp32", "fp16 + qkv bias", "int4-g32 + int8 head"])
+@pytest.mark.parametrize("weights", ["fp32", "fp16 + qkv bias", "int4-g32 + int8 head", "int4-g32-a8 + int8 head"])
 def test_fused_decode_step_equals_the_step_layer_by_layer(tiny_engine_dir, tiny_engine, mode, weights):
     """decode_step.c stores what the per-layer step stores (fp32 and fp16 to rounding, int8 codes within one step
-    of each other) and gives its logits, for each element type, weight format and a qkv bias."""
+    of each other) and gives its logits, for each element type, weight format (int8 activations included) and a
+    qkv bias."""
     config, tensors = load_checkpoint(EngineFolder(tiny_engine_dir).checkpoint)
     if weights.startswith("int4-g32"):  # rounded to Q4_1 / Q8_0 blocks (no GGUF source)
-        config, tensors, _ = to_int4_g32(config, tensors, None)
+        config, tensors, _ = to_int4_g32(config, tensors, None, weight_format(weights.split()[0]))
         config, tensors, _ = to_int8_head(config, tensors, None)
     elif weights != "fp32":
         gen = torch.Generator().manual_seed(3)
@@ -272,7 +274,9 @@ def test_fused_decode_step_equals_the_step_layer_by_layer(tiny_engine_dir, tiny_
         runs.append((torch.stack(out), stored))
     (fused_logits, fused_kv), (layered_logits, layered_kv) = runs
     assert model._step_weights is not None
-    assert torch.allclose(fused_logits, layered_logits, atol=2e-3 * layered_logits.abs().max())
+    # on int8 activations an input a rounding apart between the two paths can land on the next int8 code: ~1%
+    assert torch.allclose(fused_logits, layered_logits, atol=(2e-2 if "a8" in weights else 2e-3)
+                          * layered_logits.abs().max())
     for got, want in zip(fused_kv, layered_kv):
         if mode.startswith("int8"):
             assert (got - want).abs().max() <= 1 and (got == want).float().mean() > 0.99
@@ -281,14 +285,14 @@ def test_fused_decode_step_equals_the_step_layer_by_layer(tiny_engine_dir, tiny_
 
 
 @pytest.mark.parametrize("mode", ["fp32", "int8"])
-@pytest.mark.parametrize("weights", ["fp32", "int4-g32 + int8 head"])
+@pytest.mark.parametrize("weights", ["fp32", "int4-g32 + int8 head", "int4-g32-a8 + int8 head"])
 def test_a_fused_step_of_several_sequences_gives_each_what_it_gives_alone(tiny_engine_dir, tiny_engine, mode,
                                                                           weights):
     """Three sequences of other lengths decode in one fused step (the weights read once for the three tokens): the
     logits and the K/V stored are those of three one-sequence steps, exactly."""
     config, tensors = load_checkpoint(EngineFolder(tiny_engine_dir).checkpoint)
     if weights != "fp32":
-        config, tensors, _ = to_int4_g32(config, tensors, None)
+        config, tensors, _ = to_int4_g32(config, tensors, None, weight_format(weights.split()[0]))
         config, tensors, _ = to_int8_head(config, tensors, None)
     model = Transformer(config, tensors)
     prompts = [[1, 5, 9, 2, 7], [3, 8, 4, 6, 2, 9, 1, 5, 7, 3, 2], [6, 4]]

@@ -12,9 +12,11 @@ from test_onnx_backend import SCRIPT, session
 
 from cabinllm.builders.engine_build import BuildRequest, build_engine
 from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
+from cabinllm.builders.onnx_profiles import ONNX_PROFILES
 from cabinllm.cli.export import main as export_main
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
 from cabinllm.runtime.formats.onnx_folder import TOKEN_GRAPH
 from cabinllm.runtime.generation.generate import run_tokens
@@ -158,3 +160,10 @@ def test_int4_g32_round_trips_bit_for_bit_through_the_export(quant_engines, quan
             assert np.array_equal(codes, unpack_g32(op.codes).numpy())
             assert np.array_equal(scale.astype(np.float16), op.scale.numpy())
             assert np.array_equal(minimum, op.minimum.numpy())
+
+
+@pytest.mark.parametrize("profile", ["ort", "npu"])
+def test_int8_activation_weights_are_refused_with_the_format_that_exports(profile):
+    with pytest.raises(ConfigError, match=r"int4-g32-a8 weights cannot be exported.*accuracy_level 4.*"
+                                          r"--weights int4-g32, the same blocks"):
+        ONNX_PROFILES[profile].check_weights("int4-g32-a8")

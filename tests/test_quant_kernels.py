@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 
 from cabinllm.runtime.kernels import bindings as native_kernels
-from cabinllm.runtime.model.linear import Int4AwqLinear, Int4G32Linear, Int8G32Table, Int8Linear, pack_g32, pack_int4, stack
+from cabinllm.runtime.model.linear import (Int4AwqLinear, Int4G32Linear, Int8G32Table, Int8Linear, int8_blocks, pack_g32,
+                                           pack_int4, stack)
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the kernels")
 
@@ -60,23 +62,50 @@ def g32_ops(rows: int, cols: int, gen: torch.Generator) -> tuple[Int4G32Linear, 
     return q4, Int8G32Table(torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8), scale)
 
 
+@pytest.mark.parametrize("int8_x", [False, True])
 @pytest.mark.parametrize("generic", [False, True])
 @pytest.mark.parametrize("rows, cols, tokens", [(1536, 576, 1), (7, 64, 1), (6, 96, 3), (9, 160, 6)])
-def test_group_kernels_equal_the_torch_path_on_dequantized_weights(rows, cols, tokens, generic):
-    """int4-g32 and the int8 head, AVX2 loops (where this CPU has them) and the plain ones: every block of rows
-    and chunk of tokens, remainders included, within float rounding of F.linear on the dequantized weights."""
+def test_group_kernels_equal_the_torch_path_on_dequantized_weights(rows, cols, tokens, generic, int8_x):
+    """int4-g32 and the int8 head, AVX2 loops (where this CPU has them) and the plain ones, on float or int8
+    activations: every block of rows and chunk of tokens, remainders included, within float rounding of F.linear on
+    the dequantized weights (int8: on the input as int8_blocks rounds it), each token's row as it is alone."""
     gen = torch.Generator().manual_seed(rows * cols + tokens)
     kernel = native_kernels.QuantMatVec(native_kernels._load("quant_matvec", {"GENERIC": 1})) if generic \
         else native_kernels.quant_matvec()
     x, bias = torch.randn(tokens, cols, generator=gen), torch.randn(rows, generator=gen)
-    q4, head = g32_ops(rows, cols, gen)
-    for got, op in ((kernel.q4g32(x, q4.codes, q4.scale, q4.minimum, bias), q4),
-                    (kernel.q8g32(x, head.codes, head.scale, bias), head)):
-        expected = op(x, bias, native=False)
+    q4, head = (replace(op, int8_x=int8_x) for op in g32_ops(rows, cols, gen))
+    def run_q4(rows: torch.Tensor) -> torch.Tensor:
+        return kernel.q4g32(rows, q4.codes, q4.scale, q4.minimum, bias, int8_x)
+
+    def run_head(rows: torch.Tensor) -> torch.Tensor:
+        return kernel.q8g32(rows, head.codes, head.scale, bias, int8_x)
+
+    for run, op in ((run_q4, q4), (run_head, head)):
+        expected, got = op(x, bias, native=False), run(x)
         assert got.shape == (tokens, rows)
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * math.sqrt(cols) * expected.abs().max())
+        assert torch.equal(got, torch.cat([run(row[None]) for row in x]))
     with pytest.raises(ValueError, match="inputs a multiple of 32"):
         kernel.q8g32(torch.randn(1, 48), head.codes[:, :48].contiguous(), head.scale[:, :1].contiguous())
+
+
+def test_int8_activations_round_each_block_of_32_to_int8_codes():
+    """int8_blocks: per 32 inputs a scale of max |x| / 127, every value a multiple of it within [-127, 127] of
+    them, the largest kept, an all-zero block zero; on real-sized inputs the rounding moves a product
+    by well under 1%."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 96, generator=gen)
+    x[1, 32:64] = 0
+    blocks, rounded = x.view(2, 3, 32), int8_blocks(x).view(2, 3, 32)
+    e = blocks.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(e > 0, rounded / e.clamp_min(1e-30), 0)
+    assert torch.allclose(codes, codes.round(), atol=1e-3) and codes.round().abs().max() == 127
+    assert torch.allclose(rounded.abs().amax(-1), blocks.abs().amax(-1), rtol=1e-6) and not rounded[1, 1].any()
+    assert torch.all((rounded - blocks).abs() <= e / 2 + 1e-7)
+    q4, _ = g32_ops(1536, 576, gen)
+    x = torch.randn(4, 576, generator=gen)
+    exact, on_int8 = q4(x), replace(q4, int8_x=True)(x)
+    assert 1e-4 < ((on_int8 - exact).norm() / exact.norm()).item() < 1e-2
 
 
 def test_stacked_int4_runs_as_two_kernels():
@@ -124,7 +153,7 @@ def test_quantized_matvec_rejects_wrong_scales():
 def test_every_linear_kernel_gives_the_same_sums_on_any_thread_count(keep_threads, generic):
     """The rows of a large matrix are split over torch's threads (one OpenMP runtime); each row is still summed
     by one thread in one order, so 1 and 2 threads agree exactly: fp32, fp16, int8, int4-awq, int4-g32 and the
-    int8 head, AVX2 and plain loops."""
+    int8 head (float and int8 activations), AVX2 and plain loops."""
     gen = torch.Generator().manual_seed(7)
     q4, head = g32_ops(1536, 576, gen)
     i8, i4 = int8_linear(1536, 576, gen), int4_linear(1536, 576, 64, gen)
@@ -137,6 +166,8 @@ def test_every_linear_kernel_gives_the_same_sums_on_any_thread_count(keep_thread
     for threads in (1, 2):
         torch.set_num_threads(threads)
         runs.append((quant.q4g32(x, q4.codes, q4.scale, q4.minimum), quant.q8g32(x, head.codes, head.scale),
+                     quant.q4g32(x, q4.codes, q4.scale, q4.minimum, None, True),
+                     quant.q8g32(x, head.codes, head.scale, None, True),
                      quant.int8(x, i8.weight, i8.scale), quant.int4(x, i4.packed, i4.scale, 64),
                      dense(x, weight), dense(x, weight.half())))
     assert all(torch.equal(a, b) for a, b in zip(*runs))

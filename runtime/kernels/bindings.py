@@ -89,6 +89,7 @@ class WeightsKind(IntEnum):
     INT8 = 2
     INT4 = 3
     Q4G32 = 4
+    Q4G32_INT8_X = 5
 
 
 @dataclass
@@ -174,29 +175,30 @@ class QuantMatVec:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._int8 = _bind(library, "matvec_int8", [_POINTER] * 5 + [_SIZE, _SIZE, _SIZE])
         self._int4 = _bind(library, "matvec_int4", [_POINTER] * 5 + [_SIZE, _SIZE, _SIZE, _SIZE])
-        self._q4g32 = _bind(library, "matvec_q4g32", [_POINTER] * 6 + [_SIZE, _SIZE, _SIZE])
-        self._q8g32 = _bind(library, "matvec_q8g32", [_POINTER] * 5 + [_SIZE, _SIZE, _SIZE])
+        self._q4g32 = _bind(library, "matvec_q4g32", [_POINTER] * 6 + [_SIZE] * 4)
+        self._q8g32 = _bind(library, "matvec_q8g32", [_POINTER] * 5 + [_SIZE] * 4)
 
     def q4g32(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, int8_x: bool = False) -> torch.Tensor:
         """x (n, in) times int4-g32 weights (uint8 codes (out, in / 2), fp16 scale and minimum (out, in / 32)),
-        plus bias; returns (n, out), each token's row as it would be alone."""
+        plus bias; returns (n, out), each token's row as it would be alone. ``int8_x``: x rounded to int8 per 32
+        inputs first (cabinllm.runtime.model.linear.int8_blocks), the products summed as integers."""
         rows, cols = codes.shape[0], 2 * codes.shape[1]
         _check_groups(x, codes, torch.uint8, (scale, minimum), bias, rows, cols)
         out = torch.empty(x.shape[0], rows)
         self._q4g32(codes.data_ptr(), scale.data_ptr(), minimum.data_ptr(), x.contiguous().data_ptr(),
-                    None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], rows, cols)
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], rows, cols, int8_x)
         return out
 
     def q8g32(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, int8_x: bool = False) -> torch.Tensor:
         """x (n, in) times int8 codes (out, in) with an fp16 scale per 32 inputs (out, in / 32), plus bias; returns
-        (n, out), each token's row as it would be alone."""
+        (n, out), each token's row as it would be alone; ``int8_x`` as for q4g32."""
         rows, cols = codes.shape
         _check_groups(x, codes, torch.int8, (scale,), bias, rows, cols)
         out = torch.empty(x.shape[0], rows)
         self._q8g32(codes.data_ptr(), scale.data_ptr(), x.contiguous().data_ptr(),
-                    None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], rows, cols)
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], rows, cols, int8_x)
         return out
 
     def int8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -22,7 +22,7 @@
 #include "matvec.c"
 #include "quant_matvec.c"
 
-enum { WEIGHTS_FP32 = 0, WEIGHTS_FP16 = 1, WEIGHTS_INT8 = 2, WEIGHTS_INT4 = 3, WEIGHTS_Q4G32 = 4 };
+enum { WEIGHTS_FP32 = 0, WEIGHTS_FP16 = 1, WEIGHTS_INT8 = 2, WEIGHTS_INT4 = 3, WEIGHTS_Q4G32 = 4, WEIGHTS_Q4G32_INT8_X = 5 };
 enum { ACT_SILU = 0, ACT_GELU = 1, ACT_GELU_TANH = 2 };
 
 /* The MLP's activation of x, as torch computes silu, gelu and gelu(approximate="tanh"). */
@@ -34,7 +34,7 @@ static float activation(float x, int64_t act)
 }
 
 /* One linear op, y = W x + b; int4: W is packed (rows / 2, cols) and x is multiplied by prequant first; q4g32: scale
- * and minimum are fp16 per 32 inputs. */
+ * and minimum are fp16 per 32 inputs (q4g32 int8 x: x rounded to int8 per 32 inputs, as quant_matvec.c's int8_x). */
 typedef struct {
     int64_t kind, rows, cols, group;  /* kind: a WEIGHTS_* code */
     const void *weight, *scale;
@@ -62,7 +62,9 @@ static void run_linear(const LinearOp *op, const float *x, float *y, float *scal
         matvec_int8(op->weight, op->scale, x, op->bias, y, n, op->rows, op->cols);
         break;
     case WEIGHTS_Q4G32:
-        matvec_q4g32(op->weight, op->scale, op->minimum, x, op->bias, y, n, op->rows, op->cols);
+    case WEIGHTS_Q4G32_INT8_X:
+        matvec_q4g32(op->weight, op->scale, op->minimum, x, op->bias, y, n, op->rows, op->cols,
+                     op->kind == WEIGHTS_Q4G32_INT8_X);
         break;
     default:
         for (int64_t t = 0; t < n; t++)

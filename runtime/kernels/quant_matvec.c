@@ -13,6 +13,10 @@
  * y[r] = sum_g (sum_j (scale * q_j) x_j + minimum * sum_j x_j), each group's x sum computed once per call.
  * matvec_q8g32 (the int8 head, llama.cpp's Q8_0 block): codes int8 (rows, cols), scale fp16 (rows, cols / 32).
  * Both convert a group's codes to floats once for every token of the step and apply its scale to each group sum.
+ * With int8_x (int8 activations: llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dots, ONNX Runtime's MatMulNBits at
+ * accuracy_level 4) each token's x is first rounded per 32 inputs, e = max |x| / 127, p = round(x / e) in [-127, 127]
+ * (runtime/model/linear.py's int8_blocks), and a group sums the integer products q * p exactly:
+ * y[r] = sum_g (d * e * sum_j q_j p_j + minimum * e * sum_j p_j).
  * bias may be NULL. Rows are split over the OpenMP threads as in matvec.c (PARALLEL_WEIGHTS), each summed by one
  * thread, so the results do not depend on the thread count. Like matvec.c, a step is bound by reading the weights:
  * 1 byte (int8) or half a byte (int4) per weight instead of 4, once each weight's conversion to float is cheap
@@ -20,6 +24,7 @@
  * eight weights are widened, converted and multiplied per instruction; other CPUs, rows whose length is not a
  * multiple of 8, and builds with -DGENERIC take the plain loops, which the compiler vectorizes as it can.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -152,12 +157,49 @@ static inline __attribute__((always_inline)) void g32_block(const uint8_t *codes
     }
 }
 
+/* A group's 32 4-bit codes as bytes in input order (llama.cpp's bytes_from_nibbles_32). */
+static inline __m256i q4_bytes(const uint8_t *codes)
+{
+    const __m128i c = _mm_loadu_si128((const __m128i *)codes), low = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low), _mm_and_si128(c, low));
+}
+
+/* g32_block on int8 activations xq (N, cols); each group's 32 products summed as integers (maddubs takes unsigned
+ * times signed bytes: 4-bit codes as they are, int8 codes by their magnitude with the sign moved onto x), then
+ * acc[r * N + t] += de[r][t][g] * sum, de the products of the weights' and the x's scales. */
+static inline __attribute__((always_inline)) void g32_block_int8(const uint8_t *codes, int64_t row_bytes,
+                                                                 const float *de, const int8_t *xq, int64_t cols,
+                                                                 __m256 *acc, const int R, const int N,
+                                                                 const int four_bits)
+{
+    const int64_t groups = cols / G32, slice = R * row_bytes / groups;
+    const uint8_t *next = codes + PREFETCH_BLOCKS * R * row_bytes;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t p = g * slice; p < (g + 1) * slice; p += 64) _mm_prefetch((const char *)(next + p), _MM_HINT_T0);
+        __m256i xv[4];
+        for (int t = 0; t < N; t++) xv[t] = _mm256_loadu_si256((const __m256i *)(xq + t * cols + g * G32));
+        for (int r = 0; r < R; r++) {
+            const __m256i w = four_bits ? q4_bytes(codes + r * row_bytes + g * 16)
+                                        : _mm256_loadu_si256((const __m256i *)(codes + r * row_bytes + g * G32));
+            const __m256i magnitude = four_bits ? w : _mm256_sign_epi8(w, w);
+            for (int t = 0; t < N; t++) {
+                const __m256i signed_x = four_bits ? xv[t] : _mm256_sign_epi8(xv[t], w);
+                const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
+                acc[r * N + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                                 _mm256_broadcast_ss(de + (r * N + t) * groups + g), acc[r * N + t]);
+            }
+        }
+    }
+}
+
 /* Both group formats: rows in blocks of R (4 for one token, 2 for up to 4 tokens), shared by the threads torch runs
  * (one OpenMP runtime: torch.set_num_threads sets both), the tokens in chunks of up to 4 (a block is in L1 after
  * the first chunk); each block's scales and minima are converted to floats once; the
- * minimum term is sum_g m_g * (sum_j x_tgj), the x sums computed once per call. */
+ * minimum term is sum_g m_g * xsum_tg, the x sums computed once per call. Float x, or (xq given) int8 x with scales e. */
 static void g32_rows_wide(const void *codes, const uint16_t *scale, const uint16_t *minimum, const float *x,
-                          const float *xsum, float *y, int64_t n, int64_t rows, int64_t cols, int four_bits)
+                          const int8_t *xq, const float *e, const float *xsum, float *y, int64_t n, int64_t rows,
+                          int64_t cols, int four_bits)
 {
     const int64_t groups = cols / G32, row_bytes = four_bits ? cols / 2 : cols, block = n == 1 ? 4 : 2;
     const int64_t blocks = rows / block, units = blocks + rows % block;  /* whole blocks, then single rows */
@@ -170,17 +212,32 @@ static void g32_rows_wide(const void *codes, const uint16_t *scale, const uint16
         if (minimum) halves_to_floats(minimum + r0 * groups, m, R * groups);
         for (int64_t t0 = 0; t0 < n; t0 += 4) {
             const int64_t N = n - t0 < 4 ? n - t0 : 4;
-            const float *xt = x + t0 * cols;
             __m256 acc[8];
             for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-            if (R == 4) g32_block(row, row_bytes, d, xt, cols, acc, 4, 1, four_bits);
-#define G32_CASE(N) \
-    case N: \
-        if (R == 2) g32_block(row, row_bytes, d, xt, cols, acc, 2, N, four_bits); \
-        else g32_block(row, row_bytes, d, xt, cols, acc, 1, N, four_bits); \
-        break;
-            else switch (N) { G32_CASE(1) G32_CASE(2) G32_CASE(3) G32_CASE(4) }
-#undef G32_CASE
+/* BLOCK(rows, tokens) with both constant: 4 x 1 or, for 2-row and single-row units, 1 to 4 tokens */
+#define G32_SHAPES(BLOCK) \
+    if (R == 4) BLOCK(4, 1); \
+    else switch (N) { \
+        case 1: if (R == 2) BLOCK(2, 1); else BLOCK(1, 1); break; \
+        case 2: if (R == 2) BLOCK(2, 2); else BLOCK(1, 2); break; \
+        case 3: if (R == 2) BLOCK(2, 3); else BLOCK(1, 3); break; \
+        default: if (R == 2) BLOCK(2, 4); else BLOCK(1, 4); \
+    }
+#define FLOAT_X(RR, NN) g32_block(row, row_bytes, d, x + t0 * cols, cols, acc, RR, NN, four_bits)
+#define INT8_X(RR, NN) g32_block_int8(row, row_bytes, de, xq + t0 * cols, cols, acc, RR, NN, four_bits)
+            if (xq) {
+                float de[block * 4 * groups];
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t t = 0; t < N; t++)
+                        for (int64_t g = 0; g < groups; g++)
+                            de[(r * N + t) * groups + g] = d[r * groups + g] * e[(t0 + t) * groups + g];
+                G32_SHAPES(INT8_X)
+            } else {
+                G32_SHAPES(FLOAT_X)
+            }
+#undef INT8_X
+#undef FLOAT_X
+#undef G32_SHAPES
             for (int64_t r = 0; r < R; r++)
                 for (int64_t t = 0; t < N; t++) {
                     float lift = 0.0f;
@@ -285,6 +342,75 @@ static void q8g32_rows(const int8_t *restrict codes, const uint16_t *restrict sc
     }
 }
 
+/* The plain loop of both group formats on int8 x (xq, scales e, lifts xsum = e * sum p per token and group): each
+ * group's integer products summed, the minimum term added per group. */
+static void g32_rows_int8(const uint8_t *restrict codes, const uint16_t *restrict scale,
+                          const uint16_t *restrict minimum, const int8_t *restrict xq, const float *restrict e,
+                          const float *restrict xsum, float *restrict y, int64_t n, int64_t rows, int64_t cols,
+                          int four_bits)
+{
+    const int64_t groups = cols / G32, row_bytes = four_bits ? cols / 2 : cols;
+    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
+    for (int64_t r = 0; r < rows; r++) {
+        int8_t q[cols];  /* one row's codes as signed bytes, 4-bit ones unpacked into input order */
+        const uint8_t *row = codes + r * row_bytes;
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t j = 0; j < 16; j++) {
+                if (four_bits) {
+                    q[g * G32 + j] = (int8_t)(row[g * 16 + j] & 0x0f), q[g * G32 + j + 16] = (int8_t)(row[g * 16 + j] >> 4);
+                } else {
+                    q[g * G32 + j] = (int8_t)row[g * G32 + j], q[g * G32 + j + 16] = (int8_t)row[g * G32 + j + 16];
+                }
+            }
+        for (int64_t t = 0; t < n; t++) {
+            float a = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const int8_t *qg = q + g * G32, *pg = xq + t * cols + g * G32;
+                int32_t sum = 0;
+                #pragma omp simd reduction(+:sum)
+                for (int64_t j = 0; j < G32; j++) sum += (int32_t)qg[j] * (int32_t)pg[j];
+                a += half_to_float(scale[r * groups + g]) * e[t * groups + g] * (float)sum;
+                if (minimum) a += half_to_float(minimum[r * groups + g]) * xsum[t * groups + g];
+            }
+            y[t * rows + r] = a;
+        }
+    }
+}
+
+/* x (n, cols) as int8 per 32 inputs: xq, the scales e and the lifts xsum = e * sum p (n, cols / 32). */
+static void int8_blocks(const float *restrict x, int8_t *restrict xq, float *restrict e, float *restrict xsum,
+                        int64_t n, int64_t cols)
+{
+    for (int64_t b = 0; b < n * (cols / G32); b++) {  /* the blocks of every token, one after another */
+        const float *xb = x + b * G32;
+        float most = 0.0f;
+        for (int64_t j = 0; j < G32; j++) most = fmaxf(most, fabsf(xb[j]));
+        const float eb = most * (1.0f / 127.0f), inverse = most > 0.0f ? 1.0f / eb : 0.0f;
+        int32_t sum = 0;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t j = 0; j < G32; j++) {
+            const float p = nearbyintf(xb[j] * inverse);
+            xq[b * G32 + j] = (int8_t)(p > 127.0f ? 127.0f : p < -127.0f ? -127.0f : p);
+            sum += xq[b * G32 + j];
+        }
+        e[b] = eb, xsum[b] = eb * (float)sum;
+    }
+}
+
+/* The group formats' int8-x path (xsum: scratch of n * cols / 32 floats). */
+static void g32_int8_x(const void *codes, const uint16_t *scale, const uint16_t *minimum, const float *x, float *xsum,
+                       float *y, int64_t n, int64_t rows, int64_t cols, int four_bits)
+{
+    int8_t xq[n * cols];
+    float e[n * (cols / G32)];
+    int8_blocks(x, xq, e, xsum, n, cols);
+#if WIDE
+    g32_rows_wide(codes, scale, minimum, NULL, xq, e, xsum, y, n, rows, cols, four_bits);
+#else
+    g32_rows_int8(codes, scale, minimum, xq, e, xsum, y, n, rows, cols, four_bits);
+#endif
+}
+
 void matvec_int8(const int8_t *restrict w, const float *restrict scale, const float *restrict x,
                  const float *restrict bias, float *restrict y, int64_t n, int64_t rows, int64_t cols)
 {
@@ -311,18 +437,23 @@ void matvec_int4(const int8_t *restrict packed, const float *restrict scale, con
 
 void matvec_q4g32(const uint8_t *restrict codes, const uint16_t *restrict scale, const uint16_t *restrict minimum,
                   const float *restrict x, const float *restrict bias, float *restrict y, int64_t n, int64_t rows,
-                  int64_t cols)
+                  int64_t cols, int64_t int8_x)
 {
-#if WIDE
     const int64_t groups = cols / G32;
     float xsum[n * groups];
+    if (int8_x) {
+        g32_int8_x(codes, scale, minimum, x, xsum, y, n, rows, cols, 1);
+        add_bias(bias, y, n, rows);
+        return;
+    }
+#if WIDE
     for (int64_t t = 0; t < n; t++)
         for (int64_t g = 0; g < groups; g++) {
             float a = 0.0f;
             for (int64_t j = 0; j < G32; j++) a += x[t * cols + g * G32 + j];
             xsum[t * groups + g] = a;
         }
-    g32_rows_wide(codes, scale, minimum, x, xsum, y, n, rows, cols, 1);
+    g32_rows_wide(codes, scale, minimum, x, NULL, NULL, xsum, y, n, rows, cols, 1);
 #else
     q4g32_rows(codes, scale, minimum, x, y, n, rows, cols);
 #endif
@@ -330,12 +461,18 @@ void matvec_q4g32(const uint8_t *restrict codes, const uint16_t *restrict scale,
 }
 
 void matvec_q8g32(const int8_t *restrict codes, const uint16_t *restrict scale, const float *restrict x,
-                  const float *restrict bias, float *restrict y, int64_t n, int64_t rows, int64_t cols)
+                  const float *restrict bias, float *restrict y, int64_t n, int64_t rows, int64_t cols,
+                  int64_t int8_x)
 {
+    if (int8_x) {
+        float xsum[n * (cols / G32)];
+        g32_int8_x(codes, scale, NULL, x, xsum, y, n, rows, cols, 0);
+    } else {
 #if WIDE
-    g32_rows_wide(codes, scale, NULL, x, NULL, y, n, rows, cols, 0);
+        g32_rows_wide(codes, scale, NULL, x, NULL, NULL, NULL, y, n, rows, cols, 0);
 #else
-    q8g32_rows(codes, scale, x, y, n, rows, cols);
+        q8g32_rows(codes, scale, x, y, n, rows, cols);
 #endif
+    }
     add_bias(bias, y, n, rows);
 }

@@ -15,6 +15,9 @@ Layouts are those of a TensorRT-LLM checkpoint as ModelOpt exports it (modelopt/
   ``weights_scaling_factor`` and ``weights_minimum`` fp16 (out, in / 32); w = q * d + m.
 - int8 head (llama.cpp's Q8_0 block, ``dequantize_row_q8_0``): int8 (vocab, hidden), fp16 scale (vocab, hidden / 32);
   w = q * d.
+
+The int4-g32 and int8-head ops take ``int8_x`` (int4-g32-a8): the input rounded to int8 per 32 inputs first
+(``int8_blocks``), which the native kernels multiply as integers and the torch path as the floats they stand for.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
-from cabinllm.runtime.formats.weight_formats import GGUF_GROUP, MINIMUM, PREQUANT, SCALE, WeightFormat
+from cabinllm.runtime.formats.weight_formats import GGUF_GROUP, MINIMUM, PREQUANT, SCALE, Int4G32, WeightFormat
 from cabinllm.runtime.kernels.bindings import KernelLinear, MatVec, WeightsKind, quant_matvec
 
 INT4_MIN, INT4_MAX = -8, 7
@@ -107,6 +110,15 @@ def _per_input(groups: torch.Tensor) -> torch.Tensor:
     return groups.float().repeat_interleave(GGUF_GROUP, dim=-1)
 
 
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x (..., in) as int8 activations see it: per 32 inputs e = max |x| / 127 and x -> round(x / e) * e (llama.cpp's
+    quantize_row_q8_1 with a float32 e; ties to even, as quant_matvec.c's int8_blocks rounds)."""
+    blocks = x.float().unflatten(-1, (-1, GGUF_GROUP))
+    e = blocks.abs().amax(-1, keepdim=True) * (1.0 / 127.0)
+    inverse = torch.where(e > 0, 1.0 / e, 0.0)
+    return (torch.round(blocks * inverse).clamp(-127, 127) * e).flatten(-2)
+
+
 @dataclass
 class Int4G32Linear:
     """int4-g32: 4-bit codes with an fp16 scale and minimum per 32 inputs (llama.cpp's Q4_1 block)."""
@@ -114,6 +126,7 @@ class Int4G32Linear:
     codes: torch.Tensor
     scale: torch.Tensor
     minimum: torch.Tensor
+    int8_x: bool = False
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 (out, in) weight, q * d + m as llama.cpp computes it."""
@@ -122,8 +135,8 @@ class Int4G32Linear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, native: bool = False) -> torch.Tensor:
         kernel = quant_matvec() if native else None
         if kernel is not None:
-            return kernel.q4g32(x, self.codes, self.scale, self.minimum, bias)
-        return F.linear(x, self.dequantize(), bias)
+            return kernel.q4g32(x, self.codes, self.scale, self.minimum, bias, self.int8_x)
+        return F.linear(int8_blocks(x) if self.int8_x else x, self.dequantize(), bias)
 
     def full_precision(self) -> torch.Tensor:
         """The fp32 (out, in) weight of the same op."""
@@ -137,6 +150,7 @@ class Int8G32Table:
 
     codes: torch.Tensor
     scale: torch.Tensor
+    int8_x: bool = False  # the lm_head's input rounded to int8 per 32 (int4-g32-a8)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The fp32 rows of these ids."""
@@ -149,8 +163,8 @@ class Int8G32Table:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, native: bool = False) -> torch.Tensor:
         kernel = quant_matvec() if native else None
         if kernel is not None:
-            return kernel.q8g32(x, self.codes, self.scale, bias)
-        return F.linear(x, self.dequantize(), bias)
+            return kernel.q8g32(x, self.codes, self.scale, bias, self.int8_x)
+        return F.linear(int8_blocks(x) if self.int8_x else x, self.dequantize(), bias)
 
     def full_precision(self) -> torch.Tensor:
         """The fp32 (vocab, hidden) table of the same op."""
@@ -182,9 +196,9 @@ def linear_op(fmt: WeightFormat, tensors: dict[str, torch.Tensor], quantization:
     if fmt.name == "int4-awq":
         return Int4AwqLinear(tensors["weight"].contiguous(), tensors[SCALE].float().contiguous(),
                              tensors[PREQUANT].float(), fmt.group_size(quantization))
-    if fmt.name == "int4-g32":
+    if isinstance(fmt, Int4G32):
         return Int4G32Linear(tensors["weight"].contiguous(), tensors[SCALE].contiguous(),
-                             tensors[MINIMUM].contiguous())
+                             tensors[MINIMUM].contiguous(), fmt.int8_activations)
     return tensors["weight"].float().contiguous()
 
 
@@ -194,9 +208,10 @@ def stack(first: Linear, second: Linear) -> Linear:
         return torch.cat([first, second])
     if isinstance(first, Int8Linear) and isinstance(second, Int8Linear):
         return Int8Linear(torch.cat([first.weight, second.weight]), torch.cat([first.scale, second.scale]))
-    if isinstance(first, Int4G32Linear) and isinstance(second, Int4G32Linear):
+    if isinstance(first, Int4G32Linear) and isinstance(second, Int4G32Linear) and first.int8_x == second.int8_x:
         return Int4G32Linear(*(torch.cat([a, b]) for a, b in zip((first.codes, first.scale, first.minimum),
-                                                                  (second.codes, second.scale, second.minimum))))
+                                                                  (second.codes, second.scale, second.minimum))),
+                             first.int8_x)
     return Stacked((first, second))
 
 
@@ -222,8 +237,8 @@ def halves(both: Linear) -> tuple[Linear, Linear]:
         return (Int8Linear(both.weight[:rows], both.scale[:rows]), Int8Linear(both.weight[rows:], both.scale[rows:]))
     if isinstance(both, Int4G32Linear):
         rows = both.codes.shape[0] // 2
-        return (Int4G32Linear(both.codes[:rows], both.scale[:rows], both.minimum[:rows]),
-                Int4G32Linear(both.codes[rows:], both.scale[rows:], both.minimum[rows:]))
+        return (Int4G32Linear(both.codes[:rows], both.scale[:rows], both.minimum[:rows], both.int8_x),
+                Int4G32Linear(both.codes[rows:], both.scale[rows:], both.minimum[rows:], both.int8_x))
     if isinstance(both, torch.Tensor):
         return both[: both.shape[0] // 2], both[both.shape[0] // 2:]
     raise ValueError(f"{type(both).__name__} is not a stacked pair of linear ops")
@@ -241,7 +256,8 @@ def kernel_linear(weight: Linear, bias: torch.Tensor | None = None) -> KernelLin
                             weight.packed.shape[1], scale=weight.scale.float().contiguous(),
                             prequant=weight.prequant.float().contiguous(), group=weight.group_size, bias=bias)
     if isinstance(weight, Int4G32Linear):
-        return KernelLinear(WeightsKind.Q4G32, weight.codes.contiguous(), weight.codes.shape[0],
+        kind = WeightsKind.Q4G32_INT8_X if weight.int8_x else WeightsKind.Q4G32
+        return KernelLinear(kind, weight.codes.contiguous(), weight.codes.shape[0],
                             2 * weight.codes.shape[1], scale=weight.scale.contiguous(), group=GGUF_GROUP, bias=bias,
                             minimum=weight.minimum.contiguous())
     kinds = {torch.float32: WeightsKind.FP32, torch.float16: WeightsKind.FP16}

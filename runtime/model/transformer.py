@@ -351,9 +351,10 @@ def _head_tables(w: dict[str, torch.Tensor], config: ModelConfig,
     """The embedding table and the output projection: an int8 head (quantization ``head``) as int8 tables, the
     two shared when the model ties them; else the embedding in fp32 and the lm_head as the decode kernels read it
     fastest: an fp16 one stays fp16 (half the bytes of the largest matrix of a small model; fp32 copy on the torch
-    path only)."""
+    path only). An int8 head computes on int8 activations where the weight format does (int4-g32-a8)."""
     if head_format(config.quantization).name == "int8":
-        tables = [Int8G32Table(w.pop(f"{name}.weight").contiguous(), w.pop(f"{name}.{SCALE}").contiguous())
+        int8_x = config.weight_format.int8_activations
+        tables = [Int8G32Table(w.pop(f"{name}.weight").contiguous(), w.pop(f"{name}.{SCALE}").contiguous(), int8_x)
                   for name in HEAD_TENSORS]
         tied = all(torch.equal(a, b) for a, b in zip((tables[0].codes, tables[0].scale),
                                                     (tables[1].codes, tables[1].scale)))
