@@ -49,8 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "group 128 where the input sizes allow, else 64), quantized with ModelOpt on the "
                              "--calibrate dialogues (default builtin); int4-g32 (4-bit, scale and minimum per 32 "
                              "inputs: a GGUF's Q4_0 / Q4_1 tensors taken as stored, others rounded to Q4_1; CPU and "
-                             "ONNX targets only); a TensorRT-LLM checkpoint given as --model keeps its own (default "
-                             "fp16)")
+                             "ONNX targets only); int4-g32-a8 (the same blocks, each layer's input rounded to int8 "
+                             "per 32 as llama.cpp computes: faster decode on the CPU, --target cpu only); a "
+                             "TensorRT-LLM checkpoint given as --model keeps its own (default fp16)")
     parser.add_argument("--head", default="fp16", choices=tuple(HEAD_FORMATS),
                         help="embedding and lm_head storage: fp16, or int8 with an fp16 scale per 32 (a GGUF's "
                              "Q8_0 table taken as stored, others rounded to Q8_0; half the bytes the decode step "

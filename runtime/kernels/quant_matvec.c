@@ -138,23 +138,32 @@ static inline __attribute__((always_inline)) void g32_block(const uint8_t *codes
 {
     const int64_t groups = cols / G32, slice = R * row_bytes / groups;
     const uint8_t *next = codes + PREFETCH_BLOCKS * R * row_bytes;
+    __m256 sums[R * N];  /* in registers: R and N are constants here */
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R * N; i++) sums[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         for (int64_t p = g * slice; p < (g + 1) * slice; p += 64) _mm_prefetch((const char *)(next + p), _MM_HINT_T0);
         __m256 xv[4][4];
+        _Pragma("GCC unroll 8")
         for (int t = 0; t < N; t++)
+            _Pragma("GCC unroll 8")
             for (int i = 0; i < 4; i++) xv[t][i] = _mm256_loadu_ps(x + t * cols + g * G32 + 8 * i);
+        _Pragma("GCC unroll 8")
         for (int r = 0; r < R; r++) {
             __m256 q[4];
             if (four_bits) q4_group(codes + r * row_bytes + g * 16, q);
             else q8_group((const int8_t *)codes + r * row_bytes + g * G32, q);
             const __m256 dg = _mm256_broadcast_ss(d + r * groups + g);
+            _Pragma("GCC unroll 8")
             for (int t = 0; t < N; t++) {
                 const __m256 a = _mm256_fmadd_ps(q[2], xv[t][2], _mm256_mul_ps(q[0], xv[t][0]));
                 const __m256 b = _mm256_fmadd_ps(q[3], xv[t][3], _mm256_mul_ps(q[1], xv[t][1]));
-                acc[r * N + t] = _mm256_fmadd_ps(_mm256_add_ps(a, b), dg, acc[r * N + t]);
+                sums[r * N + t] = _mm256_fmadd_ps(_mm256_add_ps(a, b), dg, sums[r * N + t]);
             }
         }
     }
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R * N; i++) acc[i] = sums[i];
 }
 
 /* A group's 32 4-bit codes as bytes in input order (llama.cpp's bytes_from_nibbles_32). */
@@ -164,56 +173,67 @@ static inline __m256i q4_bytes(const uint8_t *codes)
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low), _mm_and_si128(c, low));
 }
 
-/* g32_block on int8 activations xq (N, cols); each group's 32 products summed as integers (maddubs takes unsigned
- * times signed bytes: 4-bit codes as they are, int8 codes by their magnitude with the sign moved onto x), then
- * acc[r * N + t] += de[r][t][g] * sum, de the products of the weights' and the x's scales. */
+/* g32_block on int8 activations: xq holds each group's 32 codes of the tokens one after another (n of them, the
+ * first N here), e their scales likewise (groups, n), d the weights' scales (R, groups). Each group's 32 products
+ * are summed as integers (maddubs takes unsigned times signed bytes: 4-bit codes as they are, int8 codes by their
+ * magnitude with the sign moved onto x), then acc[r * N + t] += d[r][g] * e[g][t] * sum. */
 static inline __attribute__((always_inline)) void g32_block_int8(const uint8_t *codes, int64_t row_bytes,
-                                                                 const float *de, const int8_t *xq, int64_t cols,
-                                                                 __m256 *acc, const int R, const int N,
-                                                                 const int four_bits)
+                                                                 const float *d, const int8_t *xq, const float *e,
+                                                                 int64_t n, int64_t groups, __m256 *acc, const int R,
+                                                                 const int N, const int four_bits)
 {
-    const int64_t groups = cols / G32, slice = R * row_bytes / groups;
+    const int group_bytes = four_bits ? 16 : 32, slice = R * group_bytes;  /* bytes of a group's R rows */
     const uint8_t *next = codes + PREFETCH_BLOCKS * R * row_bytes;
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t g = 0; g < groups; g++) {
-        for (int64_t p = g * slice; p < (g + 1) * slice; p += 64) _mm_prefetch((const char *)(next + p), _MM_HINT_T0);
+    __m256 sums[R * N];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R * N; i++) sums[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++, codes += group_bytes, next += slice, xq += n * G32, e += n, d++) {
+        _Pragma("GCC unroll 4")
+        for (int k = 0; k < slice; k += 64) _mm_prefetch((const char *)(next + k), _MM_HINT_T0);
         __m256i xv[4];
-        for (int t = 0; t < N; t++) xv[t] = _mm256_loadu_si256((const __m256i *)(xq + t * cols + g * G32));
+        __m256 ev[4];
+        _Pragma("GCC unroll 8")
+        for (int t = 0; t < N; t++)
+            xv[t] = _mm256_loadu_si256((const __m256i *)(xq + t * G32)), ev[t] = _mm256_broadcast_ss(e + t);
+        _Pragma("GCC unroll 8")
         for (int r = 0; r < R; r++) {
-            const __m256i w = four_bits ? q4_bytes(codes + r * row_bytes + g * 16)
-                                        : _mm256_loadu_si256((const __m256i *)(codes + r * row_bytes + g * G32));
+            const __m256i w = four_bits ? q4_bytes(codes + r * row_bytes)
+                                        : _mm256_loadu_si256((const __m256i *)(codes + r * row_bytes));
             const __m256i magnitude = four_bits ? w : _mm256_sign_epi8(w, w);
+            const __m256 dv = _mm256_broadcast_ss(d + r * groups);
+            _Pragma("GCC unroll 8")
             for (int t = 0; t < N; t++) {
                 const __m256i signed_x = four_bits ? xv[t] : _mm256_sign_epi8(xv[t], w);
-                const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
-                acc[r * N + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
-                                                 _mm256_broadcast_ss(de + (r * N + t) * groups + g), acc[r * N + t]);
+                const __m256i products = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
+                sums[r * N + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products), _mm256_mul_ps(dv, ev[t]),
+                                                  sums[r * N + t]);
             }
         }
     }
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R * N; i++) acc[i] = sums[i];
 }
 
-/* Both group formats: rows in blocks of R (4 for one token, 2 for up to 4 tokens), shared by the threads torch runs
- * (one OpenMP runtime: torch.set_num_threads sets both), the tokens in chunks of up to 4 (a block is in L1 after
- * the first chunk); each block's scales and minima are converted to floats once; the
- * minimum term is sum_g m_g * xsum_tg, the x sums computed once per call. Float x, or (xq given) int8 x with scales e. */
-static void g32_rows_wide(const void *codes, const uint16_t *scale, const uint16_t *minimum, const float *x,
-                          const int8_t *xq, const float *e, const float *xsum, float *y, int64_t n, int64_t rows,
-                          int64_t cols, int four_bits)
+/* Both group formats: rows in units of a block of R rows (4 for one token, 2 for up to 4 tokens; single rows at
+ * the end), the tokens in chunks of up to 4 (a block is in L1 after the first chunk); each unit's scales and minima
+ * are converted to floats once; the minimum term is sum_g m_g * xsum_tg, the x sums computed once per call. Float x,
+ * or (xq given) int8 x with scales e. Inlined with four_bits constant (q4_rows_wide, q8_rows_wide). */
+static inline __attribute__((always_inline)) void g32_unit(const void *codes, const uint16_t *scale,
+                                                           const uint16_t *minimum, const float *x, const int8_t *xq,
+                                                           const float *e, const float *xsum, float *y, int64_t n,
+                                                           int64_t rows, int64_t cols, int64_t u, const int four_bits)
 {
     const int64_t groups = cols / G32, row_bytes = four_bits ? cols / 2 : cols, block = n == 1 ? 4 : 2;
-    const int64_t blocks = rows / block, units = blocks + rows % block;  /* whole blocks, then single rows */
-    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t R = u < blocks ? block : 1, r0 = u < blocks ? u * block : blocks * block + (u - blocks);
-        float d[block * groups], m[block * groups];
-        const uint8_t *row = (const uint8_t *)codes + r0 * row_bytes;
-        halves_to_floats(scale + r0 * groups, d, R * groups);
-        if (minimum) halves_to_floats(minimum + r0 * groups, m, R * groups);
-        for (int64_t t0 = 0; t0 < n; t0 += 4) {
-            const int64_t N = n - t0 < 4 ? n - t0 : 4;
-            __m256 acc[8];
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    const int64_t blocks = rows / block;
+    const int64_t R = u < blocks ? block : 1, r0 = u < blocks ? u * block : blocks * block + (u - blocks);
+    float d[block * groups], m[block * groups];
+    const uint8_t *row = (const uint8_t *)codes + r0 * row_bytes;
+    halves_to_floats(scale + r0 * groups, d, R * groups);
+    if (minimum) halves_to_floats(minimum + r0 * groups, m, R * groups);
+    for (int64_t t0 = 0; t0 < n; t0 += 4) {
+        const int64_t N = n - t0 < 4 ? n - t0 : 4;
+        __m256 acc[8];
 /* BLOCK(rows, tokens) with both constant: 4 x 1 or, for 2-row and single-row units, 1 to 4 tokens */
 #define G32_SHAPES(BLOCK) \
     if (R == 4) BLOCK(4, 1); \
@@ -224,30 +244,39 @@ static void g32_rows_wide(const void *codes, const uint16_t *scale, const uint16
         default: if (R == 2) BLOCK(2, 4); else BLOCK(1, 4); \
     }
 #define FLOAT_X(RR, NN) g32_block(row, row_bytes, d, x + t0 * cols, cols, acc, RR, NN, four_bits)
-#define INT8_X(RR, NN) g32_block_int8(row, row_bytes, de, xq + t0 * cols, cols, acc, RR, NN, four_bits)
-            if (xq) {
-                float de[block * 4 * groups];
-                for (int64_t r = 0; r < R; r++)
-                    for (int64_t t = 0; t < N; t++)
-                        for (int64_t g = 0; g < groups; g++)
-                            de[(r * N + t) * groups + g] = d[r * groups + g] * e[(t0 + t) * groups + g];
-                G32_SHAPES(INT8_X)
-            } else {
-                G32_SHAPES(FLOAT_X)
-            }
+#define INT8_X(RR, NN) g32_block_int8(row, row_bytes, d, xq + t0 * G32, e + t0, n, groups, acc, RR, NN, four_bits)
+        if (xq) {
+            G32_SHAPES(INT8_X)
+        } else {
+            G32_SHAPES(FLOAT_X)
+        }
 #undef INT8_X
 #undef FLOAT_X
 #undef G32_SHAPES
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t t = 0; t < N; t++) {
-                    float lift = 0.0f;
-                    if (minimum)
-                        for (int64_t g = 0; g < groups; g++) lift += m[r * groups + g] * xsum[(t0 + t) * groups + g];
-                    y[(t0 + t) * rows + r0 + r] = sum8(acc[r * N + t]) + lift;
-                }
-        }
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t t = 0; t < N; t++) {
+                float lift = 0.0f;
+                if (minimum)
+                    for (int64_t g = 0; g < groups; g++) lift += m[r * groups + g] * xsum[(t0 + t) * groups + g];
+                y[(t0 + t) * rows + r0 + r] = sum8(acc[r * N + t]) + lift;
+            }
     }
 }
+
+/* The units of every row, shared by the threads torch runs (one OpenMP runtime: torch.set_num_threads sets both). */
+#define G32_ROWS_WIDE(NAME, FOUR_BITS) \
+    static void NAME(const void *codes, const uint16_t *scale, const uint16_t *minimum, const float *x, \
+                     const int8_t *xq, const float *e, const float *xsum, float *y, int64_t n, int64_t rows, \
+                     int64_t cols) \
+    { \
+        const int64_t block = n == 1 ? 4 : 2, units = rows / block + rows % block; \
+        _Pragma("omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)") \
+        for (int64_t u = 0; u < units; u++) g32_unit(codes, scale, minimum, x, xq, e, xsum, y, n, rows, cols, u, \
+                                                     FOUR_BITS); \
+    }
+G32_ROWS_WIDE(q4_rows_wide, 1)
+G32_ROWS_WIDE(q8_rows_wide, 0)
+#undef G32_ROWS_WIDE
 #else
 #define WIDE 0
 #endif
@@ -342,8 +371,8 @@ static void q8g32_rows(const int8_t *restrict codes, const uint16_t *restrict sc
     }
 }
 
-/* The plain loop of both group formats on int8 x (xq, scales e, lifts xsum = e * sum p per token and group): each
- * group's integer products summed, the minimum term added per group. */
+/* The plain loop of both group formats on int8 x (int8_blocks' xq, e and xsum): each group's integer products summed,
+ * the minimum term added per group. */
 static void g32_rows_int8(const uint8_t *restrict codes, const uint16_t *restrict scale,
                           const uint16_t *restrict minimum, const int8_t *restrict xq, const float *restrict e,
                           const float *restrict xsum, float *restrict y, int64_t n, int64_t rows, int64_t cols,
@@ -365,11 +394,11 @@ static void g32_rows_int8(const uint8_t *restrict codes, const uint16_t *restric
         for (int64_t t = 0; t < n; t++) {
             float a = 0.0f;
             for (int64_t g = 0; g < groups; g++) {
-                const int8_t *qg = q + g * G32, *pg = xq + t * cols + g * G32;
+                const int8_t *qg = q + g * G32, *pg = xq + (g * n + t) * G32;
                 int32_t sum = 0;
                 #pragma omp simd reduction(+:sum)
                 for (int64_t j = 0; j < G32; j++) sum += (int32_t)qg[j] * (int32_t)pg[j];
-                a += half_to_float(scale[r * groups + g]) * e[t * groups + g] * (float)sum;
+                a += half_to_float(scale[r * groups + g]) * e[g * n + t] * (float)sum;
                 if (minimum) a += half_to_float(minimum[r * groups + g]) * xsum[t * groups + g];
             }
             y[t * rows + r] = a;
@@ -377,24 +406,28 @@ static void g32_rows_int8(const uint8_t *restrict codes, const uint16_t *restric
     }
 }
 
-/* x (n, cols) as int8 per 32 inputs: xq, the scales e and the lifts xsum = e * sum p (n, cols / 32). */
+/* x (n, cols) as int8 per 32 inputs, group by group: codes xq (groups, n, 32) and scales e (groups, n), each group's
+ * n tokens one after another; the lifts xsum = e * sum p per token (n, groups). */
 static void int8_blocks(const float *restrict x, int8_t *restrict xq, float *restrict e, float *restrict xsum,
                         int64_t n, int64_t cols)
 {
-    for (int64_t b = 0; b < n * (cols / G32); b++) {  /* the blocks of every token, one after another */
-        const float *xb = x + b * G32;
-        float most = 0.0f;
-        for (int64_t j = 0; j < G32; j++) most = fmaxf(most, fabsf(xb[j]));
-        const float eb = most * (1.0f / 127.0f), inverse = most > 0.0f ? 1.0f / eb : 0.0f;
-        int32_t sum = 0;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t j = 0; j < G32; j++) {
-            const float p = nearbyintf(xb[j] * inverse);
-            xq[b * G32 + j] = (int8_t)(p > 127.0f ? 127.0f : p < -127.0f ? -127.0f : p);
-            sum += xq[b * G32 + j];
+    const int64_t groups = cols / G32;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xb = x + t * cols + g * G32;
+            int8_t *q = xq + (g * n + t) * G32;
+            float most = 0.0f;
+            for (int64_t j = 0; j < G32; j++) most = fmaxf(most, fabsf(xb[j]));
+            const float eb = most * (1.0f / 127.0f), inverse = most > 0.0f ? 1.0f / eb : 0.0f;
+            int32_t sum = 0;
+            #pragma omp simd reduction(+:sum)
+            for (int64_t j = 0; j < G32; j++) {
+                const float p = nearbyintf(xb[j] * inverse);
+                q[j] = (int8_t)(p > 127.0f ? 127.0f : p < -127.0f ? -127.0f : p);
+                sum += q[j];
+            }
+            e[g * n + t] = eb, xsum[t * groups + g] = eb * (float)sum;
         }
-        e[b] = eb, xsum[b] = eb * (float)sum;
-    }
 }
 
 /* The group formats' int8-x path (xsum: scratch of n * cols / 32 floats). */
@@ -405,7 +438,8 @@ static void g32_int8_x(const void *codes, const uint16_t *scale, const uint16_t 
     float e[n * (cols / G32)];
     int8_blocks(x, xq, e, xsum, n, cols);
 #if WIDE
-    g32_rows_wide(codes, scale, minimum, NULL, xq, e, xsum, y, n, rows, cols, four_bits);
+    if (four_bits) q4_rows_wide(codes, scale, minimum, NULL, xq, e, xsum, y, n, rows, cols);
+    else q8_rows_wide(codes, scale, minimum, NULL, xq, e, xsum, y, n, rows, cols);
 #else
     g32_rows_int8(codes, scale, minimum, xq, e, xsum, y, n, rows, cols, four_bits);
 #endif
@@ -453,7 +487,7 @@ void matvec_q4g32(const uint8_t *restrict codes, const uint16_t *restrict scale,
             for (int64_t j = 0; j < G32; j++) a += x[t * cols + g * G32 + j];
             xsum[t * groups + g] = a;
         }
-    g32_rows_wide(codes, scale, minimum, x, NULL, NULL, xsum, y, n, rows, cols, 1);
+    q4_rows_wide(codes, scale, minimum, x, NULL, NULL, xsum, y, n, rows, cols);
 #else
     q4g32_rows(codes, scale, minimum, x, y, n, rows, cols);
 #endif
@@ -469,7 +503,7 @@ void matvec_q8g32(const int8_t *restrict codes, const uint16_t *restrict scale, 
         g32_int8_x(codes, scale, NULL, x, xsum, y, n, rows, cols, 0);
     } else {
 #if WIDE
-        g32_rows_wide(codes, scale, NULL, x, NULL, NULL, NULL, y, n, rows, cols, 0);
+        q8_rows_wide(codes, scale, NULL, x, NULL, NULL, NULL, y, n, rows, cols);
 #else
         q8g32_rows(codes, scale, x, y, n, rows, cols);
 #endif
