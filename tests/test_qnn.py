@@ -31,6 +31,7 @@ from cabinllm.runtime.kv.cache import sized_config
 
 from conftest import TINY_ENGINE_SHAPE
 from fakes.tiny_model import write_tiny_llama
+from truncated_model import write_truncated_default
 
 pytest.importorskip("onnxruntime_qnn")
 CONTEXT, CHUNK = 128, 16
@@ -179,13 +180,18 @@ def test_a_graph_that_needs_the_cpu_names_its_nodes(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_default_models_a16w8_graphs_finalize_for_v68(default_engine_dir, tmp_path):
-    """The real model's graphs (binaries of tens of MB) finalize for v68, the HTP with the smaller VTCM; a small
-    window and calibration keep the test short (the 2-turn cabin-chat on the HTP emulator, minutes long, is in
-    docs/npu-onnx.md with the full export's figures). Both arches' finalize and chat are tested on the tiny model
-    above."""
+def test_the_default_models_a16w8_graphs_finalize_for_v68(tmp_path):
+    """The real model's widths (hidden 576, the 49152-row embedding and head: binaries of tens of MB) finalize for
+    v68, the HTP with the smaller VTCM. The model is the default one cut to its first 2 of 30 layers (same widths,
+    vocabulary and tokenizer): the static quantizer's time grows with the layers, and every layer has the same
+    shapes; a small window and calibration keep the test short too (the 2-turn cabin-chat on the HTP emulator,
+    minutes long, is in docs/npu-onnx.md with the whole model's figures). Both arches' finalize and chat are tested
+    on the tiny model above."""
+    engine = tmp_path / "engine"
+    build_engine(BuildRequest(str(write_truncated_default(tmp_path / "model", 2)), engine, kv_cache="int8",
+                              dtype="float32"), **QUIET)
     graphs = tmp_path / "v68"
-    export_onnx(OnnxExportRequest(default_engine_dir, graphs, 64, 32, "int8", "npu", "a16w8", 68,
+    export_onnx(OnnxExportRequest(engine, graphs, 64, 32, "int8", "npu", "a16w8", 68,
                                   CalibrationData(num_dialogues=1, max_tokens=64, token_steps=1)), **QUIET)
     qnn = json.loads((graphs / MANIFEST_FILE).read_text())["qnn"]
     assert qnn["htp_arch"] == 68 and all(size > 10 << 20 for size in qnn["binary_bytes"].values())
