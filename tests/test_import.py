@@ -2,6 +2,7 @@
 and bad input."""
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -44,6 +45,12 @@ def default_ckpt(tmp_path_factory):
     return out, config, weights
 
 
+@pytest.fixture(scope="module")
+def default_gguf() -> gguf.GGUFReader:
+    """The default GGUF parsed by gguf-py itself (not through our importer), once for the tests of this module."""
+    return gguf.GGUFReader(default_gguf_path())
+
+
 @pytest.mark.slow
 def test_default_config_matches_design(default_ckpt):
     _, config, weights = default_ckpt
@@ -74,11 +81,10 @@ def test_default_tokenizer_files(default_ckpt):
 
 
 @pytest.mark.slow
-def test_default_unpermute_round_trips(default_ckpt):
+def test_default_unpermute_round_trips(default_ckpt, default_gguf):
     """Re-applying llama.cpp's permutation to our q/k gives back the GGUF's rows exactly."""
     _, config, weights = default_ckpt
-    reader = gguf.GGUFReader(default_gguf_path())
-    raw = {t.name: t for t in reader.tensors}
+    raw = {t.name: t for t in default_gguf.tensors}
     q_rows, kv = config.num_attention_heads * config.head_size, config.kv_channels
     for layer in (0, 29):
         qkv = weights[QKV.format(layer)].numpy()
@@ -89,12 +95,23 @@ def test_default_unpermute_round_trips(default_ckpt):
 
 
 @pytest.mark.slow
-def test_default_matches_transformers_gguf_loader(default_ckpt):
+def test_default_matches_transformers_gguf_loader(default_ckpt, default_gguf, monkeypatch):
+    """transformers' own GGUF loader gives our weights. It parses the file twice (for the config, then for the
+    tensors) and builds gguf-py's name table once per submodule (about 400 times), most of its time: here it gets
+    this module's one parse by gguf-py and one table per (arch, layers), which changes nothing it loads."""
     pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate")
     from transformers import AutoModelForCausalLM
 
     _, config, weights = default_ckpt
     path = default_gguf_path()
+    parse = gguf.GGUFReader
+
+    def reader(file, *args, **kwargs):
+        same = Path(file).resolve() == path.resolve() and not args and not kwargs
+        return default_gguf if same else parse(file, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", reader)  # transformers imports both from gguf as it loads
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     theirs = model.state_dict()
     q_rows, kv = config.num_attention_heads * config.head_size, config.kv_channels
