@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from cabinllm.builders.engine_build import BuildRequest, build_engine
+from cabinllm.calibration.hf_model import transformers_model
+from cabinllm.runtime.formats.checkpoint import load_checkpoint
+from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.sources.import_cache import CACHE_ENV
 
@@ -46,6 +49,13 @@ def default_engine_dir(tmp_path_factory):
 def default_engine(default_engine_dir) -> Engine:
     """The default engine, loaded once."""
     return Engine.load(default_engine_dir)
+
+
+@pytest.fixture(scope="session")
+def default_hf_model(default_engine_dir):
+    """transformers' model of the default engine's checkpoint (fp32, eval mode), built once: the reference of the
+    tests that compare the default model's forward, greedy and beam search with transformers'."""
+    return transformers_model(*load_checkpoint(default_engine_dir / CHECKPOINT_DIR))
 
 
 @pytest.fixture(scope="session")

@@ -84,8 +84,8 @@ def test_beams_share_blocks_and_a_search_that_cannot_fit_is_refused(tiny_engine)
 
 
 @pytest.mark.slow
-def test_beams_equal_transformers_on_the_default_model(default_engine, default_engine_dir):
-    hf = transformers_model(*load_checkpoint(default_engine_dir / CHECKPOINT_DIR))
+def test_beams_equal_transformers_on_the_default_model(default_engine, default_hf_model):
+    hf = default_hf_model
     tok = default_engine.tokenizer
     stops = tuple(default_engine.stop_token_ids())
     for question in ("Where is the nearest charging station?", "Set the cabin to 21 degrees, please."):

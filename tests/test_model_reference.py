@@ -2,17 +2,9 @@
 import pytest
 import torch
 
-from cabinllm.calibration.hf_model import transformers_model
-from cabinllm.runtime.formats.checkpoint import load_checkpoint
-from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
-
-
-@pytest.fixture(scope="module")
-def hf_model(default_engine_dir):
-    return transformers_model(*load_checkpoint(default_engine_dir / CHECKPOINT_DIR))
 
 
 @pytest.fixture(scope="module")
@@ -29,23 +21,23 @@ def prompt_256(default_engine):
     return ids[:256]
 
 
-def test_logits_match_transformers_on_256_tokens(default_engine, hf_model, prompt_256):
+def test_logits_match_transformers_on_256_tokens(default_engine, default_hf_model, prompt_256):
     cache = default_engine.new_cache(default_engine.kv_cache_config("fp32", 32 << 20, tokens_per_block=16))
     seq = Sequence()
     cache.allocate(seq, prompt_256)
     ours = default_engine.model.forward(prompt_256, 0, cache, seq, all_logits=True)
     with torch.no_grad():
-        theirs = hf_model(torch.tensor([prompt_256])).logits[0]
+        theirs = default_hf_model(torch.tensor([prompt_256])).logits[0]
     diff = (ours - theirs).abs().max().item()
     assert diff <= 1e-3, f"max abs logits diff {diff}"
 
 
-def test_64_greedy_tokens_match_transformers(default_engine, hf_model, prompt_256):
+def test_64_greedy_tokens_match_transformers(default_engine, default_hf_model, prompt_256):
     prompt = prompt_256[:100]
     cache = default_engine.new_cache(default_engine.kv_cache_config("fp32", 32 << 20))
     params = SamplingParams(max_new_tokens=64, temperature=0.0, stop_token_ids=[])
     ours = generate(default_engine.model, cache, Sequence(), prompt, params, default_engine.tokenizer.decode_reply)
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+        out = default_hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)
     assert ours.token_ids == out[0, len(prompt):].tolist()
