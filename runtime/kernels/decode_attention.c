@@ -14,7 +14,9 @@
  * Pools are one layer's (blocks, tokens_per_block, kv_heads, HEAD_SIZE) tensors.
  * A long history is split over the OpenMP threads torch runs: the scores by blocks, the values by KV heads; each
  * score and each head's sum is computed by one thread in the same order, so the results do not depend on the
- * thread count.
+ * thread count. With AVX2 and FMA (x86-64) the scores of 8 tokens are summed at once (8 independent sums, added
+ * across lanes together) and each head's weighted values stay in registers over the history; other CPUs, head
+ * sizes that are no multiple of 8 and builds with -DGENERIC take the plain loops.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,6 +45,73 @@ static inline const uint16_t *block_scales(const uint16_t *scales, int64_t block
     return scales ? scales + block * tokens_per_block * kv_heads : NULL;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(GENERIC) && HEAD_SIZE % 8 == 0
+#include <immintrin.h>
+#define WIDE_ATTENTION 1
+#define SPAN 8    /* tokens whose scores are summed together */
+#define CHUNK 64  /* channels of a head whose weighted values stay in registers */
+#define AHEAD 16  /* tokens ahead whose rows are prefetched (the hardware prefetcher alone leaves the loops waiting) */
+
+static inline __m256 load8(const ELEMENT *p)  /* eight elements as floats */
+{
+#if defined(HALF_ELEMENTS)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#elif defined(INT8_ELEMENTS)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    return _mm256_loadu_ps(p);
+#endif
+}
+
+/* The row AHEAD tokens after token t of block b (in the next block where that is past this one's end): what the
+ * loops prefetch. */
+static inline const char *row_ahead(const ELEMENT *pool, const int64_t *block_table, int64_t b, int64_t blocks,
+                                    int64_t t, int64_t tokens_per_block, int64_t row)
+{
+    t += AHEAD;
+    if (t >= tokens_per_block && b + 1 < blocks) b++, t -= tokens_per_block;
+    return (const char *)(pool + (block_table[b] * tokens_per_block + t) * row);
+}
+
+/* Lane t: the sum of a[t]'s eight lanes. */
+static inline __m256 lane_sums(const __m256 *a)
+{
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+#else
+#define WIDE_ATTENTION 0
+#endif
+
+/* The scale of a key or value: the cache's static one, times its token's where the cache has per-token scales. */
+static inline float token_scale(const uint16_t *token_scales, int64_t t, int64_t kv_heads, int64_t h, float scale)
+{
+    return token_scales ? scale * half_to_float(token_scales[t * kv_heads + h]) : scale;
+}
+
+/* Scores of every query head against tokens [from, n) of one block (k: its first token's row), one at a time. */
+static void block_scores(const float *restrict q, const ELEMENT *restrict k, const uint16_t *restrict token_scales,
+                         int64_t from, int64_t n, int64_t kv_heads, float qk_scale, float *restrict out,
+                         int64_t num_tokens)
+{
+    for (int64_t t = from; t < n; t++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const ELEMENT *kt = k + (t * kv_heads + h) * HEAD_SIZE;
+            const float scale = token_scale(token_scales, t, kv_heads, h, qk_scale);
+            float key[HEAD_SIZE];
+            for (int i = 0; i < HEAD_SIZE; i++) key[i] = TO_FLOAT(kt[i]);
+            for (int g = 0; g < GROUP; g++) {
+                const float *qg = q + (h * GROUP + g) * HEAD_SIZE;
+                float dot = 0.0f;
+                #pragma omp simd reduction(+:dot)
+                for (int i = 0; i < HEAD_SIZE; i++) dot += qg[i] * key[i];
+                out[(h * GROUP + g) * num_tokens + t] = dot * scale;
+            }
+        }
+    }
+}
+
 /* Scores of every query head against each cached key, token rows read in order (one pass over K). */
 static void scores(const float *restrict q, const ELEMENT *restrict k_pool, const uint16_t *restrict k_token_scales,
                    const int64_t *restrict block_table, int64_t num_tokens, int64_t tokens_per_block,
@@ -54,20 +123,31 @@ static void scores(const float *restrict q, const ELEMENT *restrict k_pool, cons
         const int64_t start = b * tokens_per_block, n = tokens_in_block(start, num_tokens, tokens_per_block);
         const ELEMENT *k = k_pool + block_table[b] * tokens_per_block * row;
         const uint16_t *token_scales = block_scales(k_token_scales, block_table[b], tokens_per_block, kv_heads);
-        for (int64_t t = 0; t < n; t++) {
-            for (int64_t h = 0; h < kv_heads; h++, k += HEAD_SIZE) {
-                const float scale = token_scales ? qk_scale * half_to_float(token_scales[t * kv_heads + h]) : qk_scale;
-                float key[HEAD_SIZE];
-                for (int i = 0; i < HEAD_SIZE; i++) key[i] = TO_FLOAT(k[i]);
+        int64_t t0 = 0;
+#if WIDE_ATTENTION
+        for (; t0 + SPAN <= n; t0 += SPAN) {
+            for (int64_t i = 0; i < SPAN * row * (int64_t)sizeof(ELEMENT); i += 64)
+                _mm_prefetch(row_ahead(k_pool, block_table, b, blocks, t0, tokens_per_block, row) + i, _MM_HINT_T0);
+            for (int64_t h = 0; h < kv_heads; h++) {
+                const ELEMENT *kt = k + (t0 * kv_heads + h) * HEAD_SIZE;
+                float scale[SPAN];
+                for (int t = 0; t < SPAN; t++) scale[t] = token_scale(token_scales, t0 + t, kv_heads, h, qk_scale);
+                const __m256 scale_v = _mm256_loadu_ps(scale);
                 for (int g = 0; g < GROUP; g++) {
                     const float *qg = q + (h * GROUP + g) * HEAD_SIZE;
-                    float dot = 0.0f;
-                    #pragma omp simd reduction(+:dot)
-                    for (int i = 0; i < HEAD_SIZE; i++) dot += qg[i] * key[i];
-                    out[(h * GROUP + g) * num_tokens + start + t] = dot * scale;
+                    __m256 a[SPAN];
+                    for (int t = 0; t < SPAN; t++) a[t] = _mm256_setzero_ps();
+                    for (int i = 0; i < HEAD_SIZE; i += 8) {
+                        const __m256 qv = _mm256_loadu_ps(qg + i);
+                        for (int t = 0; t < SPAN; t++) a[t] = _mm256_fmadd_ps(load8(kt + t * row + i), qv, a[t]);
+                    }
+                    _mm256_storeu_ps(out + (h * GROUP + g) * num_tokens + start + t0,
+                                     _mm256_mul_ps(lane_sums(a), scale_v));
                 }
             }
         }
+#endif
+        block_scores(q, k, token_scales, t0, n, kv_heads, qk_scale, out + start, num_tokens);
     }
 }
 
@@ -88,30 +168,53 @@ static void softmax_rows(float *restrict scores, int64_t rows, int64_t num_token
     }
 }
 
-/* Weighted sum of the cached values for every query head, token rows read in order (one pass over V; each KV
- * head's slice of it by one thread). */
+/* Weighted sum of the cached values for every query head, token rows read in order (one pass over V per query
+ * head; each KV head's slice of it by one thread). */
 static void weighted_values(const float *restrict weights, const ELEMENT *restrict v_pool,
                             const uint16_t *restrict v_token_scales, const int64_t *restrict block_table,
                             int64_t num_tokens, int64_t tokens_per_block,
                             int64_t kv_heads, float *restrict out)
 {
     const int64_t row = kv_heads * HEAD_SIZE;
-    memset(out, 0, sizeof(float) * kv_heads * GROUP * HEAD_SIZE);
+#if WIDE_ATTENTION
+    const int64_t blocks = (num_tokens + tokens_per_block - 1) / tokens_per_block;
+#endif
     #pragma omp parallel for schedule(static) if (num_tokens >= PARALLEL_TOKENS)
     for (int64_t h = 0; h < kv_heads; h++) {
-        for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
-            const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
-            const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row + h * HEAD_SIZE;
-            const uint16_t *token_scales = block_scales(v_token_scales, block_table[b], tokens_per_block, kv_heads);
-            for (int64_t t = 0; t < n; t++, v += row) {
-                const float scale = token_scales ? half_to_float(token_scales[t * kv_heads + h]) : 1.0f;
-                for (int g = 0; g < GROUP; g++) {
-                    const float p = weights[(h * GROUP + g) * num_tokens + start + t] * scale;
-                    float *acc = out + (h * GROUP + g) * HEAD_SIZE;
+        for (int g = 0; g < GROUP; g++) {
+            const float *w = weights + (h * GROUP + g) * num_tokens;
+            float *acc = out + (h * GROUP + g) * HEAD_SIZE;
+#if WIDE_ATTENTION
+            for (int c0 = 0; c0 < HEAD_SIZE; c0 += CHUNK) {
+                const int width = (HEAD_SIZE - c0 < CHUNK ? HEAD_SIZE - c0 : CHUNK) / 8;
+                __m256 a[CHUNK / 8];
+                for (int c = 0; c < CHUNK / 8; c++) a[c] = _mm256_setzero_ps();
+                for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
+                    const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
+                    const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row + h * HEAD_SIZE + c0;
+                    const uint16_t *scales = block_scales(v_token_scales, block_table[b], tokens_per_block, kv_heads);
+                    for (int64_t t = 0; t < n; t++, v += row) {
+                        _mm_prefetch(row_ahead(v_pool, block_table, b, blocks, t, tokens_per_block, row) +
+                                     (h * HEAD_SIZE + c0) * (int64_t)sizeof(ELEMENT), _MM_HINT_T0);
+                        const __m256 p = _mm256_set1_ps(w[start + t] * token_scale(scales, t, kv_heads, h, 1.0f));
+                        for (int c = 0; c < width; c++) a[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), a[c]);
+                    }
+                }
+                for (int c = 0; c < width; c++) _mm256_storeu_ps(acc + c0 + 8 * c, a[c]);
+            }
+#else
+            memset(acc, 0, sizeof(float) * HEAD_SIZE);
+            for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
+                const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
+                const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row + h * HEAD_SIZE;
+                const uint16_t *scales = block_scales(v_token_scales, block_table[b], tokens_per_block, kv_heads);
+                for (int64_t t = 0; t < n; t++, v += row) {
+                    const float p = w[start + t] * token_scale(scales, t, kv_heads, h, 1.0f);
                     #pragma omp simd
                     for (int i = 0; i < HEAD_SIZE; i++) acc[i] += p * TO_FLOAT(v[i]);
                 }
             }
+#endif
         }
     }
 }
