@@ -63,13 +63,13 @@ static inline __m256 load8(const ELEMENT *p)  /* eight elements as floats */
 #endif
 }
 
-/* The row AHEAD tokens after token t of block b (in the next block where that is past this one's end): what the
- * loops prefetch. */
+/* The row AHEAD tokens after token t of block b (in a later block where that is past this one's end): what the
+ * loops prefetch. Past the history's last block it points beyond it, which a prefetch never faults on. */
 static inline const char *row_ahead(const ELEMENT *pool, const int64_t *block_table, int64_t b, int64_t blocks,
                                     int64_t t, int64_t tokens_per_block, int64_t row)
 {
     t += AHEAD;
-    if (t >= tokens_per_block && b + 1 < blocks) b++, t -= tokens_per_block;
+    while (t >= tokens_per_block && b + 1 < blocks) b++, t -= tokens_per_block;
     return (const char *)(pool + (block_table[b] * tokens_per_block + t) * row);
 }
 
