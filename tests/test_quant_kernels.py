@@ -62,16 +62,19 @@ def g32_ops(rows: int, cols: int, gen: torch.Generator) -> tuple[Int4G32Linear, 
     return q4, Int8G32Table(torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8), scale)
 
 
+# The kernels' builds: this CPU's own (AVX2, and VNNI where it has it), AVX2 without VNNI, the plain loops.
+BUILDS = {"native": {}, "no VNNI": {"NO_VNNI": 1}, "generic": {"GENERIC": 1}}
+
+
 @pytest.mark.parametrize("int8_x", [False, True])
-@pytest.mark.parametrize("generic", [False, True])
-@pytest.mark.parametrize("rows, cols, tokens", [(1536, 576, 1), (7, 64, 1), (6, 96, 3), (9, 160, 6)])
-def test_group_kernels_equal_the_torch_path_on_dequantized_weights(rows, cols, tokens, generic, int8_x):
-    """int4-g32 and the int8 head, AVX2 loops (where this CPU has them) and the plain ones, on float or int8
-    activations: every block of rows and chunk of tokens, remainders included, within float rounding of F.linear on
-    the dequantized weights (int8: on the input as int8_blocks rounds it), each token's row as it is alone."""
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("rows, cols, tokens", [(1536, 576, 1), (7, 64, 1), (6, 96, 3), (9, 160, 6), (24, 96, 5)])
+def test_group_kernels_equal_the_torch_path_on_dequantized_weights(rows, cols, tokens, build, int8_x):
+    """int4-g32 and the int8 head, every build of the loops, on float or int8 activations: every block of rows and
+    chunk of tokens, remainders included, within float rounding of F.linear on the dequantized weights (int8: on the
+    input as int8_blocks rounds it), each token's row as it is alone."""
     gen = torch.Generator().manual_seed(rows * cols + tokens)
-    kernel = native_kernels.QuantMatVec(native_kernels._load("quant_matvec", {"GENERIC": 1})) if generic \
-        else native_kernels.quant_matvec()
+    kernel = native_kernels.QuantMatVec(native_kernels._load("quant_matvec", BUILDS[build]))
     x, bias = torch.randn(tokens, cols, generator=gen), torch.randn(rows, generator=gen)
     q4, head = (replace(op, int8_x=int8_x) for op in g32_ops(rows, cols, gen))
     def run_q4(rows: torch.Tensor) -> torch.Tensor:
@@ -149,19 +152,18 @@ def test_quantized_matvec_rejects_wrong_scales():
         native_kernels.quant_matvec().int4(torch.randn(1, 128), op.packed, op.scale, 128)
 
 
-@pytest.mark.parametrize("generic", [False, True])
-def test_every_linear_kernel_gives_the_same_sums_on_any_thread_count(keep_threads, generic):
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_linear_kernel_gives_the_same_sums_on_any_thread_count(keep_threads, build):
     """The rows of a large matrix are split over torch's threads (one OpenMP runtime); each row is still summed
     by one thread in one order, so 1 and 2 threads agree exactly: fp32, fp16, int8, int4-awq, int4-g32 and the
-    int8 head (float and int8 activations), AVX2 and plain loops."""
+    int8 head (float and int8 activations), every build of the loops."""
     gen = torch.Generator().manual_seed(7)
     q4, head = g32_ops(1536, 576, gen)
     i8, i4 = int8_linear(1536, 576, gen), int4_linear(1536, 576, 64, gen)
     weight = torch.randn(1536, 576, generator=gen)
     x = torch.randn(3, 576, generator=gen)
-    defines = {"GENERIC": 1} if generic else {}
-    quant = native_kernels.QuantMatVec(native_kernels._load("quant_matvec", defines))
-    dense = native_kernels.MatVec(native_kernels._load("matvec", defines))
+    quant = native_kernels.QuantMatVec(native_kernels._load("quant_matvec", BUILDS[build]))
+    dense = native_kernels.MatVec(native_kernels._load("matvec", BUILDS[build]))
     runs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
