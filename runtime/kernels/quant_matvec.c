@@ -513,6 +513,7 @@ static void int4_rows(const int8_t *restrict packed, const float *restrict scale
     }
 }
 
+#if !WIDE  /* AVX2 builds take the group formats' wide loops only */
 /* The plain loops of the group formats: a row dequantized into an L1-resident buffer, then dotted with each x. */
 static void q4g32_rows(const uint8_t *restrict codes, const uint16_t *restrict scale,
                        const uint16_t *restrict minimum, const float *restrict x, float *restrict y, int64_t n,
@@ -588,6 +589,8 @@ static void g32_rows_int8(const uint8_t *restrict codes, const uint16_t *restric
         }
     }
 }
+
+#endif
 
 /* x (n, cols) as int8 per 32 inputs, group by group: codes xq (groups, n, 32), scales e and the codes' sums psum
  * (groups, n), each group's n tokens one after another; the lifts xsum = e * sum p per token (n, groups). */
