@@ -1,8 +1,10 @@
 """llama.cpp through llama-cpp-python as a peer, on the same GGUF file, with f16 and q8_0 KV caches."""
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
+from unittest import mock
 
 from cabinllm.benchmarks.runners.base import (KVFootprint, Runner, RunTiming, Unavailable, footprint_lengths,
                                               missing_module)
@@ -21,12 +23,41 @@ def llamacpp_runners(gguf: Path, threads: int, n_ctx: int, kv_types: tuple[str, 
     return [_runner(gguf, threads, n_ctx, kv) for kv in kv_types]
 
 
+def has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the CPU reports AMX tiles (Sapphire Rapids and later)."""
+    try:
+        return " amx_tile" in cpuinfo.read_text()
+    except OSError:
+        return False
+
+
+def no_extra_buffers():
+    """llama.cpp's model parameters with ``use_extra_bufts`` off (its extra CPU buffer types) on a CPU with AMX:
+    there they put the weights on AMX tiles, and where the machine does not hand tiles out (a 2-core Sapphire Rapids
+    VM) the first tile instruction (``ldtilecfg`` in libggml-cpu) faults and kills the process. It also turns off
+    llama.cpp's other repacked weight layouts there. llama-cpp-python's ``Llama`` takes no such argument, so its
+    default parameters are patched while one is made; elsewhere nothing changes."""
+    if not has_amx():
+        return contextlib.nullcontext()
+    from llama_cpp import llama_cpp as api
+
+    defaults = api.llama_model_default_params
+
+    def params():
+        chosen = defaults()
+        chosen.use_extra_bufts = False
+        return chosen
+
+    return mock.patch.object(api, "llama_model_default_params", params)
+
+
 def _runner(gguf: Path, threads: int, n_ctx: int, kv: str) -> Runner:
     import llama_cpp
 
     ggml_type = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}[kv]
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                          type_k=ggml_type, type_v=ggml_type, flash_attn=True, verbose=False, seed=0)
+    with no_extra_buffers():
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                              type_k=ggml_type, type_v=ggml_type, flash_attn=True, verbose=False, seed=0)
 
     def timed(prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
         start, times = time.perf_counter(), []
