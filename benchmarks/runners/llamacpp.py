@@ -10,6 +10,7 @@ from cabinllm.benchmarks.runners.base import (KVFootprint, Runner, RunTiming, Un
                                               missing_module)
 
 KV_TYPES = ("f16", "q8_0")
+CPUINFO = Path("/proc/cpuinfo")
 WEIGHTS = "as stored in the GGUF (Q4_1 layers and a Q8_0 embedding for the default model)"
 
 
@@ -23,7 +24,7 @@ def llamacpp_runners(gguf: Path, threads: int, n_ctx: int, kv_types: tuple[str, 
     return [_runner(gguf, threads, n_ctx, kv) for kv in kv_types]
 
 
-def has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+def has_amx(cpuinfo: Path = CPUINFO) -> bool:
     """Whether the CPU reports AMX tiles (Sapphire Rapids and later)."""
     try:
         return " amx_tile" in cpuinfo.read_text()
@@ -31,13 +32,13 @@ def has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
         return False
 
 
-def no_extra_buffers():
+def no_extra_buffers(cpuinfo: Path = CPUINFO):
     """llama.cpp's model parameters with ``use_extra_bufts`` off (its extra CPU buffer types) on a CPU with AMX:
     there they put the weights on AMX tiles, and where the machine does not hand tiles out (a 2-core Sapphire Rapids
     VM) the first tile instruction (``ldtilecfg`` in libggml-cpu) faults and kills the process. It also turns off
     llama.cpp's other repacked weight layouts there. llama-cpp-python's ``Llama`` takes no such argument, so its
     default parameters are patched while one is made; elsewhere nothing changes."""
-    if not has_amx():
+    if not has_amx(cpuinfo):
         return contextlib.nullcontext()
     from llama_cpp import llama_cpp as api
 
