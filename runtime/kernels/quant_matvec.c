@@ -19,9 +19,9 @@
  * accuracy_level 4) each token's x is first rounded per 32 inputs, e = max |x| / 127, p = round(x / e) in [-127, 127]
  * (runtime/model/linear.py's int8_blocks), and a group sums the integer products q * p exactly:
  * y[r] = sum_g (d * e * sum_j q_j p_j + minimum * e * sum_j p_j). The AVX2 loop takes eight rows at once, one per
- * 32-bit lane (rows8_int8): each group's eight integer sums come out in one vector, scaled and added as one, so a
- * token costs about a quarter of the work of a row-by-row dot and a step of 4 tokens little more than one; int8
- * codes take it where the CPU has VNNI (-DNO_VNNI builds without it, as on AVX2-only CPUs).
+ * 32-bit lane (rows8_int8): each group's eight integer sums come out in one vector, scaled and added as one, with
+ * no horizontal sums, so each further token of a step costs a fraction of the first; int8 codes take it where the
+ * CPU has VNNI (-DNO_VNNI builds without it, as on AVX2-only CPUs).
  * bias may be NULL. Rows are split over the OpenMP threads as in matvec.c (PARALLEL_WEIGHTS), each summed by one
  * thread, so the results do not depend on the thread count. Like matvec.c, a step is bound by reading the weights:
  * 1 byte (int8) or half a byte (int4) per weight instead of 4, once each weight's conversion to float is cheap
