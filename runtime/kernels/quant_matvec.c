@@ -51,6 +51,16 @@ static inline float sum8(__m256 v)
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* CALL(N) with N the constant size of a chunk of 1 to 4 tokens, so a kernel inlined with it keeps its sums in
+ * registers. */
+#define TOKEN_CHUNK(CALL, size) \
+    switch (size) { \
+    case 1: CALL(1); break; \
+    case 2: CALL(2); break; \
+    case 3: CALL(3); break; \
+    default: CALL(4); \
+    }
+
 static inline __m256i widen8(const int8_t *p)  /* eight int8 -> eight int32 lanes */
 {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
@@ -151,12 +161,7 @@ static void int4_rows_wide(const int8_t *packed, const float *scale, const float
         for (int64_t t0 = 0; t0 < n; t0 += 4) {
 #define INT4_PAIR(NN) int4_pair(packed + p * cols, s0, s0 + groups, x + t0 * cols, y + t0 * rows + 2 * p, rows, cols, \
                                 group, NN)
-            switch (n - t0 < 4 ? n - t0 : 4) {
-            case 1: INT4_PAIR(1); break;
-            case 2: INT4_PAIR(2); break;
-            case 3: INT4_PAIR(3); break;
-            default: INT4_PAIR(4);
-            }
+            TOKEN_CHUNK(INT4_PAIR, n - t0 < 4 ? n - t0 : 4)
 #undef INT4_PAIR
         }
     }
@@ -450,16 +455,12 @@ static void rows8_int8_wide(const void *codes, const uint16_t *scale, const uint
         for (int64_t t0 = 0; t0 < n; t0 += 4) {
 #define ROWS8(NN) rows8_int8(row, row_bytes, dT, minimum ? mT : NULL, xq + t0 * G32, e + t0, xsum + t0 * groups, \
                              psum ? psum + t0 : NULL, y + t0 * rows + 8 * u, n, rows, groups, NN, four_bits)
-            switch (n - t0 < 4 ? n - t0 : 4) {
-            case 1: ROWS8(1); break;
-            case 2: ROWS8(2); break;
-            case 3: ROWS8(3); break;
-            default: ROWS8(4);
-            }
+            TOKEN_CHUNK(ROWS8, n - t0 < 4 ? n - t0 : 4)
 #undef ROWS8
         }
     }
 }
+#undef TOKEN_CHUNK
 #else
 #define WIDE 0
 #endif
