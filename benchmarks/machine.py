@@ -15,7 +15,21 @@ from cabinllm.runtime.kernels.bindings import compiler
 PACKAGES = ("torch", "transformers", "llama-cpp-python", "hqq", "optimum-quanto")
 
 
-def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (none where it cannot be read)."""
+    try:
+        for line in cpuinfo.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_model(cpuinfo: Path = CPUINFO) -> str:
     """The CPU's model name as /proc/cpuinfo gives it (the platform's processor string elsewhere)."""
     if cpuinfo.is_file():
         for line in cpuinfo.read_text(encoding="utf-8", errors="replace").splitlines():

@@ -6,11 +6,11 @@ import time
 from pathlib import Path
 from unittest import mock
 
+from cabinllm.benchmarks.machine import CPUINFO, cpu_flags
 from cabinllm.benchmarks.runners.base import (KVFootprint, Runner, RunTiming, Unavailable, footprint_lengths,
                                               missing_module)
 
 KV_TYPES = ("f16", "q8_0")
-CPUINFO = Path("/proc/cpuinfo")
 WEIGHTS = "as stored in the GGUF (Q4_1 layers and a Q8_0 embedding for the default model)"
 
 
@@ -24,21 +24,13 @@ def llamacpp_runners(gguf: Path, threads: int, n_ctx: int, kv_types: tuple[str, 
     return [_runner(gguf, threads, n_ctx, kv) for kv in kv_types]
 
 
-def has_amx(cpuinfo: Path = CPUINFO) -> bool:
-    """Whether the CPU reports AMX tiles (Sapphire Rapids and later)."""
-    try:
-        return " amx_tile" in cpuinfo.read_text()
-    except OSError:
-        return False
-
-
 def no_extra_buffers(cpuinfo: Path = CPUINFO):
     """llama.cpp's model parameters with ``use_extra_bufts`` off (its extra CPU buffer types) on a CPU with AMX:
     there they put the weights on AMX tiles, and where the machine does not hand tiles out (a 2-core Sapphire Rapids
     VM) the first tile instruction (``ldtilecfg`` in libggml-cpu) faults and kills the process. It also turns off
     llama.cpp's other repacked weight layouts there. llama-cpp-python's ``Llama`` takes no such argument, so its
     default parameters are patched while one is made; elsewhere nothing changes."""
-    if not has_amx(cpuinfo):
+    if "amx_tile" not in cpu_flags(cpuinfo):  # AMX tiles: Sapphire Rapids and later
         return contextlib.nullcontext()
     from llama_cpp import llama_cpp as api
 

@@ -408,7 +408,7 @@ static inline __attribute__((always_inline)) void rows8_int8(const uint8_t *code
             for (int r = 0; r < 8; r++) _mm_prefetch((const char *)(next + r * row_bytes + g * group_bytes), _MM_HINT_T0);
         __m256i w[8];
         rows8_group(codes + g * group_bytes, row_bytes, w, four_bits);
-        const __m256 dg = _mm256_loadu_ps(dT + 8 * g);
+        const __m256 dg = _mm256_loadu_ps(dT + 8 * g), mg = mT ? _mm256_loadu_ps(mT + 8 * g) : _mm256_setzero_ps();
         _Pragma("GCC unroll 4")
         for (int t = 0; t < N; t++) {
             const int8_t *xt = xq + (g * n + t) * G32;
@@ -418,7 +418,7 @@ static inline __attribute__((always_inline)) void rows8_int8(const uint8_t *code
             a = _mm256_add_epi32(a, b);
             if (!four_bits) a = _mm256_sub_epi32(a, _mm256_set1_epi32(128 * psum[g * n + t]));
             sums[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dg, _mm256_broadcast_ss(e + g * n + t)), sums[t]);
-            if (mT) sums[t] = _mm256_fmadd_ps(_mm256_loadu_ps(mT + 8 * g), _mm256_broadcast_ss(xsum + t * groups + g), sums[t]);
+            if (mT) sums[t] = _mm256_fmadd_ps(mg, _mm256_broadcast_ss(xsum + t * groups + g), sums[t]);
         }
     }
     _Pragma("GCC unroll 4")
@@ -454,7 +454,7 @@ static void rows8_int8_wide(const void *codes, const uint16_t *scale, const uint
         const uint8_t *row = (const uint8_t *)codes + 8 * u * row_bytes;
         for (int64_t t0 = 0; t0 < n; t0 += 4) {
 #define ROWS8(NN) rows8_int8(row, row_bytes, dT, minimum ? mT : NULL, xq + t0 * G32, e + t0, xsum + t0 * groups, \
-                             psum ? psum + t0 : NULL, y + t0 * rows + 8 * u, n, rows, groups, NN, four_bits)
+                             psum + t0, y + t0 * rows + 8 * u, n, rows, groups, NN, four_bits)
             TOKEN_CHUNK(ROWS8, n - t0 < 4 ? n - t0 : 4)
 #undef ROWS8
         }
