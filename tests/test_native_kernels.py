@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_builds import BUILDS
 
 from cabinllm.calibration.gguf_weights import to_int4_g32, to_int8_head
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
@@ -36,17 +37,20 @@ def test_matvec_equals_linear(rows, cols, with_bias, tokens):
     assert torch.equal(got, alone)  # a token's row does not depend on the others of its step
 
 
-@pytest.mark.parametrize("generic", [False, True])
-@pytest.mark.parametrize("rows, cols, with_bias, tokens", [(49, 576, False, 1), (7, 20, True, 3), (6, 7, False, 16)])
-def test_matvec_over_fp16_weights_equals_linear_on_their_fp32_values(rows, cols, with_bias, tokens, generic):
-    """fp16 weights (F16C or, built with -DGENERIC, half.h) give what fp32 copies of them give."""
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("rows, cols, with_bias, tokens", [(49, 576, False, 1), (7, 20, True, 3), (6, 7, False, 16),
+                                                           (10, 64, False, 5)])
+def test_matvec_over_fp16_weights_equals_linear_on_their_fp32_values(rows, cols, with_bias, tokens, build):
+    """fp16 weights (F16C or, built with -DGENERIC, half.h) give what fp32 copies of them give, in every build; each
+    token's row as it is alone."""
     gen = torch.Generator().manual_seed(rows)
     weight, x = torch.randn(rows, cols, generator=gen).half(), torch.randn(tokens, cols, generator=gen)
     bias = torch.randn(rows, generator=gen) if with_bias else None
-    kernel = native_kernels.MatVec(native_kernels._load("matvec", {"GENERIC": 1})) if generic else native_kernels.matvec()
+    kernel = native_kernels.MatVec(native_kernels._load("matvec", BUILDS[build]))
     got = kernel(x, weight, bias)
     assert torch.allclose(got, F.linear(x, weight.float(), bias), rtol=1e-5, atol=1e-5 * math.sqrt(cols))
-    assert torch.equal(got, native_kernels.matvec()(x, weight.float(), bias))  # the same sums as fp32 rows
+    assert torch.equal(got, kernel(x, weight.float(), bias))  # the same sums as fp32 rows
+    assert torch.equal(got, torch.cat([kernel(row[None], weight, bias) for row in x]))
 
 
 @pytest.mark.parametrize("x_shape", [(2, 9), (17, 8), (8,)])

@@ -4,7 +4,9 @@ token of a returning conversation's 10th turn against its 1st, with the cached t
 Starts ``cabin-serve`` as a subprocess on a free loopback port (its engine on ``--threads`` threads) and talks
 to it with the ``openai`` client, streaming. Decode throughput counts the content chunks (one per token) that
 arrive while every stream of a run is decoding: from the last stream's first token to the first stream's
-last token. Writes JSON and a markdown table to ``benchmarks/results/``.
+last token. Each round runs 1 stream, then the concurrent streams; the ratio is paired within a round and the
+medians over the rounds are reported (one stream's run lasts a second or two, so a single one drifts with the
+machine). Writes JSON and a markdown table to ``benchmarks/results/``.
 
     python -m cabinllm.benchmarks.studies.serve_bench --engine DIR
 """
@@ -47,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads of the server's engine")
     parser.add_argument("--streams", type=positive_int, default=4, help="concurrent streams of the batched run")
     parser.add_argument("--decode-tokens", type=positive_int, default=96, help="max_tokens of each throughput stream")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="throughput rounds (1 stream, then --streams); medians of the rates and paired ratios")
     parser.add_argument("--turns", type=positive_int, default=10, help="turns of the returning conversation")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="conversations played (each with its own system prompt); TTFT is the median per turn")
@@ -156,19 +160,31 @@ def returning_conversation(client, turns: int, repeats: int) -> list[dict]:
 
 def markdown(result: dict) -> str:
     """The results as markdown tables."""
-    single, batched = result["single_stream"], result["concurrent_streams"]
+    streams = result["streams"]
     lines = [f"# cabin-serve benchmark ({result['engine']}, {result['threads']} thread(s), load average "
              f"{result['load_average_before']:.2f} before / {result['load_average_after']:.2f} after)", "",
-             "| run | decode tok/s (aggregate) |", "|---|---|",
-             f"| 1 stream | {single['decode_tok_s']:.1f} |",
-             f"| {batched['streams']} concurrent streams | {batched['decode_tok_s']:.1f} |",
-             f"| ratio | {result['throughput_ratio']:.2f}x |", "",
-             "| turn | prompt tokens | cached tokens | TTFT ms (median) | TTFT ms (each) |", "|---|---|---|---|---|"]
+             f"| round | 1 stream, decode tok/s | {streams} concurrent streams, tok/s (aggregate) | ratio |",
+             "|---|---|---|---|"]
+    lines += [f"| {i + 1} | {r['single_stream']['decode_tok_s']:.1f} | {r['concurrent_streams']['decode_tok_s']:.1f} "
+              f"| {r['ratio']:.2f}x |" for i, r in enumerate(result["rounds"])]
+    lines += [f"| median | {result['single_stream_tok_s']:.1f} | {result['concurrent_tok_s']:.1f} "
+              f"| {result['throughput_ratio']:.2f}x |", "",
+              "| turn | prompt tokens | cached tokens | TTFT ms (median) | TTFT ms (each) |", "|---|---|---|---|---|"]
     lines += [f"| {r['turn']} | {', '.join(map(str, r['prompt_tokens']))} | {', '.join(map(str, r['cached_tokens']))} "
               f"| {r['ttft_s'] * 1000:.0f} | {', '.join(f'{t * 1000:.0f}' for t in r['ttft_s_each'])} |"
               for r in result["turns"]]
     lines += ["", f"TTFT of turn {result['turns'][-1]['turn']} / turn 1: {result['ttft_ratio']:.2f}x"]
     return "\n".join(lines) + "\n"
+
+
+def throughput_rounds(client, rounds: int, streams: int, max_tokens: int) -> list[dict]:
+    """Rounds of 1 stream then ``streams`` concurrent ones, each with its paired ratio."""
+    out = []
+    for _ in tqdm(range(rounds), desc="throughput rounds", unit="round"):
+        single, batched = throughput(client, 1, max_tokens), throughput(client, streams, max_tokens)
+        out.append({"single_stream": single, "concurrent_streams": batched,
+                    "ratio": batched["decode_tok_s"] / single["decode_tok_s"] if single["decode_tok_s"] else 0.0})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,16 +199,17 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()[0]
         stream_once(client, [{"role": "user", "content": "Hello."}], 8)  # warm-up: kernels built, caches touched
         turns = returning_conversation(client, args.turns, args.repeats)
-        single = throughput(client, 1, args.decode_tokens)
-        batched = throughput(client, args.streams, args.decode_tokens)
+        rounds = throughput_rounds(client, args.rounds, args.streams, args.decode_tokens)
         load_after = os.getloadavg()[0]
     finally:
         server.terminate()
         server.wait(30)
     result = {"engine": args.engine.name, "threads": args.threads, "tokens_per_block": args.tokens_per_block, "machine": machine_info(),
               "load_average_before": load_before, "load_average_after": load_after,
-              "single_stream": single, "concurrent_streams": batched,
-              "throughput_ratio": batched["decode_tok_s"] / single["decode_tok_s"] if single["decode_tok_s"] else 0.0,
+              "streams": args.streams, "rounds": rounds,
+              "single_stream_tok_s": statistics.median(r["single_stream"]["decode_tok_s"] for r in rounds),
+              "concurrent_tok_s": statistics.median(r["concurrent_streams"]["decode_tok_s"] for r in rounds),
+              "throughput_ratio": statistics.median(r["ratio"] for r in rounds),
               "turns": turns, "ttft_ratio": turns[-1]["ttft_s"] / turns[0]["ttft_s"]}
     write_results(args.output, result, markdown(result))
     return 0

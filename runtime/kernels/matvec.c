@@ -16,7 +16,9 @@
 #include <stdint.h>
 
 #include "half.h"
+#include "vec.h"
 #define PARALLEL_WEIGHTS (1 << 16)  /* matrices at least this large are split by rows over the OpenMP threads */
+#define PREFETCH_BLOCKS 4  /* how many blocks of rows ahead the next weights are fetched (1 to 8 read alike) */
 #if defined(__F16C__) && !defined(GENERIC)
 #include <immintrin.h>
 #endif
@@ -59,9 +61,81 @@ static void add_bias(const float *restrict bias, float *restrict y, int64_t n, i
             for (int64_t r = 0; r < rows; r++) y[t * rows + r] += bias[r];
 }
 
+#if WIDE
+enum dense { DENSE_FP32, DENSE_FP16, DENSE_INT8 };  /* the element of a dense weight row */
+
+/* R rows (cols apart) of fp32, fp16 or int8 weights (kind) over N tokens, all constants where inlined: each row's
+ * LANES weights become floats once for the N tokens, each token's sums taken in the same order as alone; int8 rows
+ * are scaled once at the end (W8A16). The rows PREFETCH_BLOCKS blocks on are fetched ahead. */
+static inline __attribute__((always_inline)) void dense_block(const void *w, const enum dense kind, const float *scale,
+                                                              const float *x, float *y, int64_t rows, int64_t cols,
+                                                              const int R, const int N)
+{
+    const int64_t bytes = kind == DENSE_FP32 ? 4 : kind == DENSE_FP16 ? 2 : 1;
+    const char *ahead = (const char *)w + PREFETCH_BLOCKS * R * cols * bytes;
+    vf acc[MAX_SUMS];
+    _Pragma("GCC unroll 16")
+    for (int k = 0; k < R * N; k++) acc[k] = vf_zero();
+    for (int64_t i = 0; i < cols; i += LANES) {
+        if (i * bytes % 64 == 0)
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) _mm_prefetch(ahead + (r * cols + i) * bytes, _MM_HINT_T0);
+        vf wv[4];
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++)
+            wv[r] = kind == DENSE_FP32 ? vf_load((const float *)w + r * cols + i)
+                  : kind == DENSE_FP16 ? vf_half((const uint16_t *)w + r * cols + i)
+                                       : vf_int8((const int8_t *)w + r * cols + i);
+        _Pragma("GCC unroll 4")
+        for (int t = 0; t < N; t++) {
+            const vf xv = vf_load(x + t * cols + i);
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) acc[r * N + t] = vf_fmadd(wv[r], xv, acc[r * N + t]);
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 4")
+        for (int t = 0; t < N; t++)
+            y[t * rows + r] = kind == DENSE_INT8 ? vf_sum(acc[r * N + t]) * scale[r] : vf_sum(acc[r * N + t]);
+}
+
+/* Blocks of 4 rows for one token, FLOAT_ROWS for several (single rows at the end), the tokens in chunks of up to 4;
+ * cols a multiple of LANES. scale: int8 rows' (NULL for float ones). */
+static void dense_rows_wide(const void *w, const enum dense kind, const float *scale, const float *x, float *y,
+                            int64_t n, int64_t rows, int64_t cols)
+{
+    const int64_t block = n == 1 ? 4 : FLOAT_ROWS, blocks = rows / block;
+    const int64_t bytes = kind == DENSE_FP32 ? 4 : kind == DENSE_FP16 ? 2 : 1;
+    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
+    for (int64_t u = 0; u < blocks + rows % block; u++) {
+        const int64_t r = u < blocks ? u * block : blocks * block + (u - blocks), R = u < blocks ? block : 1;
+        const char *rw = (const char *)w + r * cols * bytes;
+        for (int64_t t0 = 0; t0 < n; t0 += 4) {
+            const int64_t N = n - t0 < 4 ? n - t0 : 4;
+#define DENSE_BLOCK(RR, NN) \
+    switch (kind) { \
+    case DENSE_FP32: dense_block(rw, DENSE_FP32, NULL, x + t0 * cols, y + t0 * rows + r, rows, cols, RR, NN); break; \
+    case DENSE_FP16: dense_block(rw, DENSE_FP16, NULL, x + t0 * cols, y + t0 * rows + r, rows, cols, RR, NN); break; \
+    default: dense_block(rw, DENSE_INT8, scale + r, x + t0 * cols, y + t0 * rows + r, rows, cols, RR, NN); \
+    }
+            BLOCK_SHAPES(DENSE_BLOCK)
+#undef DENSE_BLOCK
+        }
+    }
+}
+#endif
+
 void matvec(const float *restrict w, const float *restrict x, const float *restrict bias, float *restrict y,
             int64_t n, int64_t rows, int64_t cols)
 {
+#if WIDE
+    if (cols % LANES == 0) {
+        dense_rows_wide(w, DENSE_FP32, NULL, x, y, n, rows, cols);
+        add_bias(bias, y, n, rows);
+        return;
+    }
+#endif
     const int64_t blocks = rows / 4;
     #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
     for (int64_t b = 0; b < blocks; b++) {
@@ -85,6 +159,13 @@ static void halves_to_floats(const uint16_t *restrict h, float *restrict f, int6
 void matvec_half(const uint16_t *restrict w, const float *restrict x, const float *restrict bias,
                  float *restrict y, int64_t n, int64_t rows, int64_t cols)
 {
+#if WIDE
+    if (cols % LANES == 0) {
+        dense_rows_wide(w, DENSE_FP16, NULL, x, y, n, rows, cols);
+        add_bias(bias, y, n, rows);
+        return;
+    }
+#endif
     const int64_t blocks = rows / 4;
     #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
     for (int64_t b = 0; b < blocks; b++) {

@@ -35,190 +35,160 @@
 #include <string.h>
 
 #include "half.h"
-#include "matvec.c"  /* one_row, add_bias, halves_to_floats */
+#include "matvec.c"  /* one_row, add_bias, halves_to_floats, dense_rows_wide; vec.h */
 
 #define G32 32
-#define PREFETCH_BLOCKS 4  /* how far ahead the next codes are fetched (measured: 1 to 8 read alike) */
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(GENERIC)
-#include <immintrin.h>
-#define WIDE 1
-
-static inline float sum8(__m256 v)
+#if WIDE
+#if LANES == 16
+/* LANES packed bytes of a W4A16-AWQ row pair as its two rows' weights: each signed nibble times its row's group scale
+ * (s0: the low nibbles' row, s1: the high ones'), picked from the 16 values a nibble can take (vpermps reads the low 4
+ * bits of each lane). */
+static inline void awq_weights(const int8_t *p, float s0, float s1, vf *low, vf *high)
 {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    const vf nibbles = _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);  /* lane k: k as int4 */
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *low = _mm512_permutexvar_ps(v, _mm512_mul_ps(nibbles, _mm512_set1_ps(s0)));
+    *high = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), _mm512_mul_ps(nibbles, _mm512_set1_ps(s1)));
 }
 
-/* CALL(N) with N the constant size of a chunk of 1 to 4 tokens, so a kernel inlined with it keeps its sums in
- * registers. */
-#define TOKEN_CHUNK(CALL, size) \
-    switch (size) { \
-    case 1: CALL(1); break; \
-    case 2: CALL(2); break; \
-    case 3: CALL(3); break; \
-    default: CALL(4); \
-    }
-
-static inline __m256i widen8(const int8_t *p)  /* eight int8 -> eight int32 lanes */
+/* A group's 32 4-bit codes dequantized, d * q + m: inputs 0-15 (the low nibbles of its 16 bytes), then 16-31 (the high
+ * ones). The 16 values a code can take are made once and each code picks its own (vpermps reads the low 4 bits of
+ * each lane): two fewer operations than converting the codes and scaling them. */
+static inline void q4_weights(const uint8_t *codes, float d, float m, vf *w)
 {
-    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const vf codes16 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const vf table = _mm512_fmadd_ps(codes16, _mm512_set1_ps(d), _mm512_set1_ps(m));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    w[0] = _mm512_permutexvar_ps(b, table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+}
+#else
+static inline void awq_weights(const int8_t *p, float s0, float s1, vf *low, vf *high)
+{
+    const __m256i v = widen8(p);  /* arithmetic shifts sign-extend each nibble */
+    *low = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28)), _mm256_set1_ps(s0));
+    *high = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(v, 4)), _mm256_set1_ps(s1));
 }
 
-/* R int8 rows (cols apart) over N tokens, both constants where inlined: each row's eight weights become floats once
- * for the N tokens, each token's sums taken in the same order as alone. */
-static inline __attribute__((always_inline)) void int8_block(const int8_t *w, const float *scale, const float *x,
-                                                             float *y, int64_t rows, int64_t cols, const int R,
-                                                             const int N)
-{
-    __m256 acc[R * N];
-    _Pragma("GCC unroll 8")
-    for (int k = 0; k < R * N; k++) acc[k] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < cols; i += 8) {
-        if (i % 64 == 0)  /* a later block's codes, as g32_block fetches them */
-            _Pragma("GCC unroll 4")
-            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (PREFETCH_BLOCKS * R + r) * cols + i), _MM_HINT_T0);
-        __m256 wv[R];
-        _Pragma("GCC unroll 4")
-        for (int r = 0; r < R; r++) wv[r] = _mm256_cvtepi32_ps(widen8(w + r * cols + i));
-        _Pragma("GCC unroll 4")
-        for (int t = 0; t < N; t++) {
-            const __m256 xv = _mm256_loadu_ps(x + t * cols + i);
-            _Pragma("GCC unroll 4")
-            for (int r = 0; r < R; r++) acc[r * N + t] = _mm256_fmadd_ps(wv[r], xv, acc[r * N + t]);
-        }
-    }
-    _Pragma("GCC unroll 4")
-    for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 4")
-        for (int t = 0; t < N; t++) y[t * rows + r] = sum8(acc[r * N + t]) * scale[r];
-}
-
-/* Blocks of 4 rows for one token, 2 for several (single rows at the end), the tokens in chunks of up to 4. */
-static void int8_rows_wide(const int8_t *w, const float *scale, const float *x, float *y, int64_t n, int64_t rows,
-                           int64_t cols)
-{
-    const int64_t block = n == 1 ? 4 : 2, blocks = rows / block;
-    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
-    for (int64_t u = 0; u < blocks + rows % block; u++) {
-        const int64_t r = u < blocks ? u * block : blocks * block + (u - blocks), R = u < blocks ? block : 1;
-        for (int64_t t0 = 0; t0 < n; t0 += 4) {
-            const int64_t N = n - t0 < 4 ? n - t0 : 4;
-#define INT8_BLOCK(RR, NN) int8_block(w + r * cols, scale + r, x + t0 * cols, y + t0 * rows + r, rows, cols, RR, NN)
-            if (R == 4) INT8_BLOCK(4, 1);
-            else switch (N) {
-                case 1: if (R == 2) INT8_BLOCK(2, 1); else INT8_BLOCK(1, 1); break;
-                case 2: if (R == 2) INT8_BLOCK(2, 2); else INT8_BLOCK(1, 2); break;
-                case 3: if (R == 2) INT8_BLOCK(2, 3); else INT8_BLOCK(1, 3); break;
-                default: if (R == 2) INT8_BLOCK(2, 4); else INT8_BLOCK(1, 4);
-            }
-#undef INT8_BLOCK
-        }
-    }
-}
-
-/* One packed int4 row (its two output rows) over N tokens, a constant where inlined: each eight codes become floats
- * once for the N tokens, each token's group sums taken in the same order as alone. */
-static inline __attribute__((always_inline)) void int4_pair(const int8_t *row, const float *s0, const float *s1,
-                                                            const float *x, float *y, int64_t rows, int64_t cols,
-                                                            int64_t group, const int N)
-{
-    __m256 t0[N], t1[N];
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < N; t++) t0[t] = _mm256_setzero_ps(), t1[t] = t0[t];
-    for (int64_t g = 0; g < cols / group; g++) {
-        __m256 a0[N], a1[N];
-        _Pragma("GCC unroll 4")
-        for (int t = 0; t < N; t++) a0[t] = _mm256_setzero_ps(), a1[t] = a0[t];
-        for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
-            if (i % 64 == 0) _mm_prefetch((const char *)(row + 2 * PREFETCH_BLOCKS * cols + i), _MM_HINT_T0);
-            const __m256i v = widen8(row + i);  /* arithmetic shifts sign-extend each nibble */
-            const __m256 low = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28));
-            const __m256 high = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 4));
-            _Pragma("GCC unroll 4")
-            for (int t = 0; t < N; t++) {
-                const __m256 xv = _mm256_loadu_ps(x + t * cols + i);
-                a0[t] = _mm256_fmadd_ps(low, xv, a0[t]), a1[t] = _mm256_fmadd_ps(high, xv, a1[t]);
-            }
-        }
-        _Pragma("GCC unroll 4")
-        for (int t = 0; t < N; t++)
-            t0[t] = _mm256_fmadd_ps(a0[t], _mm256_set1_ps(s0[g]), t0[t]),
-            t1[t] = _mm256_fmadd_ps(a1[t], _mm256_set1_ps(s1[g]), t1[t]);
-    }
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < N; t++) y[t * rows] = sum8(t0[t]), y[t * rows + 1] = sum8(t1[t]);
-}
-
-static void int4_rows_wide(const int8_t *packed, const float *scale, const float *x, float *y, int64_t n,
-                           int64_t rows, int64_t cols, int64_t group)
-{
-    const int64_t groups = cols / group;
-    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
-    for (int64_t p = 0; p < rows / 2; p++) {
-        const float *s0 = scale + (2 * p) * groups;
-        for (int64_t t0 = 0; t0 < n; t0 += 4) {
-#define INT4_PAIR(NN) int4_pair(packed + p * cols, s0, s0 + groups, x + t0 * cols, y + t0 * rows + 2 * p, rows, cols, \
-                                group, NN)
-            TOKEN_CHUNK(INT4_PAIR, n - t0 < 4 ? n - t0 : 4)
-#undef INT4_PAIR
-        }
-    }
-}
-
-/* A group's 32 codes as four vectors of floats: inputs 0-7, 8-15, 16-23, 24-31. */
-static inline void q4_group(const uint8_t *codes, __m256 *q)
+/* A group's 32 4-bit codes dequantized, d * q + m, as four vectors: inputs 0-7, 8-15, 16-23, 24-31. */
+static inline void q4_weights(const uint8_t *codes, float d, float m, vf *w)
 {
     const __m256i low = _mm256_set1_epi32(0x0f);
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
     /* bytes 0-7 hold inputs 0-7 (low nibbles) and 16-23 (high); bytes 8-15 inputs 8-15 and 24-31 */
     const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));
     const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8)));
-    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
-    q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), dv, mv);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), dv, mv);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), dv, mv);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), dv, mv);
+}
+#endif
+#define GROUP_VECTORS (G32 / LANES)  /* vectors of a group of 32 inputs */
+/* P packed int4 rows (2P output rows, y's from the first) over N tokens, both constants where inlined so the 2P * N
+ * sums stay in registers: each LANES codes of a row are dequantized (times their group's scale) once for the N
+ * tokens, then each token multiply-adds them into its sums; a token's x is loaded once for the P rows. */
+static inline __attribute__((always_inline)) void int4_block(const int8_t *packed, const float *scale, const float *x,
+                                                             float *y, int64_t rows, int64_t cols, int64_t group,
+                                                             const int P, const int N)
+{
+    const int64_t groups = cols / group;
+    vf sums[MAX_SUMS];  /* row 2p + h, token t: sums[(2 * p + h) * N + t] */
+    _Pragma("GCC unroll 16")
+    for (int k = 0; k < 2 * P * N; k++) sums[k] = vf_zero();
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t i = g * group; i < (g + 1) * group; i += LANES) {
+            if (i % 64 == 0)
+                _Pragma("GCC unroll 2")
+                for (int p = 0; p < P; p++)
+                    _mm_prefetch((const char *)(packed + (PREFETCH_BLOCKS * P + p) * cols + i), _MM_HINT_T0);
+            vf xv[4];
+            _Pragma("GCC unroll 4")
+            for (int t = 0; t < N; t++) xv[t] = vf_load(x + t * cols + i);
+            _Pragma("GCC unroll 2")
+            for (int p = 0; p < P; p++) {
+                vf low, high;
+                awq_weights(packed + p * cols + i, scale[2 * p * groups + g], scale[(2 * p + 1) * groups + g], &low,
+                            &high);
+                _Pragma("GCC unroll 4")
+                for (int t = 0; t < N; t++)
+                    sums[2 * p * N + t] = vf_fmadd(low, xv[t], sums[2 * p * N + t]),
+                    sums[(2 * p + 1) * N + t] = vf_fmadd(high, xv[t], sums[(2 * p + 1) * N + t]);
+            }
+        }
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < 2 * P; r++)
+        _Pragma("GCC unroll 4")
+        for (int t = 0; t < N; t++) y[t * rows + r] = vf_sum(sums[r * N + t]);
 }
 
-static inline void q8_group(const int8_t *codes, __m256 *q)
+/* Units of 2 packed rows (4 output rows; FLOAT_ROWS / 2 for several tokens), a single packed row at the end, the tokens
+ * in chunks of up to 4. */
+static void int4_rows_wide(const int8_t *packed, const float *scale, const float *x, float *y, int64_t n,
+                           int64_t rows, int64_t cols, int64_t group)
 {
-    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtepi32_ps(widen8(codes + 8 * i));
+    const int64_t groups = cols / group, block = n == 1 ? 2 : FLOAT_ROWS / 2, pairs = rows / 2, blocks = pairs / block;
+    #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
+    for (int64_t u = 0; u < blocks + pairs % block; u++) {
+        const int64_t p = u < blocks ? u * block : blocks * block + (u - blocks), P = u < blocks ? block : 1;
+        for (int64_t t0 = 0; t0 < n; t0 += 4) {
+            const int64_t N = n - t0 < 4 ? n - t0 : 4;
+#define INT4_BLOCK(PP, NN) int4_block(packed + p * cols, scale + 2 * p * groups, x + t0 * cols, y + t0 * rows + 2 * p, \
+                                      rows, cols, group, PP, NN)
+#define INT4_BLOCK_2(NN) INT4_BLOCK(2, NN)
+#define INT4_BLOCK_1(NN) INT4_BLOCK(1, NN)
+            if (P == 2) {
+                TOKEN_CHUNK(INT4_BLOCK_2, N)
+            } else {
+                TOKEN_CHUNK(INT4_BLOCK_1, N)
+            }
+#undef INT4_BLOCK_1
+#undef INT4_BLOCK_2
+#undef INT4_BLOCK
+        }
+    }
+}
+
+static inline void q8_weights(const int8_t *codes, float d, vf *w)  /* a group's 32 int8 codes times d */
+{
+    for (int i = 0; i < GROUP_VECTORS; i++) w[i] = vf_mul(vf_int8(codes + LANES * i), vf_set1(d));
 }
 
 /* R rows of codes (row_bytes apart) over N tokens, both constants where inlined so the R * N sums stay in
- * registers: acc[r * N + t] = sum_g d[r][g] * sum_j q_rgj x_tgj. Each group's x is loaded once for the R rows and
- * each row's codes become floats once for the N tokens. A later block's codes (PREFETCH_BLOCKS blocks on) are
- * prefetched a slice per group: with the hardware prefetcher alone the loop waits on memory (half the speed). */
+ * registers: acc[r * N + t] = sum_g sum_j (d[r][g] * q_rgj + m[r][g]) x_tgj (4-bit codes; int8 ones have no m). Each
+ * group's weights are dequantized in registers once for the N tokens, then each token multiply-adds them into its
+ * sums (the minimum term costs nothing per token). A later block's codes (PREFETCH_BLOCKS blocks on) are prefetched
+ * a slice per group: with the hardware prefetcher alone the loop waits on memory (half the speed). */
 static inline __attribute__((always_inline)) void g32_block(const uint8_t *codes, int64_t row_bytes, const float *d,
-                                                            const float *x, int64_t cols, __m256 *acc, const int R,
-                                                            const int N, const int four_bits)
+                                                            const float *m, const float *x, int64_t cols, float *acc,
+                                                            const int R, const int N, const int four_bits)
 {
     const int64_t groups = cols / G32, slice = R * row_bytes / groups;
     const uint8_t *next = codes + PREFETCH_BLOCKS * R * row_bytes;
-    __m256 sums[R * N];  /* in registers: R and N are constants here */
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < R * N; i++) sums[i] = _mm256_setzero_ps();
+    vf sums[MAX_SUMS];
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < R * N; i++) sums[i] = vf_zero();
     for (int64_t g = 0; g < groups; g++) {
         for (int64_t p = g * slice; p < (g + 1) * slice; p += 64) _mm_prefetch((const char *)(next + p), _MM_HINT_T0);
-        __m256 xv[4][4];
-        _Pragma("GCC unroll 8")
+        vf xv[4][GROUP_VECTORS];  /* the group's x of each token, loaded once for the R rows */
+        _Pragma("GCC unroll 4")
         for (int t = 0; t < N; t++)
-            _Pragma("GCC unroll 8")
-            for (int i = 0; i < 4; i++) xv[t][i] = _mm256_loadu_ps(x + t * cols + g * G32 + 8 * i);
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < GROUP_VECTORS; i++) xv[t][i] = vf_load(x + t * cols + g * G32 + LANES * i);
         _Pragma("GCC unroll 8")
         for (int r = 0; r < R; r++) {
-            __m256 q[4];
-            if (four_bits) q4_group(codes + r * row_bytes + g * 16, q);
-            else q8_group((const int8_t *)codes + r * row_bytes + g * G32, q);
-            const __m256 dg = _mm256_broadcast_ss(d + r * groups + g);
-            _Pragma("GCC unroll 8")
-            for (int t = 0; t < N; t++) {
-                const __m256 a = _mm256_fmadd_ps(q[2], xv[t][2], _mm256_mul_ps(q[0], xv[t][0]));
-                const __m256 b = _mm256_fmadd_ps(q[3], xv[t][3], _mm256_mul_ps(q[1], xv[t][1]));
-                sums[r * N + t] = _mm256_fmadd_ps(_mm256_add_ps(a, b), dg, sums[r * N + t]);
-            }
+            vf w[GROUP_VECTORS];
+            if (four_bits) q4_weights(codes + r * row_bytes + g * 16, d[r * groups + g], m[r * groups + g], w);
+            else q8_weights((const int8_t *)codes + r * row_bytes + g * G32, d[r * groups + g], w);
+            _Pragma("GCC unroll 4")
+            for (int t = 0; t < N; t++)
+                _Pragma("GCC unroll 4")
+                for (int i = 0; i < GROUP_VECTORS; i++) sums[r * N + t] = vf_fmadd(w[i], xv[t][i], sums[r * N + t]);
         }
     }
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < R * N; i++) acc[i] = sums[i];
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < R * N; i++) acc[i] = vf_sum(sums[i]);
 }
 
 /* A group's 32 4-bit codes as bytes in input order (llama.cpp's bytes_from_nibbles_32). */
@@ -253,12 +223,12 @@ static inline __m256i dot_add(__m256i acc, __m256i u, __m256i s)
  * magnitude with the sign moved onto x), then acc[r * N + t] += d[r][g] * e[g][t] * sum. */
 static inline __attribute__((always_inline)) void g32_block_int8(const uint8_t *codes, int64_t row_bytes,
                                                                  const float *d, const int8_t *xq, const float *e,
-                                                                 int64_t n, int64_t groups, __m256 *acc, const int R,
+                                                                 int64_t n, int64_t groups, float *acc, const int R,
                                                                  const int N, const int four_bits)
 {
     const int group_bytes = four_bits ? 16 : 32, slice = R * group_bytes;  /* bytes of a group's R rows */
     const uint8_t *next = codes + PREFETCH_BLOCKS * R * row_bytes;
-    __m256 sums[R * N];
+    __m256 sums[MAX_SUMS];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < R * N; i++) sums[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++, codes += group_bytes, next += slice, xq += n * G32, e += n, d++) {
@@ -285,13 +255,13 @@ static inline __attribute__((always_inline)) void g32_block_int8(const uint8_t *
         }
     }
     _Pragma("GCC unroll 8")
-    for (int i = 0; i < R * N; i++) acc[i] = sums[i];
+    for (int i = 0; i < R * N; i++) acc[i] = sum8(sums[i]);
 }
 
 /* Both group formats: the R rows from r0 (a block of 4 for one token, 2 for up to 4 tokens, or a single row), the
  * tokens in chunks of up to 4 (a block is in L1 after the first chunk); each unit's scales and minima
- * are converted to floats once; the minimum term is sum_g m_g * xsum_tg, the x sums computed once per call. Float x,
- * or (xq given) int8 x with scales e. Inlined with four_bits constant (q4_rows_wide, q8_rows_wide). */
+ * are converted to floats once. Float x (the minimum in the dequantized weights), or (xq given) int8 x with scales e
+ * (the minimum term sum_g m_g * xsum_tg, the x sums computed once per call). Inlined with four_bits constant (q4_rows_wide, q8_rows_wide). */
 static inline __attribute__((always_inline)) void g32_unit(const void *codes, const uint16_t *scale,
                                                            const uint16_t *minimum, const float *x, const int8_t *xq,
                                                            const float *e, const float *xsum, float *y, int64_t n,
@@ -305,32 +275,22 @@ static inline __attribute__((always_inline)) void g32_unit(const void *codes, co
     if (minimum) halves_to_floats(minimum + r0 * groups, m, R * groups);
     for (int64_t t0 = 0; t0 < n; t0 += 4) {
         const int64_t N = n - t0 < 4 ? n - t0 : 4;
-        __m256 acc[8];
-/* BLOCK(rows, tokens) with both constant: 4 x 1 or, for 2-row and single-row units, 1 to 4 tokens */
-#define G32_SHAPES(BLOCK) \
-    if (R == 4) BLOCK(4, 1); \
-    else switch (N) { \
-        case 1: if (R == 2) BLOCK(2, 1); else BLOCK(1, 1); break; \
-        case 2: if (R == 2) BLOCK(2, 2); else BLOCK(1, 2); break; \
-        case 3: if (R == 2) BLOCK(2, 3); else BLOCK(1, 3); break; \
-        default: if (R == 2) BLOCK(2, 4); else BLOCK(1, 4); \
-    }
-#define FLOAT_X(RR, NN) g32_block(row, row_bytes, d, x + t0 * cols, cols, acc, RR, NN, four_bits)
+        float acc[MAX_SUMS];  /* the R * N sums */
+#define FLOAT_X(RR, NN) g32_block(row, row_bytes, d, minimum ? m : NULL, x + t0 * cols, cols, acc, RR, NN, four_bits)
 #define INT8_X(RR, NN) g32_block_int8(row, row_bytes, d, xq + t0 * G32, e + t0, n, groups, acc, RR, NN, four_bits)
         if (xq) {
-            G32_SHAPES(INT8_X)
+            BLOCK_SHAPES(INT8_X)
         } else {
-            G32_SHAPES(FLOAT_X)
+            BLOCK_SHAPES(FLOAT_X)
         }
 #undef INT8_X
 #undef FLOAT_X
-#undef G32_SHAPES
         for (int64_t r = 0; r < R; r++)
             for (int64_t t = 0; t < N; t++) {
                 float lift = 0.0f;
-                if (minimum)
+                if (minimum && xq)  /* float x: in the block's weights */
                     for (int64_t g = 0; g < groups; g++) lift += m[r * groups + g] * xsum[(t0 + t) * groups + g];
-                y[(t0 + t) * rows + r0 + r] = sum8(acc[r * N + t]) + lift;
+                y[(t0 + t) * rows + r0 + r] = acc[r * N + t] + lift;
             }
     }
 }
@@ -341,7 +301,7 @@ static inline __attribute__((always_inline)) void g32_unit(const void *codes, co
                      const int8_t *xq, const float *e, const float *xsum, float *y, int64_t n, int64_t rows, \
                      int64_t cols) \
     { \
-        const int64_t block = n == 1 ? 4 : 2, blocks = rows / block, units = blocks + rows % block; \
+        const int64_t block = n == 1 || !xq ? FLOAT_ROWS : 2, blocks = rows / block, units = blocks + rows % block; \
         _Pragma("omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)") \
         for (int64_t u = 0; u < units; u++) \
             g32_unit(codes, scale, minimum, x, xq, e, xsum, y, n, rows, cols, \
@@ -400,7 +360,7 @@ static inline __attribute__((always_inline)) void rows8_int8(const uint8_t *code
 {
     const int group_bytes = four_bits ? 16 : 32;
     const uint8_t *next = codes + PREFETCH_BLOCKS * 8 * row_bytes;
-    __m256 sums[N];
+    __m256 sums[4];
     _Pragma("GCC unroll 4")
     for (int t = 0; t < N; t++) sums[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -460,9 +420,6 @@ static void rows8_int8_wide(const void *codes, const uint16_t *scale, const uint
         }
     }
 }
-#undef TOKEN_CHUNK
-#else
-#define WIDE 0
 #endif
 
 static void int8_rows(const int8_t *restrict w, const float *restrict scale, const float *restrict x,
@@ -637,8 +594,8 @@ void matvec_int8(const int8_t *restrict w, const float *restrict scale, const fl
                  const float *restrict bias, float *restrict y, int64_t n, int64_t rows, int64_t cols)
 {
 #if WIDE
-    if (cols % 8 == 0)
-        int8_rows_wide(w, scale, x, y, n, rows, cols);
+    if (cols % LANES == 0)
+        dense_rows_wide(w, DENSE_INT8, scale, x, y, n, rows, cols);
     else
 #endif
         int8_rows(w, scale, x, y, n, rows, cols);
@@ -649,7 +606,7 @@ void matvec_int4(const int8_t *restrict packed, const float *restrict scale, con
                  const float *restrict bias, float *restrict y, int64_t n, int64_t rows, int64_t cols, int64_t group)
 {
 #if WIDE
-    if (group % 8 == 0)
+    if (group % LANES == 0)
         int4_rows_wide(packed, scale, x, y, n, rows, cols, group);
     else
 #endif
@@ -661,24 +618,16 @@ void matvec_q4g32(const uint8_t *restrict codes, const uint16_t *restrict scale,
                   const float *restrict x, const float *restrict bias, float *restrict y, int64_t n, int64_t rows,
                   int64_t cols, int64_t int8_x)
 {
-    const int64_t groups = cols / G32;
-    float xsum[n * groups];
     if (int8_x) {
+        float xsum[n * (cols / G32)];
         g32_int8_x(codes, scale, minimum, x, xsum, y, n, rows, cols, 1);
-        add_bias(bias, y, n, rows);
-        return;
-    }
+    } else {
 #if WIDE
-    for (int64_t t = 0; t < n; t++)
-        for (int64_t g = 0; g < groups; g++) {
-            float a = 0.0f;
-            for (int64_t j = 0; j < G32; j++) a += x[t * cols + g * G32 + j];
-            xsum[t * groups + g] = a;
-        }
-    q4_rows_wide(codes, scale, minimum, x, NULL, NULL, xsum, y, n, rows, cols);
+        q4_rows_wide(codes, scale, minimum, x, NULL, NULL, NULL, y, n, rows, cols);
 #else
-    q4g32_rows(codes, scale, minimum, x, y, n, rows, cols);
+        q4g32_rows(codes, scale, minimum, x, y, n, rows, cols);
 #endif
+    }
     add_bias(bias, y, n, rows);
 }
 
