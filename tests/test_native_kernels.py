@@ -64,19 +64,18 @@ def test_matvec_rejects_a_wrong_shape(x_shape):
     ("int8", 4, 2, 128, 16, 333), ("fp16", 3, 3, 64, 32, 300), ("fp32", 2, 2, 16, 4, 37),
     ("int4", 3, 3, 64, 32, 300), ("int4", 2, 1, 32, 8, 5), ("int8-dynamic", 3, 3, 64, 32, 300),
     ("int8-dynamic", 2, 2, 16, 3, 20)])
-@pytest.mark.parametrize("generic", [False, True])
-def test_decode_attention_equals_torch_path(mode, kv_heads, group, head_size, tokens_per_block, context, generic):
-    """The AVX2 loops (where this CPU has them) and the plain ones (-DGENERIC, other CPUs) both equal torch."""
+@pytest.mark.parametrize("build", BUILDS)
+def test_decode_attention_equals_torch_path(mode, kv_heads, group, head_size, tokens_per_block, context, build):
+    """This CPU's loops (the query heads of a KV head at once with AVX-512's registers), AVX2's and the plain ones
+    (-DGENERIC, other CPUs) all equal torch."""
     cache, seq, q = history(mode, kv_heads, group, head_size, tokens_per_block, context)
     table = cache.block_table(seq)
     k, v, k_scale, v_scale = cache.storage.read_unscaled(1, table, context)
     want = grouped_attention(q[None] * k_scale, k, v, context - 1) * v_scale
     stored = cache.storage.stored_kv(1, table, context)
-    kernel = native_kernels.decode_attention(stored.k.dtype, head_size, group)
-    if generic:
-        defines = {**native_kernels.ELEMENT_DEFINES[stored.k.dtype], "HEAD_SIZE": head_size, "GROUP": group}
-        kernel = native_kernels.DecodeAttention(native_kernels._load("decode_attention", {**defines, "GENERIC": 1}),
-                                                stored.k.dtype, head_size, group)
+    defines = {**native_kernels.ELEMENT_DEFINES[stored.k.dtype], "HEAD_SIZE": head_size, "GROUP": group}
+    kernel = native_kernels.DecodeAttention(native_kernels._load("decode_attention", {**defines, **BUILDS[build]}),
+                                            stored.k.dtype, head_size, group)
     assert torch.max(torch.abs(kernel(q, stored, context) - want)) <= 1e-5
     first = context // 3  # a sliding window's start: the tokens before it not attended to
     window = grouped_attention(q[None] * k_scale, k, v, context - 1, window=context - first) * v_scale

@@ -49,8 +49,18 @@ static inline const uint16_t *block_scales(const uint16_t *scales, int64_t block
 #include <immintrin.h>
 #define WIDE_ATTENTION 1
 #define SPAN 8    /* tokens whose scores are summed together */
-#define CHUNK 64  /* channels of a head whose weighted values stay in registers */
 #define AHEAD 16  /* tokens ahead whose rows are prefetched (the hardware prefetcher alone leaves the loops waiting) */
+/* Vector registers the loops keep sums in: AVX-512 gives 32 (ymm0-31), AVX2 16. The query heads of a KV head share each
+ * key and value converted to floats: as many as the sums fit (HEADS_AT_ONCE of the GROUP for the scores, all of them
+ * over CHUNK channels for the values; a KV head's 3 on AVX-512: each row converted once, not once per query head). */
+#if defined(__AVX512VL__) && !defined(NO_AVX512)
+#define SUM_REGISTERS 24
+#else
+#define SUM_REGISTERS 12
+#endif
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define HEADS_AT_ONCE MIN(GROUP, (SUM_REGISTERS / SPAN > 0 ? SUM_REGISTERS / SPAN : 1))
+#define CHUNK (8 * MIN(HEAD_SIZE / 8, (SUM_REGISTERS / GROUP > 0 ? SUM_REGISTERS / GROUP : 1)))  /* channels at once */
 
 static inline __m256 load8(const ELEMENT *p)  /* eight elements as floats */
 {
@@ -133,16 +143,23 @@ static void scores(const float *restrict q, const ELEMENT *restrict k_pool, cons
                 float scale[SPAN];
                 for (int t = 0; t < SPAN; t++) scale[t] = token_scale(token_scales, t0 + t, kv_heads, h, qk_scale);
                 const __m256 scale_v = _mm256_loadu_ps(scale);
-                for (int g = 0; g < GROUP; g++) {
-                    const float *qg = q + (h * GROUP + g) * HEAD_SIZE;
-                    __m256 a[SPAN];
-                    for (int t = 0; t < SPAN; t++) a[t] = _mm256_setzero_ps();
-                    for (int i = 0; i < HEAD_SIZE; i += 8) {
-                        const __m256 qv = _mm256_loadu_ps(qg + i);
-                        for (int t = 0; t < SPAN; t++) a[t] = _mm256_fmadd_ps(load8(kt + t * row + i), qv, a[t]);
-                    }
-                    _mm256_storeu_ps(out + (h * GROUP + g) * num_tokens + start + t0,
-                                     _mm256_mul_ps(lane_sums(a), scale_v));
+                for (int g0 = 0; g0 < GROUP; g0 += HEADS_AT_ONCE) {
+                    const int heads = MIN(HEADS_AT_ONCE, GROUP - g0);
+                    const float *qg = q + (h * GROUP + g0) * HEAD_SIZE;
+                    __m256 a[HEADS_AT_ONCE][SPAN];
+                    for (int g = 0; g < heads; g++)
+                        for (int t = 0; t < SPAN; t++) a[g][t] = _mm256_setzero_ps();
+                    for (int i = 0; i < HEAD_SIZE; i += 8)
+                        _Pragma("GCC unroll 8")
+                        for (int t = 0; t < SPAN; t++) {
+                            const __m256 key = load8(kt + t * row + i);
+                            _Pragma("GCC unroll 8")
+                            for (int g = 0; g < heads; g++)
+                                a[g][t] = _mm256_fmadd_ps(key, _mm256_loadu_ps(qg + g * HEAD_SIZE + i), a[g][t]);
+                        }
+                    for (int g = 0; g < heads; g++)
+                        _mm256_storeu_ps(out + (h * GROUP + g0 + g) * num_tokens + start + t0,
+                                         _mm256_mul_ps(lane_sums(a[g]), scale_v));
                 }
             }
         }
@@ -181,28 +198,38 @@ static void weighted_values(const float *restrict weights, const ELEMENT *restri
 #endif
     #pragma omp parallel for schedule(static) if (num_tokens >= PARALLEL_TOKENS)
     for (int64_t h = 0; h < kv_heads; h++) {
+#if WIDE_ATTENTION
+        const float *w = weights + h * GROUP * num_tokens;
+        for (int c0 = 0; c0 < HEAD_SIZE; c0 += CHUNK) {
+            const int width = (HEAD_SIZE - c0 < CHUNK ? HEAD_SIZE - c0 : CHUNK) / 8;
+            __m256 a[GROUP][CHUNK / 8];
+            for (int g = 0; g < GROUP; g++)
+                for (int c = 0; c < CHUNK / 8; c++) a[g][c] = _mm256_setzero_ps();
+            for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
+                const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
+                const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row + h * HEAD_SIZE + c0;
+                const uint16_t *scales = block_scales(v_token_scales, block_table[b], tokens_per_block, kv_heads);
+                for (int64_t t = 0; t < n; t++, v += row) {
+                    _mm_prefetch(row_ahead(v_pool, block_table, b, blocks, t, tokens_per_block, row) +
+                                 (h * HEAD_SIZE + c0) * (int64_t)sizeof(ELEMENT), _MM_HINT_T0);
+                    const float scale = token_scale(scales, t, kv_heads, h, 1.0f);
+                    _Pragma("GCC unroll 8")
+                    for (int c = 0; c < width; c++) {
+                        const __m256 value = load8(v + 8 * c);
+                        _Pragma("GCC unroll 8")
+                        for (int g = 0; g < GROUP; g++)
+                            a[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[g * num_tokens + start + t] * scale), value,
+                                                      a[g][c]);
+                    }
+                }
+            }
+            for (int g = 0; g < GROUP; g++)
+                for (int c = 0; c < width; c++) _mm256_storeu_ps(out + (h * GROUP + g) * HEAD_SIZE + c0 + 8 * c, a[g][c]);
+        }
+#else
         for (int g = 0; g < GROUP; g++) {
             const float *w = weights + (h * GROUP + g) * num_tokens;
             float *acc = out + (h * GROUP + g) * HEAD_SIZE;
-#if WIDE_ATTENTION
-            for (int c0 = 0; c0 < HEAD_SIZE; c0 += CHUNK) {
-                const int width = (HEAD_SIZE - c0 < CHUNK ? HEAD_SIZE - c0 : CHUNK) / 8;
-                __m256 a[CHUNK / 8];
-                for (int c = 0; c < CHUNK / 8; c++) a[c] = _mm256_setzero_ps();
-                for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
-                    const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
-                    const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row + h * HEAD_SIZE + c0;
-                    const uint16_t *scales = block_scales(v_token_scales, block_table[b], tokens_per_block, kv_heads);
-                    for (int64_t t = 0; t < n; t++, v += row) {
-                        _mm_prefetch(row_ahead(v_pool, block_table, b, blocks, t, tokens_per_block, row) +
-                                     (h * HEAD_SIZE + c0) * (int64_t)sizeof(ELEMENT), _MM_HINT_T0);
-                        const __m256 p = _mm256_set1_ps(w[start + t] * token_scale(scales, t, kv_heads, h, 1.0f));
-                        for (int c = 0; c < width; c++) a[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), a[c]);
-                    }
-                }
-                for (int c = 0; c < width; c++) _mm256_storeu_ps(acc + c0 + 8 * c, a[c]);
-            }
-#else
             memset(acc, 0, sizeof(float) * HEAD_SIZE);
             for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
                 const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
@@ -214,8 +241,8 @@ static void weighted_values(const float *restrict weights, const ELEMENT *restri
                     for (int i = 0; i < HEAD_SIZE; i++) acc[i] += p * TO_FLOAT(v[i]);
                 }
             }
-#endif
         }
+#endif
     }
 }
 
