@@ -3,7 +3,8 @@
 Decoding is bound by memory reads. Five kernels in runtime/kernels/ serve that case:
 - ``matvec.c``: a linear layer for the tokens of a decode step (one per sequence) over the checkpoint's
   (out, in) fp32 or fp16 weights, read once for all of them;
-- ``quant_matvec.c``: the same over W8A16 and W4A16-AWQ weights, dequantized in registers;
+- ``quant_matvec.c``: the same over W8A16, W4A16-AWQ, int4-g32 and int8-head weights, dequantized in registers
+  (both on ``vec.h``'s vectors: 16 lanes with AVX-512, 8 with AVX2);
 - ``decode_attention.c``: the attention of one token straight from a paged cache of int8
   (static or per-token scales), fp16 or fp32 elements, with no gather and no converted copy of
   the history (built per element type, head size and group);

@@ -15,7 +15,8 @@
  * A long history is split over the OpenMP threads torch runs: the scores by blocks, the values by KV heads; each
  * score and each head's sum is computed by one thread in the same order, so the results do not depend on the
  * thread count. With AVX2 and FMA (x86-64) the scores of 8 tokens are summed at once (8 independent sums, added
- * across lanes together) and each head's weighted values stay in registers over the history; other CPUs, head
+ * across lanes together), each head's weighted values stay in registers over the history, and the query heads of a
+ * KV head share each key and value converted to floats as far as the registers hold their sums; other CPUs, head
  * sizes that are no multiple of 8 and builds with -DGENERIC take the plain loops.
  */
 #include <math.h>

@@ -1,15 +1,15 @@
 /* Y = X W^T + b for a few tokens: W is (rows, cols) row-major, fp32 (matvec) or fp16 (matvec_half), as
  * checkpoints store linear weights, X is (n, cols) and Y is (n, rows), one row per token.
  *
- * Decoding reads every weight once per step, so a step is bound by memory bandwidth. Four rows
- * are streamed side by side against a token's x (which stays in L1), keeping the loads sequential; this
- * reads weights 1.1-1.6x faster on one core than the BLAS call did on the machine it was measured on.
- * With several tokens (batched decode) the four rows, still in L1, serve each token in turn: the
- * weights come from memory once per step whatever n is, and each token's sums are computed exactly as
- * for n = 1. fp16 rows are converted into an L1 buffer first (F16C where the CPU has it, else half.h;
- * finite weights), then dotted as fp32 rows are: half the bytes read, the same sums. bias may be NULL.
- * Large matrices' row blocks are split over the OpenMP threads torch runs (torch.set_num_threads); each row is
- * summed by one thread as it is alone, so the results do not depend on the thread count.
+ * Decoding reads every weight once per step, so a step is bound by memory bandwidth. Blocks of rows are streamed
+ * side by side against a token's x (which stays in L1), keeping the loads sequential; with several tokens (batched
+ * decode) the block, still in L1, serves each token in turn: the weights come from memory once per step whatever n
+ * is, and each token's sums are computed exactly as for n = 1. The wide loop (dense_block, also W8A16's; vec.h: 16
+ * lanes with AVX-512, 8 with AVX2) converts a block's fp16 or int8 weights to floats in registers once for up to 4
+ * tokens: half or a quarter of the bytes read, the multiply-adds of fp32 rows. Elsewhere four rows go side by side
+ * (fp16 rows converted into an L1 buffer first, F16C or half.h; finite weights). bias may be NULL. Large matrices'
+ * row blocks are split over the OpenMP threads torch runs (torch.set_num_threads); each row is summed by one thread
+ * as it is alone, so the results do not depend on the thread count.
  */
 #ifndef CABIN_MATVEC_C  /* quant_matvec.c and decode_step.c both include it */
 #define CABIN_MATVEC_C

@@ -3,18 +3,19 @@
  * row per token; a block of weight rows, still in L1, serves each token in turn, so the weights come from memory
  * once per step whatever n is and each token's sums are computed exactly as for n = 1.
  *
- * matvec_int8 (W8A16): w int8 (rows, cols), one float32 scale per row: y[r] = scale[r] * sum_i w[r][i] x[i].
+ * matvec_int8 (W8A16): w int8 (rows, cols), one float32 scale per row: y[r] = scale[r] * sum_i w[r][i] x[i] (the
+ * wide loop is matvec.c's dense block over int8 rows).
  * matvec_int4 (W4A16_AWQ): packed int8 (rows / 2, cols), row 2p in the low nibble of packed row p and row 2p + 1
- * in the high one; scale float32 (rows, cols / group); x is already multiplied by the prequant scale. The AVX2
- * loop applies each group's scale once to the group's sum; the plain one dequantizes each packed row into two
- * L1-resident rows (both of its output rows), then dots them with x. Both AVX2 loops turn eight weights into floats
- * once for up to 4 tokens and fetch the rows a few blocks ahead (without it they wait on memory: half the speed
- * or less).
+ * in the high one; scale float32 (rows, cols / group); x is already multiplied by the prequant scale. The wide loop
+ * takes two packed rows at once and turns each LANES codes into their weights (code times group scale) once for up to
+ * 4 tokens; the plain one dequantizes each packed row into two L1-resident rows (both of its output rows), then dots
+ * them with x. Rows are fetched a few blocks ahead (without it the loops wait on memory: half the speed or less).
  * matvec_q4g32 (int4-g32, llama.cpp's Q4_1 block): codes uint8 (rows, cols / 2), 16 bytes per 32 inputs, input j of a
  * group in the low nibble of its byte j and input j + 16 in the high one; scale and minimum fp16 (rows, cols / 32):
- * y[r] = sum_g (sum_j (scale * q_j) x_j + minimum * sum_j x_j), each group's x sum computed once per call.
+ * y[r] = sum_g sum_j (scale * q_j + minimum) x_j.
  * matvec_q8g32 (the int8 head, llama.cpp's Q8_0 block): codes int8 (rows, cols), scale fp16 (rows, cols / 32).
- * Both convert a group's codes to floats once for every token of the step and apply its scale to each group sum.
+ * Both dequantize a group's codes in registers once for every token of the step (4-bit ones picked from the group's
+ * 16 values with AVX-512), then each token multiply-adds them.
  * With int8_x (int8 activations: llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dots, ONNX Runtime's MatMulNBits at
  * accuracy_level 4) each token's x is first rounded per 32 inputs, e = max |x| / 127, p = round(x / e) in [-127, 127]
  * (runtime/model/linear.py's int8_blocks), and a group sums the integer products q * p exactly:
@@ -23,11 +24,11 @@
  * no horizontal sums, so each further token of a step costs a fraction of the first; int8 codes take it where the
  * CPU has VNNI (-DNO_VNNI builds without it, as on AVX2-only CPUs).
  * bias may be NULL. Rows are split over the OpenMP threads as in matvec.c (PARALLEL_WEIGHTS), each summed by one
- * thread, so the results do not depend on the thread count. Like matvec.c, a step is bound by reading the weights:
- * 1 byte (int8) or half a byte (int4) per weight instead of 4, once each weight's conversion to float is cheap
- * enough: with AVX2 and FMA (x86-64)
- * eight weights are widened, converted and multiplied per instruction; other CPUs, rows whose length is not a
- * multiple of 8, and builds with -DGENERIC take the plain loops, which the compiler vectorizes as it can.
+ * thread, so the results do not depend on the thread count. One token's step is bound by reading the weights: 1 byte
+ * (int8) or half a byte (int4) per weight instead of 4; several tokens' by the multiply-adds, one per weight and
+ * token, which the wide loops (vec.h: 16 lanes with AVX-512, 8 with AVX2) do LANES at a time. Other CPUs, rows whose
+ * length is not a multiple of LANES, and builds with -DGENERIC take the plain loops, which the compiler vectorizes as
+ * it can.
  */
 #include <math.h>
 #include <stddef.h>
