@@ -259,7 +259,7 @@ static inline __attribute__((always_inline)) void g32_block_int8(const uint8_t *
     for (int i = 0; i < R * N; i++) acc[i] = sum8(sums[i]);
 }
 
-/* Both group formats: the R rows from r0 (a block of 4 for one token, 2 for up to 4 tokens, or a single row), the
+/* Both group formats: the R rows from r0 (a block of 4 for one token, FLOAT_ROWS for several, or a single row), the
  * tokens in chunks of up to 4 (a block is in L1 after the first chunk); each unit's scales and minima
  * are converted to floats once. Float x (the minimum in the dequantized weights), or (xq given) int8 x with scales e
  * (the minimum term sum_g m_g * xsum_tg, the x sums computed once per call). Inlined with four_bits constant (q4_rows_wide, q8_rows_wide). */
@@ -302,7 +302,7 @@ static inline __attribute__((always_inline)) void g32_unit(const void *codes, co
                      const int8_t *xq, const float *e, const float *xsum, float *y, int64_t n, int64_t rows, \
                      int64_t cols) \
     { \
-        const int64_t block = n == 1 || !xq ? FLOAT_ROWS : 2, blocks = rows / block, units = blocks + rows % block; \
+        const int64_t block = n == 1 ? 4 : FLOAT_ROWS, blocks = rows / block, units = blocks + rows % block; \
         _Pragma("omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)") \
         for (int64_t u = 0; u < units; u++) \
             g32_unit(codes, scale, minimum, x, xq, e, xsum, y, n, rows, cols, \

@@ -69,13 +69,14 @@ static inline vf vf_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_s
     default: CALL(4); \
     }
 
-/* BLOCK(R, N) with both constant, for R rows (4, 2 or 1) and a chunk of N tokens (1 to 4). */
+/* BLOCK(R, N) with both constant, for the blocks the loops take: 4 rows for one token, FLOAT_ROWS for a chunk of N
+ * tokens (1 to 4), a single row at the end. */
 #define BLOCK_SHAPES(BLOCK) \
     switch (N) { \
-    case 1: if (R == 4) { BLOCK(4, 1); } else if (R == 2) { BLOCK(2, 1); } else { BLOCK(1, 1); } break; \
-    case 2: if (R == 4) { BLOCK(4, 2); } else if (R == 2) { BLOCK(2, 2); } else { BLOCK(1, 2); } break; \
-    case 3: if (R == 4) { BLOCK(4, 3); } else if (R == 2) { BLOCK(2, 3); } else { BLOCK(1, 3); } break; \
-    default: if (R == 4) { BLOCK(4, 4); } else if (R == 2) { BLOCK(2, 4); } else { BLOCK(1, 4); } \
+    case 1: if (R == 4) { BLOCK(4, 1); } else if (R == FLOAT_ROWS) { BLOCK(FLOAT_ROWS, 1); } else { BLOCK(1, 1); } break; \
+    case 2: if (R == FLOAT_ROWS) { BLOCK(FLOAT_ROWS, 2); } else { BLOCK(1, 2); } break; \
+    case 3: if (R == FLOAT_ROWS) { BLOCK(FLOAT_ROWS, 3); } else { BLOCK(1, 3); } break; \
+    default: if (R == FLOAT_ROWS) { BLOCK(FLOAT_ROWS, 4); } else { BLOCK(1, 4); } \
     }
 #else
 #define WIDE 0
