@@ -126,16 +126,10 @@ static void dense_rows_wide(const void *w, const enum dense kind, const float *s
 }
 #endif
 
-void matvec(const float *restrict w, const float *restrict x, const float *restrict bias, float *restrict y,
-            int64_t n, int64_t rows, int64_t cols)
+/* fp32 rows four side by side (the plain loop). */
+static void float_rows(const float *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t rows,
+                       int64_t cols)
 {
-#if WIDE
-    if (cols % LANES == 0) {
-        dense_rows_wide(w, DENSE_FP32, NULL, x, y, n, rows, cols);
-        add_bias(bias, y, n, rows);
-        return;
-    }
-#endif
     const int64_t blocks = rows / 4;
     #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
     for (int64_t b = 0; b < blocks; b++) {
@@ -143,6 +137,17 @@ void matvec(const float *restrict w, const float *restrict x, const float *restr
         four_rows(w0, w0 + cols, w0 + 2 * cols, w0 + 3 * cols, x, y + 4 * b, n, rows, cols);
     }
     for (int64_t r = 4 * blocks; r < rows; r++) one_row(w + r * cols, x, y + r, n, rows, cols);
+}
+
+void matvec(const float *restrict w, const float *restrict x, const float *restrict bias, float *restrict y,
+            int64_t n, int64_t rows, int64_t cols)
+{
+#if WIDE
+    if (cols % LANES == 0)
+        dense_rows_wide(w, DENSE_FP32, NULL, x, y, n, rows, cols);
+    else
+#endif
+        float_rows(w, x, y, n, rows, cols);
     add_bias(bias, y, n, rows);
 }
 
@@ -156,16 +161,10 @@ static void halves_to_floats(const uint16_t *restrict h, float *restrict f, int6
     for (int64_t j = i; j < count; j++) f[j] = half_to_float(h[j]);
 }
 
-void matvec_half(const uint16_t *restrict w, const float *restrict x, const float *restrict bias,
-                 float *restrict y, int64_t n, int64_t rows, int64_t cols)
+/* fp16 rows converted four at a time into an L1 buffer, then dotted as fp32 rows are (the plain loop). */
+static void half_rows(const uint16_t *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t rows,
+                      int64_t cols)
 {
-#if WIDE
-    if (cols % LANES == 0) {
-        dense_rows_wide(w, DENSE_FP16, NULL, x, y, n, rows, cols);
-        add_bias(bias, y, n, rows);
-        return;
-    }
-#endif
     const int64_t blocks = rows / 4;
     #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
     for (int64_t b = 0; b < blocks; b++) {
@@ -178,6 +177,17 @@ void matvec_half(const uint16_t *restrict w, const float *restrict x, const floa
         halves_to_floats(w + r * cols, row, cols);
         one_row(row, x, y + r, n, rows, cols);
     }
+}
+
+void matvec_half(const uint16_t *restrict w, const float *restrict x, const float *restrict bias,
+                 float *restrict y, int64_t n, int64_t rows, int64_t cols)
+{
+#if WIDE
+    if (cols % LANES == 0)
+        dense_rows_wide(w, DENSE_FP16, NULL, x, y, n, rows, cols);
+    else
+#endif
+        half_rows(w, x, y, n, rows, cols);
     add_bias(bias, y, n, rows);
 }
 #endif
