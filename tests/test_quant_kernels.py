@@ -64,8 +64,6 @@ def g32_ops(rows: int, cols: int, gen: torch.Generator) -> tuple[Int4G32Linear, 
     return q4, Int8G32Table(torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8), scale)
 
 
-
-
 @pytest.mark.parametrize("int8_x", [False, True])
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("rows, cols, tokens", [(1536, 576, 1), (7, 64, 1), (6, 96, 3), (9, 160, 6), (24, 96, 5)])

@@ -64,6 +64,11 @@ static void add_bias(const float *restrict bias, float *restrict y, int64_t n, i
 #if WIDE
 enum dense { DENSE_FP32, DENSE_FP16, DENSE_INT8 };  /* the element of a dense weight row */
 
+static inline int64_t dense_bytes(const enum dense kind)  /* bytes of one weight */
+{
+    return kind == DENSE_FP32 ? 4 : kind == DENSE_FP16 ? 2 : 1;
+}
+
 /* R rows (cols apart) of fp32, fp16 or int8 weights (kind) over N tokens, all constants where inlined: each row's
  * LANES weights become floats once for the N tokens, each token's sums taken in the same order as alone; int8 rows
  * are scaled once at the end (W8A16). The rows PREFETCH_BLOCKS blocks on are fetched ahead. */
@@ -71,7 +76,7 @@ static inline __attribute__((always_inline)) void dense_block(const void *w, con
                                                               const float *x, float *y, int64_t rows, int64_t cols,
                                                               const int R, const int N)
 {
-    const int64_t bytes = kind == DENSE_FP32 ? 4 : kind == DENSE_FP16 ? 2 : 1;
+    const int64_t bytes = dense_bytes(kind);
     const char *ahead = (const char *)w + PREFETCH_BLOCKS * R * cols * bytes;
     vf acc[MAX_SUMS];
     _Pragma("GCC unroll 16")
@@ -106,7 +111,7 @@ static void dense_rows_wide(const void *w, const enum dense kind, const float *s
                             int64_t n, int64_t rows, int64_t cols)
 {
     const int64_t block = n == 1 ? 4 : FLOAT_ROWS, blocks = rows / block;
-    const int64_t bytes = kind == DENSE_FP32 ? 4 : kind == DENSE_FP16 ? 2 : 1;
+    const int64_t bytes = dense_bytes(kind);
     #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_WEIGHTS)
     for (int64_t u = 0; u < blocks + rows % block; u++) {
         const int64_t r = u < blocks ? u * block : blocks * block + (u - blocks), R = u < blocks ? block : 1;

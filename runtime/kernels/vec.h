@@ -1,12 +1,12 @@
 /* The float vector of the linear kernels' wide loops (matvec.c, quant_matvec.c): 16 lanes where the CPU has AVX-512,
  * else AVX2's 8 (-DNO_AVX512 builds those, as for an AVX2-only CPU). WIDE is 0 without AVX2, FMA and F16C and in
  * builds with -DGENERIC: there the plain loops run. A step of several tokens is bound by the multiply-adds, one per
- * weight per token, so twice the lanes take about half the time.
+ * weight per token, and an instruction does LANES of them.
  *
  * The blocks of rows these loops take keep their sums in registers: R rows and a chunk of N tokens (BLOCK_SHAPES,
  * TOKEN_CHUNK), both constants where a block is inlined, in arrays of a fixed size (R * N <= MAX_SUMS). A
  * variable-length array, even of a size constant after inlining, stays on the stack, and each sum went through
- * memory (about 1.5x the time).
+ * memory.
  */
 #ifndef CABIN_VEC_H
 #define CABIN_VEC_H
