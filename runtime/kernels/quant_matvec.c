@@ -160,18 +160,21 @@ static inline void q8_weights(const int8_t *codes, float d, vf *w)  /* a group's
  * registers: acc[r * N + t] = sum_g sum_j (d[r][g] * q_rgj + m[r][g]) x_tgj (4-bit codes; int8 ones have no m). Each
  * group's weights are dequantized in registers once for the N tokens, then each token multiply-adds them into its
  * sums (the minimum term costs nothing per token). A later block's codes (PREFETCH_BLOCKS blocks on) are prefetched
- * a slice per group: with the hardware prefetcher alone the loop waits on memory (half the speed). */
+ * a slice per group, its size a constant so that no loop is left around the prefetches: with the hardware prefetcher
+ * alone the loop waits on memory (half the speed). */
 static inline __attribute__((always_inline)) void g32_block(const uint8_t *codes, int64_t row_bytes, const float *d,
                                                             const float *m, const float *x, int64_t cols, float *acc,
                                                             const int R, const int N, const int four_bits)
 {
-    const int64_t groups = cols / G32, slice = R * row_bytes / groups;
+    const int64_t groups = cols / G32;
+    const int slice = R * (four_bits ? 16 : G32);  /* bytes of a group's R rows */
     const uint8_t *next = codes + PREFETCH_BLOCKS * R * row_bytes;
     vf sums[MAX_SUMS];
     _Pragma("GCC unroll 16")
     for (int i = 0; i < R * N; i++) sums[i] = vf_zero();
     for (int64_t g = 0; g < groups; g++) {
-        for (int64_t p = g * slice; p < (g + 1) * slice; p += 64) _mm_prefetch((const char *)(next + p), _MM_HINT_T0);
+        _Pragma("GCC unroll 4")
+        for (int k = 0; k < slice; k += 64) _mm_prefetch((const char *)(next + g * slice + k), _MM_HINT_T0);
         vf xv[4][GROUP_VECTORS];  /* the group's x of each token, loaded once for the R rows */
         _Pragma("GCC unroll 4")
         for (int t = 0; t < N; t++)
