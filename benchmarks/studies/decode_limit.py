@@ -24,6 +24,7 @@ from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
 from cabinllm.runtime.engine import Engine
 from cabinllm.runtime.generation.generate import prefill
+from cabinllm.runtime.generation.sampling import greedy
 from cabinllm.runtime.kernels.bindings import matvec
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache
@@ -59,7 +60,7 @@ def decode_ms(engine: Engine, cache: PagedKVCache, prompt_seq: Sequence, token: 
     start = time.perf_counter()
     for _ in range(steps):
         cache.append(seq, [token])
-        token = int(engine.model.forward([token], len(seq) - 1, cache, seq).argmax())
+        token = greedy(engine.model.forward([token], len(seq) - 1, cache, seq))
     elapsed = time.perf_counter() - start
     cache.free(seq)
     return elapsed / steps * 1e3

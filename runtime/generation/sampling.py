@@ -85,10 +85,18 @@ def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits
 
 
+def greedy(logits: torch.Tensor) -> int:
+    """The id of the largest of logits (vocab,), the first where several tie (on a CPU through numpy's argmax, the
+    faster of the two there)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float16):
+        return int(logits.detach().numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Pick the next token id from logits of shape (vocab,)."""
     if params.temperature == 0:
-        return int(torch.argmax(logits))
+        return greedy(logits)
     probs = torch.softmax(sampling_logits(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
