@@ -389,13 +389,32 @@ static inline __attribute__((always_inline)) void rows8_int8(const uint8_t *code
     for (int t = 0; t < N; t++) _mm256_storeu_ps(y + t * rows, sums[t]);
 }
 
-/* Eight rows' fp16 values (each row's groups one after another) as floats group by group: out[g * 8 + r]. */
+/* Eight vectors as the columns of the 8 x 8 matrix they were the rows of. */
+static inline void transpose8(__m256 *r)
+{
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++)
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20), r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+}
+
+/* Eight rows' fp16 values (each row's groups one after another) as floats group by group: out[g * 8 + r]; eight
+ * groups at a time converted and transposed in registers. */
 static void rows8_floats(const uint16_t *h, int64_t groups, float *out)
 {
-    float f[8 * groups];
-    halves_to_floats(h, f, 8 * groups);
-    for (int64_t g = 0; g < groups; g++)
-        for (int r = 0; r < 8; r++) out[g * 8 + r] = f[r * groups + g];
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++) r[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i * groups + g)));
+        transpose8(r);
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + (g + i) * 8, r[i]);
+    }
+    for (; g < groups; g++)
+        for (int r = 0; r < 8; r++) out[g * 8 + r] = half_to_float(h[r * groups + g]);
 }
 
 /* A group format on int8 x in units of eight rows (rows8_int8, the tokens in chunks of up to 4), the last rows % 8
