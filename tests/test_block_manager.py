@@ -390,3 +390,4 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.pytestmark = [pytest.mark.slow]  # hypothesis' runs of the machine: seconds

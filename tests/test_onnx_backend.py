@@ -251,6 +251,7 @@ def test_the_default_model_answers_as_the_reference_with_fp32_kv(default_engine,
             (want.prefill_tokens, want.reused_tokens)
 
 
+@pytest.mark.slow
 def test_a_session_with_tools_on_the_graphs_calls_as_on_the_reference(bytes_engine_dir, bytes_engine, tmp_path):
     folder = tmp_path / "bytes-int8"
     export_onnx(OnnxExportRequest(bytes_engine_dir, folder, 2048, 64, "int8", "npu"), log=lambda _m: None)

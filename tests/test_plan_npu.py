@@ -165,6 +165,7 @@ def test_tensorrt_plans_have_no_export_section(capsys, tiny_model):
     assert "cabin_export" not in plan and plan["trtllm_build_args"]["int8"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", ["fp16", "int8"])
 def test_cabin_build_for_an_npu_target_records_the_export_step(tiny_model, tmp_path, capsys, weights):
     out = tmp_path / "e"
