@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     low = min(100, engine.config.vocab_size // 4)  # clear of the special tokens at the ends of the vocabulary
     prompt = torch.randint(low, engine.config.vocab_size - low, (args.context,),
                            generator=torch.Generator().manual_seed(0)).tolist()
-    token = int(prefill(engine.model, cache, seq, prompt)[0].argmax())
+    token = greedy(prefill(engine.model, cache, seq, prompt)[0])
     read = step_weight_bytes(engine.model) + args.context * bytes_per_token(engine.model.kv_layout, mode,
                                                                              cache.tokens_per_block)
     decode_ms(engine, cache, seq, token, args.steps)  # warm-up
@@ -110,12 +110,11 @@ def main(argv: list[str] | None = None) -> int:
               "slower probe": [r for r in rounds if r["probe_us"] > FAST_PROBE * fastest]}
     summary = {name: {"rounds": len(rs), "probe_us": statistics.median(r["probe_us"] for r in rs),
                       "fraction": statistics.median(r["fraction"] for r in rs)} for name, rs in groups.items() if rs}
-    fractions = [r["fraction"] for r in rounds]
     result = {"machine": machine_info(), "command": " ".join(["python -m cabinllm.benchmarks.studies.decode_limit",
                                                                *(argv if argv is not None else sys.argv[1:])]),
               "engine": args.engine.name, "kv_mode": mode, "context": args.context, "steps": args.steps,
               "bytes_per_token": read, "read_bandwidth_bytes_s": bandwidth, "rounds": rounds,
-              "median_fraction": statistics.median(fractions), "by_probe": summary}
+              "median_fraction": statistics.median(r["fraction"] for r in rounds), "by_probe": summary}
     table = "\n".join([
         f"# Decode at the memory limit, round by round ({args.engine.name}, {mode} KV, {args.context} tokens of "
         f"context, {args.steps} steps per round, 1 thread)", "",
