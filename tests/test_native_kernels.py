@@ -84,7 +84,7 @@ def test_decode_attention_equals_torch_path(mode, kv_heads, group, head_size, to
 
 @pytest.mark.parametrize("mode", ["int8", "fp16", "int8-dynamic"])
 def test_decode_attention_gives_the_same_result_on_any_thread_count(keep_threads, mode):
-    """A long history is split over torch's threads (scores by blocks, values by KV heads); 1 and 2 threads agree
+    """A long history is split over torch's threads (by runs of blocks, combined in order); 1 and 2 threads agree
     exactly."""
     cache, seq, q = history(mode, 3, 3, 64, 32, 1000)
     stored = cache.storage.stored_kv(1, cache.block_table(seq), 1000)

@@ -259,6 +259,8 @@ class DecodeAttention:
         self.dtype, self.head_size, self.group = dtype, head_size, group
         self._fn = _bind(library, "decode_attention",
                          [_POINTER] * 6 + [_SIZE, _SIZE, _SIZE, _SIZE, _REAL, _REAL, _POINTER, _POINTER])
+        self._scratch = _bind(library, "decode_attention_scratch", [_SIZE, _SIZE, _SIZE])
+        self._scratch.restype = _SIZE
 
     def __call__(self, q: torch.Tensor, stored: StoredKV, num_tokens: int, first: int = 0) -> torch.Tensor:
         """Attention of q (heads, head_size) over the tokens [first, num_tokens) of the table's cached ones.
@@ -278,7 +280,7 @@ class DecodeAttention:
         if len(block_table) * tokens_per_block < num_tokens:
             raise ValueError(f"{num_tokens} tokens do not fit the {len(block_table)} blocks of the table")
         q = q.contiguous()
-        scratch = torch.empty(q.shape[0], num_tokens)
+        scratch = torch.empty(self._scratch(num_tokens, tokens_per_block, kv_heads))
         out = torch.empty(q.shape[0], head_size)
         self._fn(q.data_ptr(), stored.k.data_ptr(), stored.v.data_ptr(),
                  *(None if t is None else t.data_ptr() for t in token_scales), block_table.data_ptr(),

@@ -1,9 +1,12 @@
 /* Decode attention of one token straight from a paged KV cache, in the cache's element type.
  *
- * One call covers one layer: the scores of every query head against every cached key (one pass over
- * K, token rows in order), a softmax per head, and the weighted sum of the cached values (one pass
- * over V). Query head j reads KV head j / GROUP. Elements are read from their blocks and
- * converted on the fly; nothing is gathered or dequantized into a copy of the history.
+ * One call covers one layer. The history is cut into runs of whole blocks (RUN_TOKENS tokens or the nearest
+ * number of blocks above), and a KV head's run is one unit of work: the scores of the KV head's GROUP query heads
+ * against the run's keys (one pass over them), their maximum m, p = exp(score - m) and its sum l, and the values
+ * weighted by p (one pass over the run's values). The units' results are then combined per query head as
+ * flash-decoding does: out = v_scale * sum_r exp(m_r - M) o_r / sum_r exp(m_r - M) l_r, M the largest m_r. Elements
+ * are read from their blocks and converted on the fly; nothing is gathered or dequantized into a copy of the
+ * history. Query head j reads KV head j / GROUP.
  * A static INT8 cache's K scale and 1/sqrt(head_size) come in as qk_scale, its V scale as v_scale.
  * A per-token INT8 cache also passes its fp16 scales per token and KV head (blocks,
  * tokens_per_block, kv_heads) as k_token_scales and v_token_scales; they are NULL otherwise.
@@ -12,26 +15,30 @@
  * -DHALF_ELEMENTS for fp16 bits), -DHEAD_SIZE=... and -DGROUP=... (query heads per KV head), so
  * the inner loops have fixed lengths.
  * Pools are one layer's (blocks, tokens_per_block, kv_heads, HEAD_SIZE) tensors.
- * A long history is split over the OpenMP threads torch runs: the scores by blocks, the values by KV heads; each
- * score and each head's sum is computed by one thread in the same order, so the results do not depend on the
- * thread count. With AVX2 and FMA (x86-64) the scores of 8 tokens are summed at once (8 independent sums, added
- * across lanes together), each head's weighted values stay in registers over the history, and the query heads of a
- * KV head share each key and value converted to floats as far as the registers hold their sums; other CPUs, head
- * sizes that are no multiple of 8 and builds with -DGENERIC take the plain loops.
+ * A long history's units are split over the OpenMP threads torch runs. The runs do not depend on the thread count
+ * and each unit is computed by one thread in the same order, so the results do not either. With AVX2 and FMA
+ * (x86-64) the scores of 8 tokens are summed at once (8 independent sums, added across lanes together), the query
+ * heads of a KV head share each key and value converted to floats as far as the registers hold their sums, and the
+ * weighted values take vec.h's vectors (16 lanes with AVX-512); other CPUs, head sizes that are no multiple of 8 and
+ * builds with -DGENERIC take the plain loops. Each run prefetches its next block's rows of the KV head.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "half.h"
+#include "vec.h"
 
 #define PARALLEL_TOKENS 256  /* histories at least this long are split over the OpenMP threads */
+#define RUN_TOKENS 128  /* tokens of a run, rounded up to whole blocks */
+#define PARTIAL (HEAD_SIZE + 2)  /* floats of a query head's result over one run: o, then m and l */
 
 #ifdef HALF_ELEMENTS
 #define TO_FLOAT(x) half_to_float(x)
 #else
 #define TO_FLOAT(x) ((float)(x))
 #endif
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
 
 /* How many of a block's tokens, from token `start` of the sequence on, are among its num_tokens. */
 static inline int64_t tokens_in_block(int64_t start, int64_t num_tokens, int64_t tokens_per_block)
@@ -46,22 +53,42 @@ static inline const uint16_t *block_scales(const uint16_t *scales, int64_t block
     return scales ? scales + block * tokens_per_block * kv_heads : NULL;
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(GENERIC) && HEAD_SIZE % 8 == 0
-#include <immintrin.h>
+/* The scale of a key or value: the cache's static one, times its token's where the cache has per-token scales. */
+static inline float token_scale(const uint16_t *token_scales, int64_t t, int64_t kv_heads, int64_t h, float scale)
+{
+    return token_scales ? scale * half_to_float(token_scales[t * kv_heads + h]) : scale;
+}
+
+/* Blocks of a run. */
+static inline int64_t run_blocks(int64_t tokens_per_block)
+{
+    return (RUN_TOKENS + tokens_per_block - 1) / tokens_per_block;
+}
+
+/* Floats of scratch a call needs for a history of num_tokens: each unit's partial results. */
+int64_t decode_attention_scratch(int64_t num_tokens, int64_t tokens_per_block, int64_t kv_heads)
+{
+    const int64_t per_run = run_blocks(tokens_per_block) * tokens_per_block;
+    return (num_tokens + per_run - 1) / per_run * kv_heads * GROUP * PARTIAL;
+}
+
+#if WIDE && HEAD_SIZE % 8 == 0
 #define WIDE_ATTENTION 1
-#define SPAN 8    /* tokens whose scores are summed together */
-#define AHEAD 16  /* tokens ahead whose rows are prefetched (the hardware prefetcher alone leaves the loops waiting) */
-/* Vector registers the loops keep sums in: AVX-512 gives 32 (ymm0-31), AVX2 16. The query heads of a KV head share each
- * key and value converted to floats: as many as the sums fit (HEADS_AT_ONCE of the GROUP for the scores, all of them
- * over CHUNK channels for the values; a KV head's 3 on AVX-512: each row converted once, not once per query head). */
-#if defined(__AVX512VL__) && !defined(NO_AVX512)
+#define SPAN 8  /* tokens whose scores are summed together */
+/* Vector registers the loops keep sums in: AVX-512 gives 32, AVX2 16. The query heads of a KV head share each key and
+ * value converted to floats: as many as the sums fit (HEADS_AT_ONCE of the GROUP for the scores, all of them over
+ * CHUNK channels for the values; a KV head's 3 on AVX-512: each row converted once, not once per query head). */
+#if LANES == 16
 #define SUM_REGISTERS 24
 #else
 #define SUM_REGISTERS 12
 #endif
-#define MIN(a, b) ((a) < (b) ? (a) : (b))
 #define HEADS_AT_ONCE MIN(GROUP, (SUM_REGISTERS / SPAN > 0 ? SUM_REGISTERS / SPAN : 1))
-#define CHUNK (8 * MIN(HEAD_SIZE / 8, (SUM_REGISTERS / GROUP > 0 ? SUM_REGISTERS / GROUP : 1)))  /* channels at once */
+#if HEAD_SIZE % LANES == 0
+#define VALUE_LANES LANES  /* the weighted values' vectors: vec.h's */
+#else
+#define VALUE_LANES 0  /* a head size no multiple of 16 on AVX-512: the plain loop */
+#endif
 
 static inline __m256 load8(const ELEMENT *p)  /* eight elements as floats */
 {
@@ -74,14 +101,15 @@ static inline __m256 load8(const ELEMENT *p)  /* eight elements as floats */
 #endif
 }
 
-/* The row AHEAD tokens after token t of block b (in a later block where that is past this one's end): what the
- * loops prefetch. Past the history's last block it points beyond it, which a prefetch never faults on. */
-static inline const char *row_ahead(const ELEMENT *pool, const int64_t *block_table, int64_t b, int64_t blocks,
-                                    int64_t t, int64_t tokens_per_block, int64_t row)
+static inline vf load_lanes(const ELEMENT *p)  /* LANES elements as floats */
 {
-    t += AHEAD;
-    while (t >= tokens_per_block && b + 1 < blocks) b++, t -= tokens_per_block;
-    return (const char *)(pool + (block_table[b] * tokens_per_block + t) * row);
+#if defined(HALF_ELEMENTS)
+    return vf_half(p);
+#elif defined(INT8_ELEMENTS)
+    return vf_int8(p);
+#else
+    return vf_load(p);
+#endif
 }
 
 /* Lane t: the sum of a[t]'s eight lanes. */
@@ -93,161 +121,165 @@ static inline __m256 lane_sums(const __m256 *a)
 }
 #else
 #define WIDE_ATTENTION 0
+#define VALUE_LANES 0
 #endif
 
-/* The scale of a key or value: the cache's static one, times its token's where the cache has per-token scales. */
-static inline float token_scale(const uint16_t *token_scales, int64_t t, int64_t kv_heads, int64_t h, float scale)
-{
-    return token_scales ? scale * half_to_float(token_scales[t * kv_heads + h]) : scale;
-}
+#define AHEAD 16  /* tokens ahead whose rows are prefetched (the hardware prefetcher alone leaves the loops waiting) */
 
-/* Scores of every query head against tokens [from, n) of one block (k: its first token's row), one at a time. */
-static void block_scores(const float *restrict q, const ELEMENT *restrict k, const uint16_t *restrict token_scales,
-                         int64_t from, int64_t n, int64_t kv_heads, float qk_scale, float *restrict out,
-                         int64_t num_tokens)
+/* The row of token j of a block of n (first row at p; past its end, the next block's, from next: NULL for none) into
+ * the cache, row elements of it. */
+static inline void prefetch_row(const ELEMENT *p, const ELEMENT *next, int64_t j, int64_t n, int64_t row)
 {
-    for (int64_t t = from; t < n; t++) {
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const ELEMENT *kt = k + (t * kv_heads + h) * HEAD_SIZE;
-            const float scale = token_scale(token_scales, t, kv_heads, h, qk_scale);
-            float key[HEAD_SIZE];
-            for (int i = 0; i < HEAD_SIZE; i++) key[i] = TO_FLOAT(kt[i]);
-            for (int g = 0; g < GROUP; g++) {
-                const float *qg = q + (h * GROUP + g) * HEAD_SIZE;
-                float dot = 0.0f;
-                #pragma omp simd reduction(+:dot)
-                for (int i = 0; i < HEAD_SIZE; i++) dot += qg[i] * key[i];
-                out[(h * GROUP + g) * num_tokens + t] = dot * scale;
-            }
-        }
-    }
-}
-
-/* Scores of every query head against each cached key, token rows read in order (one pass over K). */
-static void scores(const float *restrict q, const ELEMENT *restrict k_pool, const uint16_t *restrict k_token_scales,
-                   const int64_t *restrict block_table, int64_t num_tokens, int64_t tokens_per_block,
-                   int64_t kv_heads, float qk_scale, float *restrict out)
-{
-    const int64_t row = kv_heads * HEAD_SIZE, blocks = (num_tokens + tokens_per_block - 1) / tokens_per_block;
-    #pragma omp parallel for schedule(static) if (num_tokens >= PARALLEL_TOKENS)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t start = b * tokens_per_block, n = tokens_in_block(start, num_tokens, tokens_per_block);
-        const ELEMENT *k = k_pool + block_table[b] * tokens_per_block * row;
-        const uint16_t *token_scales = block_scales(k_token_scales, block_table[b], tokens_per_block, kv_heads);
-        int64_t t0 = 0;
-#if WIDE_ATTENTION
-        for (; t0 + SPAN <= n; t0 += SPAN) {
-            for (int64_t i = 0; i < SPAN * row * (int64_t)sizeof(ELEMENT); i += 64)
-                _mm_prefetch(row_ahead(k_pool, block_table, b, blocks, t0, tokens_per_block, row) + i, _MM_HINT_T0);
-            for (int64_t h = 0; h < kv_heads; h++) {
-                const ELEMENT *kt = k + (t0 * kv_heads + h) * HEAD_SIZE;
-                float scale[SPAN];
-                for (int t = 0; t < SPAN; t++) scale[t] = token_scale(token_scales, t0 + t, kv_heads, h, qk_scale);
-                const __m256 scale_v = _mm256_loadu_ps(scale);
-                for (int g0 = 0; g0 < GROUP; g0 += HEADS_AT_ONCE) {
-                    const int heads = MIN(HEADS_AT_ONCE, GROUP - g0);
-                    const float *qg = q + (h * GROUP + g0) * HEAD_SIZE;
-                    __m256 a[HEADS_AT_ONCE][SPAN];
-                    for (int g = 0; g < heads; g++)
-                        for (int t = 0; t < SPAN; t++) a[g][t] = _mm256_setzero_ps();
-                    for (int i = 0; i < HEAD_SIZE; i += 8)
-                        _Pragma("GCC unroll 8")
-                        for (int t = 0; t < SPAN; t++) {
-                            const __m256 key = load8(kt + t * row + i);
-                            _Pragma("GCC unroll 8")
-                            for (int g = 0; g < heads; g++)
-                                a[g][t] = _mm256_fmadd_ps(key, _mm256_loadu_ps(qg + g * HEAD_SIZE + i), a[g][t]);
-                        }
-                    for (int g = 0; g < heads; g++)
-                        _mm256_storeu_ps(out + (h * GROUP + g0 + g) * num_tokens + start + t0,
-                                         _mm256_mul_ps(lane_sums(a[g]), scale_v));
-                }
-            }
-        }
-#endif
-        block_scores(q, k, token_scales, t0, n, kv_heads, qk_scale, out + start, num_tokens);
-    }
-}
-
-/* Turns each row of scores into softmax weights times v_scale. */
-static void softmax_rows(float *restrict scores, int64_t rows, int64_t num_tokens, float v_scale)
-{
-    for (int64_t r = 0; r < rows; r++) {
-        float *s = scores + r * num_tokens, max = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < num_tokens; t++) max = s[t] > max ? s[t] : max;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < num_tokens; t++) {
-            s[t] = expf(s[t] - max);
-            sum += s[t];
-        }
-        const float weight = v_scale / sum;
-        #pragma omp simd
-        for (int64_t t = 0; t < num_tokens; t++) s[t] *= weight;
-    }
-}
-
-/* Weighted sum of the cached values for every query head, token rows read in order (one pass over V per query
- * head; each KV head's slice of it by one thread). */
-static void weighted_values(const float *restrict weights, const ELEMENT *restrict v_pool,
-                            const uint16_t *restrict v_token_scales, const int64_t *restrict block_table,
-                            int64_t num_tokens, int64_t tokens_per_block,
-                            int64_t kv_heads, float *restrict out)
-{
-    const int64_t row = kv_heads * HEAD_SIZE;
-#if WIDE_ATTENTION
-    const int64_t blocks = (num_tokens + tokens_per_block - 1) / tokens_per_block;
-#endif
-    #pragma omp parallel for schedule(static) if (num_tokens >= PARALLEL_TOKENS)
-    for (int64_t h = 0; h < kv_heads; h++) {
-#if WIDE_ATTENTION
-        const float *w = weights + h * GROUP * num_tokens;
-        for (int c0 = 0; c0 < HEAD_SIZE; c0 += CHUNK) {
-            const int width = (HEAD_SIZE - c0 < CHUNK ? HEAD_SIZE - c0 : CHUNK) / 8;
-            __m256 a[GROUP][CHUNK / 8];
-            for (int g = 0; g < GROUP; g++)
-                for (int c = 0; c < CHUNK / 8; c++) a[g][c] = _mm256_setzero_ps();
-            for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
-                const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
-                const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row + h * HEAD_SIZE + c0;
-                const uint16_t *scales = block_scales(v_token_scales, block_table[b], tokens_per_block, kv_heads);
-                for (int64_t t = 0; t < n; t++, v += row) {
-                    _mm_prefetch(row_ahead(v_pool, block_table, b, blocks, t, tokens_per_block, row) +
-                                 (h * HEAD_SIZE + c0) * (int64_t)sizeof(ELEMENT), _MM_HINT_T0);
-                    const float scale = token_scale(scales, t, kv_heads, h, 1.0f);
-                    _Pragma("GCC unroll 8")
-                    for (int c = 0; c < width; c++) {
-                        const __m256 value = load8(v + 8 * c);
-                        _Pragma("GCC unroll 8")
-                        for (int g = 0; g < GROUP; g++)
-                            a[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[g * num_tokens + start + t] * scale), value,
-                                                      a[g][c]);
-                    }
-                }
-            }
-            for (int g = 0; g < GROUP; g++)
-                for (int c = 0; c < width; c++) _mm256_storeu_ps(out + (h * GROUP + g) * HEAD_SIZE + c0 + 8 * c, a[g][c]);
-        }
+#if WIDE
+    const ELEMENT *at = j < n ? p + j * row : next ? next + (j - n) * row : NULL;
+    if (at)
+        for (int64_t i = 0; i < row * (int64_t)sizeof(ELEMENT); i += 64) _mm_prefetch((const char *)at + i, _MM_HINT_T0);
 #else
-        for (int g = 0; g < GROUP; g++) {
-            const float *w = weights + (h * GROUP + g) * num_tokens;
-            float *acc = out + (h * GROUP + g) * HEAD_SIZE;
-            memset(acc, 0, sizeof(float) * HEAD_SIZE);
-            for (int64_t start = 0, b = 0; start < num_tokens; start += tokens_per_block, b++) {
-                const int64_t n = tokens_in_block(start, num_tokens, tokens_per_block);
-                const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row + h * HEAD_SIZE;
-                const uint16_t *scales = block_scales(v_token_scales, block_table[b], tokens_per_block, kv_heads);
-                for (int64_t t = 0; t < n; t++, v += row) {
-                    const float p = w[start + t] * token_scale(scales, t, kv_heads, h, 1.0f);
-                    #pragma omp simd
-                    for (int i = 0; i < HEAD_SIZE; i++) acc[i] += p * TO_FLOAT(v[i]);
-                }
-            }
-        }
+    (void)p, (void)next, (void)j, (void)n, (void)row;
 #endif
+}
+
+/* Scores of a KV head's query heads q (GROUP, HEAD_SIZE) against a block's n keys (k: the head's key in the block's
+ * first row, rows `row` elements apart): s[g * stride + t], times qk_scale and the token's scale. With next (the
+ * first row of the block read after this one; given with KV head 0 only, whose k is its rows' start) the whole row
+ * AHEAD tokens on is prefetched as each token is read. */
+static void block_scores(const float *restrict q, const ELEMENT *restrict k, const ELEMENT *next,
+                         const uint16_t *restrict token_scales, int64_t n, int64_t row, int64_t kv_heads, int64_t h,
+                         float qk_scale, float *restrict s, int64_t stride)
+{
+    int64_t t0 = 0;
+#if WIDE_ATTENTION
+    for (; t0 + SPAN <= n; t0 += SPAN) {
+        if (next)
+            for (int t = 0; t < SPAN; t++) prefetch_row(k, next, t0 + t + AHEAD, n, row);
+        float scale[SPAN];
+        for (int t = 0; t < SPAN; t++) scale[t] = token_scale(token_scales, t0 + t, kv_heads, h, qk_scale);
+        const __m256 scale_v = _mm256_loadu_ps(scale);
+        for (int g0 = 0; g0 < GROUP; g0 += HEADS_AT_ONCE) {
+            const int heads = MIN(HEADS_AT_ONCE, GROUP - g0);
+            __m256 a[HEADS_AT_ONCE][SPAN];
+            for (int g = 0; g < heads; g++)
+                for (int t = 0; t < SPAN; t++) a[g][t] = _mm256_setzero_ps();
+            for (int i = 0; i < HEAD_SIZE; i += 8)
+                _Pragma("GCC unroll 8")
+                for (int t = 0; t < SPAN; t++) {
+                    const __m256 key = load8(k + (t0 + t) * row + i);
+                    _Pragma("GCC unroll 8")
+                    for (int g = 0; g < heads; g++)
+                        a[g][t] = _mm256_fmadd_ps(key, _mm256_loadu_ps(q + (g0 + g) * HEAD_SIZE + i), a[g][t]);
+                }
+            for (int g = 0; g < heads; g++)
+                _mm256_storeu_ps(s + (g0 + g) * stride + t0, _mm256_mul_ps(lane_sums(a[g]), scale_v));
+        }
+    }
+#endif
+    for (int64_t t = t0; t < n; t++) {
+        if (next) prefetch_row(k, next, t + AHEAD, n, row);
+        const ELEMENT *kt = k + t * row;
+        const float scale = token_scale(token_scales, t, kv_heads, h, qk_scale);
+        float key[HEAD_SIZE];
+        for (int i = 0; i < HEAD_SIZE; i++) key[i] = TO_FLOAT(kt[i]);
+        for (int g = 0; g < GROUP; g++) {
+            float dot = 0.0f;
+            #pragma omp simd reduction(+:dot)
+            for (int i = 0; i < HEAD_SIZE; i++) dot += q[g * HEAD_SIZE + i] * key[i];
+            s[g * stride + t] = dot * scale;
+        }
     }
 }
 
-/* q: (kv_heads * GROUP, HEAD_SIZE); scratch of (kv_heads * GROUP, num_tokens);
+/* o[g] += sum_t p[g * stride + t] v_t over a block's n values (v: the head's value in the block's first row; next
+ * as for block_scores). */
+static void block_values(const float *restrict p, const ELEMENT *restrict v, const ELEMENT *next, int64_t n,
+                         int64_t row, int64_t stride, float *restrict o)
+{
+#if VALUE_LANES
+    enum { CHUNK = VALUE_LANES * MIN(HEAD_SIZE / VALUE_LANES, SUM_REGISTERS / GROUP > 0 ? SUM_REGISTERS / GROUP : 1) };
+    for (int c0 = 0; c0 < HEAD_SIZE; c0 += CHUNK) {
+        const int width = MIN(HEAD_SIZE - c0, CHUNK) / VALUE_LANES;
+        vf a[GROUP][CHUNK / VALUE_LANES];
+        for (int g = 0; g < GROUP; g++)
+            for (int c = 0; c < width; c++) a[g][c] = vf_load(o + g * PARTIAL + c0 + VALUE_LANES * c);
+        for (int64_t t = 0; t < n; t++) {
+            if (c0 == 0 && next) prefetch_row(v, next, t + AHEAD, n, row);
+            _Pragma("GCC unroll 8")
+            for (int c = 0; c < width; c++) {
+                const vf value = load_lanes(v + t * row + c0 + VALUE_LANES * c);
+                _Pragma("GCC unroll 8")
+                for (int g = 0; g < GROUP; g++) a[g][c] = vf_fmadd(vf_set1(p[g * stride + t]), value, a[g][c]);
+            }
+        }
+        for (int g = 0; g < GROUP; g++)
+            for (int c = 0; c < width; c++) vf_store(o + g * PARTIAL + c0 + VALUE_LANES * c, a[g][c]);
+    }
+#else
+    for (int g = 0; g < GROUP; g++)
+        for (int64_t t = 0; t < n; t++) {
+            const float w = p[g * stride + t];
+            const ELEMENT *vt = v + t * row;
+            #pragma omp simd
+            for (int i = 0; i < HEAD_SIZE; i++) o[g * PARTIAL + i] += w * TO_FLOAT(vt[i]);
+        }
+#endif
+}
+
+/* The blocks [b0, b1) of the table: each query head's o (the values weighted by p), m and l into partial
+ * (kv_heads * GROUP, PARTIAL). Tokens before ``first`` are left out; a run with none left has m = -inf, l = 0. The
+ * KV heads take turns over each block (in L1 after the first), the first one prefetching the rows read next: the next
+ * block's, else the run's first values (after its last keys) or the next run's first keys (after its last values). */
+static void attend_run(const float *q, const ELEMENT *k_pool, const ELEMENT *v_pool, const uint16_t *k_token_scales,
+                       const uint16_t *v_token_scales, const int64_t *block_table, int64_t b0, int64_t b1,
+                       int64_t num_tokens, int64_t first, int64_t tokens_per_block, int64_t kv_heads, float qk_scale,
+                       float *partial)
+{
+    const int64_t row = kv_heads * HEAD_SIZE, start = b0 * tokens_per_block, heads = kv_heads * GROUP;
+    const int64_t n = MIN(b1 * tokens_per_block, num_tokens) - start;
+    const int64_t blocks = (num_tokens + tokens_per_block - 1) / tokens_per_block;
+    float s[heads * n];  /* scores, then p times the token's V scale */
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t count = tokens_in_block(b * tokens_per_block, num_tokens, tokens_per_block);
+        const ELEMENT *k = k_pool + block_table[b] * tokens_per_block * row;
+        const ELEMENT *next = (b + 1 < b1 ? k_pool + block_table[b + 1] * tokens_per_block * row
+                                          : v_pool + block_table[b0] * tokens_per_block * row);
+        for (int64_t h = 0; h < kv_heads; h++)
+            block_scores(q + h * GROUP * HEAD_SIZE, k + h * HEAD_SIZE, h == 0 ? next : NULL,
+                         block_scales(k_token_scales, block_table[b], tokens_per_block, kv_heads), count, row,
+                         kv_heads, h, qk_scale, s + h * GROUP * n + (b - b0) * tokens_per_block, n);
+    }
+    const int64_t skip = first > start ? MIN(first - start, n) : 0;  /* the window's start inside this run */
+    for (int64_t j = 0; j < heads; j++) {
+        float *sj = s + j * n, max = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < skip; t++) sj[t] = 0.0f;
+        for (int64_t t = skip; t < n; t++) max = sj[t] > max ? sj[t] : max;
+        if (skip < n) {
+            #pragma omp simd reduction(+:sum)
+            for (int64_t t = skip; t < n; t++) {
+                sj[t] = expf(sj[t] - max);
+                sum += sj[t];
+            }
+        }
+        partial[j * PARTIAL + HEAD_SIZE] = max, partial[j * PARTIAL + HEAD_SIZE + 1] = sum;
+        memset(partial + j * PARTIAL, 0, sizeof(float) * HEAD_SIZE);
+    }
+    if (v_token_scales)
+        for (int64_t t = 0; t < n; t++) {
+            const uint16_t *scales = block_scales(v_token_scales, block_table[b0 + t / tokens_per_block],
+                                                  tokens_per_block, kv_heads);
+            for (int64_t j = 0; j < heads; j++) s[j * n + t] *= token_scale(scales, t % tokens_per_block, kv_heads,
+                                                                            j / GROUP, 1.0f);
+        }
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t count = tokens_in_block(b * tokens_per_block, num_tokens, tokens_per_block);
+        const ELEMENT *v = v_pool + block_table[b] * tokens_per_block * row;
+        const ELEMENT *next = (b + 1 < b1 ? v_pool + block_table[b + 1] * tokens_per_block * row
+                               : b1 < blocks ? k_pool + block_table[b1] * tokens_per_block * row : NULL);
+        for (int64_t h = 0; h < kv_heads; h++)
+            block_values(s + h * GROUP * n + (b - b0) * tokens_per_block, v + h * HEAD_SIZE, h == 0 ? next : NULL,
+                         count, row, n, partial + h * GROUP * PARTIAL);
+    }
+}
+
+/* q: (kv_heads * GROUP, HEAD_SIZE); scratch of decode_attention_scratch(num_tokens, ...) floats;
  * out: (kv_heads * GROUP, HEAD_SIZE). The table's tokens before ``first`` are not attended to (a sliding window's
  * start inside its first block). */
 void decode_attention(const float *q, const ELEMENT *k_pool, const ELEMENT *v_pool,
@@ -255,10 +287,32 @@ void decode_attention(const float *q, const ELEMENT *k_pool, const ELEMENT *v_po
                       const int64_t *block_table, int64_t num_tokens, int64_t first, int64_t tokens_per_block,
                       int64_t kv_heads, float qk_scale, float v_scale, float *scratch, float *out)
 {
-    const int64_t rows = kv_heads * GROUP;
-    scores(q, k_pool, k_token_scales, block_table, num_tokens, tokens_per_block, kv_heads, qk_scale, scratch);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t t = 0; t < first; t++) scratch[r * num_tokens + t] = -INFINITY;
-    softmax_rows(scratch, rows, num_tokens, v_scale);
-    weighted_values(scratch, v_pool, v_token_scales, block_table, num_tokens, tokens_per_block, kv_heads, out);
+    const int64_t per_run = run_blocks(tokens_per_block), blocks = (num_tokens + tokens_per_block - 1) / tokens_per_block;
+    const int64_t runs = (blocks + per_run - 1) / per_run;
+    #pragma omp parallel for schedule(static) if (num_tokens >= PARALLEL_TOKENS)
+    for (int64_t r = 0; r < runs; r++)
+        attend_run(q, k_pool, v_pool, k_token_scales, v_token_scales, block_table, r * per_run,
+                   MIN((r + 1) * per_run, blocks), num_tokens, first, tokens_per_block, kv_heads, qk_scale,
+                   scratch + r * kv_heads * GROUP * PARTIAL);
+    for (int64_t h = 0; h < kv_heads; h++)
+        for (int g = 0; g < GROUP; g++) {
+            float most = -INFINITY, total = 0.0f;
+            for (int64_t r = 0; r < runs; r++) {
+                const float m = scratch[((r * kv_heads + h) * GROUP + g) * PARTIAL + HEAD_SIZE];
+                most = m > most ? m : most;
+            }
+            float *o = out + (h * GROUP + g) * HEAD_SIZE;
+            memset(o, 0, sizeof(float) * HEAD_SIZE);
+            for (int64_t r = 0; r < runs; r++) {
+                const float *partial = scratch + ((r * kv_heads + h) * GROUP + g) * PARTIAL;
+                if (partial[HEAD_SIZE + 1] == 0.0f) continue;  /* a run before the window */
+                const float weight = expf(partial[HEAD_SIZE] - most);
+                total += weight * partial[HEAD_SIZE + 1];
+                #pragma omp simd
+                for (int i = 0; i < HEAD_SIZE; i++) o[i] += weight * partial[i];
+            }
+            const float norm = v_scale / total;
+            #pragma omp simd
+            for (int i = 0; i < HEAD_SIZE; i++) o[i] *= norm;
+        }
 }

@@ -143,11 +143,11 @@ int decode_step(const LayerWeights *layers, int64_t num_layers, float *x, int64_
     int64_t longest = 0;
     for (int64_t t = 0; t < n; t++) longest = num_tokens[t] > longest ? num_tokens[t] : longest;
     float *work = malloc(sizeof(float) * (n * (2 * hidden + qkv_size + q_size + 2 * intermediate + widest)
-                                          + heads * longest));
+                                          + decode_attention_scratch(longest, tokens_per_block, kv_heads)));
     if (!work) return -1;
     float *h = work, *qkv = h + n * hidden, *attended = qkv + n * qkv_size, *fc = attended + n * q_size;
     float *gate = fc + n * intermediate, *branch = gate + n * intermediate, *scaled_x = branch + n * hidden;
-    float *scores = scaled_x + n * widest;
+    float *partials = scaled_x + n * widest;  /* decode_attention's scratch */
     const float inverse_sqrt = 1.0f / sqrtf((float)HEAD_SIZE);
     for (int64_t l = 0; l < num_layers; l++) {
         const LayerWeights *layer = layers + l;
@@ -167,7 +167,7 @@ int decode_step(const LayerWeights *layers, int64_t num_layers, float *x, int64_
         for (int64_t t = 0; t < n; t++)  /* after every token's K/V is stored; each reads its own sequence */
             decode_attention(qkv + t * qkv_size, k_pool, v_pool, NULL, NULL, block_tables + tables_start[t],
                              num_tokens[t], 0, tokens_per_block, kv_heads, k_scales[l] * inverse_sqrt, v_scales[l],
-                             scores, attended + t * q_size);
+                             partials, attended + t * q_size);
         run_linear(&layer->dense, attended, branch, scaled_x, n);
         for (int64_t i = 0; i < n * hidden; i++) x[i] += branch[i];
         for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, layer->post_norm, eps, hidden, h + t * hidden);

@@ -34,6 +34,7 @@ static inline __m256i widen8(const int8_t *p)  /* eight int8 -> eight int32 lane
 typedef __m512 vf;
 static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
 static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
 static inline vf vf_set1(float a) { return _mm512_set1_ps(a); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
@@ -48,6 +49,7 @@ static inline vf vf_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_load
 typedef __m256 vf;
 static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
 static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
 static inline vf vf_set1(float a) { return _mm256_set1_ps(a); }
 static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
