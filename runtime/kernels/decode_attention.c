@@ -17,10 +17,10 @@
  * Pools are one layer's (blocks, tokens_per_block, kv_heads, HEAD_SIZE) tensors.
  * A long history's units are split over the OpenMP threads torch runs. The runs do not depend on the thread count
  * and each unit is computed by one thread in the same order, so the results do not either. With AVX2 and FMA
- * (x86-64) the scores of 8 tokens are summed at once (8 independent sums, added across lanes together), the query
- * heads of a KV head share each key and value converted to floats as far as the registers hold their sums, and the
- * weighted values take vec.h's vectors (16 lanes with AVX-512); other CPUs, head sizes that are no multiple of 8 and
- * builds with -DGENERIC take the plain loops. Each run prefetches its next block's rows of the KV head.
+ * (x86-64) both loops take vec.h's vectors (16 lanes with AVX-512, 8 with AVX2): the scores of 8 tokens are summed at
+ * once (8 independent sums, added across lanes together) and the query heads of a KV head share each key and value
+ * converted to floats as far as the registers hold their sums; other CPUs, head sizes that are no multiple of the
+ * lanes and builds with -DGENERIC take the plain loops. The rows read next are prefetched AHEAD tokens on.
  */
 #include <math.h>
 #include <stdint.h>
@@ -72,7 +72,7 @@ int64_t decode_attention_scratch(int64_t num_tokens, int64_t tokens_per_block, i
     return (num_tokens + per_run - 1) / per_run * kv_heads * GROUP * PARTIAL;
 }
 
-#if WIDE && HEAD_SIZE % 8 == 0
+#if WIDE && HEAD_SIZE % LANES == 0
 #define WIDE_ATTENTION 1
 #define SPAN 8  /* tokens whose scores are summed together */
 /* Vector registers the loops keep sums in: AVX-512 gives 32, AVX2 16. The query heads of a KV head share each key and
@@ -84,22 +84,6 @@ int64_t decode_attention_scratch(int64_t num_tokens, int64_t tokens_per_block, i
 #define SUM_REGISTERS 12
 #endif
 #define HEADS_AT_ONCE MIN(GROUP, (SUM_REGISTERS / SPAN > 0 ? SUM_REGISTERS / SPAN : 1))
-#if HEAD_SIZE % LANES == 0
-#define VALUE_LANES LANES  /* the weighted values' vectors: vec.h's */
-#else
-#define VALUE_LANES 0  /* a head size no multiple of 16 on AVX-512: the plain loop */
-#endif
-
-static inline __m256 load8(const ELEMENT *p)  /* eight elements as floats */
-{
-#if defined(HALF_ELEMENTS)
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#elif defined(INT8_ELEMENTS)
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-    return _mm256_loadu_ps(p);
-#endif
-}
 
 static inline vf load_lanes(const ELEMENT *p)  /* LANES elements as floats */
 {
@@ -112,16 +96,29 @@ static inline vf load_lanes(const ELEMENT *p)  /* LANES elements as floats */
 #endif
 }
 
-/* Lane t: the sum of a[t]'s eight lanes. */
-static inline __m256 lane_sums(const __m256 *a)
+/* Lane t: the sum of a[t]'s lanes (SPAN vectors): halves, then quarters of the vectors added pairwise across them. */
+static inline __m256 span_sums(const vf *a)
 {
+#if LANES == 16
+    __m512 t[4], u[2];
+    for (int p = 0; p < 4; p++)  /* a[2p]'s halves added in the low 256 bits, a[2p + 1]'s in the high */
+        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xee));
+    for (int p = 0; p < 2; p++)  /* 128-bit quarter k: token 4p + k's four partial sums */
+        u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], 0xdd));
+    __m512 v = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xdd));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xb1));  /* quarter k: token k's sum in lane 0, token 4 + k's in 2 */
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 10, 6, 2, 12, 8,
+                                                                         4, 0), v));
+#else
     const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+#endif
 }
 #else
 #define WIDE_ATTENTION 0
-#define VALUE_LANES 0
 #endif
 
 #define AHEAD 16  /* tokens ahead whose rows are prefetched (the hardware prefetcher alone leaves the loops waiting) */
@@ -157,19 +154,19 @@ static void block_scores(const float *restrict q, const ELEMENT *restrict k, con
         const __m256 scale_v = _mm256_loadu_ps(scale);
         for (int g0 = 0; g0 < GROUP; g0 += HEADS_AT_ONCE) {
             const int heads = MIN(HEADS_AT_ONCE, GROUP - g0);
-            __m256 a[HEADS_AT_ONCE][SPAN];
+            vf a[HEADS_AT_ONCE][SPAN];
             for (int g = 0; g < heads; g++)
-                for (int t = 0; t < SPAN; t++) a[g][t] = _mm256_setzero_ps();
-            for (int i = 0; i < HEAD_SIZE; i += 8)
+                for (int t = 0; t < SPAN; t++) a[g][t] = vf_zero();
+            for (int i = 0; i < HEAD_SIZE; i += LANES)
                 _Pragma("GCC unroll 8")
                 for (int t = 0; t < SPAN; t++) {
-                    const __m256 key = load8(k + (t0 + t) * row + i);
+                    const vf key = load_lanes(k + (t0 + t) * row + i);
                     _Pragma("GCC unroll 8")
                     for (int g = 0; g < heads; g++)
-                        a[g][t] = _mm256_fmadd_ps(key, _mm256_loadu_ps(q + (g0 + g) * HEAD_SIZE + i), a[g][t]);
+                        a[g][t] = vf_fmadd(key, vf_load(q + (g0 + g) * HEAD_SIZE + i), a[g][t]);
                 }
             for (int g = 0; g < heads; g++)
-                _mm256_storeu_ps(s + (g0 + g) * stride + t0, _mm256_mul_ps(lane_sums(a[g]), scale_v));
+                _mm256_storeu_ps(s + (g0 + g) * stride + t0, _mm256_mul_ps(span_sums(a[g]), scale_v));
         }
     }
 #endif
@@ -193,24 +190,24 @@ static void block_scores(const float *restrict q, const ELEMENT *restrict k, con
 static void block_values(const float *restrict p, const ELEMENT *restrict v, const ELEMENT *next, int64_t n,
                          int64_t row, int64_t stride, float *restrict o)
 {
-#if VALUE_LANES
-    enum { CHUNK = VALUE_LANES * MIN(HEAD_SIZE / VALUE_LANES, SUM_REGISTERS / GROUP > 0 ? SUM_REGISTERS / GROUP : 1) };
+#if WIDE_ATTENTION
+    enum { CHUNK = LANES * MIN(HEAD_SIZE / LANES, SUM_REGISTERS / GROUP > 0 ? SUM_REGISTERS / GROUP : 1) };
     for (int c0 = 0; c0 < HEAD_SIZE; c0 += CHUNK) {
-        const int width = MIN(HEAD_SIZE - c0, CHUNK) / VALUE_LANES;
-        vf a[GROUP][CHUNK / VALUE_LANES];
+        const int width = MIN(HEAD_SIZE - c0, CHUNK) / LANES;
+        vf a[GROUP][CHUNK / LANES];
         for (int g = 0; g < GROUP; g++)
-            for (int c = 0; c < width; c++) a[g][c] = vf_load(o + g * PARTIAL + c0 + VALUE_LANES * c);
+            for (int c = 0; c < width; c++) a[g][c] = vf_load(o + g * PARTIAL + c0 + LANES * c);
         for (int64_t t = 0; t < n; t++) {
             if (c0 == 0 && next) prefetch_row(v, next, t + AHEAD, n, row);
             _Pragma("GCC unroll 8")
             for (int c = 0; c < width; c++) {
-                const vf value = load_lanes(v + t * row + c0 + VALUE_LANES * c);
+                const vf value = load_lanes(v + t * row + c0 + LANES * c);
                 _Pragma("GCC unroll 8")
                 for (int g = 0; g < GROUP; g++) a[g][c] = vf_fmadd(vf_set1(p[g * stride + t]), value, a[g][c]);
             }
         }
         for (int g = 0; g < GROUP; g++)
-            for (int c = 0; c < width; c++) vf_store(o + g * PARTIAL + c0 + VALUE_LANES * c, a[g][c]);
+            for (int c = 0; c < width; c++) vf_store(o + g * PARTIAL + c0 + LANES * c, a[g][c]);
     }
 #else
     for (int g = 0; g < GROUP; g++)
