@@ -8,12 +8,13 @@ from cabinllm.benchmarks.studies.decode_limit import main
 
 
 @pytest.mark.slow  # a 1 GiB read per round
-def test_decode_limit_writes_each_round_and_the_split_by_probe(tiny_engine_dir, tmp_path):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_limit_writes_each_round_and_the_split_by_probe(tiny_engine_dir, tmp_path, keep_threads, threads):
     output = tmp_path / "limit"
     assert main(["--engine", str(tiny_engine_dir), "--context", "20", "--steps", "3", "--rounds", "2",
-                 "--output", str(output)]) == 0
+                 "--threads", str(threads), "--output", str(output)]) == 0
     result = json.loads(output.with_suffix(".json").read_text())
-    assert len(result["rounds"]) == 2 and result["context"] == 20
+    assert len(result["rounds"]) == 2 and result["context"] == 20 and result["threads"] == threads
     assert result["read_bandwidth_bytes_s"] == max(r["read_bandwidth_bytes_s"] for r in result["rounds"])
     for r in result["rounds"]:
         assert r["step_ms"] > 0 and r["probe_us"] > 0

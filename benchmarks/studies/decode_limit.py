@@ -1,8 +1,8 @@
 """Why one sequence's decode speed swings between runs on a shared machine: each round times an engine's decode
-steps at a fixed context (1 thread), then the core's arithmetic rate (the probe: the engine's own MLP down
-projection, whose weights stay in L2, so no memory read bounds it), then the read bandwidth. A step's bytes
-(weights as held plus the context's KV) over its time, against the run's best read, is its fraction of the
-bandwidth. Rounds whose probe ran slow are those in which another process on the core's execution units, not
+steps at a fixed context (on --threads threads), then the cores' arithmetic rate (the probe: the engine's own MLP
+down projection, whose weights stay in L2, so no memory read bounds it), then the read bandwidth on as many threads.
+A step's bytes (weights as held plus the context's KV) over its time, against the run's best read, is its fraction
+of the bandwidth. Rounds whose probe ran slow are those in which another process on the cores' execution units, not
 memory, bound the step.
 
     python -m cabinllm.benchmarks.studies.decode_limit --engine engines/smollm2-int4-g32
@@ -47,8 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=positive_int, default=512, help="prompt tokens before decoding")
     parser.add_argument("--steps", type=positive_int, default=64, help="decode steps per round")
     parser.add_argument("--rounds", type=positive_int, default=15, help="rounds of steps then probe")
+    parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads of the steps, probe and read")
     parser.add_argument("--output", type=Path, default=None,
-                        help="results path, no suffix (default: benchmarks/results/decode_limit_<engine>)")
+                        help="results path, no suffix (default: benchmarks/results/decode_limit_<engine>, with "
+                             "_<N>threads after it on N > 1 threads)")
     return parser.parse_args(argv)
 
 
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.engine / "manifest.json").is_file():
         print(f"decode_limit: {args.engine} is no engine folder; build one with cabin-build", file=sys.stderr)
         return 2
-    CPU_THREADS.use(1)
+    CPU_THREADS.use(args.threads)
     engine = Engine.load(args.engine)
     if not isinstance(engine.model, Transformer):
         print(f"decode_limit: {args.engine} does not run on the reference engine", file=sys.stderr)
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in tqdm(range(args.rounds), desc="decode_limit", unit="round"):
         step = decode_ms(engine, cache, seq, token, args.steps)
         rounds.append({"step_ms": step, "probe_us": probe_us(engine),
-                       "read_bandwidth_bytes_s": read_bandwidth(1, BANDWIDTH_REPEATS)})
+                       "read_bandwidth_bytes_s": read_bandwidth(args.threads, BANDWIDTH_REPEATS)})
     bandwidth = max(r["read_bandwidth_bytes_s"] for r in rounds)  # the run's ceiling
     for r in rounds:
         r["fraction"] = read / (r["step_ms"] / 1e3) / bandwidth
@@ -113,11 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": machine_info(), "command": " ".join(["python -m cabinllm.benchmarks.studies.decode_limit",
                                                                *(argv if argv is not None else sys.argv[1:])]),
               "engine": args.engine.name, "kv_mode": mode, "context": args.context, "steps": args.steps,
+              "threads": args.threads,
               "bytes_per_token": read, "read_bandwidth_bytes_s": bandwidth, "rounds": rounds,
               "median_fraction": statistics.median(r["fraction"] for r in rounds), "by_probe": summary}
     table = "\n".join([
         f"# Decode at the memory limit, round by round ({args.engine.name}, {mode} KV, {args.context} tokens of "
-        f"context, {args.steps} steps per round, 1 thread)", "",
+        f"context, {args.steps} steps per round, {args.threads} thread{'s' if args.threads > 1 else ''})", "",
         f"Load average {result['machine']['load_average_1m']:.2f}; {read / 1e6:.1f} MB read per step. Each round: "
         f"{args.steps} decode steps, then the probe ({PROBE_CALLS} calls of the down projection), then the read "
         f"bandwidth (a 1 GiB buffer summed, best of {BANDWIDTH_REPEATS}). Fractions are taken against the best "
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         "| rounds | count | probe µs (median) | fraction (median) |", "|---|---|---|---|",
         *(f"| {name} | {s['rounds']} | {s['probe_us']:.1f} | {s['fraction']:.2f} |" for name, s in summary.items()),
         ""])
-    write_results(args.output or RESULTS / f"decode_limit_{args.engine.name}", result, table)
+    threads = f"_{args.threads}threads" if args.threads > 1 else ""
+    write_results(args.output or RESULTS / f"decode_limit_{args.engine.name}{threads}", result, table)
     return 0
 
 
