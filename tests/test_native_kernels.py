@@ -63,7 +63,7 @@ def test_matvec_rejects_a_wrong_shape(x_shape):
     ("int8-separate", 3, 3, 64, 32, 2049), ("int8", 2, 1, 16, 5, 1), ("int8-separate", 1, 4, 32, 7, 96),
     ("int8", 4, 2, 128, 16, 333), ("fp16", 3, 3, 64, 32, 300), ("fp32", 2, 2, 16, 4, 37),
     ("int4", 3, 3, 64, 32, 300), ("int4", 2, 1, 32, 8, 5), ("int8-dynamic", 3, 3, 64, 32, 300),
-    ("int8-dynamic", 2, 2, 16, 3, 20)])
+    ("int8-dynamic", 2, 2, 16, 3, 20), ("int8", 2, 2, 64, 256, 600)])
 @pytest.mark.parametrize("build", BUILDS)
 def test_decode_attention_equals_torch_path(mode, kv_heads, group, head_size, tokens_per_block, context, build):
     """This CPU's loops (the query heads of a KV head at once with AVX-512's registers), AVX2's and the plain ones

@@ -1,10 +1,10 @@
 /* Decode attention of one token straight from a paged KV cache, in the cache's element type.
  *
  * One call covers one layer. The history is cut into runs of whole blocks (RUN_TOKENS tokens or the nearest
- * number of blocks above), and a KV head's run is one unit of work: the scores of the KV head's GROUP query heads
- * against the run's keys (one pass over them), their maximum m, p = exp(score - m) and its sum l, and the values
- * weighted by p (one pass over the run's values). The units' results are then combined per query head as
- * flash-decoding does: out = v_scale * sum_r exp(m_r - M) o_r / sum_r exp(m_r - M) l_r, M the largest m_r. Elements
+ * number of blocks above), and a run is one unit of work: every query head's scores against the run's keys (one
+ * pass over them), their maximum m, p = exp(score - m) and its sum l, and the values weighted by p (one pass over the
+ * run's values). The runs' results are then combined per query head as flash-decoding does:
+ * out = v_scale * sum_r exp(m_r - M) o_r / sum_r exp(m_r - M) l_r, M the largest m_r. Elements
  * are read from their blocks and converted on the fly; nothing is gathered or dequantized into a copy of the
  * history. Query head j reads KV head j / GROUP.
  * A static INT8 cache's K scale and 1/sqrt(head_size) come in as qk_scale, its V scale as v_scale.
@@ -15,8 +15,8 @@
  * -DHALF_ELEMENTS for fp16 bits), -DHEAD_SIZE=... and -DGROUP=... (query heads per KV head), so
  * the inner loops have fixed lengths.
  * Pools are one layer's (blocks, tokens_per_block, kv_heads, HEAD_SIZE) tensors.
- * A long history's units are split over the OpenMP threads torch runs. The runs do not depend on the thread count
- * and each unit is computed by one thread in the same order, so the results do not either. With AVX2 and FMA
+ * A long history's runs are split over the OpenMP threads torch runs. The runs do not depend on the thread count
+ * and each is computed by one thread in the same order, so the results do not either. With AVX2 and FMA
  * (x86-64) both loops take vec.h's vectors (16 lanes with AVX-512, 8 with AVX2): the scores of 8 tokens are summed at
  * once (8 independent sums, added across lanes together) and the query heads of a KV head share each key and value
  * converted to floats as far as the registers hold their sums; other CPUs, head sizes that are no multiple of the
@@ -285,31 +285,26 @@ void decode_attention(const float *q, const ELEMENT *k_pool, const ELEMENT *v_po
                       int64_t kv_heads, float qk_scale, float v_scale, float *scratch, float *out)
 {
     const int64_t per_run = run_blocks(tokens_per_block), blocks = (num_tokens + tokens_per_block - 1) / tokens_per_block;
-    const int64_t runs = (blocks + per_run - 1) / per_run;
+    const int64_t runs = (blocks + per_run - 1) / per_run, heads = kv_heads * GROUP;
     #pragma omp parallel for schedule(static) if (num_tokens >= PARALLEL_TOKENS)
     for (int64_t r = 0; r < runs; r++)
         attend_run(q, k_pool, v_pool, k_token_scales, v_token_scales, block_table, r * per_run,
                    MIN((r + 1) * per_run, blocks), num_tokens, first, tokens_per_block, kv_heads, qk_scale,
-                   scratch + r * kv_heads * GROUP * PARTIAL);
-    for (int64_t h = 0; h < kv_heads; h++)
-        for (int g = 0; g < GROUP; g++) {
-            float most = -INFINITY, total = 0.0f;
-            for (int64_t r = 0; r < runs; r++) {
-                const float m = scratch[((r * kv_heads + h) * GROUP + g) * PARTIAL + HEAD_SIZE];
-                most = m > most ? m : most;
-            }
-            float *o = out + (h * GROUP + g) * HEAD_SIZE;
-            memset(o, 0, sizeof(float) * HEAD_SIZE);
-            for (int64_t r = 0; r < runs; r++) {
-                const float *partial = scratch + ((r * kv_heads + h) * GROUP + g) * PARTIAL;
-                if (partial[HEAD_SIZE + 1] == 0.0f) continue;  /* a run before the window */
-                const float weight = expf(partial[HEAD_SIZE] - most);
-                total += weight * partial[HEAD_SIZE + 1];
-                #pragma omp simd
-                for (int i = 0; i < HEAD_SIZE; i++) o[i] += weight * partial[i];
-            }
-            const float norm = v_scale / total;
+                   scratch + r * heads * PARTIAL);
+    for (int64_t j = 0; j < heads; j++) {  /* query head j's runs combined */
+        float most = -INFINITY, total = 0.0f, *o = out + j * HEAD_SIZE;
+        for (int64_t r = 0; r < runs; r++) most = fmaxf(most, scratch[(r * heads + j) * PARTIAL + HEAD_SIZE]);
+        memset(o, 0, sizeof(float) * HEAD_SIZE);
+        for (int64_t r = 0; r < runs; r++) {
+            const float *partial = scratch + (r * heads + j) * PARTIAL;
+            if (partial[HEAD_SIZE + 1] == 0.0f) continue;  /* a run before the window */
+            const float weight = expf(partial[HEAD_SIZE] - most);
+            total += weight * partial[HEAD_SIZE + 1];
             #pragma omp simd
-            for (int i = 0; i < HEAD_SIZE; i++) o[i] *= norm;
+            for (int i = 0; i < HEAD_SIZE; i++) o[i] += weight * partial[i];
         }
+        const float norm = v_scale / total;
+        #pragma omp simd
+        for (int i = 0; i < HEAD_SIZE; i++) o[i] *= norm;
+    }
 }
