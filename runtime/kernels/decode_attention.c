@@ -210,6 +210,7 @@ static void block_values(const float *restrict p, const ELEMENT *restrict v, con
             for (int c = 0; c < width; c++) vf_store(o + g * PARTIAL + c0 + LANES * c, a[g][c]);
     }
 #else
+    (void)next;  /* the plain loops leave prefetching to the hardware */
     for (int g = 0; g < GROUP; g++)
         for (int64_t t = 0; t < n; t++) {
             const float w = p[g * stride + t];
