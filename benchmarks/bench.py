@@ -24,7 +24,7 @@ from cabinllm.benchmarks.speed import measure_speed, speed_ratios, speed_rows
 from cabinllm.benchmarks.workload import long_sharegpt_dialogue, sharegpt_stream
 from cabinllm.calibration.hf_model import transformers_model
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.sources.model_source import DEFAULT_GGUF_NAME, default_gguf_path, source_label

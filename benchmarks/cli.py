@@ -16,7 +16,7 @@ from cabinllm.benchmarks.plots import write_figures
 from cabinllm.benchmarks.results_page import render_markdown
 from cabinllm.benchmarks.settings import BenchSettings, quick_settings
 from cabinllm.cli.args import entry_point
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text
 

@@ -9,7 +9,7 @@ from tqdm import tqdm
 from cabinllm.benchmarks.paired import median
 from cabinllm.benchmarks.runners.base import Runner
 from cabinllm.runtime.dialogue.session import DialogueSession
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.sampling import SamplingParams
 
 MIB = 1 << 20

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from cabinllm.calibration.sources import open_source
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import DataError
 
 

@@ -36,7 +36,7 @@ from cabinllm.builders.onnx_profiles import (HEAD_FORMS, PRECISIONS, WEIGHT_FORM
 from cabinllm.builders.progress import Steps
 from cabinllm.builders.qnn_quantize import CalibrationData, quantize_graphs
 from cabinllm.runtime.backends.qnn import check_htp_arch, compile_context_binaries, qnn_versions
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CheckpointError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text, staging_folder
 from cabinllm.runtime.formats.engine_folder import (CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE, EngineFolder,

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from cabinllm.cli.args import (add_cache_flags, add_image_flags, add_thread_flag, entry_point, help_of, image_limits,
                                int_range, kv_budget_bytes, positive_float, positive_int, use_threads)
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.server.app import ServeConfig, create_app
 from cabinllm.server.edge import API_KEY_ENV, MAX_HEADER_BYTES, CabinServer, ServeLimits, is_loopback, timed_h11

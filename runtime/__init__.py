@@ -12,7 +12,7 @@ model comes from), ``engine``, ``dialogue`` (sessions, overflow, session files) 
 from cabinllm.runtime.backends.select import SessionRequest, open_session
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.dialogue.session import DialogueSession
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import KvCacheConfig

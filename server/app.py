@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_message
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CapacityError, Fix, GrammarError, ImageError, QueueFull
 from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.grammar import (GrammarState, choice_grammar, json_schema_grammar, regex_grammar,

@@ -22,7 +22,7 @@ A block is allocated and hashed in the step that computes its K/V, so a prefix h
 Admission asks the cache's capacity queries (``PagedKVCache.blocks_to_admit``, ...); each reply's stop rules
 and the text it may show so far are every token loop's ``ReplyStream`` (cabinllm.runtime.generation.stops).
 Nothing here knows HTTP; results go to each request's ``on_output`` callback, called from the thread
-that runs ``step``. The engine's model must offer the batched step (``BatchedModel``).
+that runs ``step``. The engine's model must offer the batched step (``ModelRunner.batched``).
 """
 from __future__ import annotations
 
@@ -36,16 +36,16 @@ from typing import Callable
 import torch
 from prometheus_client import Histogram
 
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import ConfigError, GrammarError, QueueFull
 from cabinllm.runtime.generation.beam import BeamParams, BeamSearch
-from cabinllm.runtime.generation.generate import BatchedModel, MediaFeed
+from cabinllm.runtime.generation.generate import MediaFeed
 from cabinllm.runtime.generation.grammar import GrammarState
 from cabinllm.runtime.generation.sampling import SamplingParams, TokenLogprob, make_generator, sample, token_logprob
 from cabinllm.runtime.generation.stops import ReplyStream
 from cabinllm.runtime.kv.blocks import MediaSpan, Sequence, cdiv
 from cabinllm.runtime.kv.cache import CacheStats, PagedKVCache
-from cabinllm.runtime.model.transformer import Span
+from cabinllm.runtime.model.interface import Span
 
 log = logging.getLogger(__name__)
 TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -148,7 +148,7 @@ class Scheduler:
 
     def __init__(self, engine: Engine, cache: PagedKVCache, config: SchedulerConfig | None = None) -> None:
         """ConfigError when the engine's model has no batched step."""
-        if not isinstance(engine.model, BatchedModel):
+        if not engine.model.batched:
             raise ConfigError(f"{engine.folder}: its model ({type(engine.model).__name__}) runs one sequence at a time "
                               "and the scheduler batches every request in one step; serve an engine folder written "
                               "by cabin-build (the reference engine), or chat with this one through cabin-chat")
@@ -247,8 +247,7 @@ class Scheduler:
             return False
         t0 = time.perf_counter()
         rows = [r.request.media.rows for r in self._running if r.request.media]  # encoded where a span reads them
-        images = {"images": ChainMap(*rows)} if rows else {}  # only the reference engine takes pictures
-        logits = self.model.step(spans, self.cache, **images)
+        logits = self.model.step(spans, self.cache, media=ChainMap(*rows) if rows else None)
         peak = self.cache.stats()  # the most this step holds: before any sequence finishes
         beams: dict[_Running, list[torch.Tensor]] = {}
         for running, row in zip(owners, logits):

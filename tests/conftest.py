@@ -11,7 +11,7 @@ from cabinllm.builders.engine_build import BuildRequest, build_engine
 from cabinllm.calibration.hf_model import transformers_model
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.sources.import_cache import CACHE_ENV
 
 from fakes.tiny_model import write_tiny_llama

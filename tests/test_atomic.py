@@ -14,7 +14,7 @@ from typing import Callable
 import pytest
 
 from cabinllm.builders.engine_build import BuildRequest, build_engine
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.atomic import atomic_write_text, clean_leftovers, staging_folder
 
 from fakes.tiny_model import write_tiny_llama

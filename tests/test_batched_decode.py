@@ -6,7 +6,7 @@ import torch
 from cabinllm.runtime.errors import OutOfBlocks
 from cabinllm.runtime.generation.generate import prefill
 from cabinllm.runtime.kv.blocks import Sequence
-from cabinllm.runtime.model.transformer import Span
+from cabinllm.runtime.model.interface import Span
 
 VOCAB = 20  # the tiny model's vocabulary is small
 PROMPTS = [[5, 17, 3, 2, 9], [i % VOCAB for i in range(40, 87)], [11, 7, 7, 4, 3, 12, 19, 15, 1]]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cabinllm.builders.engine_build import BuildRequest, build_engine
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import PlanRefused, ScalesError, TargetError
 from cabinllm.runtime.formats.checkpoint import layer_prefix, load_checkpoint
 from cabinllm.runtime.formats.scales_file import (KVScales, LayerRanges, load_scales, load_scales_file,

@@ -14,7 +14,7 @@ from cabinllm.builders.engine_build import BuildRequest, build_engine
 from cabinllm.calibration.hf_model import transformers_model
 from cabinllm.calibration.weight_quant import calibration_tokens, modelopt_config
 from cabinllm.cli.build import main as build_main
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.checkpoint import linear_inputs, load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS, awq_group_size
@@ -22,7 +22,7 @@ from cabinllm.runtime.generation.generate import prefill, run_tokens
 from cabinllm.runtime.kernels.bindings import decode_step
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
-from cabinllm.runtime.model.transformer import Span
+from cabinllm.runtime.model.interface import Span
 from cabinllm.runtime.sources.model_source import import_model
 
 from fakes.tiny_model import write_tiny_llama

@@ -16,7 +16,7 @@ import cabinllm.cli.chat
 import cabinllm.cli.eval
 import cabinllm.cli.plan
 import cabinllm.runtime.dialogue.session
-import cabinllm.runtime.engine
+import cabinllm.runtime.engine.loader
 from cabinllm.cli import build as build_cli
 from cabinllm.cli import calibrate as cli_calibrate
 from cabinllm.cli import eval as cli_eval
@@ -94,7 +94,7 @@ def test_chat_budget_check_reads_this_machines_memory():
 def test_lone_surrogate_in_a_script_is_refused_naming_the_line(tiny_engine_dir, tmp_path, capsys, monkeypatch):
     script = tmp_path / "dialogue.jsonl"
     script.write_text('{"role": "user", "content": "set cabin"}\n{"role": "user", "content": "jazz \\ud800"}\n')
-    monkeypatch.setattr(cabinllm.runtime.engine.Engine, "load", lambda path: pytest.fail("the engine was loaded"))
+    monkeypatch.setattr(cabinllm.runtime.engine.loader.Engine, "load", lambda path: pytest.fail("the engine was loaded"))
     code, _, err = run_cli(cabinllm.cli.chat.main, ["--engine", str(tiny_engine_dir), "--script", str(script)], capsys)
     assert_one_error(code, err, f"{script}:2", "lone surrogate \\ud800 at character 6")
 

@@ -13,7 +13,7 @@ from cabinllm.calibration.equalize import (MAX_FACTOR, MIN_PAIR_SCALE, equalizat
                                            first_token_kv, grid_rotation, pair_multipliers)
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.calibration.stats import collect_stats
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.checkpoint import layer_prefix, load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.formats.scales_file import LayerRanges

@@ -20,7 +20,7 @@ from cabinllm.calibration.equalize import equalize
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.calibration.stats import collect_stats
 from cabinllm.runtime.dialogue.session import DialogueSession
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.generation.generate import generate, run_tokens

@@ -16,7 +16,7 @@ from test_hf_folders import cabin_build
 
 from cabinllm.calibration.hf_model import transformers_model
 from cabinllm.cli import build as build_cli
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.checkpoint import layer_prefix, load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.formats.weight_formats import LINEAR_LAYERS

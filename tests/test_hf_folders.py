@@ -19,7 +19,7 @@ from cabinllm.cli import build as build_cli
 from cabinllm.cli import export as export_cli
 from cabinllm.cli import plan as plan_cli
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS

@@ -19,7 +19,8 @@ from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
 from cabinllm.runtime.kv.modes import kv_mode
 from cabinllm.runtime.kv.storage import KVLayout
-from cabinllm.runtime.model.transformer import Span, Transformer, grouped_attention
+from cabinllm.runtime.model.interface import Span
+from cabinllm.runtime.model.transformer import Transformer, grouped_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the kernels")
 

@@ -13,7 +13,7 @@ from test_hf_folders import SHAPE, cabin_build
 
 from cabinllm.cli import export as export_cli
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
 from cabinllm.runtime.generation.generate import run_tokens
 

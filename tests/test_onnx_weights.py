@@ -15,7 +15,7 @@ from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
 from cabinllm.builders.onnx_profiles import ONNX_PROFILES
 from cabinllm.cli.export import main as export_main
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
 from cabinllm.runtime.formats.onnx_folder import TOKEN_GRAPH

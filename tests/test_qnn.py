@@ -22,7 +22,7 @@ from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.backends.qnn import compiled_arch, htp_session
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.dialogue.session import DialogueSession
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, CheckpointError, ConfigError, MissingDependency
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
 from cabinllm.runtime.formats.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH

@@ -125,7 +125,7 @@ def test_a_failed_step_ends_the_running_requests_and_serving_goes_on(tiny_engine
     _, on_output = collect()
     failed = Request(PROMPTS[0], params(), on_output)
     scheduler.submit(failed)
-    monkeypatch.setattr(tiny_engine.model, "step", lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(tiny_engine.model, "step", lambda *_, **__: (_ for _ in ()).throw(RuntimeError("boom")))
     stop = threading.Event()
     thread = threading.Thread(target=scheduler.run, args=(stop,))
     thread.start()

@@ -9,7 +9,7 @@ from test_families import write_family_folder
 from test_hf_folders import cabin_build
 
 from cabinllm.runtime.dialogue.session import DialogueSession
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import ConfigError, OutOfBlocks
 from cabinllm.runtime.generation.generate import generate, run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams

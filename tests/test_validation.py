@@ -17,7 +17,7 @@ from cabinllm.builders.engine_build import BuildRequest, build_engine
 from cabinllm.builders.scales_source import clipping_warning, scales_from_file
 from cabinllm.calibration.quick_scales import quick_kv_scales
 from cabinllm.cli.chat import main as chat_main
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CheckpointError, ScalesError
 from cabinllm.runtime.formats.checkpoint import ModelConfig, load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE

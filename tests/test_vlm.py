@@ -21,7 +21,7 @@ from test_hf_folders import cabin_build
 from cabinllm.benchmarks.random_vlm import FAMILIES, image, picture_dialogues, write_random_vlm
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, sink_window
 from cabinllm.runtime.dialogue.session import DialogueSession
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import ImageError
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import BlockManager, MediaSpan, Sequence

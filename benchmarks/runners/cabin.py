@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from cabinllm.benchmarks.runners.base import KVFootprint, Runner, RunTiming
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.weight_formats import head_format
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.sampling import SamplingParams

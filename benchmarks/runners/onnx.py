@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cabinllm.benchmarks.runners.base import KVFootprint, Runner, RunTiming, Unavailable, missing_module
 from cabinllm.benchmarks.runners.cabin import cabin_runner
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 
 GENAI = "onnxruntime-genai"
 

@@ -28,7 +28,7 @@ from cabinllm.benchmarks.machine import machine_info
 from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int, thread_count
 from cabinllm.runtime.dialogue.session import DialogueSession
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.model.threads import CPU_THREADS
 

@@ -22,7 +22,7 @@ from cabinllm.benchmarks.machine import machine_info, read_bandwidth
 from cabinllm.benchmarks.runners.cabin import step_weight_bytes
 from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.generate import prefill
 from cabinllm.runtime.generation.sampling import greedy
 from cabinllm.runtime.kernels.bindings import matvec

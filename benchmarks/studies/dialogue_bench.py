@@ -27,7 +27,7 @@ from cabinllm.benchmarks.workload import long_sharegpt_dialogue, sharegpt_stream
 from cabinllm.calibration.sources import open_source
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, sink_window
 from cabinllm.runtime.dialogue.session import DialogueSession
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.generate import generate, run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence

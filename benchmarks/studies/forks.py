@@ -19,7 +19,7 @@ import torch
 from cabinllm.benchmarks.machine import machine_info
 from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.model.threads import CPU_THREADS

@@ -19,12 +19,12 @@ import torch
 from cabinllm.benchmarks.machine import machine_info
 from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.model.threads import CPU_THREADS
-from cabinllm.runtime.model.transformer import Span
+from cabinllm.runtime.model.interface import Span
 
 PATHS = ("fused", "per-layer")
 BATCHED_PATHS = ("fused, one call", "per-layer", "fused, one call per sequence")

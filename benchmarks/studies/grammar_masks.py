@@ -25,7 +25,7 @@ from cabinllm.benchmarks.studies.tool_calls import COMMANDS, intent_schema, read
 from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
 from cabinllm.cli.chat import BUILTIN_TOOLS
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.grammar import JSON_LAYOUT, json_schema_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams

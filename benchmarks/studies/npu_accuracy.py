@@ -24,7 +24,7 @@ from cabinllm.builders.onnx_export import layer_output
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.cli.args import positive_int
 from cabinllm.runtime.backends.onnxruntime import HostInputs, load_onnx_engine
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.formats.onnx_folder import OnnxFolder
 from cabinllm.runtime.generation.generate import run_tokens

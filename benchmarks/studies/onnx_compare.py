@@ -31,7 +31,7 @@ from cabinllm.benchmarks.runners.onnx import GENAI, genai_kv_bytes_per_token, ge
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.cli.args import positive_int
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.generate import run_tokens
 
 # the perplexity runs: the reference engine at once (the base), the reference in the graphs' chunks, the ONNX

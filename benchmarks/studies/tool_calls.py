@@ -24,7 +24,7 @@ from cabinllm.benchmarks.machine import machine_info
 from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
 from cabinllm.cli.chat import BUILTIN_TOOLS
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.grammar import json_schema_grammar, reply_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.model.tools import Tool, read_tools

@@ -28,7 +28,7 @@ from cabinllm.builders.engine_build import BuildRequest, build_engine
 from cabinllm.cli.args import positive_int
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.dialogue.session import DialogueSession
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.model.threads import CPU_THREADS
 from cabinllm.runtime.model.vision import FeatureCache

@@ -17,7 +17,6 @@ context binaries (cabinllm.runtime.backends.qnn). onnxruntime is imported only h
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 
 from cabinllm.runtime.backends.qnn import context_session
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CheckpointError, ConfigError, ImageError, MissingDependency
 from cabinllm.runtime.formats.onnx_folder import (EXPORT_AGAIN, INPUTS_EMBEDS, LOCAL_MASK, LOCAL_ROPE_INPUTS,
                                                   PROMPT_GRAPH, ROPE_INPUTS, TOKEN_GRAPH, OnnxFolder, new_key,
@@ -34,7 +33,7 @@ from cabinllm.runtime.kv.blocks import MediaSpan, Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache
 from cabinllm.runtime.kv.storage import KVLayout, gather
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
-from cabinllm.runtime.model.transformer import ImageRows
+from cabinllm.runtime.model.interface import MediaTable, Span
 
 _UINT8_ZERO_POINT = 128  # int8 codes passed as uint8
 # --ort-provider name -> ONNX Runtime execution provider
@@ -76,7 +75,9 @@ class HostInputs:
 
 
 class OrtModel:
-    """The prompt and token graphs of an export, with the reference model's ``forward``."""
+    """The prompt and token graphs of an export: a ``ModelRunner`` of one sequence at a time."""
+
+    batched = False
 
     def __init__(self, folder: OnnxFolder, manifest: dict, provider: str = "cpu", threads: int | None = None,
                  htp_arch: int | None = None) -> None:
@@ -104,9 +105,16 @@ class OrtModel:
         """Shape of this model's KV cache."""
         return KVLayout.of(self.config)
 
+    def step(self, spans: list[Span], cache: PagedKVCache, all_logits: bool = False,
+             media: MediaTable | None = None) -> torch.Tensor:
+        """``forward`` of each span in turn (the graphs hold one sequence's window): logits of each span's last
+        token (spans, vocab), or of every token."""
+        logits = [self.forward(s.token_ids, s.start_pos, cache, s.seq, all_logits, media) for s in spans]
+        return torch.cat(logits) if all_logits else torch.stack(logits)
+
     def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
-                all_logits: bool = False, images: Mapping[bytes, ImageRows] | None = None) -> torch.Tensor:
-        """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated (``images``:
+                all_logits: bool = False, media: MediaTable | None = None) -> torch.Tensor:
+        """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated (``media``:
         the rows of the pictures among them, by digest); writes their K/V into the cache and returns logits of the
         last token (vocab,) or of every token (N, vocab)."""
         end = start_pos + len(token_ids)
@@ -116,7 +124,7 @@ class OrtModel:
         self._fill_window(cache, seq, start_pos)
         graph = self.graphs[1 if len(token_ids) == 1 else self.chunk]
         logits = [self._run(graph, token_ids[i:i + graph.tokens], start_pos + i, cache, seq,
-                            _picture_rows(pictures, images or {}, start_pos + i, graph.tokens))
+                            _picture_rows(pictures, media or {}, start_pos + i, graph.tokens))
                   for i in range(0, len(token_ids), graph.tokens)]
         return torch.cat(logits) if all_logits else logits[-1][-1]
 
@@ -202,17 +210,17 @@ class OrtModel:
         return torch.from_numpy(np.ascontiguousarray(rows))
 
 
-def _picture_rows(pictures: list[MediaSpan], images: Mapping[bytes, ImageRows], start: int,
+def _picture_rows(pictures: list[MediaSpan], media: MediaTable, start: int,
                   tokens: int) -> dict[int, np.ndarray]:
     """The input rows by position of the pictures' image tokens among positions [start, start + tokens)."""
     out = {}
     for span in pictures:
         if not (span.start < start + tokens and span.end > start):
             continue
-        if span.digest not in images:
+        if span.digest not in media:
             raise ImageError(f"the tokens at [{span.start}, {span.end}) are picture {span.digest.hex()[:12]}'s and "
                              "its rows were not given; send the picture again")
-        picture = images[span.digest]
+        picture = media[span.digest]
         for offset, row in zip(picture.offsets.tolist(), picture.rows.numpy()):
             if start <= span.start + offset < start + tokens:
                 out[span.start + offset] = row

@@ -14,7 +14,7 @@ from cabinllm.runtime.backends.trtllm import TRTLLM_NO_GRAMMAR, TrtllmSession
 from cabinllm.runtime.dialogue.interface import Session
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.dialogue.session import DialogueSession
-from cabinllm.runtime.engine import Engine, kv_cache_config
+from cabinllm.runtime.engine.loader import Engine, kv_cache_config
 from cabinllm.runtime.errors import CheckpointError, ConfigError
 from cabinllm.runtime.formats.engine_folder import EngineFolder, read_manifest
 from cabinllm.runtime.formats.onnx_folder import ONNX_FORMAT

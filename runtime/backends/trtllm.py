@@ -123,7 +123,7 @@ from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import Tool
-from cabinllm.runtime.model.transformer import ImageRows
+from cabinllm.runtime.model.interface import MediaRows
 from cabinllm.runtime.model.vision import PreparedImage, Vision
 
 # Constrained decoding on TensorRT-LLM, from its source: 0.12 (v0.12.0-jetson, 20a7cec9) has none:
@@ -158,7 +158,7 @@ def picture_key(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big") >> 1 | 1
 
 
-def prompt_table(ids: list[int], media: list[MediaSpan], rows_of: Callable[[bytes], ImageRows],
+def prompt_table(ids: list[int], media: list[MediaSpan], rows_of: Callable[[bytes], MediaRows],
                  vocab_size: int) -> PromptTable:
     """The prompt table of ``ids`` whose pictures are ``media`` (``rows_of``: a picture's encoder rows by digest)."""
     ids, extra, tables = list(ids), [0] * len(ids), []

@@ -21,11 +21,11 @@ from typing import Callable
 from cabinllm.runtime.dialogue.interface import TurnStats
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
 from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file, within_memory, write_session_file
-from cabinllm.runtime.engine import Engine
+from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import (CapacityError, ConfigError, GrammarError, ImageError, OutOfBlocks,
                                      SessionFileError)
 from cabinllm.runtime.generation.beam import BeamParams, BeamSearch
-from cabinllm.runtime.generation.generate import (BatchedModel, GenerationResult, MediaFeed, generate,
+from cabinllm.runtime.generation.generate import (GenerationResult, MediaFeed, generate,
                                                   generate_choices, prefill)
 from cabinllm.runtime.generation.grammar import reply_grammar
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
@@ -228,7 +228,7 @@ class DialogueSession:
         """ConfigError where n or a beam search cannot be run as asked."""
         if n < 1 or (n > 1 and beam is not None):
             raise ConfigError(f"n must be >= 1, and 1 with a beam search, got n={n}")
-        if (n > 1 or beam is not None) and not isinstance(self.engine.model, BatchedModel):
+        if (n > 1 or beam is not None) and not self.engine.model.batched:
             raise ConfigError("several replies per turn need a model that steps several sequences at once (the "
                               "reference engine); this backend's runs one")
         if beam is not None and self.tools:

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from cabinllm.runtime.errors import CapacityError, ConfigError
-from cabinllm.runtime.generation.generate import BatchedModel, prefill
+from cabinllm.runtime.generation.generate import prefill
+from cabinllm.runtime.model.interface import ModelRunner
 from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.runtime.kv.cache import PagedKVCache
-from cabinllm.runtime.model.transformer import Span
+from cabinllm.runtime.model.interface import Span
 
 NEVER = "never"
 _FAR = -1.0e9  # transformers' "very large negative value"
@@ -167,7 +168,7 @@ class BeamSearch:
         self.seqs = seqs
 
 
-def beam_search(model: BatchedModel, cache: PagedKVCache, prompt_ids: list[int], params: BeamParams) -> BeamResult:
+def beam_search(model: ModelRunner, cache: PagedKVCache, prompt_ids: list[int], params: BeamParams) -> BeamResult:
     """Run one beam search from a new sequence of ``prompt_ids``; CapacityError, before anything runs, when its
     beams may need more blocks than the cache has free."""
     needed = params.blocks_needed(len(prompt_ids), cache.tokens_per_block)

@@ -1,10 +1,10 @@
 """The token loop: prefill new tokens of a sequence, then decode until a stop rule (``stops.ReplyStream``) ends
-the reply; and what a backend's model offers the loops (``ForwardModel``, ``BatchedModel``)."""
+the reply; and what a backend's model offers the loops (``ModelRunner``, ``ModelRunner``)."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable
 
 import torch
 
@@ -17,31 +17,7 @@ from cabinllm.runtime.generation.stops import ReplyStream
 from cabinllm.runtime.kv.blocks import MediaSpan, Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache, sized_config
 from cabinllm.runtime.kv.storage import KVLayout
-from cabinllm.runtime.model.transformer import ImageRows, Span
-
-
-class ForwardModel(Protocol):
-    """What every backend's model offers (the reference ``Transformer``, ONNX Runtime's ``OrtModel``): tokens of
-    one sequence run over the paged cache, prefill and one-token decode alike."""
-
-    config: ModelConfig  # its max_position_embeddings is the context the loops plan against
-
-    @property
-    def kv_layout(self) -> KVLayout:
-        """Shape of this model's KV cache."""
-
-    def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
-                all_logits: bool = False) -> torch.Tensor:
-        """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated, writing their
-        K/V into the cache; logits of the last token (vocab,) or of every token (N, vocab)."""
-
-
-@runtime_checkable
-class BatchedModel(ForwardModel, Protocol):
-    """A model that also runs the new tokens of several sequences in one step (the server's batched decode)."""
-
-    def step(self, spans: list[Span], cache: PagedKVCache, all_logits: bool = False) -> torch.Tensor:
-        """Run each span's tokens (slots allocated) in one pass; logits of each span's last token (spans, vocab)."""
+from cabinllm.runtime.model.interface import MediaTable, ModelRunner, Span
 
 
 @dataclass
@@ -69,10 +45,10 @@ class MediaFeed:
     rows by digest (cabinllm.runtime.model.vision)."""
 
     spans: list[MediaSpan]
-    rows: dict[bytes, ImageRows]
+    rows: MediaTable
 
 
-def prefill(model: ForwardModel, cache: PagedKVCache, seq: Sequence, new_ids: list[int],
+def prefill(model: ModelRunner, cache: PagedKVCache, seq: Sequence, new_ids: list[int],
             media: MediaFeed | None = None) -> tuple[torch.Tensor, int, int]:
     """Feed new tokens (``media``: the pictures among them) to a sequence (allocated if empty).
 
@@ -95,16 +71,16 @@ def prefill(model: ForwardModel, cache: PagedKVCache, seq: Sequence, new_ids: li
             computed_from = cache.allocate(seq, new_ids, spans)
     except OutOfBlocks as err:
         raise CapacityError(str(err)) from err
-    images = {"images": media.rows} if media and media.spans else {}  # the engines that take pictures
     try:
-        logits = model.forward(new_ids[computed_from:], start + computed_from, cache, seq, **images)
+        logits = model.forward(new_ids[computed_from:], start + computed_from, cache, seq,
+                               media=media.rows if media else None)
     except BaseException:  # e.g. a picture's rows not at hand: the sequence goes, no block keeps unwritten K/V
         cache.discard(seq, start + computed_from)
         raise
     return logits, start + computed_from, len(new_ids) - computed_from
 
 
-def generate(model: ForwardModel, cache: PagedKVCache, seq: Sequence, new_ids: list[int], params: SamplingParams,
+def generate(model: ModelRunner, cache: PagedKVCache, seq: Sequence, new_ids: list[int], params: SamplingParams,
              decode_text: Callable[[list[int]], str], on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None, grammar: GrammarState | None = None,
              media: MediaFeed | None = None) -> GenerationResult:
@@ -140,7 +116,7 @@ def generate(model: ForwardModel, cache: PagedKVCache, seq: Sequence, new_ids: l
                             time.perf_counter() - t_first)
 
 
-def generate_choices(model: BatchedModel, cache: PagedKVCache, seq: Sequence, new_ids: list[int],
+def generate_choices(model: ModelRunner, cache: PagedKVCache, seq: Sequence, new_ids: list[int],
                      params: list[SamplingParams], decode_text: Callable[[list[int]], str],
                      grammars: list[GrammarState | None] | None = None) -> list[GenerationResult]:
     """``len(params)`` replies from one prefill of ``new_ids``: the first in ``seq``, the others in forks of it
@@ -205,7 +181,7 @@ class Prefilled:
         return self.cache.read(layer, self.seq)
 
 
-def run_tokens(model: ForwardModel, token_ids: list[int], kv_mode: str = "fp32", scales: KVScales | None = None,
+def run_tokens(model: ModelRunner, token_ids: list[int], kv_mode: str = "fp32", scales: KVScales | None = None,
                all_logits: bool = False, cache: PagedKVCache | None = None, chunk: int | None = None,
                media: MediaFeed | None = None) -> Prefilled:
     """Run the model over token_ids (``media``: the pictures among them) on a fresh cache sized to them (or on
@@ -221,14 +197,14 @@ def run_tokens(model: ForwardModel, token_ids: list[int], kv_mode: str = "fp32",
         cache = PagedKVCache(layout, sized_config(layout, kv_mode, len(token_ids)), scales)
     seq = Sequence()
     chunk = min(chunk or len(token_ids), cache.tokens_per_block if cache.mode.recent_window else len(token_ids))
-    images = {"images": media.rows} if media and media.spans else {}
     logits = []
     for start in range(0, len(token_ids), chunk):
         piece = token_ids[start:start + chunk]
-        spans = [span for span in media.spans if start <= span.start < start + chunk] if images else []
+        spans = [span for span in media.spans if start <= span.start < start + chunk] if media else []
         if start == 0:
             cache.allocate(seq, piece, spans)
         else:
             cache.append(seq, piece, spans)
-        logits.append(model.forward(piece, start, cache, seq, all_logits=all_logits, **images))
+        logits.append(model.forward(piece, start, cache, seq, all_logits=all_logits,
+                                    media=media.rows if media else None))
     return Prefilled(cache, seq, torch.cat(logits) if all_logits else logits[-1])

@@ -43,34 +43,12 @@ from cabinllm.runtime.kv.storage import KVLayout, KVStorage
 from cabinllm.runtime.formats.weight_formats import HEAD_TENSORS, SCALE, head_format
 from cabinllm.runtime.model.linear import Int8G32Table, Linear, halves, kernel_linear, linear_op, stack
 from cabinllm.runtime.model.linear import linear as _linear
+from cabinllm.runtime.model.interface import MediaTable, Span
 from cabinllm.runtime.model.rope import Rope, apply_rope, mrope_offset, mrope_positions
 from cabinllm.runtime.model.threads import CPU_THREADS
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
-
-
-@dataclass
-class Span:
-    """New tokens of one sequence in a step: ``token_ids`` at positions [start_pos, start_pos + N)."""
-
-    token_ids: list[int]
-    start_pos: int
-    seq: Sequence
-
-    @property
-    def end(self) -> int:
-        """Tokens attended to by the span's last new token, itself included."""
-        return self.start_pos + len(self.token_ids)
-
-
-@dataclass
-class ImageRows:
-    """An image's input rows for the decoder: ``rows`` (n, hidden) at ``offsets`` (n,) within its span (the
-    placeholder tokens; a tiled image's span holds text tokens between its tiles)."""
-
-    rows: torch.Tensor
-    offsets: torch.Tensor
 
 
 @dataclass
@@ -86,7 +64,9 @@ class StepContext:
 
 
 class Transformer:
-    """Weights of a TensorRT-LLM checkpoint plus the math to run them."""
+    """Weights of a TensorRT-LLM checkpoint plus the math to run them: the reference ``ModelRunner``."""
+
+    batched = True
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         self.config = config
@@ -113,20 +93,20 @@ class Transformer:
         return self.embedding.rows(ids) if isinstance(self.embedding, Int8G32Table) else self.embedding[ids]
 
     def forward(self, token_ids: list[int], start_pos: int, cache: PagedKVCache, seq: Sequence,
-                all_logits: bool = False, images: dict[bytes, ImageRows] | None = None) -> torch.Tensor:
+                all_logits: bool = False, media: MediaTable | None = None) -> torch.Tensor:
         """Run tokens at positions [start_pos, start_pos + N) of a sequence whose slots are allocated.
 
         Writes their K/V into the cache and returns logits of the last token
         (shape (vocab,)) or of every token (shape (N, vocab)).
         """
-        logits = self.step([Span(token_ids, start_pos, seq)], cache, all_logits, images)
+        logits = self.step([Span(token_ids, start_pos, seq)], cache, all_logits, media)
         return logits if all_logits else logits[0]
 
     @torch.inference_mode()
     def step(self, spans: list[Span], cache: PagedKVCache, all_logits: bool = False,
-             images: dict[bytes, ImageRows] | None = None) -> torch.Tensor:
+             media: MediaTable | None = None) -> torch.Tensor:
         """Run the new tokens of several sequences (slots allocated) in one pass over the weights; the positions of
-        their sequences' images (``Sequence.media``) take the rows of ``images`` (by digest) for input.
+        their sequences' pictures (``Sequence.media``) take the rows of ``media`` (by digest) for input.
 
         Writes their K/V into the cache and returns the logits of each span's last token (shape
         (spans, vocab)), or of every token (shape (tokens, vocab)).
@@ -139,7 +119,7 @@ class Transformer:
                                  "tokens")
         limit = cache.storage.step_tokens
         if limit is not None and any(len(span.token_ids) > limit for span in spans):
-            return self._in_pieces(spans, cache, all_logits, limit, images)
+            return self._in_pieces(spans, cache, all_logits, limit, media)
         for span in spans:
             cache.storage.prepare(span.seq, span.start_pos, span.end)
         ids = [t for span in spans for t in span.token_ids]
@@ -151,7 +131,7 @@ class Transformer:
         x = self.embed(torch.tensor(ids, dtype=torch.long))
         x = x * c.embedding_multiplier if c.embedding_multiplier != 1.0 else x
         if any(span.seq.media for span in spans):
-            _place_images(x, spans, images or {})
+            _place_media(x, spans, media or {})
         ropes = [rope.rows(positions) for rope in (self.rope, self.local_rope) if rope]  # global, then local
         mv = matvec() if self.native_kernels and len(ids) <= MATVEC_MAX_TOKENS else None
         ctx = StepContext(spans, torch.cat([cache.slots(s.seq, s.start_pos, s.end) for s in spans]),
@@ -183,13 +163,13 @@ class Transformer:
         return mrope_positions(span.start_pos, span.end, span.seq.media)
 
     def _in_pieces(self, spans: list[Span], cache: PagedKVCache, all_logits: bool, limit: int,
-                   images: dict[bytes, ImageRows] | None) -> torch.Tensor:
+                   media: MediaTable | None) -> torch.Tensor:
         """``step``'s logits, each span run in steps of at most ``limit`` tokens (a storage that holds only what
         the next positions read, e.g. sliding-window layers' pool)."""
         outs = []
         for span in spans:
             ids = span.token_ids
-            logits = [self.step([Span(ids[i:i + limit], span.start_pos + i, span.seq)], cache, all_logits, images)
+            logits = [self.step([Span(ids[i:i + limit], span.start_pos + i, span.seq)], cache, all_logits, media)
                       for i in range(0, len(ids), limit)]
             outs.append(torch.cat(logits) if all_logits else logits[-1])
         return torch.cat(outs)
@@ -364,19 +344,19 @@ def _head_tables(w: dict[str, torch.Tensor], config: ModelConfig,
     return w["transformer.vocab_embedding.weight"].float(), weight.contiguous() if keep else weight.float().contiguous()
 
 
-def _place_images(x: torch.Tensor, spans: list[Span], images: dict[bytes, ImageRows]) -> None:
-    """Write the rows of each image the spans' new tokens hold into the input rows ``x`` (tokens, hidden)."""
+def _place_media(x: torch.Tensor, spans: list[Span], media: MediaTable) -> None:
+    """Write the rows of each picture the spans' new tokens hold into the input rows ``x`` (tokens, hidden)."""
     first = 0
     for span in spans:
-        for media in span.seq.media:
-            lo, hi = max(media.start, span.start_pos), min(media.end, span.end)
+        for place in span.seq.media:
+            lo, hi = max(place.start, span.start_pos), min(place.end, span.end)
             if lo >= hi:
                 continue
-            if media.digest not in images:
-                raise ConfigError(f"the tokens at [{media.start}, {media.end}) are image {media.digest.hex()[:12]}'s, "
+            if place.digest not in media:
+                raise ConfigError(f"the tokens at [{place.start}, {place.end}) are image {place.digest.hex()[:12]}'s, "
                                   "and no feature rows of it were given; encode the image first")
-            image = images[media.digest]
-            at = image.offsets + media.start
+            image = media[place.digest]
+            at = image.offsets + place.start
             held = (at >= lo) & (at < hi)
             x[first + at[held] - span.start_pos] = image.rows[held].to(x.dtype)
         first += len(span.token_ids)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from cabinllm.runtime.errors import CheckpointError, ImageError
-from cabinllm.runtime.model.transformer import ImageRows
+from cabinllm.runtime.model.interface import MediaRows
 
 VISION_FOLDER = "vision"
 VISION_WEIGHTS = "vision.safetensors"
@@ -138,7 +138,7 @@ class FeatureCache:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._rows: OrderedDict[bytes, ImageRows] = OrderedDict()
+        self._rows: OrderedDict[bytes, MediaRows] = OrderedDict()
         self.hits = self.misses = 0
 
     @property
@@ -146,7 +146,7 @@ class FeatureCache:
         """Bytes of the rows held."""
         return sum(r.rows.numel() * r.rows.element_size() for r in self._rows.values())
 
-    def get(self, digest: bytes) -> ImageRows | None:
+    def get(self, digest: bytes) -> MediaRows | None:
         """The rows of an image, or None (counted as a hit or a miss)."""
         rows = self._rows.get(digest)
         if rows is None:
@@ -156,7 +156,7 @@ class FeatureCache:
         self._rows.move_to_end(digest)
         return rows
 
-    def put(self, digest: bytes, rows: ImageRows) -> None:
+    def put(self, digest: bytes, rows: MediaRows) -> None:
         """Keep an image's rows, dropping the oldest beyond the budget (rows larger than it are not kept)."""
         self._rows[digest] = rows
         while self._rows and self.bytes_used > self.max_bytes:
@@ -169,7 +169,7 @@ class EncodedRows(Mapping):
     def __init__(self, vision: "Vision", images: dict[str, PreparedImage]) -> None:
         self.vision, self.images = vision, images
 
-    def __getitem__(self, digest: bytes) -> ImageRows:
+    def __getitem__(self, digest: bytes) -> MediaRows:
         image = self.images.get(digest.hex())
         if image is None:
             raise KeyError(digest)
@@ -248,14 +248,14 @@ class Vision:
         return PreparedImage(digest, ids, offsets, inputs, grid, image.size, name)
 
     @torch.inference_mode()
-    def encode(self, image: PreparedImage) -> ImageRows:
+    def encode(self, image: PreparedImage) -> MediaRows:
         """The decoder's input rows of a prepared picture (from the feature cache when it was encoded before)."""
         rows = self.features.get(image.digest)
         if rows is None and not image.inputs:
             raise ImageError(f"picture {image.digest.hex()[:12]} is needed again and its pixels are not held (a "
                              "restored session keeps none); send the picture again")
         if rows is None:
-            rows = ImageRows(self._features(image.inputs).float(), image.offsets)
+            rows = MediaRows(self._features(image.inputs).float(), image.offsets)
             if len(rows.rows) != len(image.offsets):
                 raise CheckpointError(f"the vision encoder gave {len(rows.rows)} rows for {len(image.offsets)} image "
                                       "tokens; the vision folder and processor do not match: rebuild the engine")

@@ -1,5 +1,5 @@
 """A loaded engine: a built engine folder (cabinllm.runtime.formats.engine_folder) on the reference engine (weights,
-tokenizer, KV scales), or any backend's model (``ForwardModel``) with its tokenizer and the cache defaults."""
+tokenizer, KV scales), or any backend's model (``ModelRunner``) with its tokenizer and the cache defaults."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, SCALES_FILE, EngineFolder
 from cabinllm.runtime.formats.onnx_folder import ONNX_FORMAT
 from cabinllm.runtime.formats.scales_file import KVScales, load_scales
-from cabinllm.runtime.generation.generate import ForwardModel
+from cabinllm.runtime.model.interface import ModelRunner
 from cabinllm.runtime.generation.grammar import Vocabulary
 from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
 from cabinllm.runtime.kv.modes import KV_MODES
@@ -42,7 +42,7 @@ class Engine:
 
     folder: Path
     config: ModelConfig
-    model: ForwardModel
+    model: ModelRunner
     tokenizer: ChatTokenizer
     manifest: dict
     fingerprint: str
