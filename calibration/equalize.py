@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import ModelConfig, layer_prefix
 from cabinllm.runtime.formats.scales_file import KVScales, LayerRanges
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.kv.quant import INT8_MAX
 from cabinllm.runtime.model.transformer import Transformer
 

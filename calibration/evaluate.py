@@ -33,7 +33,7 @@ from cabinllm.calibration.weight_quant import stored_bytes
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.scales_file import KVScales, ScalesFile
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK
 from cabinllm.runtime.kv.modes import KV_MODES, KVMode, kv_mode

@@ -16,7 +16,7 @@ from cabinllm.calibration.dialogue_data import LoadReport
 from cabinllm.calibration.jsonl import load_jsonl
 from cabinllm.runtime.errors import ScalesError
 from cabinllm.runtime.formats.scales_file import KVScales
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.kv.quant import INT8_MAX
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.transformer import Transformer

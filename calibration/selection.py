@@ -17,7 +17,7 @@ from cabinllm.calibration.dialogue_data import Dialogue, LoadReport
 from cabinllm.calibration.sources import open_source
 from cabinllm.calibration.stitch import conversation_order, stitch
 from cabinllm.runtime.errors import ConfigError, DataError, ImageError
-from cabinllm.runtime.generation.generate import MediaFeed
+from cabinllm.runtime.model.interface import MediaFeed
 from cabinllm.runtime.kv.blocks import whole_media_prefix
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.vision import EncodedRows, PreparedImage, Vision, read_pictures

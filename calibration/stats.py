@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from cabinllm.calibration.selection import TokenizedDialogue
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.model.transformer import Transformer
 
 HIST_BINS = 1024  # 1.8 % wide each

@@ -18,7 +18,7 @@ from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.server.app import ServeConfig, create_app
 from cabinllm.server.edge import API_KEY_ENV, MAX_HEADER_BYTES, CabinServer, ServeLimits, is_loopback, timed_h11
-from cabinllm.server.scheduler import Scheduler, SchedulerConfig
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,7 +91,7 @@ def limits(args: argparse.Namespace) -> ServeLimits:
 
 
 def build(args: argparse.Namespace) -> FastAPI:
-    """The engine, scheduler and app for these options; CabinError and OSError on bad ones."""
+    """The engine, its core and the app for these options; CabinError and OSError on bad ones."""
     key = api_key(args)
     budget = kv_budget_bytes(args.kv_budget_mb)
     use_threads(args)
@@ -99,11 +99,11 @@ def build(args: argparse.Namespace) -> FastAPI:
     if engine.vision is not None:
         engine.vision.limits = image_limits(args)
     cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, budget, args.tokens_per_block), args.max_sessions)
-    scheduler = Scheduler(engine, cache, SchedulerConfig(args.max_sessions, args.max_queue, args.prefill_chunk,
-                                                         args.queue_timeout))
+    core = engine.new_core(cache, SchedulerConfig(args.max_sessions, args.max_queue, args.prefill_chunk,
+                                                  args.queue_timeout))
     config = ServeConfig(args.model_name or Path(args.engine).resolve().name, OverflowPolicy(args.overflow),
                          args.max_tokens, args.max_n)
-    return create_app(engine, scheduler, config, limits(args), key)
+    return create_app(engine, core, config, limits(args), key)
 
 
 def server(app: FastAPI, args: argparse.Namespace) -> CabinServer:

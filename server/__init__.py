@@ -1,1 +1,1 @@
-"""The on-board OpenAI-compatible server: the HTTP app, its OpenAI schema, the continuous-batching scheduler."""
+"""The on-board OpenAI-compatible server: the HTTP app and its OpenAI schema over the engine core."""

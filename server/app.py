@@ -1,7 +1,7 @@
-"""The HTTP face of the scheduler: OpenAI's chat completions, models, health and Prometheus metrics.
+"""The HTTP face of the engine core: OpenAI's chat completions, models, health and Prometheus metrics.
 
-Each request renders and plans its prompt (cabinllm.server.conversation), queues on the scheduler and waits for
-its output; the scheduler runs in one engine thread started with the app. A client that disconnects
+Each request renders and plans its prompt (cabinllm.server.conversation), queues on the engine core and waits for
+its output; the core steps in one engine thread started with the app. A client that disconnects
 cancels its request, which frees its KV blocks at the next step. ``/openapi.json`` and ``/docs`` describe the
 API, from the models of cabinllm.server.openai_api.
 """
@@ -29,11 +29,12 @@ from prometheus_client.registry import Collector
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_message
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CapacityError, Fix, GrammarError, ImageError, QueueFull
-from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.grammar import (GrammarState, choice_grammar, json_schema_grammar, regex_grammar,
                                                  reply_grammar)
-from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams, TokenLogprob
-from cabinllm.runtime.generation.generate import MediaFeed
+from cabinllm.runtime.generation.sampling import TokenLogprob
+from cabinllm.runtime.engine.core import EngineCore
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.model.interface import MediaFeed
 from cabinllm.runtime.model.vision import EncodedRows, PreparedImage
 from cabinllm.runtime.model.tools import Tool, ToolCall
 from cabinllm.server.conversation import plan_prompt
@@ -41,7 +42,6 @@ from cabinllm.server.edge import Edge, ServeLimits, Shutdown
 from cabinllm.server.openai_api import (ApiError, ImagePart, ChatCompletion, ChatCompletionRequest, Choice, ChoiceDelta,
                                         ChoiceLogprobs, ErrorResponse, Usage, call_deltas, check_body, choice_logprobs,
                                         chunk, completion, is_json, reply_message, request_error, usage, usage_chunk)
-from cabinllm.server.scheduler import Request, Scheduler
 
 log = logging.getLogger("cabinllm.server")
 RETRY_AFTER_S = 1  # what a client told to come back later waits
@@ -63,7 +63,7 @@ SERVER_PHRASES = {Fix.NEW_CONVERSATION: "start a new conversation"}
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """What the server answers with beyond the scheduler's limits."""
+    """What the server answers with beyond the engine core's limits."""
 
     model_name: str
     overflow: OverflowPolicy
@@ -110,17 +110,17 @@ def _as_json(request: HttpRequest, body: bytes) -> HttpRequest:
     return HttpRequest(scope, receive)
 
 
-class SchedulerMetrics(Collector):
-    """The scheduler's and the KV cache's gauges and counters, read from the scheduler at each scrape."""
+class EngineMetrics(Collector):
+    """The engine core's and the KV cache's gauges and counters, read from the core at each scrape."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
 
     def collect(self) -> Iterator[Metric]:
         """One family a row, named as Prometheus shows it."""
-        stats, cache = self.scheduler.stats()
+        stats, cache = self.core.stats()
         rows = [
-            ("cabin_kv_bytes_budget", "gauge", "KV cache budget in bytes", self.scheduler.cache.config.max_bytes),
+            ("cabin_kv_bytes_budget", "gauge", "KV cache budget in bytes", self.core.cache.config.max_bytes),
             ("cabin_kv_bytes_reserved", "gauge", "bytes of the preallocated KV block pool", cache.bytes_reserved),
             ("cabin_kv_bytes_used", "gauge", "bytes of KV blocks held by sequences", cache.bytes_used),
             ("cabin_kv_bytes_used_peak", "gauge", "most bytes of KV blocks held at once", stats.kv_bytes_used_peak),
@@ -143,28 +143,28 @@ class SchedulerMetrics(Collector):
         for name, kind, description, value in rows:
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(name, description, value=value)
-        yield from self.scheduler.ttft.collect()
-        yield from self.scheduler.token_gap.collect()
+        yield from self.core.scheduler.ttft.collect()
+        yield from self.core.scheduler.token_gap.collect()
 
 
-def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, limits: ServeLimits = ServeLimits(),
+def create_app(engine: Engine, core: EngineCore, config: ServeConfig, limits: ServeLimits = ServeLimits(),
                api_key: str | None = None) -> FastAPI:
-    """The FastAPI app behind ``Edge`` (``api_key``: None serves everyone); starts the scheduler's thread on startup
+    """The FastAPI app behind ``Edge`` (``api_key``: None serves everyone); starts the core's thread on startup
     and stops it on shutdown. ``app.state.shutdown`` is the server's graceful stop (cabinllm.server.edge)."""
     shutdown = Shutdown()
     registry = CollectorRegistry()  # the app's own, so several apps in one process do not clash
-    registry.register(SchedulerMetrics(scheduler))
+    registry.register(EngineMetrics(core))
     requests = Counter("cabin_http_requests", "HTTP requests answered, by status", ["status"], registry=registry)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        thread = threading.Thread(target=scheduler.run, args=(shutdown.stop,), name="cabin-serve-engine",
+        thread = threading.Thread(target=core.run, args=(shutdown.stop,), name="cabin-serve-engine",
                                   daemon=True)
         thread.start()
         yield
         shutdown.stop.set()
         thread.join()
-        _, cache = scheduler.stats()
+        _, cache = core.stats()
         log.info("stopped: %d of %d KV blocks in use", cache.blocks_in_use, cache.blocks_total)
 
     app = FastAPI(title="cabin-serve", lifespan=lifespan)
@@ -181,7 +181,7 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, limits
 
     @app.get("/health")
     async def health() -> dict:
-        stats, _ = scheduler.stats()
+        stats, _ = core.stats()
         return {"status": "ok", "model": config.model_name, "running": stats.running, "waiting": stats.waiting}
 
     @app.get("/v1/models")
@@ -204,14 +204,14 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, limits
         if chat.model is not None and chat.model != config.model_name:
             raise ApiError(404, f"model {chat.model!r} is not served here; GET /v1/models lists "
                                 f"{config.model_name!r}", param="model", code="model_not_found")
-        choices, outputs = _submit(engine, scheduler, config, chat, asyncio.get_running_loop())
+        choices, outputs = _submit(engine, core, config, chat, asyncio.get_running_loop())
         request = choices[0]  # the group's leader: admitted, expired or stopped with every choice
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         first = await _first_output(choices, outputs, http)
         if first is None:  # the client left while the request waited: nobody reads an answer
             return Response(status_code=CLIENT_GONE)
         if first.finished and request.finish_reason == "expired":
-            raise ApiError(503, f"the server stayed full for {scheduler.config.queue_timeout_s:g} s (every session "
+            raise ApiError(503, f"the server stayed full for {core.config.queue_timeout_s:g} s (every session "
                                 f"or the KV budget in use); retry in {RETRY_AFTER_S} s", kind="server_error",
                            code="server_busy", retry_after_s=RETRY_AFTER_S)
         if first.finished and request.finish_reason == "error":
@@ -244,7 +244,7 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, limits
 
 @dataclass(frozen=True)
 class Output:
-    """A piece of one choice's reply text, as the scheduler hands it over."""
+    """A piece of one choice's reply text, as the core hands it over."""
 
     index: int
     text: str
@@ -276,18 +276,18 @@ def _messages_with_images(engine: Engine, chat: ChatCompletionRequest, images: d
         raise ApiError(400, str(err), param="messages") from err
 
 
-def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: ChatCompletionRequest,
+def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCompletionRequest,
             loop: asyncio.AbstractEventLoop) -> tuple[list[Request], asyncio.Queue]:
     """Plan the prompt and queue its ``n`` choices (one prefill); their outputs arrive on the returned queue."""
-    capacity = scheduler.capacity_tokens()
+    capacity = core.capacity_tokens()
     max_tokens = chat.reply_limit or min(config.max_tokens, capacity // 2)  # a small budget keeps room for the prompt
     if max_tokens >= capacity:
         raise ApiError(400, f"max_tokens {max_tokens} leaves no room for the prompt: one conversation holds "
                             f"{capacity} tokens here; ask for fewer", param="max_tokens")
-    most = min(config.max_n, scheduler.config.max_sessions)
+    most = min(config.max_n, core.config.max_sessions)
     if chat.n > most:
         raise ApiError(400, f"n must be at most {most} here (--max-n {config.max_n}, --max-sessions "
-                            f"{scheduler.config.max_sessions}), got {chat.n}; ask for fewer choices", param="n")
+                            f"{core.config.max_sessions}), got {chat.n}; ask for fewer choices", param="n")
     images: dict[str, PreparedImage] = {}
     messages = _messages_with_images(engine, chat, images)
     tools = [tool.to_tool() for tool in chat.tools or []]
@@ -296,7 +296,7 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
     tokenizer = tokenizer.with_images(images, engine.vision.placeholder) if images else tokenizer
     try:
         plan = plan_prompt(tokenizer, messages, max_tokens, capacity,
-                           scheduler.cache.tokens_per_block, config.overflow, scheduler.cache.config.sink_token_length)
+                           core.cache.tokens_per_block, config.overflow, core.cache.config.sink_token_length)
     except CapacityError as err:
         pictures = [(image.name, image.image_tokens) for image in images.values()]
         raise ApiError(400, capacity_message(err, config.overflow, max_tokens, capacity, SERVER_PHRASES, pictures),
@@ -314,22 +314,19 @@ def _submit(engine: Engine, scheduler: Scheduler, config: ServeConfig, chat: Cha
         return put
 
     choices = []
+    stops = engine.stop_token_ids()
     for index, grammar in enumerate(grammars):
-        seed = None if chat.seed is None else (chat.seed + index) % (MAX_SEED + 1)  # choices differ, reproducibly
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=chat.temperature, top_p=chat.top_p,
-                                seed=seed, stop_token_ids=engine.stop_token_ids(), stop_strings=chat.stop)
-        beam = BeamParams(chat.beam_width, max_tokens, chat.length_penalty, chat.early_stopping,
-                          tuple(engine.stop_token_ids())) if chat.beam_width > 1 else None
-        choices.append(Request(plan.feed, params, on_output(index), grammar=grammar,
-                               logprobs=chat.top_logprobs if chat.logprobs else None, beam=beam,
+        choices.append(Request(plan.feed, chat.to_sampling_params(max_tokens, stops, index), on_output(index),
+                               grammar=grammar, logprobs=chat.top_logprobs if chat.logprobs else None,
+                               beam=chat.to_beam_params(max_tokens, stops),
                                media=MediaFeed(plan.media, EncodedRows(engine.vision, images)) if plan.media else None))
     choices[0].followers = choices[1:]
-    problem = scheduler.never_fits(choices[0])
+    problem = core.never_fits(choices[0])
     if problem:
         field = "beam_width" if chat.beam_width > 1 else "n"
         raise ApiError(400, f"{problem}; ask for a smaller {field} or max_tokens", param=field)
     try:
-        scheduler.submit(choices[0])
+        core.add_request(choices[0])
     except QueueFull as err:
         raise ApiError(429, f"too many requests: {err}; retry in {RETRY_AFTER_S} s", kind="rate_limit_error",
                        code="rate_limit_exceeded", retry_after_s=RETRY_AFTER_S) from err

@@ -25,7 +25,8 @@ from pydantic import (BaseModel, BeforeValidator, Field, SerializerFunctionWrapH
                       model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
-from cabinllm.runtime.generation.sampling import MAX_SEED, TokenLogprob
+from cabinllm.runtime.generation.beam import BeamParams
+from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams, TokenLogprob
 from cabinllm.runtime.model.tools import NAME_PATTERN, Tool, ToolCall, schema_problem
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -629,6 +630,18 @@ class ChatCompletionRequest(_RequestObject):
         if isinstance(self.tool_choice, NamedToolChoice):
             return self.tool_choice.function.name
         return self.tool_choice or "auto"
+
+    def to_sampling_params(self, max_tokens: int, stop_token_ids: list[int], index: int = 0) -> SamplingParams:
+        """How the engine core samples choice ``index``: seed ``seed + index`` (choices differ, reproducibly)."""
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, seed=seed,
+                              stop_token_ids=stop_token_ids, stop_strings=self.stop)
+
+    def to_beam_params(self, max_tokens: int, stop_token_ids: list[int]) -> BeamParams | None:
+        """The beam search the request asks for (None: it samples)."""
+        if self.beam_width == 1:
+            return None
+        return BeamParams(self.beam_width, max_tokens, self.length_penalty, self.early_stopping, tuple(stop_token_ids))
 
     @property
     def reply_limit(self) -> int | None:

@@ -2,9 +2,9 @@
 chunk of one sequence in the same step as the decode of others."""
 import pytest
 import torch
+from core_helpers import prefill
 
 from cabinllm.runtime.errors import OutOfBlocks
-from cabinllm.runtime.generation.generate import prefill
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.model.interface import Span
 

@@ -3,16 +3,16 @@ weights and KV), token for token, for several prompts, length penalties and earl
 is greedy; the beams share their blocks (forked, freed) and a search that cannot fit is refused first."""
 import pytest
 import torch
+from core_helpers import beam_search, generate
 
 from cabinllm.calibration.hf_model import transformers_model
 from cabinllm.runtime.errors import CapacityError
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
-from cabinllm.runtime.generation.beam import BeamParams, beam_search
-from cabinllm.runtime.generation.generate import generate
+from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
-from cabinllm.runtime.kv.blocks import Sequence
-from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 
 # (length_penalty, early_stopping) as transformers names them
 RULES = [(1.0, False), (0.0, True), (2.0, "never"), (-1.0, False)]
@@ -30,10 +30,10 @@ def hf_beams(hf, prompt: list[int], params: BeamParams) -> list[int]:
 
 def ours(engine, prompt: list[int], params: BeamParams) -> list[int]:
     cache = engine.new_cache(engine.kv_cache_config("fp32", 8 << 20, 4))
-    result = beam_search(engine.model, cache, prompt, params)
+    beams = beam_search(engine, cache, prompt, params)
     assert cache.stats().blocks_in_use == 0
     cache.blocks.check_invariants()
-    return result.token_ids[0]
+    return beams[0]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,7 @@ def test_beam_width_1_is_greedy(tiny_engine):
     stops = tuple(tiny_engine.stop_token_ids())
     prompt = [1, 5, 9, 2, 6]
     cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 8 << 20, 4))
-    greedy = generate(tiny_engine.model, cache, Sequence(), prompt, SamplingParams(10, stop_token_ids=list(stops)),
-                      tiny_engine.tokenizer.decode_reply)
+    greedy = generate(tiny_engine, cache, prompt, SamplingParams(10, stop_token_ids=list(stops)))
     assert ours(tiny_engine, prompt, BeamParams(1, 10, stop_token_ids=stops)) == greedy.token_ids
 
 
@@ -73,13 +72,13 @@ def test_beams_share_blocks_and_a_search_that_cannot_fit_is_refused(tiny_engine)
 
     tiny_engine.model.step = watched
     try:
-        beam_search(tiny_engine.model, cache, prompt, params)
+        beam_search(tiny_engine, cache, prompt, params)
     finally:
         del tiny_engine.model.step
     assert 15 < peak <= params.blocks_needed(len(prompt), 4) < 4 * 17  # shared, not 4 copies
     small = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 20 * cache.bytes_per_block, 4))
     with pytest.raises(CapacityError, match="lower beam_width or max_new_tokens"):
-        beam_search(tiny_engine.model, small, prompt, params)
+        beam_search(tiny_engine, small, prompt, params)
     assert small.stats().blocks_in_use == 0
 
 
@@ -93,7 +92,7 @@ def test_beams_equal_transformers_on_the_default_model(default_engine, default_h
         for length_penalty, early_stopping in ((1.0, False), (0.5, True)):
             params = BeamParams(4, 24, length_penalty, early_stopping, stops)
             cache = default_engine.new_cache(default_engine.kv_cache_config("fp32", 32 << 20, 16))
-            got = beam_search(default_engine.model, cache, prompt, params).token_ids[0]
+            got = beam_search(default_engine, cache, prompt, params)[0]
             assert got == hf_beams(hf, prompt, params), question
 
 
@@ -102,11 +101,11 @@ def test_the_scheduler_runs_a_beam_search_beside_a_sampled_request(tiny_engine):
     prompt = [1, 5, 9, 2]
     params = BeamParams(4, 12, 1.0, False, stops)
     cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 8 << 20, 4))
-    scheduler = Scheduler(tiny_engine, cache, SchedulerConfig(max_sessions=5))
+    scheduler = tiny_engine.new_core(cache, SchedulerConfig(max_sessions=5))
     beam = Request(prompt, SamplingParams(12, stop_token_ids=list(stops)), lambda *_: None, beam=params)
     other = Request([3, 3, 7], SamplingParams(12, stop_token_ids=list(stops)), lambda *_: None)
-    scheduler.submit(beam)
-    scheduler.submit(other)
+    scheduler.add_request(beam)
+    scheduler.add_request(other)
     while beam.finish_reason is None or other.finish_reason is None:
         scheduler.step()
     assert beam.token_ids == ours(tiny_engine, prompt, params)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from core_helpers import prefill
 from conftest import TINY_ENGINE_SHAPE
 from safetensors.torch import load_file
 
@@ -18,7 +19,7 @@ from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.checkpoint import linear_inputs, load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS, awq_group_size
-from cabinllm.runtime.generation.generate import prefill, run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.kernels.bindings import decode_step
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.model.tokenizer import ChatTokenizer

@@ -17,6 +17,7 @@ import cabinllm.cli.eval
 import cabinllm.cli.plan
 import cabinllm.runtime.dialogue.session
 import cabinllm.runtime.engine.loader
+from cabinllm.runtime.engine.core import EngineCore
 from cabinllm.cli import build as build_cli
 from cabinllm.cli import calibrate as cli_calibrate
 from cabinllm.cli import eval as cli_eval
@@ -113,7 +114,7 @@ def test_chat_json_output_on_a_full_disk_is_one_error(tiny_engine_dir, script, c
 
 
 def test_interactive_failures_keep_the_session(tiny_engine_dir, capsys, monkeypatch):
-    real_generate, calls = cabinllm.runtime.dialogue.session.generate, []
+    real_generate, calls = EngineCore.generate, []
 
     def generate_failing_once(*args, **kwargs):
         calls.append(1)
@@ -121,7 +122,7 @@ def test_interactive_failures_keep_the_session(tiny_engine_dir, capsys, monkeypa
             raise RuntimeError("the kernel failed")
         return real_generate(*args, **kwargs)
 
-    monkeypatch.setattr(cabinllm.runtime.dialogue.session, "generate", generate_failing_once)
+    monkeypatch.setattr(EngineCore, "generate", generate_failing_once)
     typed = iter(["set cabin temperature", "/foo bar", "play \ud800 jazz", "/stats", "play some jazz", "/quit"])
     monkeypatch.setattr(builtins, "input", lambda prompt="": next(typed))
     code, out, err = run_cli(cabinllm.cli.chat.main, ["--engine", str(tiny_engine_dir), "--max-new-tokens", "3"],

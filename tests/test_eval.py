@@ -20,7 +20,7 @@ from cabinllm.calibration.selection import prepare_dialogues, split_of
 from cabinllm.cli import calibrate as cli_calibrate
 from cabinllm.cli import eval as cli_eval
 from cabinllm.runtime.formats.scales_file import load_scales_file
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK
 from cabinllm.runtime.kv.int4 import Int4KV
 from cabinllm.runtime.kv.modes import bytes_per_token, kv_mode

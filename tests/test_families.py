@@ -12,6 +12,7 @@ import copy
 from pathlib import Path
 
 import pytest
+from core_helpers import generate
 import torch
 from test_hf_folders import MESSAGES, WORDS, cabin_build, write_tokenizer
 
@@ -23,10 +24,10 @@ from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
-from cabinllm.runtime.generation.generate import generate, run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kernels.bindings import native_kernels_enabled
-from cabinllm.runtime.kv.blocks import Sequence, cdiv
+from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.model.transformer import Transformer
 
 SHAPE = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
@@ -115,7 +116,7 @@ def test_greedy_tokens_equal_transformers_decoding_with_its_cache(built):
             theirs.append(int(out.logits[0, -1].argmax()))
             step = torch.tensor([[theirs[-1]]])
     kv = engine.new_cache(engine.kv_cache_config("fp32", 4 << 20))
-    ours = generate(engine.model, kv, Sequence(), ids, SamplingParams(max_new_tokens=12), lambda t: "")
+    ours = generate(engine, kv, ids, SamplingParams(max_new_tokens=12))
     assert ours.token_ids == theirs
 
 
@@ -127,8 +128,7 @@ def test_reuse_over_six_turns_equals_recomputing(built):
     for text in TURNS:
         turn = session.chat(text)
         history = session.fed[: turn.reused_tokens + turn.prefill_tokens]
-        fresh = generate(engine.model, engine.new_cache(engine.kv_cache_config("fp32", 4 << 20, 8)), Sequence(),
-                         history, params, engine.tokenizer.decode_reply)
+        fresh = generate(engine, engine.new_cache(engine.kv_cache_config("fp32", 4 << 20, 8)), history, params)
         assert fresh.token_ids == turn.token_ids
     assert turn.reused_tokens > 8  # the last turn reused more than Gemma's window
 

@@ -20,7 +20,7 @@ from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.checkpoint import layer_prefix, load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.formats.weight_formats import LINEAR_LAYERS
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.model.linear import full_precision, linear_op
 
 WIDER = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}

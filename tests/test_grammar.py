@@ -8,16 +8,16 @@ import threading
 
 import jsonschema
 import pytest
+from core_helpers import generate
 import torch
 
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.errors import GrammarError
-from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.grammar import choice_grammar, json_schema_grammar, regex_grammar, tool_call_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams
-from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.model.tools import HERMES, LLAMA3_JSON, Tool
-from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 
 WINDOW = {"type": "object", "properties": {"action": {"enum": ["open", "close"]}, "window": {"type": "string",
           "maxLength": 12}, "percent": {"type": "integer", "minimum": 0, "maximum": 100}},
@@ -36,8 +36,7 @@ def _reply(engine, grammar: str, seed: int, prompt: str = "open the window", max
     cache = engine.new_cache()
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed,
                             stop_token_ids=engine.stop_token_ids())
-    result = generate(engine.model, cache, Sequence(), engine.tokenizer.encode_prompt(prompt), params,
-                      engine.tokenizer.decode_reply, grammar=engine.vocabulary.start(grammar))
+    result = generate(engine, cache, engine.tokenizer.encode_prompt(prompt), params, engine.vocabulary.start(grammar))
     assert result.finish_reason == "stop" or not whole, result
     return result.text
 
@@ -97,7 +96,7 @@ def test_a_grammar_the_tokens_cannot_follow_is_refused(bytes_engine):
 
 
 def test_each_sequence_of_a_batch_follows_its_own_grammar_and_reuses_the_prefix(bytes_engine):
-    scheduler = Scheduler(bytes_engine, bytes_engine.new_cache(), SchedulerConfig(max_sessions=4))
+    scheduler = bytes_engine.new_core(bytes_engine.new_cache(), SchedulerConfig(max_sessions=4))
     prompt = bytes_engine.tokenizer.encode_prompt("set the cabin temperature " * 8)
     grammars = [json_schema_grammar(WINDOW), choice_grammar(["yes", "no"]),
                 tool_call_grammar(HERMES, TOOLS, "required", parallel=False), None]
@@ -116,7 +115,7 @@ def test_each_sequence_of_a_batch_follows_its_own_grammar_and_reuses_the_prefix(
                                 stop_token_ids=bytes_engine.stop_token_ids())
         requests.append(Request(prompt, params, on_output,
                                 grammar=bytes_engine.vocabulary.start(grammar) if grammar else None))
-        scheduler.submit(requests[-1])
+        scheduler.add_request(requests[-1])
     while not done.is_set():
         scheduler.step()
     jsonschema.validate(json.loads(requests[0].text), WINDOW)
@@ -125,7 +124,7 @@ def test_each_sequence_of_a_batch_follows_its_own_grammar_and_reuses_the_prefix(
     again = Request(prompt, SamplingParams(max_new_tokens=200, temperature=1.0, seed=9,
                                            stop_token_ids=bytes_engine.stop_token_ids()), on_output,
                     grammar=bytes_engine.vocabulary.start(json_schema_grammar(WINDOW)))
-    scheduler.submit(again)
+    scheduler.add_request(again)
     while again.finish_reason is None:
         scheduler.step()
     block = scheduler.cache.tokens_per_block
@@ -161,7 +160,7 @@ def test_a_saved_session_keeps_its_tools_and_calls(bytes_engine, tmp_path):
 
 
 def test_a_grammar_that_fails_mid_reply_ends_that_reply_only(bytes_engine, monkeypatch):
-    scheduler = Scheduler(bytes_engine, bytes_engine.new_cache(), SchedulerConfig(max_sessions=2))
+    scheduler = bytes_engine.new_core(bytes_engine.new_cache(), SchedulerConfig(max_sessions=2))
     prompt = bytes_engine.tokenizer.encode_prompt("open the window")
     params = SamplingParams(max_new_tokens=20, stop_token_ids=bytes_engine.stop_token_ids())
     nothing = torch.zeros(bytes_engine.config.vocab_size, dtype=torch.bool)
@@ -169,7 +168,7 @@ def test_a_grammar_that_fails_mid_reply_ends_that_reply_only(bytes_engine, monke
     monkeypatch.setattr(broken, "allowed", lambda: nothing)
     failing, free = Request(prompt, params, lambda *_: None, grammar=broken), Request(prompt, params, lambda *_: None)
     for request in (failing, free):
-        scheduler.submit(request)
+        scheduler.add_request(request)
     while free.finish_reason is None:
         scheduler.step()
     assert failing.finish_reason == "error" and "allows no token" in failing.error

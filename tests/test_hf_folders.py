@@ -23,7 +23,7 @@ from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 
 WORDS = "navigate to the nearest charging station play some jazz".split()
 SPECIAL = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]

@@ -1,8 +1,8 @@
 """Our forward pass against Hugging Face transformers' LlamaForCausalLM on the same weights."""
 import pytest
+from core_helpers import generate
 import torch
 
-from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
 
@@ -36,7 +36,7 @@ def test_64_greedy_tokens_match_transformers(default_engine, default_hf_model, p
     prompt = prompt_256[:100]
     cache = default_engine.new_cache(default_engine.kv_cache_config("fp32", 32 << 20))
     params = SamplingParams(max_new_tokens=64, temperature=0.0, stop_token_ids=[])
-    ours = generate(default_engine.model, cache, Sequence(), prompt, params, default_engine.tokenizer.decode_reply)
+    ours = generate(default_engine, cache, prompt, params)
     with torch.no_grad():
         out = default_hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)

@@ -23,7 +23,7 @@ from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, SCALES_FILE
 from cabinllm.runtime.formats.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import sized_config
 from cabinllm.runtime.model.tools import Tool

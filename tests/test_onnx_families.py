@@ -15,7 +15,7 @@ from cabinllm.cli import export as export_cli
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 
 WINDOW, CONTEXT, CHUNK = 8, 64, 16
 PROMPTS = (33, 40)  # tokens: two prompt chunks then the token graph; two full chunks then a padded one

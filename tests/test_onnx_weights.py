@@ -19,7 +19,7 @@ from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
 from cabinllm.runtime.formats.onnx_folder import TOKEN_GRAPH
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.model.linear import unpack_g32
 
 from fakes.tiny_model import write_tiny_llama

@@ -11,7 +11,7 @@ from cabinllm.calibration.weight_quant import calibration_tokens, quantize_weigh
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.formats.checkpoint import load_checkpoint, save_checkpoint
 from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.model.linear import linear_op, pack_int4, unpack_int4
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.transformer import Transformer

@@ -5,15 +5,15 @@ import threading
 import time
 
 import pytest
+from core_helpers import generate
 
 from cabinllm.runtime.errors import QueueFull
-from cabinllm.runtime.generation.generate import generate
 from cabinllm.runtime.generation.sampling import SamplingParams
-from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.server.app import Output, Reply, _stream
 from cabinllm.server.edge import Shutdown
 from cabinllm.server.openai_api import ChatCompletionRequest
-from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 
 VOCAB = 20
 PROMPTS = [[(7 * i + 3) % VOCAB or 1 for i in range(70)], [(5 * i + 1) % VOCAB or 2 for i in range(9)],
@@ -26,7 +26,7 @@ def params(n=10):
 
 def new_scheduler(engine, budget=1 << 20, **config):
     cache = engine.new_cache(engine.kv_cache_config("int8", budget, 8))
-    return Scheduler(engine, cache, SchedulerConfig(**config))
+    return engine.new_core(cache, SchedulerConfig(**config))
 
 
 def drain(scheduler, limit=500):
@@ -45,12 +45,12 @@ def test_chunked_prefill_and_batched_decode_give_the_single_sequence_tokens(tiny
     want = []
     for prompt in PROMPTS:
         cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("int8", 1 << 20, 8))
-        want.append(generate(tiny_engine.model, cache, Sequence(), prompt, params(), str).token_ids)
+        want.append(generate(tiny_engine, cache, prompt, params()).token_ids)
     scheduler = new_scheduler(tiny_engine, max_sessions=3, prefill_chunk=16)
     done, on_output = collect()
     requests = [Request(prompt, params(), on_output) for prompt in PROMPTS]
     for request in requests:
-        scheduler.submit(request)
+        scheduler.add_request(request)
     drain(scheduler)
     assert [r.token_ids for r in requests] == want
     assert all(r.finish_reason == "length" for r in requests) and len(done) == 3
@@ -62,11 +62,11 @@ def test_a_returning_conversation_prefills_only_its_new_tokens(tiny_engine):
     scheduler = new_scheduler(tiny_engine)
     _, on_output = collect()
     first = Request(PROMPTS[0], params(), on_output)
-    scheduler.submit(first)
+    scheduler.add_request(first)
     drain(scheduler)
     follow_up = PROMPTS[0] + first.token_ids + PROMPTS[1]
     second = Request(follow_up, params(), on_output)
-    scheduler.submit(second)
+    scheduler.add_request(second)
     drain(scheduler)
     fed = len(PROMPTS[0]) + len(first.token_ids) - 1  # the last reply token was never fed
     assert second.cached_tokens == fed // 8 * 8 > 0
@@ -78,11 +78,11 @@ def test_queue_is_bounded_and_a_long_wait_expires(tiny_engine):
     scheduler = new_scheduler(tiny_engine, max_sessions=1, max_queue=1, queue_timeout_s=0.05)
     done, on_output = collect()
     running, waiting = Request(PROMPTS[0], params(50), on_output), Request(PROMPTS[1], params(), on_output)
-    scheduler.submit(running)
+    scheduler.add_request(running)
     scheduler.step()  # admitted: the queue is empty again
-    scheduler.submit(waiting)
+    scheduler.add_request(waiting)
     with pytest.raises(QueueFull, match="max-queue 1"):
-        scheduler.submit(Request(PROMPTS[2], params(), on_output))
+        scheduler.add_request(Request(PROMPTS[2], params(), on_output))
     time.sleep(0.06)
     scheduler.step()
     assert waiting.finish_reason == "expired" and running.finish_reason is None
@@ -93,7 +93,7 @@ def test_cancelling_frees_the_blocks(tiny_engine):
     _, on_output = collect()
     requests = [Request(PROMPTS[0], params(100), on_output), Request(PROMPTS[2], params(100), on_output)]
     for request in requests:
-        scheduler.submit(request)
+        scheduler.add_request(request)
     for _ in range(5):
         scheduler.step()
     assert scheduler.cache.stats().blocks_in_use > 0
@@ -124,7 +124,7 @@ def test_a_failed_step_ends_the_running_requests_and_serving_goes_on(tiny_engine
     scheduler = new_scheduler(tiny_engine)
     _, on_output = collect()
     failed = Request(PROMPTS[0], params(), on_output)
-    scheduler.submit(failed)
+    scheduler.add_request(failed)
     monkeypatch.setattr(tiny_engine.model, "step", lambda *_, **__: (_ for _ in ()).throw(RuntimeError("boom")))
     stop = threading.Event()
     thread = threading.Thread(target=scheduler.run, args=(stop,))
@@ -137,7 +137,7 @@ def test_a_failed_step_ends_the_running_requests_and_serving_goes_on(tiny_engine
         monkeypatch.undo()
         assert failed.finish_reason == "error" and "boom" in failed.error
         served = Request(PROMPTS[1], params(), on_output)
-        scheduler.submit(served)
+        scheduler.add_request(served)
         for _ in range(200):
             if served.finish_reason:
                 break

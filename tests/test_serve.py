@@ -14,7 +14,8 @@ from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.server.app import ServeConfig, create_app
-from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 
 from serve_helpers import metrics, running_server
 
@@ -190,9 +191,9 @@ def test_a_conversation_over_the_budget_follows_the_overflow_policy(tiny_engine_
 
 def test_a_full_queue_is_a_429_with_retry_after(tiny_engine):
     """No engine thread runs (the app's lifespan is not started), so one queued request fills a queue of one."""
-    scheduler = Scheduler(tiny_engine, tiny_engine.new_cache(tiny_engine.kv_cache_config("int8", 1 << 20)),
+    scheduler = tiny_engine.new_core(tiny_engine.new_cache(tiny_engine.kv_cache_config("int8", 1 << 20)),
                           SchedulerConfig(max_queue=1))
-    scheduler.submit(Request([1, 2, 3], SamplingParams(4), lambda *_: None))
+    scheduler.add_request(Request([1, 2, 3], SamplingParams(4), lambda *_: None))
     app = create_app(tiny_engine, scheduler, ServeConfig("tiny", OverflowPolicy("error")))
     response = TestClient(app).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "play"}]})
     assert response.status_code == 429 and response.headers["retry-after"] == "1"

@@ -5,12 +5,15 @@ import math
 
 import openai
 import pytest
+from core_helpers import beam_search
 import torch
 
-from cabinllm.runtime.generation.beam import BeamParams, beam_search
+from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence, cdiv
-from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
+from cabinllm.runtime.engine.core import EngineCore
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 
 from serve_helpers import running_server
 
@@ -23,7 +26,7 @@ def client(tiny_engine_dir):
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 
 
-def run(scheduler: Scheduler, requests: list[Request]) -> int:
+def run(scheduler: EngineCore, requests: list[Request]) -> int:
     """Step until every request is done; the most KV blocks in use at once."""
     peak = 0
     while any(r.finish_reason is None for r in requests):
@@ -43,19 +46,19 @@ def test_n_choices_prefill_once_and_share_the_prompt_blocks(bytes_engine):
     prompt = torch.randint(0, 200, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
     tpb = 32
     cache = bytes_engine.new_cache(bytes_engine.kv_cache_config("int8", 16 << 20, tpb))
-    scheduler = Scheduler(bytes_engine, cache, SchedulerConfig(max_sessions=4, prefill_chunk=2048))
+    scheduler = bytes_engine.new_core(cache, SchedulerConfig(max_sessions=4, prefill_chunk=2048))
     forked = group(prompt, 4, 64)
-    scheduler.submit(forked[0])
+    scheduler.add_request(forked[0])
     peak = run(scheduler, forked)
     assert peak <= cdiv(len(prompt), tpb) + 4 * (cdiv(64, tpb) + 1)
     assert scheduler.stats()[0].prompt_tokens == len(prompt)  # one prefill
     assert len({tuple(r.token_ids) for r in forked}) == 1 and all(len(r.token_ids) == 64 for r in forked)
 
     separate = [Request(prompt, SamplingParams(64, stop_token_ids=[]), lambda *_: None) for _ in range(4)]
-    alone = Scheduler(bytes_engine, bytes_engine.new_cache(bytes_engine.kv_cache_config("int8", 64 << 20, tpb)),
+    alone = bytes_engine.new_core(bytes_engine.new_cache(bytes_engine.kv_cache_config("int8", 64 << 20, tpb)),
                       SchedulerConfig(max_sessions=4, prefill_chunk=2048))
     for request in separate:
-        alone.submit(request)
+        alone.add_request(request)
     run(alone, separate)
     assert separate[0].token_ids == forked[0].token_ids  # a choice is the reply a lone request gets
     assert cache.stats().blocks_in_use == 0
@@ -65,9 +68,9 @@ def test_n_choices_prefill_once_and_share_the_prompt_blocks(bytes_engine):
 def test_greedy_logprobs_are_the_models_own(bytes_engine):
     prompt = [72, 101, 108, 108, 111]
     cache = bytes_engine.new_cache(bytes_engine.kv_cache_config("fp32", 4 << 20, 16))
-    scheduler = Scheduler(bytes_engine, cache)
+    scheduler = bytes_engine.new_core(cache)
     request = group(prompt, 1, 3, logprobs=5)[0]
-    scheduler.submit(request)
+    scheduler.add_request(request)
     run(scheduler, [request])
     seq = Sequence()
     reference = bytes_engine.new_cache(bytes_engine.kv_cache_config("fp32", 4 << 20, 16))
@@ -128,10 +131,9 @@ def test_beam_width_gives_the_best_beam(client, tiny_engine):
     tok = tiny_engine.tokenizer
     prompt = tok.encode(tok.render(ASK))
     cache = tiny_engine.new_cache(tiny_engine.kv_cache_config(None, 8 << 20))
-    best = beam_search(tiny_engine.model, cache, prompt, BeamParams(3, 10, 0.5, False,
-                                                                    tuple(tiny_engine.stop_token_ids())))
-    assert prompt_reply.choices[0].message.content == tok.decode_reply(best.token_ids[0])
-    assert prompt_reply.usage.completion_tokens == len(best.token_ids[0])
+    best = beam_search(tiny_engine, cache, prompt, BeamParams(3, 10, 0.5, False, tuple(tiny_engine.stop_token_ids())))
+    assert prompt_reply.choices[0].message.content == tok.decode_reply(best[0])
+    assert prompt_reply.usage.completion_tokens == len(best[0])
 
 
 @pytest.mark.parametrize("fields, words", [({"stream": True}, "cannot be combined with stream"),
@@ -146,7 +148,7 @@ def test_a_beam_search_that_cannot_be_done_as_asked_is_a_400(client, fields, wor
 
 def test_a_group_that_can_never_fit_is_named_before_it_is_queued(tiny_engine):
     cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 20 * 4 * 1536, 4))  # 20 blocks of 4 tokens
-    scheduler = Scheduler(tiny_engine, cache, SchedulerConfig(max_sessions=4))
+    scheduler = tiny_engine.new_core(cache, SchedulerConfig(max_sessions=4))
     assert scheduler.never_fits(group(list(range(1, 9)), 2, 12)[0]) is None  # 2 + 3 + 4 blocks
     problem = scheduler.never_fits(group(list(range(1, 9)), 4, 24)[0])
     assert problem == "the prompt and 4 choices of up to 24 tokens need 29 KV blocks of 4 tokens and the whole pool " \

@@ -8,7 +8,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.server.app import ServeConfig, create_app
-from cabinllm.server.scheduler import Scheduler
 
 METRIC_NAMES = {
     "cabin_kv_bytes_budget", "cabin_kv_bytes_reserved", "cabin_kv_bytes_used", "cabin_kv_bytes_used_peak",
@@ -24,7 +23,7 @@ PLAY = [{"role": "user", "content": "play"}]
 
 
 def new_app(engine):
-    scheduler = Scheduler(engine, engine.new_cache(engine.kv_cache_config("int8", 1 << 20)))
+    scheduler = engine.new_core(engine.new_cache(engine.kv_cache_config("int8", 1 << 20)))
     return create_app(engine, scheduler, ServeConfig("tiny", OverflowPolicy("error")))
 
 

@@ -1,10 +1,11 @@
 """n replies and beam search in the Session API (the reference engine): one prefill, the conversation going on
 with the first reply (the best beam) exactly as a plain turn would leave it, the others as alternatives."""
 import pytest
+from core_helpers import beam_search
 
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.errors import ConfigError
-from cabinllm.runtime.generation.beam import BeamParams, beam_search
+from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
 
 SYSTEM = "You are the assistant of a car."
@@ -41,9 +42,8 @@ def test_a_beam_turn_gives_the_best_beam_and_keeps_its_kv(tiny_engine):
     tok = tiny_engine.tokenizer
     prompt = tok.encode(tok.render([{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]))
     cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 8 << 20, 4))
-    found = beam_search(tiny_engine.model, cache, prompt, params)
-    assert turn.token_ids == found.token_ids[0] and turn.alternatives == [tok.decode_reply(t)
-                                                                          for t in found.token_ids[1:]]
+    found = beam_search(tiny_engine, cache, prompt, params)
+    assert turn.token_ids == found[0] and turn.alternatives == [tok.decode_reply(t) for t in found[1:]]
     assert beams.fed == prompt + turn.token_ids[:-1] and beams.pending == turn.token_ids[-1:]
     assert beams.chat(TURNS[1]).finish_reason in ("stop", "length")  # the conversation goes on
     beams.cache.blocks.check_invariants()

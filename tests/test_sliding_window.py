@@ -4,6 +4,7 @@ and what it cannot hold is one clear error. Tiny random-weight Gemma 3 (window 8
 from __future__ import annotations
 
 import pytest
+from core_helpers import generate
 import torch
 from test_families import write_family_folder
 from test_hf_folders import cabin_build
@@ -11,13 +12,14 @@ from test_hf_folders import cabin_build
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import ConfigError, OutOfBlocks
-from cabinllm.runtime.generation.generate import generate, run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
 from cabinllm.runtime.kv.int4 import Int4KV
 from cabinllm.runtime.kv.window import WindowedStorage, WindowPlan
-from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 
 TPB = 4  # blocks smaller than the window (8), so a window spans blocks
 
@@ -79,11 +81,11 @@ def test_choices_fork_on_the_window_pool_through_the_scheduler(gemma):
     prompt, params = ids(40, 4), [SamplingParams(12, stop_token_ids=[]) for _ in range(2)]
     requests = [Request(prompt, p, lambda *_: None) for p in params]
     requests[0].followers = requests[1:]
-    scheduler = Scheduler(gemma, cache_of(gemma, max_sequences=2), SchedulerConfig(max_sessions=2))
-    scheduler.submit(requests[0])
+    scheduler = gemma.new_core(cache_of(gemma, max_sequences=2), SchedulerConfig(max_sessions=2))
+    scheduler.add_request(requests[0])
     while any(r.finish_reason is None for r in requests):
         scheduler.step()
-    alone = generate(gemma.model, cache_of(gemma), Sequence(), prompt, params[0], lambda t: "")
+    alone = generate(gemma, cache_of(gemma), prompt, params[0])
     assert requests[0].token_ids == requests[1].token_ids == alone.token_ids
     assert scheduler.cache.stats().blocks_in_use == 0 and scheduler.cache.storage.window_bytes()[1] == 0
 

@@ -102,7 +102,7 @@ def test_prompt_ids_and_logits_equal_transformers(vlm):
     seq = Sequence()
     chat.cache.allocate(seq, ids, media)
     ours = engine.model.forward(ids, 0, chat.cache, seq, all_logits=True,
-                                images=EncodedRows(engine.vision, chat.images))
+                                media=EncodedRows(engine.vision, chat.images))
     with torch.no_grad():
         theirs = vlm["model"](**inputs).logits[0]
     assert torch.allclose(ours, theirs, atol=2e-4, rtol=1e-4), float((ours - theirs).abs().max())
@@ -489,7 +489,7 @@ def test_calibration_reads_a_dialogues_pictures_as_transformers_does(vlm, tmp_pa
     from cabinllm.calibration.evaluate import run_logits
     from cabinllm.calibration.selection import tokenize_dialogue
     from cabinllm.calibration.sources import open_source
-    from cabinllm.runtime.generation.generate import run_tokens
+    from cabinllm.runtime.model.run_tokens import run_tokens
     from cabinllm.runtime.kv.modes import kv_mode
     from cabinllm.runtime.sources.model_source import load_model
 

@@ -8,10 +8,10 @@ import torch
 from cabinllm.benchmarks.runners.base import KVFootprint, Runner, RunTiming
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.weight_formats import head_format
-from cabinllm.runtime.generation.generate import generate
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kernels.bindings import matvec, native_kernels_enabled
-from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import sized_config
 from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES, bytes_per_token, kv_mode
 from cabinllm.runtime.model.transformer import Transformer
@@ -31,7 +31,7 @@ def cabin_runner(engine: Engine, mode: str, name: str | None = None, weights: st
     def run(prompt: list[int], new_tokens: int) -> RunTiming:
         cache = engine.new_cache(sized_config(layout, mode, len(prompt) + new_tokens))
         params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=[])
-        result = generate(engine.model, cache, Sequence(), prompt, params, engine.tokenizer.decode_reply)
+        result = engine.new_core(cache, SchedulerConfig(prefill_chunk=len(prompt))).generate(Request(prompt, params))
         return RunTiming(len(prompt), result.ttft_s, len(result.token_ids) - 1, result.decode_s)
 
     def footprint(budget: int, _prompt: list[int]) -> KVFootprint:

@@ -23,7 +23,6 @@ from cabinllm.benchmarks.runners.cabin import step_weight_bytes
 from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
 from cabinllm.runtime.engine.loader import Engine
-from cabinllm.runtime.generation.generate import prefill
 from cabinllm.runtime.generation.sampling import greedy
 from cabinllm.runtime.kernels.bindings import matvec
 from cabinllm.runtime.kv.blocks import Sequence
@@ -95,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     low = min(100, engine.config.vocab_size // 4)  # clear of the special tokens at the ends of the vocabulary
     prompt = torch.randint(low, engine.config.vocab_size - low, (args.context,),
                            generator=torch.Generator().manual_seed(0)).tolist()
-    token = greedy(prefill(engine.model, cache, seq, prompt)[0])
+    cache.allocate(seq, prompt)
+    token = greedy(engine.model.forward(prompt, 0, cache, seq))
     read = step_weight_bytes(engine.model) + args.context * bytes_per_token(engine.model.kv_layout, mode,
                                                                              cache.tokens_per_block)
     decode_ms(engine, cache, seq, token, args.steps)  # warm-up

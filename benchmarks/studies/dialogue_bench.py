@@ -28,7 +28,9 @@ from cabinllm.calibration.sources import open_source
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, sink_window
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine.loader import Engine
-from cabinllm.runtime.generation.generate import generate, run_tokens
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import sized_config
@@ -52,8 +54,9 @@ def bench_ttft(engine: Engine, turns: int = 20, mode: str = "int8") -> dict:
     for turn, text in enumerate(users, start=1):
         stats = session.chat(text)
         history = session.fed[: stats.reused_tokens + stats.prefill_tokens]
-        fresh = generate(engine.model, engine.new_cache(engine.kv_cache_config(mode, 64 * MIB)), Sequence(), history,
-                         SamplingParams(max_new_tokens=1, stop_token_ids=[]), engine.tokenizer.decode_reply)
+        core = engine.new_core(engine.new_cache(engine.kv_cache_config(mode, 64 * MIB)),
+                               SchedulerConfig(prefill_chunk=len(history)))
+        fresh = core.generate(Request(history, SamplingParams(max_new_tokens=1, stop_token_ids=[])))
         rows.append({"turn": turn, "context_tokens": len(history), "new_tokens": stats.prefill_tokens,
                      "ttft_reuse_s": stats.ttft_s, "ttft_reprefill_s": fresh.ttft_s})
     t2, t20 = rows[1], rows[-1]

@@ -23,7 +23,8 @@ from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.model.threads import CPU_THREADS
-from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 
 WAYS = ("forked", "separate")
 
@@ -46,15 +47,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(engine: Engine, args: argparse.Namespace, way: str, prompt: list[int]) -> dict:
     """One run of ``way`` on a fresh cache: its figures."""
     cache = engine.new_cache(engine.kv_cache_config(None, int(args.kv_budget_mb * 2**20)))
-    scheduler = Scheduler(engine, cache, SchedulerConfig(max_sessions=args.n, prefill_chunk=args.prompt_tokens))
+    scheduler = engine.new_core(cache, SchedulerConfig(max_sessions=args.n, prefill_chunk=args.prompt_tokens))
     params = SamplingParams(args.reply_tokens, temperature=0.0, stop_token_ids=[])
     requests = [Request(list(prompt), params, lambda *_: None) for _ in range(args.n)]
     if way == "forked":
         requests[0].followers = requests[1:]
-        scheduler.submit(requests[0])
+        scheduler.add_request(requests[0])
     else:
         for request in requests:
-            scheduler.submit(request)
+            scheduler.add_request(request)
     fed, step = 0, engine.model.step
 
     def counted(spans, kv, *rest):

@@ -20,7 +20,9 @@ from cabinllm.benchmarks.machine import machine_info
 from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
 from cabinllm.runtime.engine.loader import Engine
-from cabinllm.runtime.generation.generate import generate
+from cabinllm.runtime.engine.core import EngineCore
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.model.threads import CPU_THREADS
@@ -62,8 +64,9 @@ def fused_step(engine: Engine, fused: bool):
 def decode_speed(engine: Engine, prompt: list[int], new_tokens: int, fused: bool) -> float:
     """Decode tokens/s after the prompt, on the fused step or with it switched off."""
     with fused_step(engine, fused) as model:
-        result = generate(model, engine.new_cache(), Sequence(), prompt, SamplingParams(new_tokens, stop_token_ids=[]),
-                          lambda ids: "")
+        core = EngineCore(model, engine.new_cache(), engine.tokenizer.decode_reply,
+                          SchedulerConfig(prefill_chunk=len(prompt)))
+        result = core.generate(Request(prompt, SamplingParams(new_tokens, stop_token_ids=[])))
     return result.decode_tok_s
 
 

@@ -26,10 +26,10 @@ from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
 from cabinllm.cli.chat import BUILTIN_TOOLS
 from cabinllm.runtime.engine.loader import Engine
-from cabinllm.runtime.generation.generate import generate
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 from cabinllm.runtime.generation.grammar import JSON_LAYOUT, json_schema_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams
-from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.model.tools import read_tools
 
 LONG_REPLY = {"type": "object", "properties": {"reply": {"type": "string", "minLength": 400, "maxLength": 800}},
@@ -102,8 +102,8 @@ def decode_speed(engine: Engine, constrained: bool, tokens: int) -> float:
         [{"role": "user", "content": "Describe the drive along the coast in detail."}]))
     params = SamplingParams(max_new_tokens=tokens)  # no stop token: every run decodes all its tokens
     grammar = engine.vocabulary.start(json_schema_grammar(LONG_REPLY)) if constrained else None
-    result = generate(engine.model, engine.new_cache(), Sequence(), prompt, params, engine.tokenizer.decode_reply,
-                      grammar=grammar)
+    core = engine.new_core(config=SchedulerConfig(prefill_chunk=len(prompt)))
+    result = core.generate(Request(prompt, params, grammar=grammar))
     assert len(result.token_ids) == tokens
     return result.decode_tok_s
 

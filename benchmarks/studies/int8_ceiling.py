@@ -25,7 +25,7 @@ from cabinllm.calibration.equalize import calibrated_ranges, rope_pair_max
 from cabinllm.calibration.evaluate import Totals, accumulate
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.runtime.formats.scales_file import LayerRanges, load_scales_file
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.kv.cache import PagedKVCache, sized_config
 from cabinllm.runtime.kv.quant import INT8_MAX, dequantize_per_token, quantize_per_token
 from cabinllm.runtime.kv.storage import Fp32KV

@@ -27,7 +27,7 @@ from cabinllm.runtime.backends.onnxruntime import HostInputs, load_onnx_engine
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.formats.onnx_folder import OnnxFolder
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 
 RUNS = ("reference_int8_kv", "a16w8_cpu", "a16w8_htp")
 

@@ -32,7 +32,7 @@ from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.cli.args import positive_int
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.engine.loader import Engine
-from cabinllm.runtime.generation.generate import run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 
 # the perplexity runs: the reference engine at once (the base), the reference in the graphs' chunks, the ONNX
 # backend on its own, the ONNX backend's token graph over the reference's stored cache

@@ -28,7 +28,8 @@ from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.grammar import json_schema_grammar, reply_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.model.tools import Tool, read_tools
-from cabinllm.server.scheduler import Request, Scheduler, SchedulerConfig
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 
 COMMANDS = Path(__file__).resolve().parents[2] / "tests" / "data" / "vehicle_commands.jsonl"
 SYSTEM = "You are the assistant of a car. Carry out the driver's command."
@@ -65,7 +66,7 @@ def run_replies(engine: Engine, tools: list[Tool], commands: list[dict], mode: s
     tokenizer = engine.tokenizer.with_tools(tools if mode == "tools" else [])
     grammar = (reply_grammar(tokenizer.tool_format, tools, "required", parallel=False) if mode == "tools"
                else json_schema_grammar(intent_schema(tools)))
-    scheduler = Scheduler(engine, engine.new_cache(engine.kv_cache_config(max_bytes=256 << 20)),
+    scheduler = engine.new_core(engine.new_cache(engine.kv_cache_config(max_bytes=256 << 20)),
                           SchedulerConfig(max_sessions=sessions, max_queue=len(commands), queue_timeout_s=3600))
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=engine.stop_token_ids())
     requests = []
@@ -76,7 +77,7 @@ def run_replies(engine: Engine, tools: list[Tool], commands: list[dict], mode: s
     with tqdm(total=len(requests), desc=f"{mode} replies", unit="reply") as progress:
         for batch in (requests[:1], requests[1:]):
             for request in batch:
-                scheduler.submit(request)
+                scheduler.add_request(request)
             while any(r.finish_reason is None for r in batch):
                 scheduler.step()
                 progress.update(sum(r.finish_reason is not None for r in requests) - progress.n)

@@ -1,6 +1,7 @@
-"""A multi-turn dialogue on the reference engine and one paged KV cache.
+"""A multi-turn dialogue on one model runner and one paged KV cache.
 
-Each turn prefills only what is new since the last turn: the history's KV stays in
+Each turn is one request to the engine core (cabinllm.runtime.engine.core), drained before ``chat`` returns; it
+continues the session's sequence, so it prefills only what is new since the last turn: the history's KV stays in
 the cache. A shared prefix (the system prompt) is found again through the cache's
 block hashes, so a second session starting the same way reuses its blocks. When a
 turn does not fit the budget, the session's overflow policy (cabinllm.runtime.dialogue.overflow) decides
@@ -21,17 +22,18 @@ from typing import Callable
 from cabinllm.runtime.dialogue.interface import TurnStats
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
 from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file, within_memory, write_session_file
+from cabinllm.runtime.engine.core import EngineCore
 from cabinllm.runtime.engine.loader import Engine
+from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 from cabinllm.runtime.errors import (CapacityError, ConfigError, GrammarError, ImageError, OutOfBlocks,
                                      SessionFileError)
-from cabinllm.runtime.generation.beam import BeamParams, BeamSearch
-from cabinllm.runtime.generation.generate import (GenerationResult, MediaFeed, generate,
-                                                  generate_choices, prefill)
+from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.grammar import reply_grammar
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
-from cabinllm.runtime.generation.stops import ReplyStream
 from cabinllm.runtime.kv.blocks import MediaSpan, Sequence, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
+from cabinllm.runtime.model.interface import MediaFeed
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import Tool
 from cabinllm.runtime.model.vision import EncodedRows, PreparedImage
@@ -85,42 +87,66 @@ class DialogueSession:
         messages = self.messages + [message]
         grammar = reply_grammar(self.tokenizer.tool_format, self.tools, tool_choice or self.tool_choice,
                                 parallel=False)
-        alternatives: list[str] = []
         try:
             plan = self._plan(messages)
             if plan.rebuild:
                 self._release()
-            if beam is not None:
-                result, alternatives = self._beam_search(plan.feed, beam)
-            elif n > 1:
-                result, *others = self._choices(plan.feed, n, grammar)
-                alternatives = [other.text for other in others]
-            else:
-                result = generate(self.engine.model, self.cache, self.seq, plan.feed, self.params,
-                                  self.engine.tokenizer.decode_reply, on_text, should_stop,
-                                  self.engine.vocabulary.start(grammar) if grammar else None, self._media(plan))
+            held, t0 = len(self.seq), time.perf_counter()
+            request = self._request(plan, n, beam, grammar, on_text)
+            self._core(request).generate(request, should_stop)
         except CapacityError as err:
             message = capacity_message(err, self.overflow, self.params.max_new_tokens, self._room().capacity,
                                        pictures=self._pictures_of(message))
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, message)
-        except GrammarError as err:  # the cache holds part of a reply the messages will not: the next turn rebuilds
+        except GrammarError as err:  # the reply's grammar could not start: the next turn rebuilds
             self._release()
             return self._stats("", [], 0, 0, 0.0, 0.0, "error", 0, str(err))
         except ImageError:  # a picture's rows were not at hand: its sequence is gone, the next turn rebuilds
             self._release()
             self.turns -= 1
             raise
-        calls = self.tokenizer.tool_format.read_calls(result.text) if self.tools else None
-        reply = {"role": "assistant", "content": "" if calls else result.text}
+        if request.finish_reason == "error":  # the cache holds part of a reply the messages will not: rebuild
+            self._release()
+            return self._stats("", [], 0, 0, 0.0, 0.0, "error", 0, request.error)
+        calls = self.tokenizer.tool_format.read_calls(request.text) if self.tools else None
+        reply = {"role": "assistant", "content": "" if calls else request.text}
         if calls:
             reply["tool_calls"] = [call.to_openai() for call in calls]
         self.messages = plan.messages + [reply]
-        self.pending = result.token_ids[-1:]
-        self.transcript = plan.prompt + self.engine.tokenizer.decode(result.token_ids)
-        finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
-        return self._stats(result.text, result.token_ids, result.prefill_tokens, result.reused_tokens,
-                           result.ttft_s, result.decode_tok_s, finish, plan.evicted, tool_calls=reply.get("tool_calls"),
-                           alternatives=alternatives)
+        self.pending = request.token_ids[-1:]
+        self.transcript = plan.prompt + self.engine.tokenizer.decode(request.token_ids)
+        finish = "tool_calls" if calls and request.finish_reason == "stop" else request.finish_reason
+        decode = self.engine.tokenizer.decode_reply
+        others = request.beams[1:] if beam else [follower.token_ids for follower in request.followers]
+        ttft = (request.first_token_at or t0) - t0
+        return self._stats(request.text, request.token_ids, len(plan.feed) - request.cached_tokens,
+                           held + request.cached_tokens, ttft, request.decode_tok_s, finish, plan.evicted,
+                           tool_calls=reply.get("tool_calls"), alternatives=[decode(ids) for ids in others])
+
+    def _request(self, plan: TurnPlan, n: int, beam: BeamParams | None, grammar: str | None,
+                 on_text: Callable[[str], None] | None) -> Request:
+        """The turn's request to the core: the plan's feed continuing the session's sequence, ``n`` choices (seeds
+        ``seed``, ``seed + 1``, ...) or a beam search."""
+        params = replace(self.params, max_new_tokens=beam.max_new_tokens) if beam else self.params
+        seed = params.seed
+
+        def choice(i: int) -> Request:
+            return Request(plan.feed, replace(params, seed=None if seed is None else (seed + i) % (MAX_SEED + 1)),
+                           grammar=self.engine.vocabulary.start(grammar) if grammar else None)
+
+        request = choice(0)
+        request.seq, request.beam, request.media = self.seq, beam, self._media(plan)
+        request.followers = [choice(i) for i in range(1, n)]
+        if on_text and n == 1 and beam is None:
+            request.on_output = lambda _, text, __: text and on_text(text)
+        return request
+
+    def _core(self, request: Request) -> EngineCore:
+        """An engine core over the session's cache for one turn: as wide as its choices or beams, its feed
+        prefilled in one step."""
+        return EngineCore(self.engine.model, self.cache, self.engine.tokenizer.decode_reply,
+                          SchedulerConfig(max_sessions=request.sessions, max_queue=1,
+                                          prefill_chunk=max(1, len(request.prompt_ids))))
 
     def _with_images(self, message: dict, images: list[tuple[str, bytes]]) -> dict:
         """The message with its pictures as image parts (decoded, checked and kept by digest); ImageError naming
@@ -233,51 +259,6 @@ class DialogueSession:
                               "reference engine); this backend's runs one")
         if beam is not None and self.tools:
             raise ConfigError("a beam search follows no grammar: leave tools out of a session that searches beams")
-
-    def _fork_room(self, forks: int, max_new_tokens: int) -> None:
-        """CapacityError unless ``forks`` more replies of ``max_new_tokens`` fit beside the first."""
-        needed = forks * (cdiv(max_new_tokens, self.cache.tokens_per_block) + 1)
-        free = self.cache.available_blocks() - self.cache.blocks_needed(self.seq, max_new_tokens)
-        if needed > free:
-            raise CapacityError(f"{forks + 1} replies of {max_new_tokens} tokens need {needed} more KV blocks and "
-                                f"{max(free, 0)} are free; ask for fewer replies or raise the KV budget")
-
-    def _choices(self, feed: list[int], n: int, grammar: str | None) -> list[GenerationResult]:
-        """``n`` replies sampled from one prefill; the first stays in the session's sequence."""
-        self._fork_room(n - 1, self.params.max_new_tokens)
-        seed = self.params.seed
-        params = [replace(self.params, seed=None if seed is None else (seed + i) % (MAX_SEED + 1)) for i in range(n)]
-        grammars = [self.engine.vocabulary.start(grammar) if grammar else None for _ in range(n)]
-        return generate_choices(self.engine.model, self.cache, self.seq, feed, params,
-                                self.engine.tokenizer.decode_reply, grammars)
-
-    def _beam_search(self, feed: list[int], beam: BeamParams) -> tuple[GenerationResult, list[str]]:
-        """A beam search from the prompt; the best beam is fed back into the session's sequence (its last token
-        pending, as after ``generate``), the other finished beams' texts returned."""
-        self._fork_room(beam.beam_width, beam.max_new_tokens)
-        model, decode = self.engine.model, self.engine.tokenizer.decode_reply
-        t0 = time.perf_counter()
-        logits, reused, computed = prefill(model, self.cache, self.seq, feed)
-        search, start = BeamSearch(self.cache, len(self.seq), beam), Sequence()
-        self.cache.fork(self.seq, start)
-        search.start(start, logits)
-        while not search.done:
-            search.advance(model.step(search.spans(), self.cache))
-        found = search.close()
-        best = found.token_ids[0] if found.token_ids else []
-        reply = ReplyStream(replace(self.params, max_new_tokens=beam.max_new_tokens), decode)
-        for token in best:
-            reply.push(token)
-            if reply.finish_reason:
-                break
-        reply.close("length")
-        fed = reply.ids[:-1]
-        if fed:  # the reply's K/V, as generate leaves it
-            self.cache.append(self.seq, fed)
-            model.forward(fed, len(self.seq) - len(fed), self.cache, self.seq)
-        elapsed = time.perf_counter() - t0
-        result = GenerationResult(reply.ids, reply.text, reply.finish_reason, computed, reused, elapsed, elapsed)
-        return result, [decode(ids) for ids in found.token_ids[1:]]
 
     # -- planning ------------------------------------------------------------------
     def _plan(self, messages: list[dict]) -> TurnPlan:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from cabinllm.runtime.engine.core import EngineCore
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, SCALES_FILE, EngineFolder
@@ -97,3 +99,7 @@ class Engine:
             raise CheckpointError(f"{self.folder}: KV mode {config.kv_mode} needs {SCALES_FILE}; rebuild with "
                                   "cabin-build")
         return PagedKVCache(self.model.kv_layout, config, self.scales, max_sequences=max_sequences)
+
+    def new_core(self, cache: PagedKVCache | None = None, config: SchedulerConfig | None = None) -> EngineCore:
+        """An engine core running this engine's model over ``cache`` (default: ``new_cache()``)."""
+        return EngineCore(self.model, cache or self.new_cache(), self.tokenizer.decode_reply, config)

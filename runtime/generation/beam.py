@@ -7,8 +7,8 @@ beams x vocabulary); the best ``beam_width`` that did not stop continue, those a
 stopped (a stop token, or the length limit) join the finished ones scored ``sum / length ** length_penalty``. The
 beams live in the cache as sequences: a beam continued by several candidates forks (its blocks shared, the
 partial last one copied on the first write), a beam nobody continues is freed, so KV is never gathered or copied
-to reorder beams. ``BeamSearch`` is one search as a state machine (the server's scheduler steps it beside other
-requests); ``beam_search`` runs one alone.
+to reorder beams. ``BeamSearch`` is one search as a state machine; the engine core's scheduler steps it beside
+other requests.
 """
 from __future__ import annotations
 
@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cabinllm.runtime.errors import CapacityError, ConfigError
-from cabinllm.runtime.generation.generate import prefill
-from cabinllm.runtime.model.interface import ModelRunner
-from cabinllm.runtime.kv.blocks import Sequence, cdiv
+from cabinllm.runtime.errors import ConfigError
+from cabinllm.runtime.kv.blocks import Sequence, cdiv, fork_blocks
 from cabinllm.runtime.kv.cache import PagedKVCache
 from cabinllm.runtime.model.interface import Span
 
@@ -52,8 +50,8 @@ class BeamParams:
 
     def blocks_needed(self, prompt_tokens: int, tokens_per_block: int) -> int:
         """KV blocks the search may hold at most: the prompt's, and per beam its reply's plus one copied block."""
-        return cdiv(prompt_tokens, tokens_per_block) + self.beam_width * (
-            cdiv(self.max_new_tokens, tokens_per_block) + 1)
+        return cdiv(prompt_tokens, tokens_per_block) + fork_blocks(self.beam_width, self.max_new_tokens,
+                                                                   tokens_per_block)
 
 
 @dataclass
@@ -167,24 +165,3 @@ class BeamSearch:
                 self.cache.free(seq)
         self.seqs = seqs
 
-
-def beam_search(model: ModelRunner, cache: PagedKVCache, prompt_ids: list[int], params: BeamParams) -> BeamResult:
-    """Run one beam search from a new sequence of ``prompt_ids``; CapacityError, before anything runs, when its
-    beams may need more blocks than the cache has free."""
-    needed = params.blocks_needed(len(prompt_ids), cache.tokens_per_block)
-    if needed > cache.available_blocks():
-        raise CapacityError(f"a beam search of {params.beam_width} beams and {params.max_new_tokens} tokens over a "
-                            f"{len(prompt_ids)}-token prompt may need {needed} KV blocks and {cache.available_blocks()}"
-                            " are free; lower beam_width or max_new_tokens, or raise the KV budget")
-    search = BeamSearch(cache, len(prompt_ids), params)
-    seq = Sequence()
-    try:
-        logits, _, _ = prefill(model, cache, seq, prompt_ids)
-        search.start(seq, logits)
-        while not search.done:
-            search.advance(model.step(search.spans(), cache))
-    finally:
-        result = search.close()
-        if seq:  # the prompt's sequence, where the search never took it over
-            cache.free(seq)
-    return result

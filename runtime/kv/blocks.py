@@ -104,6 +104,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def fork_blocks(forks: int, reply_tokens: int, tokens_per_block: int) -> int:
+    """Blocks ``forks`` sequences forked from one prompt may add at most: each its reply's blocks and its copy of
+    the shared last block (copy-on-write). The one formula for choices and beams."""
+    return forks * (cdiv(max(reply_tokens, 0), tokens_per_block) + 1)
+
+
 class BlockManager:
     """Allocates KV blocks to sequences, with prefix caching and LRU eviction of cached blocks."""
 

@@ -113,7 +113,7 @@ class PagedKVCache:
         """``storage_class`` replaces the config's mode by a variant of it (an experiment's); ``max_sequences``:
         the sequences whose windows a model with sliding-window layers holds at once; ``storage_options`` go to
         the storage class (int4: ``window``)."""
-        self.layout, self.config = layout, config
+        self.layout, self.config, self.scales = layout, config, scales
         mode, tpb = storage_class or config.mode, config.tokens_per_block
         plan, self._mode, self.max_sequences = WindowPlan.of(layout, tpb), mode, max_sequences
         if max_sequences < 1:
@@ -131,6 +131,10 @@ class PagedKVCache:
         self.blocks = BlockManager(num_blocks, tpb, config.enable_block_reuse)
         self.storage = (mode(layout, num_blocks, tpb, scales, **storage_options) if plan is None else
                         WindowedStorage(mode, layout, num_blocks, plan, max_sequences, scales))
+
+    def renewed(self) -> "PagedKVCache":
+        """An empty cache like this one (its layout, config, scales and sequences)."""
+        return PagedKVCache(self.layout, self.config, self.scales, max_sequences=self.max_sequences)
 
     @property
     def mode(self) -> KVMode:

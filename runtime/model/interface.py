@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from cabinllm.runtime.formats.checkpoint import ModelConfig
-from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.blocks import MediaSpan, Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache
 from cabinllm.runtime.kv.storage import KVLayout
 
@@ -44,6 +44,15 @@ class MediaRows:
 
 
 MediaTable = Mapping[bytes, MediaRows]  # media rows by digest (a lazy mapping may encode them on first read)
+
+
+@dataclass
+class MediaFeed:
+    """The pictures among a feed of tokens: where they are (positions from the feed's first token) and their input
+    rows by digest."""
+
+    spans: list[MediaSpan]
+    rows: MediaTable
 
 
 class ModelRunner(Protocol):
