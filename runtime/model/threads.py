@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +45,8 @@ class _Reading:
     own_s: float  # CPU time of this process
 
 
-def _reading(cores: set[int]) -> _Reading | None:
-    """Busy time of our cores and of this process now (None without ``/proc/stat``)."""
+def cpu_seconds(cores: set[int]) -> tuple[float, float] | None:
+    """CPU seconds so far of every process on ``cores`` and of this process (None without ``/proc/stat``)."""
     try:
         with open("/proc/stat", encoding="ascii") as stat:
             lines = stat.read().splitlines()
@@ -58,17 +59,20 @@ def _reading(cores: set[int]) -> _Reading | None:
             user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
             ticks += user + nice + system + irq + softirq + steal  # steal: the hypervisor gave the core away
     own = os.times()
-    return _Reading(time.monotonic(), ticks / os.sysconf("SC_CLK_TCK"), own.user + own.system)
+    return ticks / os.sysconf("SC_CLK_TCK"), own.user + own.system
 
 
 class CpuThreads:
-    """The process's thread policy for torch (one per process, as torch's thread count is)."""
+    """The process's thread policy for torch (one per process, as torch's thread count is); ``read`` and ``clock``
+    are where ``auto`` reads the cores' CPU seconds and the wall clock."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: Callable[[set[int]], tuple[float, float] | None] = cpu_seconds,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.policy: int | str | None = None  # None: torch's own setting, untouched
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
             range(os.cpu_count() or 1))
         self._last: _Reading | None = None
+        self._read, self._clock = read, clock  # what auto reads: CPU seconds, wall clock
 
     def use(self, policy: int | str | None) -> None:
         """Run on ``policy`` threads: a count, ``auto``, or None to leave torch's setting alone."""
@@ -78,10 +82,13 @@ class CpuThreads:
 
     def before_step(self) -> None:
         """Under ``auto``, follow what the other processes left idle since the last reading."""
-        if self.policy != AUTO or (self._last and time.monotonic() - self._last.at < READ_EVERY_S):
+        if self.policy != AUTO:
             return
-        now, last = _reading(set(self.cores)), self._last
-        self._last = now
+        at, last = self._clock(), self._last
+        if last and at - last.at < READ_EVERY_S:
+            return
+        seconds = self._read(set(self.cores))
+        now = self._last = None if seconds is None else _Reading(at, *seconds)
         if now is None or last is None or now.at <= last.at:
             return
         others = max(0.0, (now.busy_s - last.busy_s) - (now.own_s - last.own_s)) / (now.at - last.at)
