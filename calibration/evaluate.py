@@ -4,7 +4,7 @@ For every dialogue the model runs once with an fp32 cache (the reference) and
 once per mode with a fresh cache of that mode; each run is one prefill of the
 whole dialogue, so every position attends to K/V as the mode stores them.
 A mode that keeps the newest tokens at higher precision (``int4``'s fp16 window)
-is prefilled in chunks of one block (cabinllm.runtime.generation.generate.run_tokens): every position
+is prefilled in chunks of one block (cabinllm.runtime.model.run_tokens.run_tokens): every position
 then sees 96 to 127 earlier tokens at full precision (with the default 128-token
 window), as in decode, where it sees 127 or more. The modes measured are the
 reference engine's KV modes (cabinllm.runtime.kv.modes) under their eval names, plus each

@@ -1,9 +1,10 @@
 """CabinLLM's runtime: a dialogue on a paged, quantized KV cache under a fixed budget, on any backend.
 
 The face of the package; the rooms below it, in import order: ``errors``, ``kernels`` (C decode kernels),
-``formats`` (what is on disk), ``kv`` (modes, storage, blocks, the paged cache), ``model`` (the forward pass,
-its linear ops, RoPE, tokenizer), ``generation`` (the token loop, sampling, stop rules), ``sources`` (where a
-model comes from), ``engine``, ``dialogue`` (sessions, overflow, session files) and ``backends``.
+``formats`` (what is on disk), ``kv`` (modes, storage, blocks, the paged cache), ``model`` (the model-runner
+interface, the reference forward pass, its linear ops, RoPE, tokenizer), ``generation`` (sampling, stop rules,
+grammars, beam search state), ``sources`` (where a model comes from), ``engine`` (the loaded engine and the engine
+core: requests, scheduler, step), ``dialogue`` (sessions, overflow, session files) and ``backends``.
 
     from cabinllm.runtime import SessionRequest, open_session
     session = open_session(SessionRequest(Path("engines/smollm2-135m-int8-eq"), budget_bytes=32 << 20))

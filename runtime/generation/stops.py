@@ -1,6 +1,6 @@
 """The stop rules of one reply and its text as it streams, written once for every token loop.
 
-The reference loop (``cabinllm.runtime.generation.generate``), the server's scheduler and the TensorRT-LLM
+The engine core's scheduler (``cabinllm.runtime.engine.scheduler``) and the TensorRT-LLM
 session push each sampled token into a ``ReplyStream``. A reply ends at a stop token (kept in its ids, not
 in its text), at a stop string (its text cut before it), after ``max_new_tokens`` tokens, or for a reason of
 the loop's own ("interrupted", "capacity", "cancelled", "error"). Text is handed out as it becomes safe to
