@@ -12,7 +12,8 @@ A backend that appends each turn to the cached history aims to leave the history
 evicting every turn; when the current turn alone needs more, it evicts just enough for it. A
 backend that prefills the whole history every turn fills the budget. Every policy keeps the
 system prompt and the whole current message; when those and the reply do not fit, the turn
-ends with a clear error. ``plan_turn`` is how every backend plans a turn: the whole rendered
+ends with a clear error. ``plan_turn`` is how every backend plans a turn: what is new since the history it holds
+(``Held``) where that fits after it, else the whole rendered
 conversation when it fits the backend's ``Room``, else what the policy keeps. A picture goes as a unit:
 sink-window never keeps part of one, drop-turns drops it with its turn.
 """
@@ -51,6 +52,19 @@ class Room:
     capacity: int  # tokens the conversation could hold, its reply included
     fits: Callable[[int], bool]  # whether a rebuilt sequence of this many tokens (reply included) fits
     appends_turns: bool  # the history stays cached and each turn appends to it
+
+
+@dataclass
+class Held:
+    """What a backend that appends turns holds of the conversation: its sequence's tokens and pictures, the token
+    sampled last and not fed yet, and the text they stand for; ``fits(n)``: whether ``n`` more tokens and the reply
+    fit after them."""
+
+    ids: list[int]
+    media: list[MediaSpan]
+    pending: list[int]
+    transcript: str
+    fits: Callable[[int], bool]
 
 
 @dataclass
@@ -124,16 +138,21 @@ def capacity_hints(policy: OverflowPolicy, max_new_tokens: int, capacity: int,
 
 
 def plan_turn(tokenizer: ChatTokenizer, messages: list[dict], room: Room, policy: OverflowPolicy, sink_tokens: int,
-              max_new_tokens: int, prompt: str | None = None, stream: list[int] | None = None,
-              media: list[MediaSpan] = ()) -> TurnPlan:
-    """What a turn prefills: the rendered ``messages`` whole when they and the reply fit the room, else what the
-    policy keeps of them (``plan_overflow``).
-
-    ``prompt`` and ``stream`` (with its pictures, ``media``) are the rendering and its tokens where the caller has
-    them already (a backend that appends turns encodes only what is new since the cached history).
-    """
-    prompt = tokenizer.render(messages) if prompt is None else prompt
-    stream, media = tokenizer.encode_prompt_media(prompt) if stream is None else (stream, media)
+              max_new_tokens: int, held: Held | None = None) -> TurnPlan:
+    """What a turn prefills: only what is new since the ``held`` history where it and the reply fit after it (a
+    backend that appends turns), else the rendered ``messages`` whole when they and the reply fit the room, else
+    what the policy keeps of them (``plan_overflow``)."""
+    prompt = tokenizer.render(messages)
+    if held and (held.ids or held.pending) and prompt.startswith(held.transcript):
+        new, new_media = tokenizer.encode_media(prompt[len(held.transcript):])
+        offset = len(held.pending)
+        if held.fits(offset + len(new)):
+            return TurnPlan(held.pending + new, messages, prompt, rebuild=False,
+                            media=[span.shifted(offset) for span in new_media])
+        history = held.ids + held.pending
+        stream, media = history + new, held.media + [span.shifted(len(history)) for span in new_media]
+    else:
+        stream, media = tokenizer.encode_prompt_media(prompt)
     if room.fits(len(stream) + max_new_tokens):
         return TurnPlan(stream, messages, prompt, media=media)
     return plan_overflow(policy, sink_tokens, messages, prompt, stream, room, tokenizer, max_new_tokens, media)

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from cabinllm.runtime.dialogue.interface import TurnStats
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
+from cabinllm.runtime.dialogue.overflow import (Held, OverflowPolicy, Room, TurnPlan, capacity_message,
+                                               plan_turn)
 from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file, within_memory, write_session_file
 from cabinllm.runtime.engine.core import EngineCore
 from cabinllm.runtime.engine.loader import Engine
@@ -263,20 +264,9 @@ class DialogueSession:
     # -- planning ------------------------------------------------------------------
     def _plan(self, messages: list[dict]) -> TurnPlan:
         """Decide what to feed: append the new tokens, or rebuild the sequence under the policy."""
-        tok = self.tokenizer
-        prompt = tok.render(messages)
-        history = self.fed + self.pending
-        stream, media = None, []
-        if history and prompt.startswith(self.transcript):
-            new, new_media = tok.encode_media(prompt[len(self.transcript):])
-            offset = len(self.pending)
-            if self._fits_append(offset + len(new)):
-                return TurnPlan(self.pending + new, messages, prompt, rebuild=False,
-                                media=[span.shifted(offset) for span in new_media])
-            stream = history + new
-            media = self.seq.media + [span.shifted(len(history)) for span in new_media]
-        return plan_turn(tok, messages, self._room(), self.overflow, self.cache.config.sink_token_length,
-                         self.params.max_new_tokens, prompt, stream, media)
+        held = Held(self.fed, self.seq.media, self.pending, self.transcript, self._fits_append)
+        return plan_turn(self.tokenizer, messages, self._room(), self.overflow, self.cache.config.sink_token_length,
+                         self.params.max_new_tokens, held)
 
     def _room(self) -> Room:
         """What this conversation could hold once its own blocks are released."""
