@@ -106,6 +106,9 @@ class DialogueSession:
             self._release()
             self.turns -= 1
             raise
+        except BaseException:  # a failed step took the sequence's unwritten K/V with it: the next turn rebuilds
+            self._release()
+            raise
         if request.finish_reason == "error":  # the cache holds part of a reply the messages will not: rebuild
             self._release()
             return self._stats("", [], 0, 0, 0.0, 0.0, "error", 0, request.error)
