@@ -27,6 +27,8 @@ _COUNT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
                "head_size", "intermediate_size", "max_position_embeddings")
 # ModelOpt writes separate K and V scales beside TensorRT-LLM's shared kv_cache_scaling_factor; nothing reads them
 _OPTIONAL = ("attention.k_cache_scaling_factor", "attention.v_cache_scaling_factor")
+# fields newer than the format, written only where a model has them, so other models' files stay as they were
+_WRITTEN_WHEN_SET = ("nope_layers",)
 _ROPE_SCALINGS = ("default", "linear", "llama3", "longrope", "mrope")  # cabinllm.runtime.model.rope computes these
 
 
@@ -38,7 +40,8 @@ class ModelConfig:
     ``rotary_dim`` channels of each head rotated (Phi-3: ``partial_rotary_factor`` of the head), and Gemma 3's
     ``inter_layernorms`` (norms after attention and around the MLP), ``query_pre_attn_scalar``, embeddings scaled by
     sqrt(hidden_size), and local layers attending over ``sliding_window`` tokens with their own RoPE base
-    (``rope_local_base_freq``): every ``sliding_window_pattern``-th layer is global, the others local.
+    (``rope_local_base_freq``): every ``sliding_window_pattern``-th layer is global, the others local;
+    ``nope_layers`` (SmolLM3) run attention without RoPE.
     """
 
     architecture: str
@@ -66,6 +69,7 @@ class ModelConfig:
     sliding_window_pattern: int | None = None
     rope_local_base_freq: float | None = None
     final_logit_softcapping: float | None = None
+    nope_layers: list[int] | None = None  # layers whose q and k RoPE leaves as they are (NoPE); None: none
     mapping: dict = field(default_factory=lambda: {"world_size": 1, "tp_size": 1, "pp_size": 1})
     quantization: dict = field(default_factory=lambda: {"quant_algo": None, "kv_cache_quant_algo": None})
 
@@ -85,6 +89,10 @@ class ModelConfig:
         else 1."""
         return math.sqrt(self.hidden_size) if _architecture(self.architecture).embedding_scaled else 1.0
 
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether RoPE turns layer ``layer``'s queries and keys (every layer but ``nope_layers``)."""
+        return not self.nope_layers or layer not in self.nope_layers
+
     def layer_window(self, layer: int) -> int | None:
         """Tokens layer ``layer`` attends over (itself included), or None for the whole history."""
         if self.sliding_window is None:
@@ -100,7 +108,8 @@ class ModelConfig:
     def to_dict(self) -> dict:
         """The JSON form, as written to ``config.json``: the fields, plus the extra keys the architecture's
         TensorRT-LLM model reads (``CheckpointArchitecture.trtllm_keys``)."""
-        return {**asdict(self), **_architecture(self.architecture).trtllm_keys(self)}
+        data = {k: v for k, v in asdict(self).items() if not (k in _WRITTEN_WHEN_SET and v is None)}
+        return {**data, **_architecture(self.architecture).trtllm_keys(self)}
 
     def check(self, source: str, fix: str = REBUILD) -> None:
         """CheckpointError naming the first value the reference engine cannot run with: its key, value and ``fix``."""
@@ -122,6 +131,12 @@ class ModelConfig:
         rotary = self.rotary_dim
         if rotary is not None and not (_is_int(rotary) and 0 < rotary <= self.head_size and rotary % 2 == 0):
             return "rotary_dim", f"null or an even positive integer up to head_size ({self.head_size})"
+        nope = self.nope_layers
+        if nope is not None and not (isinstance(nope, list) and all(_is_int(i) for i in nope)
+                                     and sorted(set(nope)) == nope and 0 <= min(nope, default=0)
+                                     and max(nope, default=0) < self.num_hidden_layers):
+            return "nope_layers", (f"null or a rising list of distinct layer indices below num_hidden_layers "
+                                   f"({self.num_hidden_layers})")
         for key in ("sliding_window", "sliding_window_pattern"):
             value = getattr(self, key)
             if value is not None and not (_is_int(value) and value > 0):
