@@ -8,10 +8,10 @@ Adding a family: its file here (a ``FAMILIES`` tuple of ``Family``) and its name
 from __future__ import annotations
 
 from cabinllm.runtime.formats.checkpoint import register_architecture
-from cabinllm.runtime.model.families import gemma3, idefics3, llama, llava, phi3, qwen2, qwen2_vl, qwen3
+from cabinllm.runtime.model.families import gemma3, idefics3, llama, llava, phi3, qwen2, qwen2_vl, qwen3, smollm3
 from cabinllm.runtime.model.families.family import Family, VisionFamily, VisionLanguage
 
-_TEXT = (llama, qwen2, qwen3, gemma3, phi3)
+_TEXT = (llama, qwen2, qwen3, gemma3, phi3, smollm3)
 FAMILIES: dict[str, Family] = {family.architecture: family for module in _TEXT for family in module.FAMILIES}
 VISION_LANGUAGE: dict[str, VisionLanguage] = {
     module.VISION_LANGUAGE.architecture: module.VISION_LANGUAGE for module in (llava, idefics3, qwen2_vl)}
