@@ -8,7 +8,8 @@ profile, fed by the host in the npu one, which gathers nothing by an input) + ro
 tokens apart (no K/V repeated, the window never copied), SiLU as
 Sigmoid * x. The families beyond Llama take the same ops: q/k norms (Qwen3, Gemma 3) as RMSNorm of each head,
 partial rotary (Phi-3) as RoPE of a Slice of each head, Gemma 3's tanh-GELU and logit softcap through Sigmoid
-(0.5 * (1 + tanh(z)) = Sigmoid(2z)), and its local layers' window as a mask (from ``position_ids`` in the ort
+(0.5 * (1 + tanh(z)) = Sigmoid(2z)), layers without RoPE (SmolLM3's) as no rotation, and Gemma 3's local
+layers' window as a mask (from ``position_ids`` in the ort
 profile, a host input in the npu one) (LongRoPE needs nothing more: its cos/sin rows are per position). INT8 KV
 is QDQ with the engine's calibrated static scale of each layer (one for K and V, as
 TensorRT-LLM stores it): the past window comes in as codes and is dequantized; the new tokens' K/V are
@@ -445,7 +446,7 @@ def build_graph(model: Transformer, tokens: int, context: int, kv: KvGraphType, 
         if c.qk_layernorm:  # each q head by q_norm, each k head by k_norm: one norm of (heads + kv_heads, d) rows
             rows = torch.cat([layer["q_norm"].expand(heads, d), layer["k_norm"].expand(kv_heads, d)])
             qk = _rms_norm(g, qk, g.const(f"{p}.qk_norm", rows.numpy()), eps)
-        qk = _rope(g, qk, cos, sin, d, c.rotated_channels)
+        qk = _rope(g, qk, cos, sin, d, c.rotated_channels) if c.layer_rotates(index) else qk
         q, k = g.op("Split", qk, g.ints(heads, kv_heads), axis=2, outputs=2)
         v = g.op("Reshape", v, g.ints(1, tokens, kv_heads, d))
         new_k, past_k = _kv_io(g, k, past_key(index), new_key(index), kv, index)

@@ -30,6 +30,7 @@ from cabinllm.runtime.errors import TrtllmError
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR, TRT_ENGINE_DIR, TRTLLM_LOG_FILE
 from cabinllm.runtime.kv.modes import kv_mode
+from cabinllm.runtime.model.families import family
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -83,14 +84,15 @@ def _architectures() -> dict:
 
 
 def cannot_build(config: ModelConfig, line: str) -> str | None:
-    """Why TensorRT-LLM ``line`` (a release, e.g. 0.12.0-jetson) cannot build this model, or None when it can
+    """Why TensorRT-LLM ``line`` (a release, e.g. 0.12.0-jetson) cannot build this model, or None when it can: the
+    family's ``trtllm`` lines (cabinllm.runtime.model.families), then what the line lacks
     (``builders/data/trtllm_architectures.toml``)."""
-    table = _architectures()[flag_set(line)]
-    why = table.get("why", {})
-    if config.architecture not in table["builds"]:
-        return why.get(config.architecture, f"TensorRT-LLM {line} does not build {config.architecture}")
+    flags = flag_set(line)
+    table, lines = _architectures()[flags], family(config.architecture).trtllm
+    if lines.get(flags, "") is not None:
+        return lines.get(flags) or f"TensorRT-LLM {line} does not build {config.architecture}"
     if config.rotary_dim is not None and not table["partial_rotary"]:
-        return why["partial_rotary"]
+        return table["why"]["partial_rotary"]
     return None
 
 

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from cabinllm.calibration.gguf_weights import to_int4_g32, to_int8_head
-from cabinllm.calibration.hf_model import family, transformers_model
+from cabinllm.calibration.hf_model import reference, transformers_model
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, ModelConfig, layer_prefix, linear_inputs
@@ -82,7 +82,7 @@ def quantize_weights(config: ModelConfig, weights: dict[str, torch.Tensor], fmt:
         raise ConfigError(f"the weights are already quantized ({config.weight_format.quant_algo}); quantize a "
                          "full-precision model")
     group = awq_group_size(list(linear_inputs(config).values())) if isinstance(fmt, W4A16Awq) else None
-    decoder = family(config).decoder
+    decoder = reference(config).decoder
     if group is not None and decoder.startswith("gemma"):
         config, weights = pad_vocabulary(config, weights)
     model = transformers_model(config, weights)

@@ -17,6 +17,7 @@ from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import KvCacheConfig
+from cabinllm.runtime.model import families  # noqa: F401 (registers each family's checkpoint architecture)
 
 __all__ = ["CabinError", "DialogueSession", "Engine", "KvCacheConfig", "OverflowPolicy", "SamplingParams",
            "SessionRequest", "open_session"]

@@ -222,8 +222,8 @@ def test_gemma3_local_layers_hold_the_window_over_4000_tokens(gemma_512):
 
 
 def test_checkpoint_is_what_tensorrt_llms_converter_writes(built):
-    """Config keys and tensors as TensorRT-LLM 1.x's own converters name them (runtime.formats.checkpoint's
-    architecture_extra and to_disk cite the lines): read straight from the engine's checkpoint files."""
+    """Config keys and tensors as TensorRT-LLM 1.x's own converters name them (each family's file in
+    runtime/model/families cites the lines): read straight from the engine's checkpoint files."""
     import json
 
     from safetensors.torch import load_file

@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -20,26 +21,27 @@ from cabinllm.runtime.formats.weight_formats import (HEAD_TENSORS, LINEAR_LAYERS
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "rank0.safetensors"
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM", "Phi3ForCausalLM")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")  # the gated MLP's activation: Llama family, exact GELU, Gemma
 REBUILD = "rebuild the engine with cabin-build"
 _COUNT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "head_size", "intermediate_size", "max_position_embeddings")
 # ModelOpt writes separate K and V scales beside TensorRT-LLM's shared kv_cache_scaling_factor; nothing reads them
 _OPTIONAL = ("attention.k_cache_scaling_factor", "attention.v_cache_scaling_factor")
+# fields newer than the format, written only where a model has them, so other models' files stay as they were
+_WRITTEN_WHEN_SET = ("nope_layers",)
 _ROPE_SCALINGS = ("default", "linear", "llama3", "longrope", "mrope")  # cabinllm.runtime.model.rope computes these
 
 
 @dataclass
 class ModelConfig:
-    """The TensorRT-LLM ``config.json`` of a decoder-only model of the Llama, Qwen, Gemma 3 or Phi-3 families.
+    """The TensorRT-LLM ``config.json`` of a decoder-only model of a family in cabinllm.runtime.model.families.
 
     Beyond Llama: ``qk_layernorm`` (Qwen3, Gemma 3: RMSNorm of each q and k head before RoPE),
     ``rotary_dim`` channels of each head rotated (Phi-3: ``partial_rotary_factor`` of the head), and Gemma 3's
     ``inter_layernorms`` (norms after attention and around the MLP), ``query_pre_attn_scalar``, embeddings scaled by
     sqrt(hidden_size), and local layers attending over ``sliding_window`` tokens with their own RoPE base
-    (``rope_local_base_freq``): every ``sliding_window_pattern``-th layer is global, the others local.
+    (``rope_local_base_freq``): every ``sliding_window_pattern``-th layer is global, the others local;
+    ``nope_layers`` (SmolLM3) run attention without RoPE.
     """
 
     architecture: str
@@ -67,6 +69,7 @@ class ModelConfig:
     sliding_window_pattern: int | None = None
     rope_local_base_freq: float | None = None
     final_logit_softcapping: float | None = None
+    nope_layers: list[int] | None = None  # layers whose q and k RoPE leaves as they are (NoPE); None: none
     mapping: dict = field(default_factory=lambda: {"world_size": 1, "tp_size": 1, "pp_size": 1})
     quantization: dict = field(default_factory=lambda: {"quant_algo": None, "kv_cache_quant_algo": None})
 
@@ -82,8 +85,13 @@ class ModelConfig:
 
     @property
     def embedding_multiplier(self) -> float:
-        """What the embedding lookup is multiplied by: sqrt(hidden_size) for Gemma, else 1."""
-        return math.sqrt(self.hidden_size) if self.architecture.startswith("Gemma") else 1.0
+        """What the embedding lookup is multiplied by: sqrt(hidden_size) where the architecture scales it (Gemma),
+        else 1."""
+        return math.sqrt(self.hidden_size) if _architecture(self.architecture).embedding_scaled else 1.0
+
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether RoPE turns layer ``layer``'s queries and keys (every layer but ``nope_layers``)."""
+        return not self.nope_layers or layer not in self.nope_layers
 
     def layer_window(self, layer: int) -> int | None:
         """Tokens layer ``layer`` attends over (itself included), or None for the whole history."""
@@ -99,8 +107,9 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         """The JSON form, as written to ``config.json``: the fields, plus the extra keys the architecture's
-        TensorRT-LLM model reads (``architecture_extra``)."""
-        return {**asdict(self), **architecture_extra(self)}
+        TensorRT-LLM model reads (``CheckpointArchitecture.trtllm_keys``)."""
+        data = {k: v for k, v in asdict(self).items() if not (k in _WRITTEN_WHEN_SET and v is None)}
+        return {**data, **_architecture(self.architecture).trtllm_keys(self)}
 
     def check(self, source: str, fix: str = REBUILD) -> None:
         """CheckpointError naming the first value the reference engine cannot run with: its key, value and ``fix``."""
@@ -122,6 +131,12 @@ class ModelConfig:
         rotary = self.rotary_dim
         if rotary is not None and not (_is_int(rotary) and 0 < rotary <= self.head_size and rotary % 2 == 0):
             return "rotary_dim", f"null or an even positive integer up to head_size ({self.head_size})"
+        nope = self.nope_layers
+        if nope is not None and not (isinstance(nope, list) and all(_is_int(i) for i in nope)
+                                     and sorted(set(nope)) == nope and 0 <= min(nope, default=0)
+                                     and max(nope, default=0) < self.num_hidden_layers):
+            return "nope_layers", (f"null or a rising list of distinct layer indices below num_hidden_layers "
+                                   f"({self.num_hidden_layers})")
         for key in ("sliding_window", "sliding_window_pattern"):
             value = getattr(self, key)
             if value is not None and not (_is_int(value) and value > 0):
@@ -155,9 +170,9 @@ class ModelConfig:
         if not isinstance(data, dict):
             raise CheckpointError(f"{source}: not a JSON object; {REBUILD}")
         arch = data.get("architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in ARCHITECTURES:
             raise CheckpointError(
-                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
             )
         known = {f.name for f in fields(cls)}
         kwargs = {k: _OURS.get((k, v), v) if isinstance(v, str) else v for k, v in data.items() if k in known}
@@ -174,50 +189,51 @@ class ModelConfig:
         return config
 
 
-def architecture_extra(config: ModelConfig) -> dict:
-    """Keys TensorRT-LLM reads for ``config.architecture`` that are not ModelConfig fields, or fields it spells its
-    own way (``from_dict`` reads those back as ours), as its own converter writes them.
-
-    - Qwen2ForCausalLM builds through TensorRT-LLM's QWenForCausalLM, whose layers read ``config.qwen_type`` with no
-      default (QWenConfig takes it only as an extra key, which PretrainedConfig.__init__ sets as an attribute; the
-      official converter writes it from the HF ``model_type``); ``attn_bias`` and ``mlp_bias`` are QWenConfig's own
-      keys, written so the build does not rest on its defaults (attn_bias=True, mlp_bias=False).
-    - Qwen3ForCausalLM: the same class; q/k norms follow from ``qwen_type`` "qwen3" alone (models/qwen/config.py
-      L97, L127-128 at 373970a8; model.py L61 ``qk_layernorm = config.qwen_type in ('qwen3', 'qwen3_moe')``).
-    - Gemma3ForCausalLM: GemmaConfig's ``attn_bias``/``mlp_bias`` (models/gemma/config.py L101-103 at 9df6d722) and
-      the layer pattern under both names it has had: ``_sliding_window_pattern`` (config.py L55, model.py L76-77 at
-      5dedf53b) and ``sliding_window_pattern`` (Gemma3ConfigGroup, modeling_utils.py L67-72 at 01ea6d79).
-    - Phi3ForCausalLM: ``rotary_pct`` (models/phi3/config.py L72 at 1e6a4f97; model.py L113 reads it), ``swiglu``
-      for SiLU (L138), and LongRoPE as ``position_embedding_type`` "long_rope" with its factors and original
-      context (L115-121).
-    """
-    if config.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        return {"qwen_type": config.architecture[:5].lower(), "attn_bias": config.qkv_bias, "mlp_bias": False}
-    if config.architecture == "Gemma3ForCausalLM":
-        return {"attn_bias": False, "mlp_bias": False, "_sliding_window_pattern": config.sliding_window_pattern}
-    if config.architecture != "Phi3ForCausalLM":
-        return {}
-    extra = {"rotary_pct": config.rotated_channels / config.head_size}
-    if config.hidden_act == "silu":
-        extra["hidden_act"] = "swiglu"
-    scaling = config.rotary_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "longrope":
-        extra.update(position_embedding_type="long_rope",
-                     original_max_position_embeddings=scaling["original_max_position_embeddings"],
-                     longrope_scaling_short_factors=scaling["short_factor"],
-                     longrope_scaling_long_factors=scaling["long_factor"])
-    return extra
+def _no_keys(config: ModelConfig) -> dict:
+    """An architecture whose TensorRT-LLM model reads ModelConfig's fields only."""
+    return {}
 
 
-# field values TensorRT-LLM spells its own way (architecture_extra) -> ours
+@dataclass(frozen=True)
+class CheckpointArchitecture:
+    """What one architecture's TensorRT-LLM checkpoint holds beyond ModelConfig's fields, as TensorRT-LLM's own
+    converter writes it: ``trtllm_keys``, the keys its TensorRT-LLM model reads that are not fields or fields it
+    spells its own way (``from_dict`` reads those back as ours); ``fused_mlp``, its MLP's fc and gate stored as one
+    ``mlp.fc`` of [up; gate] rows (``to_disk``); ``embedding_scaled``, its embedding lookup multiplied by
+    sqrt(hidden_size). Each family of cabinllm.runtime.model.families registers its own."""
+
+    name: str
+    trtllm_keys: Callable[[ModelConfig], dict] = _no_keys
+    fused_mlp: bool = False
+    embedding_scaled: bool = False
+
+
+# the architectures a checkpoint may have, by name: filled in by cabinllm.runtime.model.families, which the
+# package cabinllm.runtime imports before any of its rooms is used
+ARCHITECTURES: dict[str, CheckpointArchitecture] = {}
+
+
+def register_architecture(architecture: CheckpointArchitecture) -> None:
+    """Make checkpoints of ``architecture`` readable and writable."""
+    ARCHITECTURES[architecture.name] = architecture
+
+
+def _architecture(name: str) -> CheckpointArchitecture:
+    """The registered architecture ``name``; CheckpointError for one no family registered."""
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        raise CheckpointError(f"unsupported architecture {name!r}; supported: {', '.join(ARCHITECTURES)}") from None
+
+
+# field values TensorRT-LLM spells its own way (CheckpointArchitecture.trtllm_keys) -> ours
 _OURS = {("hidden_act", "swiglu"): "silu", ("position_embedding_type", "long_rope"): "rope_gpt_neox"}
 
 
 def to_disk(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors as TensorRT-LLM's converter stores them: Phi-3's MLP as one ``mlp.fc`` of [up; gate] rows
-    (models/phi3/convert.py L31 and L56-63 at 89fd9b74: ``gate_up_proj`` kept fused, its halves swapped; model.py
-    L116: a plain MLP whose SwiGLU splits it), every other architecture as it is."""
-    if config.architecture != "Phi3ForCausalLM":
+    """The tensors as TensorRT-LLM's converter stores them: a ``fused_mlp`` architecture's MLP as one ``mlp.fc`` of
+    [up; gate] rows (Phi-3's), every other architecture's as they are."""
+    if not _architecture(config.architecture).fused_mlp:
         return weights
     out, axes = dict(weights), _fused_axes(config)
     for layer in range(config.num_hidden_layers):
@@ -225,16 +241,17 @@ def to_disk(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, 
         for suffix, axis in axes.items():
             gate_proj, up_proj = out.pop(f"{p}.fc.{suffix}"), out.pop(f"{p}.gate.{suffix}")
             if axis is None and not torch.equal(gate_proj, up_proj):
-                raise CheckpointError(f"layer {layer}: mlp.fc and mlp.gate have different {suffix}, so Phi-3's "
-                                      "fused MLP cannot hold them; quantize them with one input scale")
+                raise CheckpointError(f"layer {layer}: mlp.fc and mlp.gate have different {suffix}, so "
+                                      f"{config.architecture}'s fused MLP cannot hold them; quantize them with one "
+                                      "input scale")
             out[f"{p}.fc.{suffix}"] = up_proj if axis is None else torch.cat([up_proj, gate_proj], dim=axis)
     return out
 
 
 def from_disk(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``to_disk`` undone: Phi-3's fused ``mlp.fc`` split into ``mlp.fc`` (the activated gate_proj) and
-    ``mlp.gate`` (up_proj), as every architecture's runtime reads them."""
-    if config.architecture != "Phi3ForCausalLM" or f"{layer_prefix(0)}.mlp.gate.weight" in weights:
+    """``to_disk`` undone: a fused ``mlp.fc`` split into ``mlp.fc`` (the activated gate_proj) and ``mlp.gate``
+    (up_proj), as every architecture's runtime reads them."""
+    if not _architecture(config.architecture).fused_mlp or f"{layer_prefix(0)}.mlp.gate.weight" in weights:
         return weights
     out, axes = dict(weights), _fused_axes(config)
     for layer in range(config.num_hidden_layers):

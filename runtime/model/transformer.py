@@ -21,8 +21,9 @@ Longer prefill and machines where the kernels cannot be built run the torch path
 
 What the families add runs on the torch path around the same kernels: q/k norms before RoPE (Qwen3, Gemma 3),
 partial rotary (Phi-3), Gemma 3's extra norms, GELU, embedding and query scales, and its local layers' window
-(attention over the last ``sliding_window`` positions only). The fused one-call decode step knows q/k norms,
-partial rotary and GELU besides Llama (Qwen3 and Phi-4-mini take it), not Gemma 3.
+(attention over the last ``sliding_window`` positions only), layers without RoPE (SmolLM3's NoPE layers). The
+fused one-call decode step knows q/k norms, partial rotary and GELU besides Llama (Qwen3 and Phi-4-mini take it),
+not Gemma 3 or NoPE layers.
 """
 from __future__ import annotations
 
@@ -138,8 +139,8 @@ class Transformer:
                           [cache.block_table(s.seq) for s in spans], cache.storage, self.native_kernels, mv)
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["input_norm"], c.norm_epsilon)
-            cos, sin = ropes[-1] if c.layer_window(index) is not None else ropes[0]
-            attn = self._attention(index, layer, h, cos, sin, ctx)
+            rope = (ropes[-1] if c.layer_window(index) is not None else ropes[0]) if c.layer_rotates(index) else None
+            attn = self._attention(index, layer, h, rope, ctx)
             if c.inter_layernorms:  # Gemma: post_layernorm normalizes the attention output, two more the MLP's
                 x = x + _rms_norm(attn, layer["post_norm"], c.norm_epsilon)
                 h = _rms_norm(x, layer["pre_ff_norm"], c.norm_epsilon)
@@ -195,11 +196,11 @@ class Transformer:
     @functools.cached_property
     def _step_weights(self) -> StepWeights | None:
         """The layers as the fused decode step reads them; None where an op has no form it runs or the model is more
-        than Llama plus q/k norms, partial rotary and another activation (the step knows no extra norms, scales or
-        windows)."""
+        than Llama plus q/k norms, partial rotary and another activation (the step knows no extra norms, scales,
+        windows or layers without RoPE)."""
         c = self.config
         if (c.inter_layernorms or c.sliding_window is not None or c.embedding_multiplier != 1.0
-                or self._query_scale != 1.0 or c.final_logit_softcapping is not None):
+                or self._query_scale != 1.0 or c.final_logit_softcapping is not None or c.nope_layers):
             return None
         layers = []
         for layer in self.layers:
@@ -213,8 +214,9 @@ class Transformer:
                                       **norms))
         return StepWeights(layers, c.hidden_act)
 
-    def _attention(self, index: int, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _attention(self, index: int, layer: dict, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                    ctx: StepContext) -> torch.Tensor:
+        """One layer's attention of the step's tokens (q and k turned by ``rope``'s cos/sin rows unless None)."""
         c = self.config
         n, heads, kv_heads, d = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_size
         qkv = _linear(h, layer["qkv"], ctx.matvec, layer.get("qkv_bias"))
@@ -222,7 +224,8 @@ class Transformer:
         q, k = q.reshape(n, heads, d), k.reshape(n, kv_heads, d)
         if c.qk_layernorm:
             q, k = _rms_norm(q, layer["q_norm"], c.norm_epsilon), _rms_norm(k, layer["k_norm"], c.norm_epsilon)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         ctx.storage.write(index, ctx.slots, k, v.reshape(n, kv_heads, d))
         q = q * self._query_scale if self._query_scale != 1.0 else q
         outs, first, window = [], 0, c.layer_window(index)

@@ -23,32 +23,14 @@ from pathlib import Path
 import torch
 
 from cabinllm.runtime.errors import CheckpointError, ImageError
+from cabinllm.runtime.model.families import VISION_FAMILIES
+from cabinllm.runtime.model.families.family import VisionFamily
 from cabinllm.runtime.model.interface import MediaRows
 
 VISION_FOLDER = "vision"
 VISION_WEIGHTS = "vision.safetensors"
 LOW_DETAIL_PIXELS = 448 * 448
 FEATURE_CACHE_BYTES = 64 << 20  # encoded rows kept per engine (the plan counts them)
-
-
-@dataclass(frozen=True)
-class VisionFamily:
-    """What one family's vision part differs in: the placeholder its processor expands (one per image in the
-    rendered prompt), the processor outputs its ``get_image_features`` takes, its tensors' prefixes in an HF
-    folder, and whether the decoder places image tokens on an M-RoPE grid."""
-
-    model_type: str
-    placeholder_key: str  # the processor's attribute holding the placeholder text
-    feature_inputs: tuple[str, ...]
-    prefixes: tuple[str, ...]
-    mrope: bool = False
-
-
-FAMILIES = {family.model_type: family for family in (
-    VisionFamily("llava", "image_token", ("pixel_values",), ("vision_tower.", "multi_modal_projector.")),
-    VisionFamily("idefics3", "image_token", ("pixel_values", "pixel_attention_mask"), ("vision_model.", "connector.")),
-    VisionFamily("qwen2_vl", "image_token", ("pixel_values", "image_grid_thw"), ("visual.",), mrope=True),
-)}
 
 
 @dataclass
@@ -196,10 +178,10 @@ class Vision:
         except (OSError, ValueError) as err:
             raise CheckpointError(f"{folder}: unreadable vision config or processor ({err}); rebuild the "
                                   "engine") from err
-        if config.model_type not in FAMILIES:
+        if config.model_type not in VISION_FAMILIES:
             raise CheckpointError(f"{folder}: vision family {config.model_type!r} is not supported; supported: "
-                                  f"{', '.join(FAMILIES)}")
-        self.family, self.config = FAMILIES[config.model_type], config
+                                  f"{', '.join(VISION_FAMILIES)}")
+        self.family, self.config = VISION_FAMILIES[config.model_type], config
         self.placeholder = getattr(self.processor, self.family.placeholder_key)
         self.image_token_id = self.processor.tokenizer.convert_tokens_to_ids(self.placeholder)
         self.features = FeatureCache(cache_bytes)
@@ -231,7 +213,7 @@ class Vision:
         """Decode, check and preprocess one picture; its token count is known before anything is encoded.
         ``detail`` "low" (OpenAI's): Idefics3 without tiles, Qwen2-VL at most 448 x 448 pixels; LLaVA's one size."""
         image, digest = decode_image(data, name, self.limits)
-        images = [[image]] if self.family.model_type == "idefics3" else [image]
+        images = [[image]] if self.family.nested_images else [image]
         out = self.processor(text=[self.placeholder], images=images, return_tensors="pt", add_special_tokens=False,
                              images_kwargs=self._resize_kwargs(detail))
         ids = out["input_ids"][0].tolist()
@@ -264,10 +246,7 @@ class Vision:
 
     def _features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The encoder's output rows for one picture's processor tensors."""
-        extra = {}
-        if self.family.model_type == "llava":
-            extra = dict(vision_feature_layer=self.config.vision_feature_layer,
-                         vision_feature_select_strategy=self.config.vision_feature_select_strategy)
+        extra = {key: getattr(self.config, key) for key in self.family.feature_options}
         out = self.model.get_image_features(**inputs, **extra)
         rows = out.pooler_output if hasattr(out, "pooler_output") else out
         return torch.cat(list(rows)) if isinstance(rows, (list, tuple)) else rows.reshape(-1, rows.shape[-1])
@@ -290,7 +269,7 @@ class Vision:
             if "longest_edge" in size:  # never under its least pixels: a picture over the token cap is refused
                 return {"size": {**size, "longest_edge": max(self._max_pixels(detail), size.get("shortest_edge", 0))}}
             return {"max_pixels": self._max_pixels(detail)}  # transformers 4
-        return {"do_image_splitting": False} if detail == "low" and self.family.model_type == "idefics3" else {}
+        return dict(self.family.low_detail) if detail == "low" else {}
 
 
 def _processor(folder: Path):

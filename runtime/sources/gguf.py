@@ -18,9 +18,12 @@ from gguf.quants import dequantize
 
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.formats.checkpoint import SOURCE_FIX, ModelConfig, default_head_size
-from cabinllm.runtime.sources.weight_plan import SourceModel, SourceNames, check_plan, weight_plan
+from cabinllm.runtime.model.families import FAMILIES, family
+from cabinllm.runtime.model.families.family import SourceNames
+from cabinllm.runtime.sources.weight_plan import SourceModel, check_plan, weight_plan
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # Mistral GGUFs say "llama"
+# llama.cpp's general.architecture -> ours, from each family's gguf_architecture (Mistral GGUFs say "llama")
+GGUF_ARCHITECTURES = {f.gguf_architecture: f.architecture for f in FAMILIES.values() if f.gguf_architecture}
 SUPPORTED_TYPES = tuple(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"))
 GGUF_NAMES = SourceNames(
     embedding="token_embd.weight",
@@ -132,7 +135,7 @@ def config_from_gguf(reader: GGUFReader, path: Path) -> ModelConfig:
         max_position_embeddings=_meta(reader, f"{arch}.context_length", path),
         rotary_base=float(_meta(reader, f"{arch}.rope.freq_base", path, 10000.0)),
         norm_epsilon=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
-        qkv_bias=arch == "qwen2",
+        qkv_bias=family(GGUF_ARCHITECTURES[arch]).qkv_bias,
         tie_word_embeddings="output.weight" not in tensor_names,
     )
     config.check(str(path), SOURCE_FIX)
@@ -161,10 +164,10 @@ def open_gguf(path: Path) -> SourceModel:
                     f"{path}: tensor {part.name} has type {kind.name}, which the importer cannot dequantize; "
                     f"use a GGUF with {'/'.join(t.name for t in SUPPORTED_TYPES)} tensors or import the HF folder"
                 )
-    # llama.cpp permutes q/k rows of Llama models only (its Qwen2 converter does not).
+    # llama.cpp permutes q/k rows of Llama models only (its Qwen2 converter does not): the family's gguf_permuted_qk
     permuted = (
         {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
-        if config.architecture == "LlamaForCausalLM"
+        if family(config.architecture).gguf_permuted_qk
         else {}
     )
 

@@ -9,7 +9,8 @@ import torch
 
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.sources.hf_names import config_from_hf, source_names
-from cabinllm.runtime.sources.weight_plan import SourceModel, SourceNames, check_plan, weight_plan
+from cabinllm.runtime.model.families.family import SourceNames
+from cabinllm.runtime.sources.weight_plan import SourceModel, check_plan, weight_plan
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.formats.atomic import atomic_write_text
-from cabinllm.runtime.model.vision import FAMILIES, VISION_WEIGHTS, VisionFamily
+from cabinllm.runtime.model.families import VISION_FAMILIES, VISION_LANGUAGE
+from cabinllm.runtime.model.families.family import VisionFamily
+from cabinllm.runtime.model.vision import VISION_WEIGHTS
 from cabinllm.runtime.sources.hf import read_json
-from cabinllm.runtime.sources.hf_names import VLM_ARCHITECTURES
 
 # what AutoProcessor reads besides config.json
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja",
@@ -25,7 +26,7 @@ def is_vision_folder(source: Path) -> bool:
     """Whether ``source`` is an HF folder of a vision-language model whose vision part CabinLLM runs."""
     config = source / "config.json"
     return source.is_dir() and config.is_file() and \
-        (read_json(config).get("architectures") or [None])[0] in VLM_ARCHITECTURES
+        (read_json(config).get("architectures") or [None])[0] in VISION_LANGUAGE
 
 
 def export_vision(source: Path, output: Path) -> dict:
@@ -60,10 +61,10 @@ def vision_parameters(source: Path) -> int:
 def _family(source: Path) -> VisionFamily:
     """The vision family of an HF folder's config; CheckpointError for one CabinLLM does not run."""
     config = read_json(source / "config.json")
-    family = FAMILIES.get(config.get("model_type"))
+    family = VISION_FAMILIES.get(config.get("model_type"))
     if family is None:
         raise CheckpointError(f"{source}: vision family {config.get('model_type')!r} is not supported; supported: "
-                              f"{', '.join(FAMILIES)}")
+                              f"{', '.join(VISION_FAMILIES)}")
     return family
 
 

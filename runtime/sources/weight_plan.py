@@ -2,7 +2,8 @@
 
 A plan maps every TensorRT-LLM weight name to the source tensors that are
 concatenated on dim 0 to build it (one source for most, q/k/v for ``qkv``), or to rows of one fused source
-(Phi-3's ``gate_up_proj`` holds fc and gate). HF and GGUF differ only in their names (``SourceNames``).
+(Phi-3's ``gate_up_proj`` holds fc and gate). HF and GGUF differ only in their names (``SourceNames``, each
+family's in cabinllm.runtime.model.families).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.formats.checkpoint import ModelConfig, expected_shapes, layer_prefix
+from cabinllm.runtime.model.families.family import SourceNames
 
 
 @dataclass(frozen=True)
@@ -28,34 +30,6 @@ class Part:
         """The part of the loaded source tensor this checkpoint tensor is made of."""
         tensor = tensor if self.rows is None else tensor[self.rows[0]:self.rows[1]]
         return tensor + self.offset if self.offset else tensor
-
-
-@dataclass(frozen=True)
-class SourceNames:
-    """Weight names of a source format; ``{l}`` stands for the layer index.
-
-    Biases (Qwen2's q/k/v) are named like the weight with ``.weight`` -> ``.bias``.
-    """
-
-    embedding: str
-    final_norm: str
-    lm_head: str
-    input_norm: str
-    post_norm: str
-    q: str
-    k: str
-    v: str
-    dense: str
-    mlp_gate: str  # the activated branch (HF gate_proj) -> mlp.fc
-    mlp_up: str  # HF up_proj -> mlp.gate
-    mlp_down: str  # -> mlp.proj
-    q_norm: str = ""  # qk_layernorm models
-    k_norm: str = ""
-    pre_ff_norm: str = ""  # inter_layernorms models (Gemma 3)
-    post_ff_norm: str = ""
-    fused_qkv: bool = False  # ``q`` names one (q + k + v, hidden) tensor (Phi-3's qkv_proj)
-    fused_gate_up: bool = False  # ``mlp_gate`` names one (2 x inter, hidden) tensor, gate rows first (gate_up_proj)
-    norm_offset: float = 0.0  # Part.offset of every norm weight
 
 
 @dataclass
