@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from core_helpers import generate
 from test_cli_chat import write_script
 from test_cli_errors import assert_one_error, run_cli
 from test_families import SHAPE, long_prompt, write_family_folder
@@ -22,9 +23,8 @@ from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.checkpoint import CONFIG_FILE, load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
-from cabinllm.runtime.generation.generate import generate, run_tokens
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams
-from cabinllm.runtime.kv.blocks import Sequence
 
 # four layers, every second one without RoPE (no_rope_layers [1, 0, 1, 0])
 SMOLLM3 = {"SmolLM3": ("SmolLM3Config", "SmolLM3ForCausalLM", {
@@ -65,8 +65,7 @@ def test_logits_and_greedy_tokens_equal_transformers(built):
     with torch.no_grad():
         expected = model.generate(torch.tensor([ids[:40]]), max_new_tokens=8, do_sample=False)[0, 40:].tolist()
     kv = engine.new_cache(engine.kv_cache_config("fp32", 4 << 20))
-    assert generate(engine.model, kv, Sequence(), ids[:40], SamplingParams(max_new_tokens=8),
-                    lambda t: "").token_ids == expected
+    assert generate(engine, kv, ids[:40], SamplingParams(max_new_tokens=8)).token_ids == expected
 
 
 def test_cabin_chat_plays_a_script(built, tmp_path, capsys):
