@@ -11,7 +11,8 @@ from cabinllm.calibration.calibrate import (BUILTIN, CALIBRATION_METHODS, DEFAUL
 from cabinllm.calibration.clip_search import CANDIDATES, SEARCH_METHOD
 from cabinllm.calibration.clips import DEFAULT_PERCENTILE
 from cabinllm.calibration.report import write_calibration_report
-from cabinllm.cli.args import entry_point, float_range, int_range, non_negative_int, os_error_message, positive_int
+from cabinllm.cli.args import (cli_message, entry_point, float_range, int_range, non_negative_int, os_error_message,
+                               positive_int)
 from cabinllm.runtime.errors import CabinError
 from cabinllm.runtime.sources.model_source import load_model
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args.model)
         result = calibrate(model, request)
     except CabinError as err:
-        print(f"cabin-calibrate: error: {err}", file=sys.stderr)
+        print(f"cabin-calibrate: error: {cli_message(err)}", file=sys.stderr)
         return 2
     try:
         write_scales(args.output, result.scales_file)

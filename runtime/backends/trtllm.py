@@ -113,7 +113,7 @@ import torch
 
 from cabinllm.runtime.dialogue.interface import TurnStats
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
-from cabinllm.runtime.errors import CapacityError, CheckpointError, ConfigError, ImageError, SessionFileError
+from cabinllm.runtime.errors import CapacityError, CheckpointError, ConfigError, Fix, Hint, ImageError, SessionFileError
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -132,12 +132,12 @@ from cabinllm.runtime.model.vision import PreparedImage, Vision
 # the LLM API: GuidedDecodingParams (tensorrt_llm/sampling_params.py L13-29 at 1.0.0rc4, 000a01de) with
 # guided_decoding_backend xgrammar|llguidance; ModelRunnerCpp, which this backend runs, takes no grammar in 1.x
 # either (its generate, L527-790 at 03832911, has only logits_post_processor names).
-TRTLLM_NO_GRAMMAR = ("tools need constrained decoding, which TensorRT-LLM's ModelRunnerCpp (this backend) does not "
-                     "do (0.12 has no guided decoding; 1.x has it only in its LLM API); chat with --backend reference "
-                     "or onnxruntime")
+# A ConfigError's message and hints: raise ConfigError(*TRTLLM_NO_GRAMMAR)
+TRTLLM_NO_GRAMMAR = ("tools need constrained decoding, which TensorRT-LLM's ModelRunnerCpp (this backend) does not do "
+                     "(0.12 has no guided decoding; 1.x has it only in its LLM API)",
+                     (Hint(Fix.BACKEND, "reference or onnxruntime"),))
 TRTLLM_NO_N = ("n > 1 samples several replies through TensorRT-LLM's num_return_sequences, which this ModelRunnerCpp "
-               "(TensorRT-LLM 0.12) does not take; ask for one reply or a beam search (cabin-chat: no --choices, or "
-               "--beam-width N), or chat with --backend reference")
+               "(TensorRT-LLM 0.12) does not take", (Hint(Fix.ONE_REPLY), Hint(Fix.BACKEND, "reference")))
 # transformers' early_stopping as the executor's SamplingConfig takes it: 1 = True, 0 = False, 2 (any other
 # value >= 0) = "never" (see the module notes)
 TRTLLM_EARLY_STOPPING = {True: 1, False: 0, NEVER: 2}
@@ -411,7 +411,7 @@ class TrtllmSession:
 
     def save(self, path: str | Path) -> int:
         """Not available: TensorRT-LLM keeps its KV blocks to itself."""
-        raise SessionFileError("saving is available on the reference backend only (--backend reference)")
+        raise SessionFileError("saving is available on the reference backend only", (Hint(Fix.BACKEND, "reference"),))
 
     def describe_kv(self) -> str:
         """The KV settings handed to TensorRT-LLM."""
@@ -422,17 +422,17 @@ class TrtllmSession:
         if n < 1 or (n > 1 and beam is not None):
             raise ConfigError(f"n must be >= 1, and 1 with a beam search, got n={n}")
         if n > 1 and not self.forks:
-            raise ConfigError(TRTLLM_NO_N)
+            raise ConfigError(*TRTLLM_NO_N)
         if beam is None:
             return
         if beam.beam_width > self.limits.max_beam_width:
             raise ConfigError(f"a beam search of {beam.beam_width} beams needs an engine built for them; "
                               f"{self.engine_dir} was built with max_beam_width {self.limits.max_beam_width} "
-                              f"(build_config of its config.json): rebuild it with cabin-build --max-beam-width "
-                              f"{beam.beam_width}, or search with --backend reference")
+                              "(build_config of its config.json):",
+                              (Hint(Fix.BUILD_BEAM_WIDTH, str(beam.beam_width)), Hint(Fix.BACKEND, "reference")))
         if beam.length_penalty < 0:
             raise ConfigError(f"TensorRT-LLM takes length_penalty >= 0 (its SamplingConfig refuses "
-                              f"{beam.length_penalty}); ask for one >= 0, or search with --backend reference")
+                              f"{beam.length_penalty}); ask for one >= 0", (Hint(Fix.BACKEND, "reference"),))
 
     def _with_images(self, message: dict, images: list[tuple[str, bytes]], held: dict[str, PreparedImage]) -> dict:
         """The message with its pictures as image parts, prepared into ``held``; ImageError where this engine and
@@ -442,11 +442,10 @@ class TrtllmSession:
                              "vision-language model (LLaVA, Idefics3 / SmolVLM)")
         if self.vision.family.mrope:
             raise ImageError("Qwen2-VL's pictures need M-RoPE positions (TensorRT-LLM's mrope_params), which this "
-                             "backend does not pass; chat about pictures with --backend reference")
+                             "backend does not pass", (Hint(Fix.BACKEND, "reference"),))
         if not self.table_rows:
             raise ImageError(f"{self.engine_dir} was built without a prompt table for pictures "
-                             "(build_config.max_prompt_embedding_table_size 0): build it again with cabin-build from "
-                             "the vision-language model's folder, which passes --max_multimodal_len")
+                             "(build_config.max_prompt_embedding_table_size 0)", (Hint(Fix.BUILD_VISION),))
         return self.vision.image_message(message, images, held)
 
     def _prompt_table(self, plan: TurnPlan, held: dict[str, PreparedImage]) -> PromptTable:
@@ -457,9 +456,9 @@ class TrtllmSession:
         needed = sum(len(held[span.digest.hex()].offsets) for span in plan.media)
         if needed > self.table_rows:
             raise ImageError(f"the conversation's {len(plan.media)} pictures need {needed} rows of the prompt table, "
-                             f"over the {self.table_rows} the engine was built for (--max_multimodal_len); start a "
-                             "new conversation, send fewer or smaller pictures, or build the engine with a larger "
-                             "table")
+                             f"over the {self.table_rows} the engine was built for "
+                             "(build_config.max_prompt_embedding_table_size); build the engine with a larger table",
+                             (Hint(Fix.NEW_CONVERSATION), Hint(Fix.SMALLER_PICTURES)))
         return prompt_table(plan.feed, plan.media, lambda digest: self.vision.encode(held[digest.hex()]),
                             self.vocab_size)
 

@@ -101,11 +101,26 @@ def system_tokens(tokenizer: ChatTokenizer, messages: list[dict]) -> int:
     return len(tokenizer.encode_prompt(tokenizer.render(messages[:1], add_generation_prompt=False)))
 
 
+def capacity_error(err: CapacityError, policy: OverflowPolicy, max_new_tokens: int, capacity: int,
+                   pictures: list[tuple[str, int]] = ()) -> CapacityError:
+    """A refused turn's error: what did not fit (``err``) with what the user can do as hints (``pictures``: the
+    turn's, by name and tokens); a front end words it with ``CabinError.words``."""
+    return CapacityError(err.message, capacity_hints(policy, max_new_tokens, capacity, pictures))
+
+
+# DialogueSession's refusals are text (TurnStats.error) worded for the command line until the session hands its
+# front end the error itself (capacity_error); these are the words it uses meanwhile, as cli.args.CLI_WORDS has them.
+_SESSION_WORDS = {Fix.LOWER_MAX_NEW_TOKENS: "lower --max-new-tokens",
+                  Fix.NEW_CONVERSATION: "start a new conversation (/reset)",
+                  Fix.RAISE_KV_BUDGET: "raise --kv-budget-mb",
+                  Fix.OTHER_OVERFLOW: "choose --overflow sink-window|drop-turns",
+                  Fix.SMALLER_PICTURES: 'send fewer or smaller pictures (detail "low"), or lower --max-image-tokens'}
+
+
 def capacity_message(err: CapacityError, policy: OverflowPolicy, max_new_tokens: int, capacity: int,
                      phrases: dict[Fix, str] | None = None, pictures: list[tuple[str, int]] = ()) -> str:
-    """A refused turn's message: what did not fit and what the user can do, in a front end's ``phrases``
-    (``pictures``: the turn's, by name and tokens)."""
-    return f"{err}; {join_hints(capacity_hints(policy, max_new_tokens, capacity, pictures), phrases)}"
+    """DialogueSession's text of a refused turn (``capacity_error`` in ``phrases``, by default the session's)."""
+    return capacity_error(err, policy, max_new_tokens, capacity, pictures).words(phrases or _SESSION_WORDS)
 
 
 def capacity_hints(policy: OverflowPolicy, max_new_tokens: int, capacity: int,
