@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         system, turns = read_script(args.script) if args.script else (None, [])
         if args.system and (problem := text_problem(args.system)):
             raise ConfigError(f"--system {problem}")
+        if args.htp_arch is not None and args.ort_provider != "qnn":
+            raise ConfigError(f"--htp-arch names the HTP of --ort-provider qnn, not {args.ort_provider}; add "
+                              "--ort-provider qnn or leave --htp-arch out")
         if system is None:
             system = args.system if args.system is not None else EngineFolder(args.engine).system_prompt()
         use_threads(args)

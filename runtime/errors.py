@@ -38,9 +38,9 @@ class Fix(Enum):
     BUILD_HEAD = "build the engine again with BuildRequest.head {}"
     BUILD_FLOAT32 = "import it as float32 (BuildRequest.dtype float32)"
     EXPORT_ONNX = "export the engine as ONNX graphs (builders.onnx_export)"
-    EXPORT_PROFILE = "export the graphs again with OnnxExportRequest.profile {}"
+    EXPORT_PROFILE = "export it again with OnnxExportRequest.profile {}"
     EXPORT_PRECISION = "export the graphs with OnnxExportRequest.precision {}"
-    EXPORT_HTP_ARCH = "export the graphs again with OnnxExportRequest.htp_arch {}"
+    EXPORT_HTP_ARCH = "export it again with OnnxExportRequest.htp_arch {}"
     EXPORT_CHUNK = "export the graphs with OnnxExportRequest.chunk {} at most"
     GRAPHS_KV_MODE = ("leave SessionRequest.kv_mode out, or export the graphs again with OnnxExportRequest.kv_cache "
                       "{}")

@@ -79,8 +79,8 @@ def _open_reference(request: SessionRequest) -> Session:
 
 def _open_onnxruntime(request: SessionRequest) -> Session:
     if request.htp_arch is not None and request.ort_provider != "qnn":
-        raise ConfigError(f"--htp-arch names the HTP of --ort-provider qnn, not {request.ort_provider}; add "
-                          "--ort-provider qnn or leave --htp-arch out")
+        raise ConfigError(f"htp_arch names the HTP of ort_provider qnn, not {request.ort_provider}; leave htp_arch "
+                          "out", (Hint(Fix.ORT_PROVIDER, "qnn"),))
     engine = load_onnx_engine(request.engine, request.ort_provider, htp_arch=request.htp_arch)
     if request.kv_mode not in (None, engine.default_kv_mode):
         raise ConfigError(f"kv_mode {request.kv_mode}: the graphs in {request.engine} take "
