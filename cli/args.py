@@ -184,6 +184,13 @@ CLI_WORDS: dict[Fix, str] = {
     Fix.EXPORT_PRECISION: "export --precision {}",
     Fix.EXPORT_HTP_ARCH: "export it again with cabin-export --htp-arch {} (or the --target of this board)",
     Fix.GRAPHS_KV_MODE: "leave --kv-cache out or export them again with cabin-export --kv-cache {}",
+    Fix.CALIBRATION_DATA: "use --data builtin, sharegpt, a .jsonl or a ShareGPT .json file",
+    Fix.NO_MIX: "--mix none leaves it out",
+    Fix.LONGER_DIALOGUES: "calibrate on longer dialogues (--max-tokens, or --data builtin for long cabin sessions)",
+    Fix.NUM_DIALOGUES: "pass --num-dialogues",
+    Fix.LOWER_MIN_TOKENS: "lower --min-tokens",
+    Fix.STITCH_SESSIONS: "stitch dialogues into sessions (cabin-eval --sessions)",
+    Fix.SCALES: "pass --scales or calibrate first",
     Fix.EXPORT_CHUNK: "export the graphs with cabin-export --chunk {} at most",
 }
 

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
           f" -> {args.output}", file=sys.stderr)
     warning = short_coverage_warning(data)
     if warning:
-        print(f"cabin-calibrate: warning: {warning}", file=sys.stderr)
+        print(f"cabin-calibrate: warning: {cli_message(warning)}", file=sys.stderr)
     for mode, r in list(result.grade.items())[1:]:  # after the fp32 reference
         print(f"held-out grade {mode:<15} perplexity {r.ppl_delta_pct:+.2f}%  KL {r.kl:.5f}  "
               f"top-1 {100 * r.top1_agree:.2f}%", file=sys.stderr)

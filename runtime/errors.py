@@ -44,6 +44,14 @@ class Fix(Enum):
     EXPORT_CHUNK = "export the graphs with OnnxExportRequest.chunk {} at most"
     GRAPHS_KV_MODE = ("leave SessionRequest.kv_mode out, or export the graphs again with OnnxExportRequest.kv_cache "
                       "{}")
+    CALIBRATION_DATA = "give CalibrationRequest.data builtin, sharegpt, a .jsonl or a ShareGPT .json file"
+    NO_MIX = "leave the mix out (CalibrationRequest.mix none)"
+    LONGER_DIALOGUES = ("calibrate on longer dialogues (CalibrationRequest.max_tokens, or data builtin for long "
+                        "cabin sessions)")
+    NUM_DIALOGUES = "give CalibrationRequest.num_dialogues"
+    LOWER_MIN_TOKENS = "lower CalibrationRequest.min_tokens"
+    STITCH_SESSIONS = "stitch dialogues into sessions (prepare_dialogues' sessions)"
+    SCALES = "give the scales (a ScalesFile) or calibrate first"
     RAISE_MAX_QUEUE = "raise SchedulerConfig.max_queue (now {})"
 
 
