@@ -171,6 +171,7 @@ CLI_WORDS: dict[Fix, str] = {
     Fix.SMALLER_PICTURES: 'send fewer or smaller pictures (detail "low"), or lower --max-image-tokens',
     Fix.PER_TOKEN_KV_MODE: "choose another --kv-cache",
     Fix.BACKEND: "chat with --backend {}",
+    Fix.BACKEND_NAME: "--backend {}",
     Fix.ORT_PROVIDER: "choose --ort-provider {}",
     Fix.ONE_REPLY: "ask for one reply or a beam search (no --choices, or --beam-width N)",
     Fix.BUILD_BEAM_WIDTH: "rebuild it with cabin-build --max-beam-width {}",

@@ -29,6 +29,7 @@ class Fix(Enum):
     SMALLER_PICTURES = 'send fewer or smaller pictures (detail "low"), or lower ImageLimits.max_image_tokens'
     PER_TOKEN_KV_MODE = "choose a KvCacheConfig.kv_mode that stores per token"
     BACKEND = "choose SessionRequest.backend {}"
+    BACKEND_NAME = "SessionRequest.backend {}"
     ORT_PROVIDER = "choose SessionRequest.ort_provider {}"
     ONE_REPLY = "ask for one reply (n 1) or a beam search (BeamParams)"
     BUILD_BEAM_WIDTH = "build the engine again with BuildRequest.max_beam_width {}"
@@ -86,12 +87,12 @@ class CabinError(Exception):
         self.message, self.hints = message, tuple(hints)
 
     def words(self, phrases: Mapping[Fix, str | None] | None = None) -> str:
-        """``message; hint, hint or hint`` in a front end's ``phrases`` (the library's by default); a message ending
-        in a colon introduces its hints (``message: hint``)."""
+        """``message; hint, hint or hint`` in a front end's ``phrases`` (the library's by default), or the message
+        with the hints in its ``{}``."""
         hints = join_hints(self.hints, phrases)
-        if not hints:
-            return self.message.removesuffix(":")
-        return f"{self.message} {hints}" if self.message.endswith(":") else f"{self.message}; {hints}"
+        if self.hints and "{}" in self.message:
+            return self.message.replace("{}", hints)
+        return f"{self.message}; {hints}" if hints else self.message
 
     def __str__(self) -> str:
         return self.words()

@@ -308,7 +308,8 @@ class TrtllmSession:
 
     def save(self, path: str | Path) -> int:
         """Not available: TensorRT-LLM keeps its KV blocks to itself."""
-        raise SessionFileError("saving is available on the reference backend only", (Hint(Fix.BACKEND, "reference"),))
+        raise SessionFileError("saving is available on the reference backend only ({})",
+                               (Hint(Fix.BACKEND_NAME, "reference"),))
 
     def describe_kv(self) -> str:
         """The KV settings handed to TensorRT-LLM."""
@@ -325,7 +326,7 @@ class TrtllmSession:
         if beam.beam_width > self.limits.max_beam_width:
             raise ConfigError(f"a beam search of {beam.beam_width} beams needs an engine built for them; "
                               f"{self.engine_dir} was built with max_beam_width {self.limits.max_beam_width} "
-                              "(build_config of its config.json):",
+                              "(build_config of its config.json): {}",
                               (Hint(Fix.BUILD_BEAM_WIDTH, str(beam.beam_width)), Hint(Fix.BACKEND, "reference")))
         if beam.length_penalty < 0:
             raise ConfigError(f"TensorRT-LLM takes length_penalty >= 0 (its SamplingConfig refuses "
