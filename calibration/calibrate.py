@@ -46,7 +46,7 @@ class CalibrationRequest:
     method: str = SEARCH_METHOD
     percentile: float = DEFAULT_PERCENTILE
     seed: int = 0
-    mix: str = "sharegpt"  # a data source as --data takes it, or NO_MIX
+    mix: str = "sharegpt"  # a data source as ``data`` takes it, or NO_MIX
     mix_dialogues: int = 4
     mix_tokens: int = 2048
     grade: bool = True

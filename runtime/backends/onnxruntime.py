@@ -12,7 +12,7 @@ reference engine (``cabinllm.runtime.dialogue.session.DialogueSession``: reuse o
 overflow policies, session files) runs unchanged on it; the context it plans against is the graphs'
 ``context``. ``logits_over`` scores a cached sequence token by token over the K/V another backend stored, so
 two backends can be compared on the same INT8 codes. Graphs of the npu profile take the embedding and RoPE rows,
-which the host looks up (``HostInputs``); on ``--ort-provider qnn`` they run on Qualcomm's HTP from their
+which the host looks up (``HostInputs``); on the ``qnn`` provider they run on Qualcomm's HTP from their
 context binaries (cabinllm.runtime.backends.qnn). onnxruntime is imported only here, only when used.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.interface import MediaTable, Span
 
 _UINT8_ZERO_POINT = 128  # int8 codes passed as uint8
-# --ort-provider name -> ONNX Runtime execution provider
+# provider name (SessionRequest.ort_provider) -> ONNX Runtime execution provider
 ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
                  "tensorrt": "TensorrtExecutionProvider", "qnn": "QNNExecutionProvider"}
 
