@@ -193,6 +193,7 @@ CLI_WORDS: dict[Fix, str] = {
     Fix.STITCH_SESSIONS: "stitch dialogues into sessions (cabin-eval --sessions)",
     Fix.SCALES: "pass --scales or calibrate first",
     Fix.EXPORT_CHUNK: "export the graphs with cabin-export --chunk {} at most",
+    Fix.RAISE_MAX_QUEUE: "raise cabin-serve's --max-queue (now {})",
 }
 
 
