@@ -179,6 +179,7 @@ CLI_WORDS: dict[Fix, str] = {
                       "--max_multimodal_len",
     Fix.BUILD_WEIGHTS: "use --weights {}",
     Fix.BUILD_HEAD: "build the engine again with --head {}",
+    Fix.BUILD_TARGET: "build for --target {}",
     Fix.BUILD_FLOAT32: "import it as float32 (cabin-build --dtype float32)",
     Fix.EXPORT_ONNX: "write one with cabin-export --format onnx",
     Fix.EXPORT_PROFILE: "export it again with cabin-export --profile {}",

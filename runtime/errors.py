@@ -37,6 +37,7 @@ class Fix(Enum):
                     "(BuildRequest.model)")
     BUILD_WEIGHTS = "build the engine again with BuildRequest.weights {}"
     BUILD_HEAD = "build the engine again with BuildRequest.head {}"
+    BUILD_TARGET = "build for BuildRequest.target {}"
     BUILD_FLOAT32 = "import it as float32 (BuildRequest.dtype float32)"
     EXPORT_ONNX = "export the engine as ONNX graphs (builders.onnx_export)"
     EXPORT_PROFILE = "export it again with OnnxExportRequest.profile {}"
