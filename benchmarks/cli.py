@@ -15,7 +15,7 @@ from cabinllm.benchmarks.machine import oversubscribed
 from cabinllm.benchmarks.plots import write_figures
 from cabinllm.benchmarks.results_page import render_markdown
 from cabinllm.benchmarks.settings import BenchSettings, quick_settings
-from cabinllm.cli.args import entry_point
+from cabinllm.cli.args import cli_message, entry_point
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         peers = make_peers(engine, families, torch.get_num_threads(), args.genai)
         results = run_bench(engine, settings, peers, evaluation, weight_engines, args.onnx)
     except CabinError as err:
-        print(f"cabin-bench: error: {err}", file=sys.stderr)
+        print(f"cabin-bench: error: {cli_message(err)}", file=sys.stderr)
         return 2
     results["command"] = shlex.join(["cabin-bench", *(sys.argv[1:] if argv is None else argv)])
     results["notes"] = notes(results)

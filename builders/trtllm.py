@@ -2,17 +2,8 @@
 
 TensorRT-LLM is never imported at module load: it is optional, and heavy where it exists.
 
-Flag sets (checked against the sources of both lines):
-- ``v0.12`` (releases before 0.13, the Jetson branch v0.12.0-jetson included):
-  ``--paged_kv_cache enable``, ``--tokens_per_block`` defaults to 64, paged context FMHA off by default.
-- ``1.x`` (0.13 and later): ``--kv_cache_type paged``, ``--tokens_per_block`` defaults to 32,
-  paged context FMHA ON by default, so an INT8-KV build must switch it off explicitly.
-INT8 KV cannot be combined with paged context FMHA, so INT8-KV engines never ask for it.
-``--max_beam_width`` is one flag in both: the beams the engine can search (tensorrt_llm/commands/build.py L107-111 at
-008b2b8d on 1.x, default ``BuildConfig.max_beam_width``; the 0.8-era parser has it too, default 1), written always.
-``--max_multimodal_len`` (a vision-language model's LLM part): the alias of ``--max_prompt_embedding_table_size``,
-the rows of image features the prompt table holds over the batch (build.py L137-144 at 008b2b8d; the
-examples/multimodal README sizes it max_batch_size x visual features per request), written only for such a model.
+The flags each line takes, with the lines of TensorRT-LLM's source they were checked against:
+docs/trtllm-backend.md, "Building".
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from cabinllm.builders.image_plan import CAMERA_FRAME, camera_frame
-from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.errors import CheckpointError, Fix, Hint
 from cabinllm.runtime.model.vision import Vision
 
 VISION_ONNX = "vision.onnx"
@@ -65,15 +65,16 @@ def export_vision_onnx(vision: Vision, folder: Path) -> dict:
             torch.onnx.export(encoder, tensors, str(path), input_names=names, output_names=[OUTPUT],
                               opset_version=OPSET, dynamo=dynamo, external_data=False)
     except (ImportError, RuntimeError, ValueError) as err:
-        raise CheckpointError(f"the {vision.family.model_type} vision encoder did not export to ONNX ({err}); build "
-                              "for --target cpu, which runs it in torch") from err
+        raise CheckpointError(f"the {vision.family.model_type} vision encoder did not export to ONNX ({err}); the "
+                              "reference engine runs it in torch", (Hint(Fix.BUILD_TARGET, "cpu"),)) from err
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     feed = {i.name: prepared.inputs[i.name].numpy() for i in session.get_inputs()}
     rows = session.run(None, feed)[0]
     gap = float(np.abs(rows - expected).max())
     if rows.shape != expected.shape or not gap < 1e-3:
         raise CheckpointError(f"the exported vision graph gives rows {rows.shape} differing from torch's "
-                              f"{expected.shape} by {gap:g}; build for --target cpu, which runs it in torch")
+                              f"{expected.shape} by {gap:g}; the reference engine runs it in torch",
+                              (Hint(Fix.BUILD_TARGET, "cpu"),))
     return {"file": VISION_ONNX, "picture": list(CAMERA_FRAME), "opset": OPSET,
             "inputs": {name: {"shape": list(feed[name].shape), "dtype": str(feed[name].dtype)} for name in feed},
             "traced": {name: prepared.inputs[name].tolist() for name in names if name not in feed},  # Qwen2-VL's grid

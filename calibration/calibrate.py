@@ -22,7 +22,7 @@ from cabinllm.calibration.equalize import FIRST_TOKEN
 from cabinllm.calibration.evaluate import ModeResult, evaluate
 from cabinllm.calibration.selection import TokenizedDialogue, picture_summary, prepare_dialogues
 from cabinllm.calibration.stats import KVStats, collect_stats
-from cabinllm.runtime.errors import ConfigError, DataError
+from cabinllm.runtime.errors import ConfigError, DataError, Fix, Hint
 from cabinllm.runtime.formats.scales_file import ScalesFile, save_scales
 from cabinllm.runtime.sources.model_source import LoadedModel
 
@@ -46,7 +46,7 @@ class CalibrationRequest:
     method: str = SEARCH_METHOD
     percentile: float = DEFAULT_PERCENTILE
     seed: int = 0
-    mix: str = "sharegpt"  # a data source as --data takes it, or NO_MIX
+    mix: str = "sharegpt"  # a data source as ``data`` takes it, or NO_MIX
     mix_dialogues: int = 4
     mix_tokens: int = 2048
     grade: bool = True
@@ -103,7 +103,8 @@ def _parts(model: LoadedModel, request: CalibrationRequest, split: str, validati
             parts.append(_source_part(request.mix, split, request.mix_dialogues if split == "train" else 0,
                                       request.seed, model, mix_tokens, mix_tokens, False, validation))
         except DataError as err:
-            raise DataError(f"{err} (general dialogue mixed into builtin; --mix none leaves it out)") from err
+            raise DataError(f"{err.message} (general dialogue mixed into builtin)",
+                            (*err.hints, Hint(Fix.NO_MIX))) from err
     return parts
 
 
@@ -134,14 +135,14 @@ def common_first_token(dialogues: list[TokenizedDialogue]) -> int | None:
     return firsts.pop() if len(firsts) == 1 else None
 
 
-def short_coverage_warning(data: dict) -> str | None:
-    """A warning when the scales saw positions covering much less than the engine's context, else None."""
+def short_coverage_warning(data: dict) -> DataError | None:
+    """A warning (a DataError to show, not raise) when the scales saw positions covering much less than the engine's
+    context, else None."""
     positions = data.get("positions")
     if not positions or positions["longest"] >= SHORT_COVERAGE * positions["context"]:
         return None
-    return (f"calibrated on sequences of at most {positions['longest']} tokens, the model holds "
-            f"{positions['context']}: K/V at later positions were never seen; calibrate on longer dialogues "
-            "(--max-tokens, or --data builtin for long cabin sessions)")
+    return DataError(f"calibrated on sequences of at most {positions['longest']} tokens, the model holds "
+                     f"{positions['context']}: K/V at later positions were never seen", (Hint(Fix.LONGER_DIALOGUES),))
 
 
 def calibrate(model: LoadedModel, request: CalibrationRequest, progress: bool = True) -> CalibrationResult:

@@ -30,7 +30,7 @@ from cabinllm.calibration.equalize import FIRST_TOKEN, equalize
 from cabinllm.calibration.selection import TokenizedDialogue
 from cabinllm.calibration.stats import POSITION_KINDS
 from cabinllm.calibration.weight_quant import stored_bytes
-from cabinllm.runtime.errors import ConfigError
+from cabinllm.runtime.errors import ConfigError, Fix, Hint
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.scales_file import KVScales, ScalesFile
 from cabinllm.runtime.model.run_tokens import run_tokens
@@ -120,7 +120,7 @@ def build_runners(model: LoadedModel, modes: list[str], scales_file: ScalesFile 
     if unknown:
         raise ConfigError(f"unknown KV mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
     if scales_file is None and any(m in STATIC_MODES for m in modes):
-        raise ConfigError(f"modes {', '.join(STATIC_MODES)} need calibrated scales; pass --scales or calibrate first")
+        raise ConfigError(f"modes {', '.join(STATIC_MODES)} need calibrated scales", (Hint(Fix.SCALES),))
     equalized = [m for m in modes if EVAL_MODES[m].equalized]
     if equalized and scales_file.ranges is None:
         raise ConfigError(f"{', '.join(equalized)} need per-channel ranges in the scales file (schema version 2); "

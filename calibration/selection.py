@@ -16,7 +16,7 @@ import torch
 from cabinllm.calibration.dialogue_data import Dialogue, LoadReport
 from cabinllm.calibration.sources import open_source
 from cabinllm.calibration.stitch import conversation_order, stitch
-from cabinllm.runtime.errors import ConfigError, DataError, ImageError
+from cabinllm.runtime.errors import ConfigError, DataError, Fix, Hint, ImageError
 from cabinllm.runtime.model.interface import MediaFeed
 from cabinllm.runtime.kv.blocks import whole_media_prefix
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
@@ -93,7 +93,7 @@ def tokenize_dialogue(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: 
         messages = [vision.image_message({"role": m["role"], "content": m["content"]}, read_pictures(m["images"]),
                                          held) if m.get("images") else m for m in dialogue.messages]
     except ImageError as err:
-        raise DataError(f"dialogue {dialogue.id}: {err}") from err
+        raise DataError(f"dialogue {dialogue.id}: {err.message}", err.hints) from err
     view = tokenizer.with_images(held, vision.placeholder)
     ids, spans = view.encode_prompt_media(view.render(messages, add_generation_prompt=False))
     positions = [span.start + int(p) for span in spans for p in held[span.digest.hex()].offsets]
@@ -132,7 +132,7 @@ def prepare_dialogues(data: str, split: str, count: int | None, seed: int, token
     Returns them with a data summary (source, load report, split, seed, token counts).
     """
     if count is None and sessions:
-        raise DataError("stitched sessions need a number of sessions; pass --num-dialogues")
+        raise DataError("stitched sessions need a number of sessions", (Hint(Fix.NUM_DIALOGUES),))
     if count is None:
         return _prepare_every_dialogue(data, split, seed, tokenizer, max_tokens, min_tokens, vision)
     if count < 1 or max_tokens < 2 or min_tokens > max_tokens:
@@ -152,9 +152,9 @@ def prepare_dialogues(data: str, split: str, count: int | None, seed: int, token
         pool *= OVERSAMPLE  # too many candidates were short once tokenized: look further down the same order
     if len(chosen) < count:
         what = "sessions" if sessions else "dialogues"
-        hint = "" if sessions else ", stitch dialogues into sessions (cabin-eval --sessions)"
+        hints = (Hint(Fix.LOWER_MIN_TOKENS),) + (() if sessions else (Hint(Fix.STITCH_SESSIONS),))
         raise DataError(f"{data}: only {len(chosen)} {split} {what} of at least {min_tokens} tokens found, "
-                        f"{count} asked for; ask for fewer, lower --min-tokens{hint} or use a larger data set")
+                        f"{count} asked for; ask for fewer or use a larger data set", hints)
     summary = _summary(report, split, seed, chosen, max_tokens, min_tokens)
     summary["sessions"] = sessions
     return chosen, summary
@@ -184,8 +184,8 @@ def _prepare_every_dialogue(data: str, split: str, seed: int, tokenizer: ChatTok
         if len(tokenized.token_ids) >= max(min_tokens, 2):
             chosen.append(tokenized)
     if not chosen:
-        raise DataError(f"{data}: no {split} dialogue of at least {min_tokens} tokens found; lower --min-tokens "
-                        "or use a larger data set")
+        raise DataError(f"{data}: no {split} dialogue of at least {min_tokens} tokens found; use a larger data set",
+                        (Hint(Fix.LOWER_MIN_TOKENS),))
     return chosen, _summary(report, split, seed, chosen, max_tokens, min_tokens)
 
 

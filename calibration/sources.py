@@ -8,7 +8,7 @@ from typing import Iterator
 from cabinllm.calibration.dialogue_data import Dialogue, LoadReport
 from cabinllm.calibration.jsonl import load_jsonl
 from cabinllm.calibration.sharegpt import load_sharegpt, packaged_sharegpt_path
-from cabinllm.runtime.errors import DataError
+from cabinllm.runtime.errors import DataError, Fix, Hint
 
 BUILTIN_FILE = "cockpit_dialogues.jsonl"
 
@@ -35,7 +35,7 @@ def open_source(spec: str) -> tuple[Iterator[Dialogue], LoadReport]:
         return load_sharegpt(path, report), report
     path = Path(spec)
     if not path.is_file():
-        raise DataError(f"{path}: no such file; use --data builtin, sharegpt, a .jsonl or a ShareGPT .json file")
+        raise DataError(f"{path}: no such file", (Hint(Fix.CALIBRATION_DATA),))
     report = LoadReport(str(path))
     if path.suffix == ".jsonl":
         return load_jsonl(path, report), report

@@ -92,7 +92,7 @@ def quantize_weights(config: ModelConfig, weights: dict[str, torch.Tensor], fmt:
                         disable=not progress):
             model(torch.tensor([ids]))
 
-    # ModelOpt prints its progress; stdout is kept for the tools' own output (cabin-eval --json)
+    # ModelOpt prints its progress; stdout is kept for the tools' own output (cabin-eval's JSON)
     with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):
         mtq.quantize(model, modelopt_config(fmt, group), forward_loop)
         with tempfile.TemporaryDirectory(prefix="cabin-modelopt-") as tmp:

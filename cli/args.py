@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from cabinllm.runtime.dialogue.overflow import OVERFLOW_POLICIES, OverflowPolicy
-from cabinllm.runtime.errors import ConfigError
+from cabinllm.runtime.errors import CabinError, ConfigError, Fix
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.memory import available_memory
@@ -159,6 +159,48 @@ def kv_budget_bytes(megabytes: float) -> int:
         raise ConfigError(f"--kv-budget-mb {megabytes:g} is more than the {available / 2**20:,.0f} MiB of "
                          "memory this machine has available; choose a smaller --kv-budget-mb")
     return int(requested)
+
+
+# The command line's words for each Fix of a CabinError (a {} takes the hint's detail): its flags and commands.
+CLI_WORDS: dict[Fix, str] = {
+    Fix.LOWER_MAX_NEW_TOKENS: "lower --max-new-tokens",
+    Fix.NEW_CONVERSATION: "start a new conversation (/reset)",
+    Fix.RAISE_KV_BUDGET: "raise --kv-budget-mb",
+    Fix.LOWER_KV_BUDGET: "give a smaller --kv-budget-mb",
+    Fix.OTHER_OVERFLOW: "choose --overflow sink-window|drop-turns",
+    Fix.SMALLER_PICTURES: 'send fewer or smaller pictures (detail "low"), or lower --max-image-tokens',
+    Fix.PER_TOKEN_KV_MODE: "choose another --kv-cache",
+    Fix.BACKEND: "chat with --backend {}",
+    Fix.BACKEND_NAME: "--backend {}",
+    Fix.ORT_PROVIDER: "choose --ort-provider {}",
+    Fix.ONE_REPLY: "ask for one reply or a beam search (no --choices, or --beam-width N)",
+    Fix.BUILD_BEAM_WIDTH: "rebuild it with cabin-build --max-beam-width {}",
+    Fix.BUILD_VISION: "build it again with cabin-build from the vision-language model's folder, which passes "
+                      "--max_multimodal_len",
+    Fix.BUILD_WEIGHTS: "use --weights {}",
+    Fix.BUILD_HEAD: "build the engine again with --head {}",
+    Fix.BUILD_TARGET: "build for --target {}",
+    Fix.BUILD_FLOAT32: "import it as float32 (cabin-build --dtype float32)",
+    Fix.EXPORT_ONNX: "write one with cabin-export --format onnx",
+    Fix.EXPORT_PROFILE: "export it again with cabin-export --profile {}",
+    Fix.EXPORT_PRECISION: "export --precision {}",
+    Fix.EXPORT_HTP_ARCH: "export it again with cabin-export --htp-arch {} (or the --target of this board)",
+    Fix.GRAPHS_KV_MODE: "leave --kv-cache out or export them again with cabin-export --kv-cache {}",
+    Fix.CALIBRATION_DATA: "use --data builtin, sharegpt, a .jsonl or a ShareGPT .json file",
+    Fix.NO_MIX: "--mix none leaves it out",
+    Fix.LONGER_DIALOGUES: "calibrate on longer dialogues (--max-tokens, or --data builtin for long cabin sessions)",
+    Fix.NUM_DIALOGUES: "pass --num-dialogues",
+    Fix.LOWER_MIN_TOKENS: "lower --min-tokens",
+    Fix.STITCH_SESSIONS: "stitch dialogues into sessions (cabin-eval --sessions)",
+    Fix.SCALES: "pass --scales or calibrate first",
+    Fix.EXPORT_CHUNK: "export the graphs with cabin-export --chunk {} at most",
+    Fix.RAISE_MAX_QUEUE: "raise cabin-serve's --max-queue (now {})",
+}
+
+
+def cli_message(err: BaseException) -> str:
+    """An error as a command prints it: a CabinError's message and its hints in the command line's words."""
+    return err.words(CLI_WORDS) if isinstance(err, CabinError) else str(err)
 
 
 DEBUG_ENV = "CABIN_DEBUG"  # set to 1: a bug shows its whole traceback

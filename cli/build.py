@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from cabinllm.builders.engine_build import DEFAULT_SYSTEM_PROMPT, BuildRequest, build_engine
-from cabinllm.cli.args import entry_point, int_range, os_error_message, reserve_gib
+from cabinllm.cli.args import cli_message, entry_point, int_range, os_error_message, reserve_gib
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.chat_script import text_problem
 from cabinllm.runtime.formats.weight_formats import HEAD_FORMATS, WEIGHT_FORMATS
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--system-prompt {problem}")
         build_engine(request, log=lambda msg: print(msg, file=sys.stderr))
     except (CabinError, FileExistsError) as err:
-        print(f"cabin-build: error: {err}", file=sys.stderr)
+        print(f"cabin-build: error: {cli_message(err)}", file=sys.stderr)
         return 2
     except OSError as err:
         print(f"cabin-build: error: {os_error_message(err, args.output)}", file=sys.stderr)

@@ -11,7 +11,8 @@ from cabinllm.calibration.calibrate import (BUILTIN, CALIBRATION_METHODS, DEFAUL
 from cabinllm.calibration.clip_search import CANDIDATES, SEARCH_METHOD
 from cabinllm.calibration.clips import DEFAULT_PERCENTILE
 from cabinllm.calibration.report import write_calibration_report
-from cabinllm.cli.args import entry_point, float_range, int_range, non_negative_int, os_error_message, positive_int
+from cabinllm.cli.args import (cli_message, entry_point, float_range, int_range, non_negative_int, os_error_message,
+                               positive_int)
 from cabinllm.runtime.errors import CabinError
 from cabinllm.runtime.sources.model_source import load_model
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args.model)
         result = calibrate(model, request)
     except CabinError as err:
-        print(f"cabin-calibrate: error: {err}", file=sys.stderr)
+        print(f"cabin-calibrate: error: {cli_message(err)}", file=sys.stderr)
         return 2
     try:
         write_scales(args.output, result.scales_file)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
           f" -> {args.output}", file=sys.stderr)
     warning = short_coverage_warning(data)
     if warning:
-        print(f"cabin-calibrate: warning: {warning}", file=sys.stderr)
+        print(f"cabin-calibrate: warning: {cli_message(warning)}", file=sys.stderr)
     for mode, r in list(result.grade.items())[1:]:  # after the fp32 reference
         print(f"held-out grade {mode:<15} perplexity {r.ppl_delta_pct:+.2f}%  KL {r.kl:.5f}  "
               f"top-1 {100 * r.top1_agree:.2f}%", file=sys.stderr)

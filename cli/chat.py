@@ -7,9 +7,9 @@ import signal
 import sys
 from pathlib import Path
 
-from cabinllm.cli.args import (add_cache_flags, add_image_flags, add_sampling_flags, add_thread_flag, entry_point,
-                               float_range, help_of, image_limits, kv_budget_bytes, os_error_message, output_name,
-                               positive_int, sampling_params, use_threads)
+from cabinllm.cli.args import (CLI_WORDS, add_cache_flags, add_image_flags, add_sampling_flags, add_thread_flag, cli_message,
+                               entry_point, float_range, help_of, image_limits, kv_budget_bytes, os_error_message,
+                               output_name, positive_int, sampling_params, use_threads)
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.backends.select import BACKENDS, SessionRequest, open_session
@@ -162,26 +162,26 @@ def run_script(session: Session, turns: list[dict], as_json: bool, options: dict
             try:
                 message = calls.result(message)
             except ConfigError as err:
-                print(f"cabin-chat: error: message {number} of the script: {err}; it was not sent", file=sys.stderr,
-                      flush=True)
+                print(f"cabin-chat: error: message {number} of the script: {cli_message(err)}; it was not sent",
+                      file=sys.stderr, flush=True)
                 continue
         message = dict(message)
         try:
             stats = session.chat(message, tool_choice=reply_choice(message),
                                  images=read_pictures(message.pop("images", [])), **(options or {}))
         except ImageError as err:
-            print(f"cabin-chat: error: message {number} of the script: {err}; it was not sent", file=sys.stderr,
-                  flush=True)
+            print(f"cabin-chat: error: message {number} of the script: {cli_message(err)}; it was not sent",
+                  file=sys.stderr, flush=True)
             continue
         calls.after(stats)
         if as_json:
-            print(json.dumps(stats.to_dict(), ensure_ascii=False), flush=True)
+            print(json.dumps(stats.to_dict(CLI_WORDS), ensure_ascii=False), flush=True)
         else:
             reply = format_calls(stats) if stats.tool_calls else stats.reply
             print(f"{message['role']}> {message['content']}\nassistant> {reply}{format_alternatives(stats)}\n  "
                   f"{format_stats(stats)}", flush=True)
             if stats.error:
-                print(f"  error: {stats.error}", flush=True)
+                print(f"  error: {stats.error_words(CLI_WORDS)}", flush=True)
     if not as_json:
         print(f"after {session.turns} turns: {session.describe_kv()}")
 
@@ -193,7 +193,7 @@ def save_command(session: Session, path: str) -> str:
     try:
         tokens = session.save(path)
     except SessionFileError as err:
-        return f"could not save: {err}"
+        return f"could not save: {cli_message(err)}"
     except OSError as err:
         return f"could not save to {path}: {err.strerror}"
     return f"saved {len(session.messages)} messages and {tokens} tokens of KV to {path}"
@@ -245,7 +245,7 @@ def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer, options:
         print(f"\n{format_calls(stats)}", end="")
     print(f"\n  {format_stats(stats)}")
     if stats.error:
-        print(f"  error: {stats.error}")
+        print(f"  error: {stats.error_words(CLI_WORDS)}")
 
 
 def run_interactive(session: Session, options: dict | None = None) -> None:
@@ -288,7 +288,7 @@ def run_interactive(session: Session, options: dict | None = None) -> None:
                 chat_turn(session, text, calls, options, pictures)
         except Exception as err:  # one failed command or turn never ends the chat
             again = "; attach pictures again with /image" if isinstance(err, ImageError) else ""
-            print(f"\n  error: {str(err) or type(err).__name__} (the conversation is kept{again})", flush=True)
+            print(f"\n  error: {cli_message(err) or type(err).__name__} (the conversation is kept{again})", flush=True)
 
 
 @entry_point("cabin-chat")
@@ -299,13 +299,16 @@ def main(argv: list[str] | None = None) -> int:
         system, turns = read_script(args.script) if args.script else (None, [])
         if args.system and (problem := text_problem(args.system)):
             raise ConfigError(f"--system {problem}")
+        if args.htp_arch is not None and args.ort_provider != "qnn":
+            raise ConfigError(f"--htp-arch names the HTP of --ort-provider qnn, not {args.ort_provider}; add "
+                              "--ort-provider qnn or leave --htp-arch out")
         if system is None:
             system = args.system if args.system is not None else EngineFolder(args.engine).system_prompt()
         use_threads(args)
         session = open_chat_session(args, system or None)
         options = turn_options(args, session)
     except CabinError as err:
-        print(f"cabin-chat: error: {err}", file=sys.stderr)
+        print(f"cabin-chat: error: {cli_message(err)}", file=sys.stderr)
         return 2
     try:
         if args.script:
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_interactive(session, options)
     except ConfigError as err:  # the backend cannot run the turns as asked (several replies)
-        print(f"cabin-chat: error: {err}", file=sys.stderr)
+        print(f"cabin-chat: error: {cli_message(err)}", file=sys.stderr)
         return 2
     except OSError as err:  # the output: a full disk under --json > FILE
         print(f"cabin-chat: error: {os_error_message(err, output_name(sys.stdout))}", file=sys.stderr)

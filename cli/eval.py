@@ -14,7 +14,8 @@ from cabinllm.calibration.evaluate import (EVAL_MODES, REFERENCE_MODE, REFERENCE
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.calibration.weight_quant import (CALIBRATED_WEIGHTS, DEFAULT_CALIB_DIALOGUES, DEFAULT_CALIB_TOKENS,
                                                EVAL_WEIGHTS, INT8_HEAD, calibration_tokens, eval_weights)
-from cabinllm.cli.args import entry_point, int_range, non_negative_int, os_error_message, output_name, positive_int
+from cabinllm.cli.args import (cli_message, entry_point, int_range, non_negative_int, os_error_message, output_name,
+                               positive_int)
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.formats.scales_file import ScalesFile, load_scales_file
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = quantized_weights(weight_names, model, args.model, args.data, args.seed)
         results = evaluate(model, dialogues, modes, scales, weights=weights)
     except CabinError as err:
-        print(f"cabin-eval: error: {err}", file=sys.stderr)
+        print(f"cabin-eval: error: {cli_message(err)}", file=sys.stderr)
         return 2
     table = "\n\n".join(t for t in (format_table(results), format_position_table(results),
                                       format_kind_table(results)) if t)

@@ -11,7 +11,7 @@ from cabinllm.builders.onnx_profiles import ONNX_PROFILES, PRECISIONS
 from cabinllm.builders.planner import PlanRequest, working_plan
 from cabinllm.builders.qnn_quantize import CalibrationData
 from cabinllm.builders.targets import Backend, get_target, load_targets
-from cabinllm.cli.args import entry_point, os_error_message, positive_int
+from cabinllm.cli.args import cli_message, entry_point, os_error_message, positive_int
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.errors import CabinError, CheckpointError, TargetError
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, read_manifest
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         request = export_request(args)
         EXPORT_FORMATS[args.format](request, log=lambda msg: print(msg, file=sys.stderr))
     except (CabinError, FileExistsError) as err:
-        print(f"cabin-export: error: {err}", file=sys.stderr)
+        print(f"cabin-export: error: {cli_message(err)}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:
         print(f"cabin-export: error: {err.name} is not installed; pip install 'cabinllm[onnx]'", file=sys.stderr)

@@ -11,7 +11,7 @@ from cabinllm.builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER,
 from cabinllm.builders.image_plan import ImageCost
 from cabinllm.builders.planner import MIB, KVPlan, Plan, PlanRequest, weight_choices, working_plan
 from cabinllm.builders.targets import GIB, Backend, get_target
-from cabinllm.cli.args import entry_point, int_range, os_error_message, output_name, reserve_gib
+from cabinllm.cli.args import cli_message, entry_point, int_range, os_error_message, output_name, reserve_gib
 from cabinllm.runtime.errors import CabinError, PlanRefused
 from cabinllm.runtime.formats.weight_formats import HEAD_FORMATS, WEIGHT_FORMATS
 from cabinllm.runtime.sources.model_source import load_model_config
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cabin-plan: refused: {refused}", file=sys.stderr)
         return 2
     except CabinError as err:
-        print(f"cabin-plan: error: {err}", file=sys.stderr)
+        print(f"cabin-plan: error: {cli_message(err)}", file=sys.stderr)
         return 2
     try:
         print(json.dumps(plan.to_json(), indent=2) if args.json else format_table(plan), flush=True)

@@ -11,8 +11,8 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from cabinllm.cli.args import (add_cache_flags, add_image_flags, add_thread_flag, entry_point, help_of, image_limits,
-                               int_range, kv_budget_bytes, positive_float, positive_int, use_threads)
+from cabinllm.cli.args import (add_cache_flags, add_image_flags, add_thread_flag, cli_message, entry_point, help_of,
+                               image_limits, int_range, kv_budget_bytes, positive_float, positive_int, use_threads)
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = build(args)
     except (CabinError, OSError) as err:
-        print(f"cabin-serve: error: {err}", file=sys.stderr)
+        print(f"cabin-serve: error: {cli_message(err)}", file=sys.stderr)
         return 2
     server(app, args).run()
     return 0

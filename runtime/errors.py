@@ -1,50 +1,102 @@
 """Every error a user can act on: ``CabinError`` and its kinds, in one place.
 
-A kind says what went wrong (a checkpoint, a scales file, a session file, the KV capacity, ...); its
-message names the problem and the fix. Where the fix is a choice the user makes in a front end (a
-flag, a command, an API field), the library states it as structured hints (``Hint``: a ``Fix`` and a
-detail; e.g. ``runtime.dialogue.overflow.capacity_message``) that each front end words in its own terms:
-the command line names flags and ``/reset``, the server names neither. Commands catch ``CabinError`` only, so any other exception is a bug, shown
-as one line that asks for a report. Each kind keeps the builtin base it always had (``ValueError``
-for bad input, ``RuntimeError`` for a state that cannot go on), so callers that catch those still do.
+A kind says what went wrong (a checkpoint, a scales file, a session file, the KV capacity, ...). Its message names
+the problem in the library's words; what the user can change about it travels beside the message as hints
+(``Hint``: a ``Fix``, the setting or action by the library's name, and a detail), which each front end words in its
+own terms through one table ``Fix -> words`` (the command line's flags and ``/reset``; the server's request fields),
+``CabinError.words``. ``str(error)`` is the message with the hints in the library's words. Commands catch
+``CabinError`` only, so any other exception is a bug, shown as one line that asks for a report. Each kind keeps the
+builtin base it always had (``ValueError`` for bad input, ``RuntimeError`` for a state that cannot go on), so
+callers that catch those still do.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Iterable, Mapping
 
 
 class Fix(Enum):
-    """Something a user can do about an error; the value is the command line's words for it."""
+    """Something a user can change about an error; the value is the library's words for it (a ``{}`` takes the
+    hint's detail). Front ends word each member in their own terms (``cli.args.CLI_WORDS``,
+    ``server.app.SERVER_WORDS``)."""
 
-    LOWER_MAX_NEW_TOKENS = "lower --max-new-tokens"
-    NEW_CONVERSATION = "start a new conversation (/reset)"
-    RAISE_KV_BUDGET = "raise --kv-budget-mb"
-    OTHER_OVERFLOW = "choose --overflow sink-window|drop-turns"
-    SMALLER_PICTURES = 'send fewer or smaller pictures (detail "low"), or lower --max-image-tokens'
+    LOWER_MAX_NEW_TOKENS = "lower SamplingParams.max_new_tokens"
+    NEW_CONVERSATION = "start a new conversation (DialogueSession.reset)"
+    RAISE_KV_BUDGET = "raise KvCacheConfig.max_bytes"
+    LOWER_KV_BUDGET = "lower KvCacheConfig.max_bytes"
+    OTHER_OVERFLOW = "choose OverflowPolicy.name sink-window or drop-turns"
+    SMALLER_PICTURES = 'send fewer or smaller pictures (detail "low"), or lower ImageLimits.max_image_tokens'
+    PER_TOKEN_KV_MODE = "choose a KvCacheConfig.kv_mode that stores per token"
+    BACKEND = "choose SessionRequest.backend {}"
+    BACKEND_NAME = "SessionRequest.backend {}"
+    ORT_PROVIDER = "choose SessionRequest.ort_provider {}"
+    ONE_REPLY = "ask for one reply (n 1) or a beam search (BeamParams)"
+    BUILD_BEAM_WIDTH = "build the engine again with BuildRequest.max_beam_width {}"
+    BUILD_VISION = ("build the engine again from the vision-language model's folder, which sizes its prompt table "
+                    "(BuildRequest.model)")
+    BUILD_WEIGHTS = "build the engine again with BuildRequest.weights {}"
+    BUILD_HEAD = "build the engine again with BuildRequest.head {}"
+    BUILD_TARGET = "build for BuildRequest.target {}"
+    BUILD_FLOAT32 = "import it as float32 (BuildRequest.dtype float32)"
+    EXPORT_ONNX = "export the engine as ONNX graphs (builders.onnx_export)"
+    EXPORT_PROFILE = "export it again with OnnxExportRequest.profile {}"
+    EXPORT_PRECISION = "export the graphs with OnnxExportRequest.precision {}"
+    EXPORT_HTP_ARCH = "export it again with OnnxExportRequest.htp_arch {}"
+    EXPORT_CHUNK = "export the graphs with OnnxExportRequest.chunk {} at most"
+    GRAPHS_KV_MODE = ("leave SessionRequest.kv_mode out, or export the graphs again with OnnxExportRequest.kv_cache "
+                      "{}")
+    CALIBRATION_DATA = "give CalibrationRequest.data builtin, sharegpt, a .jsonl or a ShareGPT .json file"
+    NO_MIX = "leave the mix out (CalibrationRequest.mix none)"
+    LONGER_DIALOGUES = ("calibrate on longer dialogues (CalibrationRequest.max_tokens, or data builtin for long "
+                        "cabin sessions)")
+    NUM_DIALOGUES = "give CalibrationRequest.num_dialogues"
+    LOWER_MIN_TOKENS = "lower CalibrationRequest.min_tokens"
+    STITCH_SESSIONS = "stitch dialogues into sessions (prepare_dialogues' sessions)"
+    SCALES = "give the scales (a ScalesFile) or calibrate first"
+    RAISE_MAX_QUEUE = "raise SchedulerConfig.max_queue (now {})"
 
 
 @dataclass(frozen=True)
 class Hint:
-    """One fix and what it is about (e.g. how many tokens the reply reserves)."""
+    """One fix and what it is about (e.g. how many tokens the reply reserves, or the value to choose)."""
 
     fix: Fix
     detail: str = ""
 
-    def words(self, phrases: dict[Fix, str] | None = None) -> str:
-        """The hint in a front end's words (``phrases``; by default the command line's)."""
-        phrase = (phrases or {}).get(self.fix, self.fix.value)
+    def words(self, phrases: Mapping[Fix, str | None] | None = None) -> str:
+        """The hint in a front end's words (``phrases``; the library's by default): the detail in the phrase's
+        ``{}``, else after it in parentheses."""
+        phrase = (phrases or {}).get(self.fix, self.fix.value) or ""
+        if "{}" in phrase:
+            return phrase.replace("{}", self.detail)
         return f"{phrase} ({self.detail})" if self.detail else phrase
 
 
-def join_hints(hints: tuple[Hint, ...] | list[Hint], phrases: dict[Fix, str] | None = None) -> str:
-    """``a, b or c`` of the hints in a front end's words."""
-    words = [hint.words(phrases) for hint in hints]
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+def join_hints(hints: Iterable[Hint], phrases: Mapping[Fix, str | None] | None = None) -> str:
+    """``a, b or c`` of the hints in a front end's words; a hint whose phrase is None there is left out."""
+    words = [hint.words(phrases) for hint in hints if (phrases or {}).get(hint.fix, hint.fix.value) is not None]
+    return "" if not words else words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
 class CabinError(Exception):
-    """An error the user can act on; the message names the problem and the fix."""
+    """An error the user can act on: ``message`` names the problem in the library's words, ``hints`` what the user
+    can change about it; ``words`` puts both in a front end's terms."""
+
+    def __init__(self, message: str = "", hints: Iterable[Hint] = ()) -> None:
+        super().__init__(message)
+        self.message, self.hints = message, tuple(hints)
+
+    def words(self, phrases: Mapping[Fix, str | None] | None = None) -> str:
+        """``message; hint, hint or hint`` in a front end's ``phrases`` (the library's by default), or the message
+        with the hints in its ``{}``."""
+        hints = join_hints(self.hints, phrases)
+        if self.hints and "{}" in self.message:
+            return self.message.replace("{}", hints)
+        return f"{self.message}; {hints}" if hints else self.message
+
+    def __str__(self) -> str:
+        return self.words()
 
 
 class ConfigError(CabinError, ValueError):

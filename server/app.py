@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_message
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_error
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CapacityError, Fix, GrammarError, ImageError, QueueFull
 from cabinllm.runtime.generation.grammar import (GrammarState, choice_grammar, json_schema_grammar, regex_grammar,
@@ -57,8 +57,17 @@ ERROR_ANSWERS: dict[int | str, dict[str, Any]] = {  # "4XX" also keeps FastAPI f
 STREAM_ANSWER = {"description": "a chat.completion, or with stream true server-sent events of "
                                 "chat.completion.chunk objects ending with data: [DONE]",
                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}
-# A client cannot type /reset or pass flags: the server words those fixes in its own terms.
-SERVER_PHRASES = {Fix.NEW_CONVERSATION: "start a new conversation"}
+# The server's words for each Fix of a CabinError a request meets (a {} takes the hint's detail): request fields for
+# what the client chooses; what only the server's operator can change is named as the operator's.
+SERVER_WORDS: dict[Fix, str] = {
+    Fix.LOWER_MAX_NEW_TOKENS: "lower max_tokens",
+    Fix.NEW_CONVERSATION: "start a new conversation",
+    Fix.RAISE_KV_BUDGET: "ask the server's operator to raise --kv-budget-mb",
+    Fix.OTHER_OVERFLOW: "ask the server's operator to choose --overflow sink-window|drop-turns",
+    Fix.SMALLER_PICTURES: 'send fewer or smaller pictures (detail "low")',
+    Fix.ONE_REPLY: "ask for n 1 or a beam search (beam_width)",
+    Fix.RAISE_MAX_QUEUE: "ask the server's operator for more than --max-queue {}",
+}
 
 
 @dataclass(frozen=True)
@@ -273,7 +282,7 @@ def _messages_with_images(engine: Engine, chat: ChatCompletionRequest, images: d
             vision.check_count(len(parts), f"messages[{index}]")
         return [message.to_message(digest(i)) for i, message in enumerate(chat.messages)]
     except ImageError as err:
-        raise ApiError(400, str(err), param="messages") from err
+        raise ApiError(400, err.words(SERVER_WORDS), param="messages") from err
 
 
 def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCompletionRequest,
@@ -299,7 +308,7 @@ def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCom
                            core.cache.tokens_per_block, config.overflow, core.cache.config.sink_token_length)
     except CapacityError as err:
         pictures = [(image.name, image.image_tokens) for image in images.values()]
-        raise ApiError(400, capacity_message(err, config.overflow, max_tokens, capacity, SERVER_PHRASES, pictures),
+        raise ApiError(400, capacity_error(err, config.overflow, max_tokens, capacity, pictures).words(SERVER_WORDS),
                        param="messages", code="context_length_exceeded") from err
     except ValueError as err:  # the chat template refused the messages
         raise ApiError(400, str(err), param="messages") from err
@@ -328,8 +337,8 @@ def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCom
     try:
         core.add_request(choices[0])
     except QueueFull as err:
-        raise ApiError(429, f"too many requests: {err}; retry in {RETRY_AFTER_S} s", kind="rate_limit_error",
-                       code="rate_limit_exceeded", retry_after_s=RETRY_AFTER_S) from err
+        raise ApiError(429, f"too many requests: {err.words(SERVER_WORDS)}; retry in {RETRY_AFTER_S} s",
+                       kind="rate_limit_error", code="rate_limit_exceeded", retry_after_s=RETRY_AFTER_S) from err
     return choices, outputs
 
 
@@ -376,7 +385,7 @@ def _start(engine: Engine, param: str, grammar: str) -> GrammarState:
     try:
         return engine.vocabulary.start(grammar)
     except GrammarError as err:
-        raise ApiError(400, f"{param} {err}", param=param) from err
+        raise ApiError(400, f"{param} {err.words(SERVER_WORDS)}", param=param) from err
 
 
 class Reply:

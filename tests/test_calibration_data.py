@@ -13,6 +13,8 @@ from cabinllm.calibration.sources import builtin_path, open_source
 from cabinllm.calibration.stitch import conversation_order, stitch
 from cabinllm.runtime.errors import DataError
 
+from cli_words import raises_in_cli_words
+
 
 def test_builtin_set_is_big_bilingual_multi_turn_and_canonical():
     text = builtin_path().read_text(encoding="utf-8")
@@ -148,5 +150,5 @@ def test_prepare_sessions_reach_the_token_count_from_one_split(engine):
     assert [len(d.token_ids) for d in chosen] == [900, 900] and summary["sessions"] is True
     parts = [part for d in chosen for part in d.id.split("+")]
     assert len(parts) == len(set(parts)) > 2 and all(split_of(p) == "heldout" for p in parts)
-    with pytest.raises(DataError, match=r"only 0 heldout dialogues .*cabin-eval --sessions"):
+    with raises_in_cli_words(DataError, match=r"only 0 heldout dialogues .*cabin-eval --sessions"):
         prepare_dialogues("builtin", "heldout", 1, 0, tok, max_tokens=900, min_tokens=900)

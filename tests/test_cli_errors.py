@@ -22,7 +22,9 @@ from cabinllm.cli import build as build_cli
 from cabinllm.cli import calibrate as cli_calibrate
 from cabinllm.cli import eval as cli_eval
 from cabinllm.cli import plan as plan_cli
+from cabinllm.runtime.errors import CapacityError, ConfigError, Fix, Hint
 from cabinllm.runtime.generation.sampling import SamplingParams, make_generator, sample
+from cabinllm.server.app import SERVER_WORDS
 
 
 def run_cli(main, argv, capsys) -> tuple[int, str, str]:
@@ -234,3 +236,22 @@ def test_a_bug_is_one_line_asking_for_a_report_not_a_user_error(tiny_engine_dir,
     assert code == cabinllm.cli.args.BUG_EXIT and len(lines) == 1 and "error: " not in err.replace("internal error", "")
     assert "TypeError: unsupported operand" in lines[0] and "report" in lines[0]
     assert ("Traceback" in err) == debug
+
+
+def test_every_fix_is_in_the_library_s_words_and_the_command_line_words_each():
+    for fix in Fix:
+        assert "--" not in fix.value and "/reset" not in fix.value, fix
+        assert fix in cabinllm.cli.args.CLI_WORDS, fix
+
+
+def test_an_error_s_hints_are_worded_by_each_front_end():
+    refused = CapacityError("the turn does not fit", (Hint(Fix.NEW_CONVERSATION), Hint(Fix.RAISE_KV_BUDGET)))
+    assert str(refused) == ("the turn does not fit; start a new conversation (DialogueSession.reset) or raise "
+                            "KvCacheConfig.max_bytes")
+    assert cabinllm.cli.args.cli_message(refused) == ("the turn does not fit; start a new conversation (/reset) or "
+                                                      "raise --kv-budget-mb")
+    assert refused.words(SERVER_WORDS) == ("the turn does not fit; start a new conversation or ask the server's "
+                                           "operator to raise --kv-budget-mb")
+    placed = ConfigError("saving needs another backend ({})", (Hint(Fix.BACKEND_NAME, "reference"),))
+    assert cabinllm.cli.args.cli_message(placed) == "saving needs another backend (--backend reference)"
+    assert str(ConfigError("plain")) == "plain" and ConfigError("plain").hints == ()

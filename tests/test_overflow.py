@@ -3,6 +3,7 @@ import dataclasses
 
 import pytest
 
+from cabinllm.cli.args import CLI_WORDS
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, drop_oldest_turns, sink_window
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -77,7 +78,7 @@ def test_error_policy_refuses_and_stays_usable(engine):
     session = budgeted_session(engine, "error")
     turns = [session.chat(q) for q in QUESTIONS]
     refused = [t for t in turns if t.finish_reason == "capacity"]
-    assert refused and "kv-budget-mb" in refused[0].error and refused[0].evicted_tokens == 0
+    assert refused and "kv-budget-mb" in refused[0].error_words(CLI_WORDS) and refused[0].evicted_tokens == 0
     session.reset()
     assert session.chat(QUESTIONS[0]).finish_reason in ("stop", "length")
 

@@ -2,6 +2,7 @@
 needs, and a turn that cannot fit says what does not fit."""
 from __future__ import annotations
 
+from cabinllm.cli.args import CLI_WORDS
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -60,7 +61,7 @@ def test_a_turn_whose_message_and_system_prompt_do_not_fit_says_what(tiny_engine
         stats = chat.chat(LONG)
         assert stats.finish_reason == "capacity" and "shorten the message" in stats.error
         assert "system prompt" in stats.error
-        assert ("choose --overflow" in stats.error) == (policy == "error")  # no hint for a policy already on
+        assert ("choose --overflow" in stats.error_words(CLI_WORDS)) == (policy == "error")  # no hint for a policy already on
         assert chat.chat(SHORT).finish_reason != "capacity"  # the session stays usable
 
 
@@ -68,4 +69,4 @@ def test_the_reply_reservation_is_named_when_it_is_what_does_not_fit(tiny_engine
     cache = tiny_engine.new_cache(sized_config(tiny_engine.model.kv_layout, "fp16", 32, tokens_per_block=16))
     chat = DialogueSession(tiny_engine, cache, SamplingParams(max_new_tokens=28, stop_token_ids=[]), SYSTEM)
     stats = chat.chat(SHORT)
-    assert stats.finish_reason == "capacity" and "lower --max-new-tokens" in stats.error
+    assert stats.finish_reason == "capacity" and "lower --max-new-tokens" in stats.error_words(CLI_WORDS)

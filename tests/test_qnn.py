@@ -31,6 +31,7 @@ from cabinllm.runtime.kv.cache import sized_config
 
 from conftest import TINY_ENGINE_SHAPE
 from fakes.tiny_model import write_tiny_llama
+from cli_words import raises_in_cli_words
 from truncated_model import write_truncated_default
 
 pytest.importorskip("onnxruntime_qnn")
@@ -137,7 +138,7 @@ def test_cabin_chat_runs_a_script_on_the_htp(htp_exports, tmp_path, capsys):
 
 @pytest.mark.slow  # the HTP emulator's graphs (a module fixture)
 def test_graphs_compiled_for_another_arch_are_refused(htp_exports, tmp_path):
-    with pytest.raises(ConfigError, match="compiled for HTP v68, and this device is v73; .* --htp-arch 73"):
+    with raises_in_cli_words(ConfigError, match="compiled for HTP v68, and this device is v73; .* --htp-arch 73"):
         load_onnx_engine(htp_exports["a16w8", 68], "qnn", htp_arch=73)
     swapped = tmp_path / "swapped"  # v73 context models in a folder whose manifest says v68
     shutil.copytree(htp_exports["a16w8", 68], swapped)

@@ -9,7 +9,7 @@ from core_helpers import generate
 
 from cabinllm.runtime.errors import QueueFull
 from cabinllm.runtime.generation.sampling import SamplingParams
-from cabinllm.server.app import Output, Reply, _stream
+from cabinllm.server.app import SERVER_WORDS, Output, Reply, _stream
 from cabinllm.server.edge import Shutdown
 from cabinllm.server.openai_api import ChatCompletionRequest
 from cabinllm.runtime.engine.request import Request
@@ -81,8 +81,9 @@ def test_queue_is_bounded_and_a_long_wait_expires(tiny_engine):
     scheduler.add_request(running)
     scheduler.step()  # admitted: the queue is empty again
     scheduler.add_request(waiting)
-    with pytest.raises(QueueFull, match="max-queue 1"):
+    with pytest.raises(QueueFull) as full:
         scheduler.add_request(Request(PROMPTS[2], params(), on_output))
+    assert "max-queue 1" in full.value.words(SERVER_WORDS)  # as the server words it
     time.sleep(0.06)
     scheduler.step()
     assert waiting.finish_reason == "expired" and running.finish_reason is None

@@ -2,6 +2,7 @@
 import pytest
 from core_helpers import generate
 
+from cabinllm.cli.args import CLI_WORDS
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.generation.streaming import TextStream
@@ -46,7 +47,7 @@ def test_turn_that_does_not_fit_ends_with_capacity_and_session_stays_usable(engi
     config = sized_config(engine.model.kv_layout, "fp16", 64, tokens_per_block=16)  # 64 tokens
     session = DialogueSession(engine, engine.new_cache(config), params(engine, 8), SYSTEM)
     stats = session.chat("Tell me everything about the adaptive cruise control. " * 6)
-    assert stats.finish_reason == "capacity" and "kv-budget-mb" in stats.error
+    assert stats.finish_reason == "capacity" and "kv-budget-mb" in stats.error_words(CLI_WORDS)
     session.reset()
     assert session.chat("Hi").finish_reason in ("stop", "length")
 

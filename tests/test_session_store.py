@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+from cli_words import raises_in_cli_words
 from safetensors.torch import save
 
 from cabinllm.cli import chat as cli_chat
@@ -146,7 +147,7 @@ def test_restoring_into_a_smaller_cache_is_refused_and_the_session_still_restore
                                                                                                  tmp_path):
     path, header, _ = saved_session(tiny_engine, tmp_path)
     small = tiny_engine.new_cache(sized_config(tiny_engine.model.kv_layout, "int8", 16, 16))  # one block
-    with pytest.raises(SessionFileError, match="raise --kv-budget-mb"):
+    with raises_in_cli_words(SessionFileError, match="raise --kv-budget-mb"):
         DialogueSession.restore(path, tiny_engine, small)
     assert DialogueSession.restore(path, tiny_engine).fed == header["fed"]
 

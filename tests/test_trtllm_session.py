@@ -19,6 +19,7 @@ from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tools import Tool
+from cli_words import raises_in_cli_words
 
 SYSTEM = "You are the in-car assistant."
 REPLY = "set cabin temperature"  # the fake engine's reply, in words both the tiny and the default tokenizer spell back
@@ -508,7 +509,7 @@ def test_limits_come_from_the_engine_build_config_when_the_runner_lacks_them(eng
 def test_tools_on_the_tensorrt_llm_backend_are_refused_naming_the_backends_that_take_them(tmp_path):
     request = SessionRequest(tmp_path, 8 << 20, backend="tensorrt-llm",
                              tools=(Tool("set_sunroof", "", {"type": "object"}),))
-    with pytest.raises(ConfigError, match="ModelRunnerCpp .* does not do .* --backend reference or onnxruntime"):
+    with raises_in_cli_words(ConfigError, match="ModelRunnerCpp .* does not do .* --backend reference or onnxruntime"):
         select_open_session(request)
 
 
@@ -571,7 +572,7 @@ def test_an_interrupted_beam_search_is_cancelled_and_the_next_turn_works(engine,
 
 def test_more_beams_than_the_engine_s_are_refused_naming_the_rebuild(engine, fake_trtllm, tmp_path):
     session = open_session(engine, tmp_path, "int8", "error")  # an engine built with max_beam_width 1
-    with pytest.raises(ConfigError, match=r"max_beam_width 1 .*: rebuild it with cabin-build --max-beam-width 4"):
+    with raises_in_cli_words(ConfigError, match=r"max_beam_width 1 .*: rebuild it with cabin-build --max-beam-width 4"):
         session.chat("It is warm in here.", beam=beams(engine, 4))
     with pytest.raises(ConfigError, match="length_penalty >= 0"):
         session.chat("It is warm in here.", beam=beams(engine, 1, length_penalty=-1.0))
@@ -600,7 +601,7 @@ def test_on_0_12_beams_are_searched_unstreamed_and_n_is_refused(engine, fake_trt
     turn = session.chat("It is warm in here.", beam=beams(engine, 2), should_stop=lambda: True)
     assert turn.reply == REPLY and turn.alternatives == [OTHERS[0]] and turn.finish_reason == "stop"
     assert fake_trtllm.calls[0]["streaming"] is False and not fake_trtllm.calls[0]["return_all_generated_tokens"]
-    with pytest.raises(ConfigError, match=r"num_return_sequences.*--backend reference"):
+    with raises_in_cli_words(ConfigError, match=r"num_return_sequences.*--backend reference"):
         session.chat("Thanks!", n=2)
     assert session.chat("Thanks!").reply == REPLY  # one reply still streams
 

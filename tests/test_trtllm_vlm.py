@@ -19,6 +19,7 @@ from cabinllm.runtime.errors import ImageError
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.vision import Vision
+from cli_words import raises_in_cli_words
 
 QUESTION = "what does the camera at the back show?"
 
@@ -129,7 +130,7 @@ def test_qwen2_vl_pictures_are_refused_and_the_session_goes_on(monkeypatch, tmp_
     folder = engine_folder(tmp_path, "qwen2_vl")
     runner = install(monkeypatch, folder, FakeRunner)
     chat = session(folder)
-    with pytest.raises(ImageError, match="mrope_params.*--backend reference"):
+    with raises_in_cli_words(ImageError, match="mrope_params.*--backend reference"):
         chat.chat(QUESTION, images=[picture(1)])
     assert chat.chat(QUESTION).reply == REPLY and runner.calls[-1]["prompt_table"] is None
 
@@ -149,7 +150,7 @@ def test_a_conversation_over_the_engines_table_is_refused_before_anything_change
 def test_an_engine_without_a_prompt_table_refuses_pictures(runner, vlm_folder):
     write_trt_config(vlm_folder, 0)
     try:
-        with pytest.raises(ImageError, match="without a prompt table.*--max_multimodal_len"):
+        with raises_in_cli_words(ImageError, match="without a prompt table.*--max_multimodal_len"):
             session(vlm_folder).chat(QUESTION, images=[picture(1)])
     finally:
         write_trt_config(vlm_folder, 4096)

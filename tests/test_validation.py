@@ -29,6 +29,7 @@ from cabinllm.runtime.sources.model_source import import_model
 from cabinllm.runtime.sources.weight_plan import iter_weights
 
 from fakes.tiny_model import write_tiny_llama
+from cli_words import raises_in_cli_words
 
 
 def quiet(_msg: str) -> None:
@@ -198,9 +199,9 @@ def test_weights_beyond_float16_are_refused_for_a_float16_import(tiny, tmp_path)
     folder = hf_copy_with(tiny, tmp_path / "hf", name, lambda t: t[0, 0].fill_(1e6))
     (tmp_path / "fp16").mkdir()
     (tmp_path / "fp32").mkdir()
-    with pytest.raises(CheckpointError, match=r"tensor transformer\.layers\.0\.mlp\.proj\.weight holds a value of "
-                                              r"magnitude 1e\+06, beyond float16's range; import it as float32 "
-                                              r"\(cabin-build --dtype float32\)"):
+    with raises_in_cli_words(CheckpointError, match=r"tensor transformer\.layers\.0\.mlp\.proj\.weight holds a "
+                                                   r"value of magnitude 1e\+06, beyond float16's range; import it as "
+                                                   r"float32 \(cabin-build --dtype float32\)"):
         import_model(folder, tmp_path / "fp16", dtype="float16")
     import_model(folder, tmp_path / "fp32", dtype="float32")
 

@@ -18,6 +18,7 @@ from PIL import Image
 from serve_helpers import running_server
 from test_hf_folders import cabin_build
 
+from cabinllm.cli.args import CLI_WORDS
 from cabinllm.benchmarks.random_vlm import FAMILIES, image, picture_dialogues, write_random_vlm
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, sink_window
 from cabinllm.runtime.dialogue.session import DialogueSession
@@ -478,7 +479,8 @@ def test_a_turn_whose_picture_cannot_fit_names_the_picture_and_the_cap(vlm):
                            overflow=OverflowPolicy("error"))
     stats = chat.chat(QUESTION, images=[("rear-camera.png", png(image(120, 90, seed=16)))])
     assert stats.finish_reason == "capacity"
-    assert "rear-camera.png takes" in stats.error and "--max-image-tokens" in stats.error
+    shown = stats.error_words(CLI_WORDS)  # as cabin-chat prints it
+    assert "rear-camera.png takes" in shown and "--max-image-tokens" in shown
     assert chat.messages == [] and chat.chat("hi").finish_reason in ("stop", "length", "capacity")
 
 

@@ -12,7 +12,7 @@ reference engine (``cabinllm.runtime.dialogue.session.DialogueSession``: reuse o
 overflow policies, session files) runs unchanged on it; the context it plans against is the graphs'
 ``context``. ``logits_over`` scores a cached sequence token by token over the K/V another backend stored, so
 two backends can be compared on the same INT8 codes. Graphs of the npu profile take the embedding and RoPE rows,
-which the host looks up (``HostInputs``); on ``--ort-provider qnn`` they run on Qualcomm's HTP from their
+which the host looks up (``HostInputs``); on the ``qnn`` provider they run on Qualcomm's HTP from their
 context binaries (cabinllm.runtime.backends.qnn). onnxruntime is imported only here, only when used.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from cabinllm.runtime.backends.qnn import context_session
 from cabinllm.runtime.engine.loader import Engine
-from cabinllm.runtime.errors import CheckpointError, ConfigError, ImageError, MissingDependency
+from cabinllm.runtime.errors import CheckpointError, ConfigError, Fix, Hint, ImageError, MissingDependency
 from cabinllm.runtime.formats.onnx_folder import (EXPORT_AGAIN, INPUTS_EMBEDS, LOCAL_MASK, LOCAL_ROPE_INPUTS,
                                                   PROMPT_GRAPH, ROPE_INPUTS, TOKEN_GRAPH, OnnxFolder, new_key,
                                                   new_value, past_key, past_value)
@@ -36,7 +36,7 @@ from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.interface import MediaTable, Span
 
 _UINT8_ZERO_POINT = 128  # int8 codes passed as uint8
-# --ort-provider name -> ONNX Runtime execution provider
+# provider name (SessionRequest.ort_provider) -> ONNX Runtime execution provider
 ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
                  "tensorrt": "TensorrtExecutionProvider", "qnn": "QNNExecutionProvider"}
 
@@ -243,7 +243,7 @@ def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threa
     if provider == "qnn":
         if not manifest["host_inputs"]:
             raise ConfigError(f"{folder.path}: {manifest['profile']} profile graphs gather by token ids, which the HTP "
-                              f"cannot compile; {EXPORT_AGAIN} --profile npu")
+                              "cannot compile", (Hint(Fix.EXPORT_PROFILE, "npu"),))
         import onnx
 
         folder.check_graph(path.name, {p.key: p.value for p in onnx.load(str(path), load_external_data=False)
@@ -252,7 +252,7 @@ def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threa
     available = ort.get_available_providers()
     if ORT_PROVIDERS[provider] not in available:
         raise ConfigError(f"this ONNX Runtime has no {ORT_PROVIDERS[provider]} (it has {', '.join(available)}); "
-                         f"install the onnxruntime package built with it, or choose --ort-provider cpu")
+                         "install the onnxruntime package built with it", (Hint(Fix.ORT_PROVIDER, "cpu"),))
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or torch.get_num_threads()  # as many threads as the reference engine
     # ONNX Runtime maps weights.bin, which both graphs then read in place; prepacking would give each graph its own

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from cabinllm.runtime.errors import CheckpointError, ConfigError, MissingDependency
-from cabinllm.runtime.formats.onnx_folder import EXPORT_AGAIN, OnnxFolder
+from cabinllm.runtime.errors import CheckpointError, ConfigError, Fix, Hint, MissingDependency
+from cabinllm.runtime.formats.onnx_folder import OnnxFolder
 
 QNN_EP = "QNNExecutionProvider"
 INSTALL = "pip install onnxruntime-qnn (wheels for Linux x86_64 / aarch64 and Windows)"
@@ -23,10 +23,10 @@ _COMPATIBILITY_KEY = "ep_compatibility_info." + QNN_EP  # "v2:6:QNN:...:ARCH:...
 def check_htp_arch(arch: int, precision: str) -> None:
     """ConfigError naming the choices when an HTP architecture is unknown or cannot run a precision."""
     if arch not in HTP_PRECISIONS:
-        raise ConfigError(f"--htp-arch {arch} is not one of {', '.join(map(str, HTP_PRECISIONS))}")
+        raise ConfigError(f"htp_arch {arch} is not one of {', '.join(map(str, HTP_PRECISIONS))}")
     if precision not in HTP_PRECISIONS[arch]:
         raise ConfigError(f"HTP v{arch} runs {' or '.join(HTP_PRECISIONS[arch])} graphs, not {precision} (it has no "
-                          f"floating point); export --precision {HTP_PRECISIONS[arch][0]}")
+                          "floating point)", (Hint(Fix.EXPORT_PRECISION, HTP_PRECISIONS[arch][0]),))
 
 
 def _modules():
@@ -83,9 +83,9 @@ def htp_session(path: Path, htp_arch: int, threads: int | None = None, **config:
             nodes = _cpu_nodes(ort, path, htp_arch)
             raise ConfigError(f"{path}: the HTP (QNN) does not take {len(nodes)} node(s), which would run on the CPU, "
                               f"and CPU fallback is disabled: {', '.join(nodes[:8])}"
-                              + (" ..." if len(nodes) > 8 else "") + f"; {EXPORT_AGAIN} --profile npu") from err
-        raise CheckpointError(f"{path}: QNN cannot compile it for HTP v{htp_arch} ({message}); "
-                              f"{EXPORT_AGAIN} --profile npu") from err
+                              + (" ..." if len(nodes) > 8 else ""), (Hint(Fix.EXPORT_PROFILE, "npu"),)) from err
+        raise CheckpointError(f"{path}: QNN cannot compile it for HTP v{htp_arch} ({message})",
+                              (Hint(Fix.EXPORT_PROFILE, "npu"),)) from err
 
 
 def compile_context_binaries(folder: OnnxFolder, manifest: dict, htp_arch: int) -> dict:
@@ -121,16 +121,16 @@ def context_session(folder: OnnxFolder, manifest: dict, key: str, htp_arch: int 
     arch = htp_arch or int(compiled["htp_arch"])
     path = folder.path / compiled["context_graphs"][key]
     if not path.is_file():
-        raise CheckpointError(f"{path}: the compiled context model is missing; {EXPORT_AGAIN} --htp-arch "
-                              f"{compiled['htp_arch']}")
+        raise CheckpointError(f"{path}: the compiled context model is missing",
+                              (Hint(Fix.EXPORT_HTP_ARCH, str(compiled["htp_arch"])),))
     built_for = compiled_arch(path)
     if arch != int(compiled["htp_arch"]) or (built_for is not None and built_for != arch):
         raise ConfigError(f"{folder.path}: compiled for HTP v{built_for or compiled['htp_arch']}, and this device is "
-                          f"v{arch}; {EXPORT_AGAIN} --htp-arch {arch} (or the --target of this board)")
+                          f"v{arch}", (Hint(Fix.EXPORT_HTP_ARCH, str(arch)),))
     missing = [name for name in _binaries(path) if not (folder.path / name).is_file()]
     if missing:
-        raise CheckpointError(f"{folder.path / missing[0]}: the context binary is missing; {EXPORT_AGAIN} "
-                              f"--htp-arch {arch}")
+        raise CheckpointError(f"{folder.path / missing[0]}: the context binary is missing",
+                              (Hint(Fix.EXPORT_HTP_ARCH, str(arch)),))
     return htp_session(path, arch, threads)
 
 

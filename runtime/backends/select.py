@@ -15,7 +15,7 @@ from cabinllm.runtime.dialogue.interface import Session
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine.loader import Engine, kv_cache_config
-from cabinllm.runtime.errors import CheckpointError, ConfigError
+from cabinllm.runtime.errors import CheckpointError, ConfigError, Fix, Hint
 from cabinllm.runtime.formats.engine_folder import EngineFolder, read_manifest
 from cabinllm.runtime.formats.onnx_folder import ONNX_FORMAT
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -79,13 +79,12 @@ def _open_reference(request: SessionRequest) -> Session:
 
 def _open_onnxruntime(request: SessionRequest) -> Session:
     if request.htp_arch is not None and request.ort_provider != "qnn":
-        raise ConfigError(f"--htp-arch names the HTP of --ort-provider qnn, not {request.ort_provider}; add "
-                          "--ort-provider qnn or leave --htp-arch out")
+        raise ConfigError(f"htp_arch names the HTP of ort_provider qnn, not {request.ort_provider}; leave htp_arch "
+                          "out", (Hint(Fix.ORT_PROVIDER, "qnn"),))
     engine = load_onnx_engine(request.engine, request.ort_provider, htp_arch=request.htp_arch)
     if request.kv_mode not in (None, engine.default_kv_mode):
-        raise ConfigError(f"--kv-cache {request.kv_mode}: the graphs in {request.engine} take "
-                          f"{engine.default_kv_mode} K/V; leave --kv-cache out or export them again with cabin-export "
-                          f"--kv-cache {request.kv_mode}")
+        raise ConfigError(f"kv_mode {request.kv_mode}: the graphs in {request.engine} take "
+                          f"{engine.default_kv_mode} K/V", (Hint(Fix.GRAPHS_KV_MODE, request.kv_mode),))
     return _open_dialogue(request, engine)
 
 
@@ -102,7 +101,7 @@ def _open_dialogue(request: SessionRequest, engine: Engine) -> DialogueSession:
 
 def _open_trtllm(request: SessionRequest) -> TrtllmSession:
     if request.tools:
-        raise ConfigError(TRTLLM_NO_GRAMMAR)
+        raise ConfigError(*TRTLLM_NO_GRAMMAR)
     folder = EngineFolder(request.engine)
     if not folder.trt_engine.is_dir():
         raise CheckpointError(f"{folder.trt_engine}: no TensorRT engine; run the engine build on the device")

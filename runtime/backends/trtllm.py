@@ -1,103 +1,8 @@
 """The TensorRT-LLM backend of a dialogue: the ``Session`` protocol (cabinllm.runtime.dialogue.interface) on a
-built TensorRT engine.
+built TensorRT engine through ``tensorrt_llm.runtime.ModelRunnerCpp`` (imported only here, only when used).
 
-It runs the engine folder's ``trt_engine/`` through ``tensorrt_llm.runtime.ModelRunnerCpp``
-(imported only here, only when used). The KV cache config becomes ModelRunnerCpp's KV
-arguments: the budget ``max_tokens_in_paged_kv_cache``; block reuse across turns is asked for
-only where the KV mode allows it: an INT8-KV engine has no paged context FMHA, so TensorRT-LLM
-cannot reuse blocks and each turn prefills the whole history. Overflow is planned as on the
-reference engine (cabinllm.runtime.dialogue.overflow), on the prompt, before it is sent. The runner stops on
-``end_id`` and ``stop_words_list`` (the stop ids) and at ``max_new_tokens`` itself; the reply is still pushed
-through the loops' one set of stop rules (cabinllm.runtime.generation.stops), which classify, cut and stream it
-as every backend does, and a stop string, which the runner does not see, ends the request early.
-
-Sink-window on this backend, on both TensorRT-LLM lines, is the reference engine's: the prompt keeps the
-system prompt, ``sink_token_length`` sink tokens and the most recent tokens, prefilled at compacted
-positions. TensorRT-LLM's own StreamingLLM (``max_attention_window_size`` + ``sink_token_length``) is not
-used: on 0.12 its position shift needs an engine built with ``--streamingllm enable``, which turns paged
-context FMHA off (``tensorrt_llm/builder.py``, ``build``: "Paged Context FMHA is disabled because
-StreamingLLM is not supported when enabling paged KV context FMHA") and with it block reuse of fp16-KV
-engines; 1.x no longer supports StreamingLLM (``sink_token_length`` is deprecated and ignored, and its
-attention kernels fall back or refuse). A window kept by the engine would not keep a prompt under
-``max_input_len`` either. So no engine flag is needed and nothing is refused for this policy.
-
-Two things ModelRunnerCpp does that the session must respect (tensorrt_llm/runtime/model_runner_cpp.py):
-
-- ``generate`` raises (``_check_inputs``) when a prompt exceeds the engine's ``max_input_len`` or
-  prompt + ``max_new_tokens`` exceed ``max_seq_len``; both come from the engine's
-  ``config.json`` (``build_config``, parsed by GptJsonConfig). A turn may therefore hold
-  ``min(KV budget, max_input_len + max_new_tokens, max_seq_len)`` tokens, its reply included, and
-  every overflow policy plans against that (sink-window by truncating the stream: the engine's own
-  attention window would not keep a prompt under ``max_input_len``).
-- A streaming ``generate`` reads every response of the executor's queue and looks each one up in
-  its own request ids (``_fill_output``: ``request_ids.index(response.request_id)``). A reply left
-  unfinished (interrupted) would leave responses that break the next turn, so the session cancels
-  the request through the executor and drains the generator to the request's final response,
-  without emitting text.
-
-Several replies per turn (``chat(n=...)`` and ``chat(beam=...)``), from TensorRT-LLM's source: ModelRunnerCpp at
-03832911 (a 1.x commit; tensorrt_llm/runtime/model_runner_cpp.py, lines below), the C++ executor at the commits named:
-
-- The engine is built for at most ``max_beam_width`` beams (``trtllm-build --max_beam_width``, recorded in
-  ``build_config`` of ``config.json``). ``from_dir(max_beam_width=None)`` takes the engine's and a larger one fails
-  an assert (L370-373); the session passes the engine's own (``engine_max_beam_width``). ``generate`` refuses more
-  beams than that: ``RuntimeError("Num beams (N) exceeds the engine or specified limit (M)")`` in ``_check_inputs``
-  (L474-477); the session refuses first, with a ConfigError naming ``cabin-build --max-beam-width``.
-- A beam search is ``generate(num_beams=W, length_penalty=..., early_stopping=...)`` (``accepted_parameters``
-  L630-650; ``num_beams`` becomes the SamplingConfig's ``beam_width``, L651), with no sampling arguments. The
-  executor's SamplingConfig takes ``early_stopping`` as an int: 1 ends once W beams finished, 0 is transformers'
-  heuristic at the current length, any other value transformers' "never", the heuristic at the longest length
-  (beamSearchKernels: ``earlyStopping != 0 && lengthPenalty > 0``; that length is the decoder's max sequence length
-  less the prompt there, the request's max_new_tokens in transformers and the reference engine); both must be >= 0
-  (cpp/tensorrt_llm/executor/samplingConfig.cpp, ``checkLengthPenalty`` / ``checkEarlyStopping``, at 3585984b), so a
-  negative length_penalty is refused here.
-- The outputs are ``output_ids`` [batch, sequences, max_seq_len] (padded with end_id) and ``sequence_lengths``
-  [batch, sequences], sequences being ``num_return_sequences or num_beams`` (``_get_num_sequences``, L909-913;
-  ``_stream`` L980-985). A beam search's response carries every beam (``result.output_token_ids``, L1053-1055; its
-  ``sequence_index`` is always 0, executor.h ``Result`` at 879039f6); a sampled sequence's response carries its own
-  tokens at ``result.sequence_index`` (L1056-1058), and ``is_final`` comes once every sequence is final
-  (cpp/tensorrt_llm/batch_manager/llmRequest.cpp at 119c6e60, ``createResponse``: ``isFinal = all_of(
-  isSequenceFinal)``). The session takes beam 0 as the best (that TensorRT-LLM's finalize orders the beams by
-  their score is not checked in its source here).
-- Streamed beams change their earlier tokens, so the 1.x executor sends every beam whole at each step (the
-  LlmRequest constructor sets ``returnAllGeneratedTokens`` when streaming a beam search, llmRequest.h at 00e9b8a7),
-  and ``_fill_output`` replaces a beam's tokens only when ``generate`` got ``return_all_generated_tokens=True``,
-  else appends them (L1039-1045): the session asks for it, reads the beams from the last response only, and can
-  still interrupt (cancel and drain, as above). TensorRT-LLM 0.12 does not stream beam search (release notes,
-  0.13.0: "Supported beam search for streaming mode"; its ``createResponse`` sent one token per beam per step, "For
-  streaming we do not allow beam search"), so on a runner without ``_get_num_sequences`` (0.12) a beam turn runs
-  unstreamed and cannot be interrupted.
-- ``n`` > 1 is ``num_return_sequences`` (L647), sequence i sampling with the seed + i (llmRequest.cpp
-  ``createChildRequest``), as the reference engine's choices do. 0.12's ModelRunnerCpp does not take it: it is
-  used where the runner sizes its outputs by it (``_get_num_sequences``) and refused elsewhere.
-- TensorRT-LLM's capacity scheduler reserves each request's KV blocks to completion: the prompt's whole blocks once,
-  shared by the beams, and per beam the rest, its last partial block and the reply
-  (cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp, ``KVCacheManager::getRemainingBlocksToCompletion``, at
-  002ba6a7): a beam turn is planned against that (``beam_kv_blocks``), as cabin-plan sizes the pool with it.
-
-Pictures (a LLaVA or Idefics3 / SmolVLM engine, whose folder has ``vision/``) go to the engine as TensorRT-LLM's
-multimodal runner sends them: as a prompt table (p-tuning), from TensorRT-LLM's source:
-
-- ``MultimodalModelRunner`` (tensorrt_llm/runtime/multimodal_model_runner.py at 65b31db1): ``setup_fake_prompts``
-  replaces a picture's tokens by fake ids from the model's ``vocab_size`` up, one per row of the encoder's output, and
-  ``generate`` hands the rows to ``ModelRunnerCpp.generate`` as ``prompt_table`` of shape [batch, rows, hidden] with
-  ``prompt_tasks`` ``"0,1,..."`` (one task per request). The session does the same: its encoder (the engine's
-  ``vision/``, in torch, with the feature cache) gives each picture's rows, the placeholder tokens that take a row
-  get fake ids in the order of the rows, and the table holds every picture of the prompt, the history's included.
-- ``ModelRunnerCpp._prepare_ptuning_executor`` (model_runner_cpp.py at 03832911) casts the table to the engine's
-  dtype (``_prepare_embedding_table``), takes ``prompt_table[task]`` for each request and wraps it with that request's
-  ``input_token_extra_ids`` in a ``PromptTuningConfig``. The engine must be built with a prompt table
-  (``--max_multimodal_len``, ``build_config.max_prompt_embedding_table_size``); a prompt whose pictures need more
-  rows is refused before it is sent.
-- KV block reuse with fake ids (docs/source/advanced/kv-cache-reuse.md at 5ff8ee9d, "Enable kv cache reuse for
-  p-tuning"): requests with other embeddings behind the same fake ids would reuse each other's blocks unless every
-  token has an extra id, 0 for text and the same value > 0 for the same embeddings. The session gives a picture's
-  fake ids a key taken from the digest of its decoded pixels: the same picture at the same place hits, another one
-  misses. A runner whose ``generate`` takes no ``input_token_extra_ids`` cannot tell pictures apart, so a session on a
-  vision-language engine turns block reuse off there.
-- Qwen2-VL needs ``mrope_params`` as well (its M-RoPE positions, ``_prepare_mrope_executor``); the session does not
-  compute them, so its pictures are refused, naming the reference engine.
-
+The KV cache config becomes the runner's KV arguments; overflow, stops, several replies (``n``, beams) and pictures
+(a prompt table) follow TensorRT-LLM's source as docs/trtllm-backend.md records it, with its lines and commits.
 Not yet run on hardware: tested against a fake module that copies those behaviours.
 """
 from __future__ import annotations
@@ -112,8 +17,9 @@ from typing import Callable
 import torch
 
 from cabinllm.runtime.dialogue.interface import TurnStats
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_message, plan_turn
-from cabinllm.runtime.errors import CapacityError, CheckpointError, ConfigError, ImageError, SessionFileError
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_error, plan_turn
+from cabinllm.runtime.errors import (CabinError, CapacityError, CheckpointError, ConfigError, Fix, Hint, ImageError,
+                                     SessionFileError)
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -126,20 +32,15 @@ from cabinllm.runtime.model.tools import Tool
 from cabinllm.runtime.model.interface import MediaRows
 from cabinllm.runtime.model.vision import PreparedImage, Vision
 
-# Constrained decoding on TensorRT-LLM, from its source: 0.12 (v0.12.0-jetson, 20a7cec9) has none:
-# runtime/model_runner_cpp.py L406-408 refuses a logits_processor ("Logits processor is not supported in C++
-# session") and executor.h names no guided decoding. It came in 0.16.0 (docs/source/release-notes.md L88) through
-# the LLM API: GuidedDecodingParams (tensorrt_llm/sampling_params.py L13-29 at 1.0.0rc4, 000a01de) with
-# guided_decoding_backend xgrammar|llguidance; ModelRunnerCpp, which this backend runs, takes no grammar in 1.x
-# either (its generate, L527-790 at 03832911, has only logits_post_processor names).
-TRTLLM_NO_GRAMMAR = ("tools need constrained decoding, which TensorRT-LLM's ModelRunnerCpp (this backend) does not "
-                     "do (0.12 has no guided decoding; 1.x has it only in its LLM API); chat with --backend reference "
-                     "or onnxruntime")
+# Constrained decoding: docs/trtllm-backend.md, "Constrained decoding".
+# A ConfigError's message and hints: raise ConfigError(*TRTLLM_NO_GRAMMAR)
+TRTLLM_NO_GRAMMAR = ("tools need constrained decoding, which TensorRT-LLM's ModelRunnerCpp (this backend) does not do "
+                     "(0.12 has no guided decoding; 1.x has it only in its LLM API)",
+                     (Hint(Fix.BACKEND, "reference or onnxruntime"),))
 TRTLLM_NO_N = ("n > 1 samples several replies through TensorRT-LLM's num_return_sequences, which this ModelRunnerCpp "
-               "(TensorRT-LLM 0.12) does not take; ask for one reply or a beam search (cabin-chat: no --choices, or "
-               "--beam-width N), or chat with --backend reference")
+               "(TensorRT-LLM 0.12) does not take", (Hint(Fix.ONE_REPLY), Hint(Fix.BACKEND, "reference")))
 # transformers' early_stopping as the executor's SamplingConfig takes it: 1 = True, 0 = False, 2 (any other
-# value >= 0) = "never" (see the module notes)
+# value >= 0) = "never" (docs/trtllm-backend.md)
 TRTLLM_EARLY_STOPPING = {True: 1, False: 0, NEVER: 2}
 
 
@@ -195,12 +96,9 @@ class TrtllmKvSettings:
 
 def kv_settings(config: KvCacheConfig, layout: KVLayout, max_seq_len: int) -> TrtllmKvSettings:
     """Map our KV cache config onto TensorRT-LLM's KV cache knobs. No sink tokens: every overflow policy,
-    sink-window included, is applied to the prompt before it is sent (see the module notes). A model with
-    sliding-window layers (Gemma 3) gets its windows per layer, the global layers the engine's ``max_seq_len``:
-    ``from_dir(max_attention_window_size: Optional[list[int]])`` hands the list to
-    ``trtllm.KvCacheConfig(max_attention_window=...)``, which repeats a list shorter than the layers
-    (tensorrt_llm/runtime/model_runner_cpp.py, ``from_dir``, in the 1.x copy the index holds as id 458449735; the
-    LLM API's ``KvCacheConfig.max_attention_window``, llmapi/llm_args.py L615 at fcd3f316)."""
+    sink-window included, is applied to the prompt before it is sent. A model with sliding-window layers (Gemma 3)
+    gets its windows per layer, the global layers the engine's ``max_seq_len`` (docs/trtllm-backend.md, "Sliding
+    windows")."""
     reuse = config.enable_block_reuse and config.mode.trtllm_paged_context_fmha
     windows = [w or max_seq_len for w in layout.windows] if layout.windows else None
     return TrtllmKvSettings(config.max_tokens(layout), reuse, windows)
@@ -331,7 +229,7 @@ class TrtllmSession:
                                               max_beam_width=engine_max_beam_width(self.engine_dir),
                                               **self.settings.as_kwargs())
         self.limits = EngineLimits.of(self.runner, self.engine_dir)
-        # 1.x: num_return_sequences and streamed beams; 0.12 has neither (see the module notes)
+        # 1.x: num_return_sequences and streamed beams; 0.12 has neither (docs/trtllm-backend.md)
         self.forks = callable(getattr(self.runner, "_get_num_sequences", None))
         budget = self.settings.max_tokens_in_paged_kv_cache
         self.capacity = self.limits.capacity(budget, params.max_new_tokens)
@@ -346,7 +244,7 @@ class TrtllmSession:
         ``tool_choice`` changes nothing. ``n`` > 1 samples that many replies (num_return_sequences), ``beam`` runs
         TensorRT-LLM's beam search: the conversation goes on with the first reply (the best beam), the others are
         ``alternatives`` (neither streams its text). ``images``: (name, bytes) of pictures the message shows, sent as
-        a prompt table (see the module notes); ImageError before anything changes where they cannot be taken."""
+        a prompt table (docs/trtllm-backend.md); ImageError before anything changes where they cannot be taken."""
         self._check_forks(n, beam)
         message = message if isinstance(message, dict) else {"role": "user", "content": message}
         held = dict(self.images)
@@ -411,7 +309,8 @@ class TrtllmSession:
 
     def save(self, path: str | Path) -> int:
         """Not available: TensorRT-LLM keeps its KV blocks to itself."""
-        raise SessionFileError("saving is available on the reference backend only (--backend reference)")
+        raise SessionFileError("saving is available on the reference backend only ({})",
+                               (Hint(Fix.BACKEND_NAME, "reference"),))
 
     def describe_kv(self) -> str:
         """The KV settings handed to TensorRT-LLM."""
@@ -422,17 +321,17 @@ class TrtllmSession:
         if n < 1 or (n > 1 and beam is not None):
             raise ConfigError(f"n must be >= 1, and 1 with a beam search, got n={n}")
         if n > 1 and not self.forks:
-            raise ConfigError(TRTLLM_NO_N)
+            raise ConfigError(*TRTLLM_NO_N)
         if beam is None:
             return
         if beam.beam_width > self.limits.max_beam_width:
             raise ConfigError(f"a beam search of {beam.beam_width} beams needs an engine built for them; "
                               f"{self.engine_dir} was built with max_beam_width {self.limits.max_beam_width} "
-                              f"(build_config of its config.json): rebuild it with cabin-build --max-beam-width "
-                              f"{beam.beam_width}, or search with --backend reference")
+                              "(build_config of its config.json): {}",
+                              (Hint(Fix.BUILD_BEAM_WIDTH, str(beam.beam_width)), Hint(Fix.BACKEND, "reference")))
         if beam.length_penalty < 0:
             raise ConfigError(f"TensorRT-LLM takes length_penalty >= 0 (its SamplingConfig refuses "
-                              f"{beam.length_penalty}); ask for one >= 0, or search with --backend reference")
+                              f"{beam.length_penalty}); ask for one >= 0", (Hint(Fix.BACKEND, "reference"),))
 
     def _with_images(self, message: dict, images: list[tuple[str, bytes]], held: dict[str, PreparedImage]) -> dict:
         """The message with its pictures as image parts, prepared into ``held``; ImageError where this engine and
@@ -442,11 +341,10 @@ class TrtllmSession:
                              "vision-language model (LLaVA, Idefics3 / SmolVLM)")
         if self.vision.family.mrope:
             raise ImageError("Qwen2-VL's pictures need M-RoPE positions (TensorRT-LLM's mrope_params), which this "
-                             "backend does not pass; chat about pictures with --backend reference")
+                             "backend does not pass", (Hint(Fix.BACKEND, "reference"),))
         if not self.table_rows:
             raise ImageError(f"{self.engine_dir} was built without a prompt table for pictures "
-                             "(build_config.max_prompt_embedding_table_size 0): build it again with cabin-build from "
-                             "the vision-language model's folder, which passes --max_multimodal_len")
+                             "(build_config.max_prompt_embedding_table_size 0)", (Hint(Fix.BUILD_VISION),))
         return self.vision.image_message(message, images, held)
 
     def _prompt_table(self, plan: TurnPlan, held: dict[str, PreparedImage]) -> PromptTable:
@@ -457,9 +355,9 @@ class TrtllmSession:
         needed = sum(len(held[span.digest.hex()].offsets) for span in plan.media)
         if needed > self.table_rows:
             raise ImageError(f"the conversation's {len(plan.media)} pictures need {needed} rows of the prompt table, "
-                             f"over the {self.table_rows} the engine was built for (--max_multimodal_len); start a "
-                             "new conversation, send fewer or smaller pictures, or build the engine with a larger "
-                             "table")
+                             f"over the {self.table_rows} the engine was built for "
+                             "(build_config.max_prompt_embedding_table_size); build the engine with a larger table",
+                             (Hint(Fix.NEW_CONVERSATION), Hint(Fix.SMALLER_PICTURES)))
         return prompt_table(plan.feed, plan.media, lambda digest: self.vision.encode(held[digest.hex()]),
                             self.vocab_size)
 
@@ -554,20 +452,23 @@ class TrtllmSession:
             low, high = (middle, high) if self._beam_fits(middle, beam, beam_kv_blocks_up_to) else (low, middle - 1)
         return low
 
-    def _capacity_error(self, err: CapacityError, beam: BeamParams | None) -> str:
-        """A refused turn's message, with what binds where it is the engine or the beams rather than the budget."""
+    def _capacity_error(self, err: CapacityError, beam: BeamParams | None) -> CapacityError:
+        """A refused turn's error, with what binds where it is the engine or the beams rather than the budget."""
         if beam is not None:
             limit = self._beam_prompt_limit(beam)
-            return (capacity_message(err, self.overflow, beam.max_new_tokens, limit + beam.max_new_tokens)
-                    + f" (a search of {beam.beam_width} beams takes prompts of at most {max(limit, 0)} tokens: "
-                    f"TensorRT-LLM reserves the prompt's whole KV blocks once and each beam's last block and "
-                    f"{beam.max_new_tokens}-token reply on its own)")
-        message = capacity_message(err, self.overflow, self.params.max_new_tokens, self.capacity)
-        if self.capacity < self.settings.max_tokens_in_paged_kv_cache:  # the engine's limits bind
-            message += (f" (the engine takes prompts of at most {self.capacity - self.params.max_new_tokens} tokens: "
-                        f"max_input_len {self.limits.max_input_len}, max_seq_len {self.limits.max_seq_len} less "
-                        f"{self.params.max_new_tokens} for the reply)")
-        return message
+            refused = capacity_error(err, self.overflow, beam.max_new_tokens, limit + beam.max_new_tokens)
+            why = (f"a search of {beam.beam_width} beams takes prompts of at most {max(limit, 0)} tokens: "
+                   f"TensorRT-LLM reserves the prompt's whole KV blocks once and each beam's last block and "
+                   f"{beam.max_new_tokens}-token reply on its own")
+        else:
+            refused = capacity_error(err, self.overflow, self.params.max_new_tokens, self.capacity)
+            if self.capacity >= self.settings.max_tokens_in_paged_kv_cache:  # the budget binds, not the engine
+                return refused
+            why = (f"the engine takes prompts of at most {self.capacity - self.params.max_new_tokens} tokens: "
+                   f"max_input_len {self.limits.max_input_len}, max_seq_len {self.limits.max_seq_len} less "
+                   f"{self.params.max_new_tokens} for the reply")
+        where = "; {}" if refused.hints else ""
+        return CapacityError(f"{refused.message}{where} ({why})", refused.hints)
 
     def _reused_tokens(self, keys: list[tuple[int, int]]) -> int:
         """Tokens TensorRT-LLM can reuse with block reuse on: the common prefix of (id, extra id) with the previous
@@ -581,9 +482,11 @@ class TrtllmSession:
         return min(common // block * block, len(keys) - 1)
 
     def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
-               finish: str, evicted: int, error: str | None = None, alternatives: list[str] | None = None) -> TurnStats:
+               finish: str, evicted: int, error: str | CabinError | None = None,
+               alternatives: list[str] | None = None) -> TurnStats:
         held = min(len(self.previous_keys), self.settings.max_tokens_in_paged_kv_cache)
         budget = self.settings.max_tokens_in_paged_kv_cache * self.bytes_per_token
+        message, hints = (error.message, error.hints) if isinstance(error, CabinError) else (error, ())
         return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, held * self.bytes_per_token, budget,
-                         self.bytes_per_token, self.config.kv_mode, finish, evicted, self.overflow.name, error,
-                         alternatives=alternatives or [])
+                         self.bytes_per_token, self.config.kv_mode, finish, evicted, self.overflow.name, message,
+                         alternatives=alternatives or [], hints=hints)

@@ -7,9 +7,11 @@ only this surface, never the concrete class.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable, Protocol
 
+from cabinllm.runtime.errors import CabinError, Fix, Hint
 from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.model.tools import Tool
@@ -36,10 +38,16 @@ class TurnStats:
     error: str | None = None
     tool_calls: list[dict] = field(default_factory=list)  # the reply's calls in OpenAI's form (finish "tool_calls")
     alternatives: list[str] = field(default_factory=list)  # with n > 1 or a beam search: the other replies
+    hints: tuple[Hint, ...] = ()  # what the user can change about ``error``; front ends word them
 
-    def to_dict(self) -> dict:
-        """JSON-ready form."""
-        return asdict(self)
+    def error_words(self, phrases: Mapping[Fix, str | None] | None = None) -> str | None:
+        """The error with its hints in a front end's ``phrases`` (the library's words by default)."""
+        return CabinError(self.error, self.hints).words(phrases) if self.error else None
+
+    def to_dict(self, phrases: Mapping[Fix, str | None] | None = None) -> dict:
+        """JSON-ready form, the error worded in ``phrases``."""
+        fields = {k: v for k, v in asdict(self).items() if k != "hints"}
+        return {**fields, "error": self.error_words(phrases)}
 
 
 class Session(Protocol):

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cabinllm.runtime.errors import CapacityError, ConfigError, Fix, Hint, join_hints
+from cabinllm.runtime.errors import CapacityError, ConfigError, Fix, Hint
 from cabinllm.runtime.kv.blocks import MediaSpan, whole_media_prefix
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
@@ -115,11 +115,11 @@ def system_tokens(tokenizer: ChatTokenizer, messages: list[dict]) -> int:
     return len(tokenizer.encode_prompt(tokenizer.render(messages[:1], add_generation_prompt=False)))
 
 
-def capacity_message(err: CapacityError, policy: OverflowPolicy, max_new_tokens: int, capacity: int,
-                     phrases: dict[Fix, str] | None = None, pictures: list[tuple[str, int]] = ()) -> str:
-    """A refused turn's message: what did not fit and what the user can do, in a front end's ``phrases``
-    (``pictures``: the turn's, by name and tokens)."""
-    return f"{err}; {join_hints(capacity_hints(policy, max_new_tokens, capacity, pictures), phrases)}"
+def capacity_error(err: CapacityError, policy: OverflowPolicy, max_new_tokens: int, capacity: int,
+                   pictures: list[tuple[str, int]] = ()) -> CapacityError:
+    """A refused turn's error: what did not fit (``err``) with what the user can do as hints (``pictures``: the
+    turn's, by name and tokens); a front end words it with ``CabinError.words``."""
+    return CapacityError(err.message, capacity_hints(policy, max_new_tokens, capacity, pictures))
 
 
 def capacity_hints(policy: OverflowPolicy, max_new_tokens: int, capacity: int,

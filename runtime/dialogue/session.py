@@ -20,15 +20,14 @@ from pathlib import Path
 from typing import Callable
 
 from cabinllm.runtime.dialogue.interface import TurnStats
-from cabinllm.runtime.dialogue.overflow import (Held, OverflowPolicy, Room, TurnPlan, capacity_message,
-                                               plan_turn)
+from cabinllm.runtime.dialogue.overflow import Held, OverflowPolicy, Room, TurnPlan, capacity_error, plan_turn
 from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file, within_memory, write_session_file
 from cabinllm.runtime.engine.core import EngineCore
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.engine.scheduler import SchedulerConfig
-from cabinllm.runtime.errors import (CapacityError, ConfigError, GrammarError, ImageError, OutOfBlocks,
-                                     SessionFileError)
+from cabinllm.runtime.errors import (CabinError, CapacityError, ConfigError, Fix, GrammarError, Hint, ImageError,
+                                     OutOfBlocks, SessionFileError)
 from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.grammar import reply_grammar
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
@@ -96,9 +95,9 @@ class DialogueSession:
             request = self._request(plan, n, beam, grammar, on_text)
             self._core(request).generate(request, should_stop)
         except CapacityError as err:
-            message = capacity_message(err, self.overflow, self.params.max_new_tokens, self._room().capacity,
-                                       pictures=self._pictures_of(message))
-            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, message)
+            refused = capacity_error(err, self.overflow, self.params.max_new_tokens, self._room().capacity,
+                                     self._pictures_of(message))
+            return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, refused)
         except GrammarError as err:  # the reply's grammar could not start: the next turn rebuilds
             self._release()
             return self._stats("", [], 0, 0, 0.0, 0.0, "error", 0, str(err))
@@ -195,7 +194,7 @@ class DialogueSession:
         storage = self.cache.storage
         if not self.cache.mode.per_token:
             raise SessionFileError(f"saving a session needs per-token KV storage; {self.cache.mode.name} stores "
-                                   "whole blocks: chat with another --kv-cache to save")
+                                   "whole blocks", (Hint(Fix.PER_TOKEN_KV_MODE),))
         tensors = storage.session_rows(self.seq) if self.seq else {}
         write_session_file(path, {
             "model_fingerprint": self.engine.fingerprint,
@@ -227,8 +226,8 @@ class DialogueSession:
         config = KvCacheConfig(**header["kv_cache"])
         try:
             cache = cache or engine.new_cache(within_memory(config))
-        except ValueError as err:
-            raise SessionFileError(f"{path}: {err}") from err
+        except ConfigError as err:
+            raise SessionFileError(f"{path}: {err.message}", err.hints) from err
         scales = cache.storage.scales_fingerprint()
         if cache.mode.name != config.kv_mode or scales != header["scales_fingerprint"]:
             raise SessionFileError(f"{path}: saved with {config.kv_mode} KV and scales "
@@ -247,7 +246,7 @@ class DialogueSession:
                 reused = cache.allocate(session.seq, fed, media)
             except OutOfBlocks as err:
                 raise SessionFileError(f"{path}: the session holds {len(fed)} tokens of KV, more than this cache "
-                                       f"holds ({err}); raise --kv-budget-mb") from err
+                                       f"holds ({err})", (Hint(Fix.RAISE_KV_BUDGET),)) from err
             cache.storage.restore_rows(session.seq, tensors, reused)
         session.messages, session.pending = header["messages"], header["pending"]
         session.transcript, session.turns = header["transcript"], header["turns"]
@@ -290,9 +289,10 @@ class DialogueSession:
         self.pending, self.transcript = [], ""
 
     def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
-               finish: str, evicted: int, error: str | None = None, tool_calls: list[dict] | None = None,
-               alternatives: list[str] | None = None) -> TurnStats:
+               finish: str, evicted: int, error: str | CabinError | None = None,
+               tool_calls: list[dict] | None = None, alternatives: list[str] | None = None) -> TurnStats:
         s = self.cache.stats()
+        message, hints = (error.message, error.hints) if isinstance(error, CabinError) else (error, ())
         return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, s.bytes_used, s.bytes_reserved,
-                         s.bytes_per_token, s.mode, finish, evicted, self.overflow.name, error, tool_calls or [],
-                         alternatives or [])
+                         s.bytes_per_token, s.mode, finish, evicted, self.overflow.name, message, tool_calls or [],
+                         alternatives or [], hints)

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
-from cabinllm.runtime.errors import GrammarError, SessionFileError
+from cabinllm.runtime.errors import ConfigError, Fix, GrammarError, Hint, SessionFileError
 from cabinllm.runtime.formats.atomic import atomic_write_bytes
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import KvCacheConfig
@@ -240,9 +240,9 @@ def within_memory(config: KvCacheConfig) -> KvCacheConfig:
     """config, when this machine's memory can hold its budget; ValueError otherwise."""
     memory = available_memory()
     if config.max_bytes > memory:
-        raise ValueError(f"the session's KV budget of {config.max_bytes / 2**20:.0f} MiB is more than the "
-                         f"{memory / 2**20:.0f} MiB of memory this machine has available; restore it into a "
-                         "smaller cache (cabin-chat --kv-budget-mb)")
+        raise ConfigError(f"the session's KV budget of {config.max_bytes / 2**20:.0f} MiB is more than the "
+                          f"{memory / 2**20:.0f} MiB of memory this machine has available; restore it into a "
+                          "smaller cache", (Hint(Fix.LOWER_KV_BUDGET),))
     return config
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cabinllm.runtime.engine.core import EngineCore
 from cabinllm.runtime.engine.scheduler import SchedulerConfig
-from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.errors import CheckpointError, Fix, Hint
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, SCALES_FILE, EngineFolder
 from cabinllm.runtime.formats.onnx_folder import ONNX_FORMAT
@@ -57,8 +57,8 @@ class Engine:
         manifest = folder.manifest()
         if manifest.get("format") == ONNX_FORMAT:
             raise CheckpointError(f"{folder.path}: an ONNX graph folder ({ONNX_FORMAT} in {MANIFEST_FILE}), which the "
-                                  "reference engine does not load; chat with it through cabin-chat (--backend "
-                                  "onnxruntime), or give the engine folder it was exported from")
+                                  "reference engine does not load; give the engine folder it was exported from",
+                                  (Hint(Fix.BACKEND, "onnxruntime"),))
         config, weights, fingerprint = folder.load_checkpoint()
         scales = load_scales(folder.scales, fingerprint, config.num_hidden_layers) if folder.scales.exists() else None
         tokenizer = ChatTokenizer(folder.checkpoint)

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from prometheus_client import Histogram
 
-from cabinllm.runtime.errors import ConfigError, GrammarError, OutOfBlocks, QueueFull
+from cabinllm.runtime.errors import ConfigError, Fix, GrammarError, Hint, OutOfBlocks, QueueFull
 from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.generation.beam import BeamSearch
 from cabinllm.runtime.generation.sampling import make_generator, sample, token_logprob
@@ -145,8 +145,8 @@ class Scheduler:
         """Queue a request; QueueFull when ``max_queue`` are waiting already."""
         with self.lock:
             if len(self.waiting) >= self.config.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting already (--max-queue "
-                                f"{self.config.max_queue})")
+                raise QueueFull(f"{len(self.waiting)} requests are waiting already",
+                                (Hint(Fix.RAISE_MAX_QUEUE, str(self.config.max_queue)),))
             self.waiting.append(request)
 
     def never_fits(self, request: Request) -> str | None:

@@ -12,7 +12,7 @@ Layout::
       weights.bin          the weights both graphs read (ONNX external data)
       tokenizer/           tokenizer.json and tokenizer_config.json
       host/                npu profile: the tables the host looks up (embedding.npy, rope_cos.npy, ...)
-      *_ctx.onnx, *.bin    npu profile with --htp-arch: the graphs compiled by QNN for the HTP (EPContext
+      *_ctx.onnx, *.bin    npu profile with an htp_arch: the graphs compiled by QNN for the HTP (EPContext
                            models and their context binaries)
 
 Both graphs have static shapes (batch 1). Their inputs in the ort profile::
@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.errors import CheckpointError, Fix, Hint
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, read_manifest
 from cabinllm.runtime.formats.scales_file import KVScales
@@ -140,8 +140,8 @@ class OnnxFolder:
         """The manifest, checked for the keys the runtime reads; CheckpointError naming what is wrong."""
         manifest = read_manifest(self.path)
         if manifest is None or manifest.get("format") != ONNX_FORMAT:
-            raise CheckpointError(f"{self.path}: no {MANIFEST_FILE} of an ONNX export ({ONNX_FORMAT}); "
-                                  "write one with cabin-export --format onnx")
+            raise CheckpointError(f"{self.path}: no {MANIFEST_FILE} of an ONNX export ({ONNX_FORMAT})",
+                                  (Hint(Fix.EXPORT_ONNX),))
         try:
             context, chunk = int(manifest["context"]), int(manifest["chunk"])
             float(manifest["attention_mask_value"]), bool(manifest["host_inputs"]), str(manifest["precision"])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cabinllm.runtime.errors import ConfigError, WeightFormatError
+from cabinllm.runtime.errors import ConfigError, Fix, Hint, WeightFormatError
 
 LINEAR_LAYERS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
 SCALE = "weights_scaling_factor"
@@ -172,7 +172,7 @@ def head_format(quantization: dict) -> HeadFormat:
     name = quantization.get(HEAD_KEY) or "fp16"
     if name not in HEAD_FORMATS:
         raise WeightFormatError(f"quantization.{HEAD_KEY} {name!r} is not a head format the reference engine runs "
-                                f"({', '.join(HEAD_FORMATS)}); build the engine again with --head fp16 or int8")
+                                f"({', '.join(HEAD_FORMATS)})", (Hint(Fix.BUILD_HEAD, " or ".join(HEAD_FORMATS)),))
     return HEAD_FORMATS[name]
 
 
@@ -213,8 +213,7 @@ def checkpoint_format(quantization: dict, linear_inputs: dict[str, int], source:
     if fmt is None:
         known = ", ".join(str(f.quant_algo) for f in WEIGHT_FORMATS.values() if f.quant_algo)
         raise WeightFormatError(f"{source}: quant_algo {algo!r} is not run by the reference engine (it runs null, "
-                                f"{known}); export the model again with one of those (cabin-build --weights "
-                                f"{'|'.join(WEIGHT_FORMATS)})")
+                                f"{known})", (Hint(Fix.BUILD_WEIGHTS, "|".join(WEIGHT_FORMATS)),))
     group = fmt.group_size(quantization)
     if group is not None:
         if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
@@ -223,9 +222,11 @@ def checkpoint_format(quantization: dict, linear_inputs: dict[str, int], source:
         for layer, inputs in linear_inputs.items():
             if inputs % group:
                 fits = [g for g in fmt.group_sizes if inputs % g == 0]
-                raise WeightFormatError(f"{source}: group_size {group} does not divide the {inputs} inputs of "
-                                        f"{layer}; " + (f"export the model again with group size {fits[0]}" if fits
-                                        else f"{fmt.name} cannot hold this model, use --weights int8"))
+                problem = f"{source}: group_size {group} does not divide the {inputs} inputs of {layer}; "
+                if fits:
+                    raise WeightFormatError(problem + f"export the model again with group size {fits[0]}")
+                raise WeightFormatError(problem + f"{fmt.name} cannot hold this model",
+                                        (Hint(Fix.BUILD_WEIGHTS, "int8"),))
     head_format(quantization)
     return fmt
 
@@ -236,5 +237,5 @@ def awq_group_size(input_sizes: list[int]) -> int:
         if all(size % group == 0 for size in input_sizes):
             return group
     raise ConfigError(f"no AWQ group size of {', '.join(map(str, AWQ_GROUP_SIZES))} divides the input sizes "
-                     f"{sorted(set(input_sizes))}; use --weights int8 for this model")
+                     f"{sorted(set(input_sizes))}", (Hint(Fix.BUILD_WEIGHTS, "int8"),))
 

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from cabinllm.runtime.errors import ConfigError
+from cabinllm.runtime.errors import ConfigError, Fix, Hint
 from cabinllm.runtime.formats.checkpoint import ModelConfig
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kernels.bindings import StaticPools, StoredKV
@@ -134,8 +134,8 @@ class KVStorage:
 
     def token_tensors(self) -> dict[str, torch.Tensor]:
         """The per-token pools a session file saves, each (layers, blocks, tokens_per_block, ...)."""
-        raise ConfigError(f"saving a session needs per-token KV storage; {self.name} stores whole blocks: "
-                         "choose another --kv-cache")
+        raise ConfigError(f"saving a session needs per-token KV storage; {self.name} stores whole blocks",
+                          (Hint(Fix.PER_TOKEN_KV_MODE),))
 
     def session_rows(self, seq: Sequence) -> dict[str, torch.Tensor]:
         """What a session file saves of a sequence: each per-token pool's rows of its tokens, in order."""

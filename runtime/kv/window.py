@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cabinllm.runtime.errors import ConfigError, OutOfBlocks
+from cabinllm.runtime.errors import ConfigError, Fix, Hint, OutOfBlocks
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kernels.bindings import StoredKV
 from cabinllm.runtime.kv.blocks import Sequence, cdiv
@@ -131,7 +131,8 @@ class WindowedStorage(KVStorage):
         if end - start > self.plan.step_tokens:
             raise ConfigError(f"a step of {end - start} new tokens of one sequence is more than the "
                               f"{self.plan.step_tokens} the sliding-window layers' pool holds per step; run prompts "
-                              f"in pieces of at most {self.plan.step_tokens} (cabin-export --chunk)")
+                              f"in pieces of at most {self.plan.step_tokens}",
+                              (Hint(Fix.EXPORT_CHUNK, str(self.plan.step_tokens)),))
         self._pin(seq, self.plan.first_block(start), cdiv(end, self.plan.tokens_per_block))
 
     def kept_from(self, layer: int, num_tokens: int) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.errors import CheckpointError, Fix, Hint
 from cabinllm.runtime.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, ModelConfig, load_checkpoint, save_checkpoint
 from cabinllm.runtime.formats.engine_folder import EngineFolder, read_manifest
 from cabinllm.runtime.formats.scales_file import model_fingerprint
@@ -189,7 +189,7 @@ def _cast(tensors: Iterable[tuple[str, torch.Tensor]], total: int, source: Path,
         if not all_finite(weights[name]):
             largest = float(tensor.abs().max())
             raise CheckpointError(f"{source}: tensor {name} holds a value of magnitude {largest:.4g}, beyond {dtype}'s "
-                                  "range; import it as float32 (cabin-build --dtype float32)")
+                                  "range", (Hint(Fix.BUILD_FLOAT32),))
     return weights
 
 
