@@ -108,13 +108,6 @@ def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) 
     return None
 
 
-def system_tokens(tokenizer: ChatTokenizer, messages: list[dict]) -> int:
-    """Tokens of the conversation's system prompt as the template renders it (0 without one)."""
-    if not messages or messages[0]["role"] != "system":
-        return 0
-    return len(tokenizer.encode_prompt(tokenizer.render(messages[:1], add_generation_prompt=False)))
-
-
 def capacity_error(err: CapacityError, policy: OverflowPolicy, max_new_tokens: int, capacity: int,
                    pictures: list[tuple[str, int]] = ()) -> CapacityError:
     """A refused turn's error: what did not fit (``err``) with what the user can do as hints (``pictures``: the
@@ -155,13 +148,15 @@ def plan_turn(tokenizer: ChatTokenizer, messages: list[dict], room: Room, policy
         stream, media = tokenizer.encode_prompt_media(prompt)
     if room.fits(len(stream) + max_new_tokens):
         return TurnPlan(stream, messages, prompt, media=media)
-    return plan_overflow(policy, sink_tokens, messages, prompt, stream, room, tokenizer, max_new_tokens, media)
+    frame = tokenizer.frame_tokens(messages, prompt)
+    return plan_overflow(policy, sink_tokens, messages, prompt, stream, room, tokenizer, max_new_tokens, frame, media)
 
 
 def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict], prompt: str, stream: list[int],
-                  room: Room, tokenizer: ChatTokenizer, max_new_tokens: int,
+                  room: Room, tokenizer: ChatTokenizer, max_new_tokens: int, frame: tuple[int, int],
                   media: list[MediaSpan] = ()) -> TurnPlan:
-    """Apply the policy to a turn whose token stream (whole history plus the new message) does not fit.
+    """Apply the policy to a turn whose token stream (whole history plus the new message) does not fit; ``frame``:
+    the tokens of its system prompt and of its new message with its headers (``ChatTokenizer.frame_tokens``).
 
     Whatever the policy keeps, it keeps the system prompt and the whole current message with its
     template headers; when even those and the reply do not fit, CapacityError says so.
@@ -169,8 +164,7 @@ def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict]
     capacity = room.capacity
     most = capacity - max_new_tokens  # prompt tokens the budget takes at all
     target = min(most, int(capacity * policy.keep_fraction) - max_new_tokens) if room.appends_turns else most
-    system = system_tokens(tokenizer, messages)
-    message = len(tokenizer.encode(prompt[len(tokenizer.render(messages[:-1], add_generation_prompt=False)):]))
+    system, message = frame
     if system + message > most:
         raise CapacityError(f"the message is {message} tokens with its template headers, the system prompt {system} "
                             f"and the reply may take {max_new_tokens} more: {system + message + max_new_tokens} "
@@ -182,12 +176,18 @@ def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict]
         if room.fits(len(kept) + max_new_tokens):
             return TurnPlan(kept, messages, prompt, evicted=len(stream) - len(kept), media=kept_media)
     elif policy.name == "drop-turns":
+        encoded: dict[int, tuple[str, list[int], list[MediaSpan]]] = {}  # each candidate rendered once, by length
+
+        def encode(kept: list[dict]) -> tuple[str, list[int], list[MediaSpan]]:
+            if len(kept) not in encoded:
+                text = tokenizer.render(kept)
+                encoded[len(kept)] = (text, *tokenizer.encode_prompt_media(text))
+            return encoded[len(kept)]
+
         for limit in (target, most):  # leave room for the next turns if possible, else just fit this one
-            kept_messages = drop_oldest_turns(messages,
-                                              lambda m: len(tokenizer.encode_prompt(tokenizer.render(m))) <= limit)
+            kept_messages = drop_oldest_turns(messages, lambda m: len(encode(m)[1]) <= limit)
             if kept_messages:
-                kept_prompt = tokenizer.render(kept_messages)
-                ids, kept_media = tokenizer.encode_prompt_media(kept_prompt)
+                kept_prompt, ids, kept_media = encode(kept_messages)
                 return TurnPlan(ids, kept_messages, kept_prompt, evicted=max(0, len(stream) - len(ids)),
                                 media=kept_media)
     raise CapacityError(f"the turn needs {len(stream) + max_new_tokens} tokens of KV but the budget holds {capacity} "

@@ -171,6 +171,14 @@ class ChatTokenizer:
         pieces = text.split(self.image_placeholder)
         return pieces[0] + "".join(image_marker(bytes.fromhex(d)) + p for d, p in zip(digests, pieces[1:]))
 
+    def frame_tokens(self, messages: list[dict], prompt: str) -> tuple[int, int]:
+        """Tokens of the conversation's system prompt (0 without one) and of its last message with its template
+        headers, as ``prompt`` (the whole rendering) holds them: what every overflow policy keeps."""
+        system = 0
+        if messages and messages[0]["role"] == "system":
+            system = len(self.encode_prompt(self.render(messages[:1], add_generation_prompt=False)))
+        return system, len(self.encode(prompt[len(self.render(messages[:-1], add_generation_prompt=False)):]))
+
     def _escape_content(self, content: str | list[dict]) -> str | list[dict]:
         """Message content with its text escaped: a string, or parts of which the text ones are."""
         if isinstance(content, str):
