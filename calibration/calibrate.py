@@ -30,7 +30,7 @@ CALIBRATION_METHODS = (SEARCH_METHOD, *METHODS)
 NO_MIX = "none"
 BUILTIN = "builtin"
 VALIDATION_TOKENS = 1024  # per source: the validation and grading parts are cut to this many tokens
-GRADE_MODES = ("int8-shared", "int8-shared-eq", "int8-dynamic")
+GRADE_MODES = ("int8", "int8-eq", "int8-dynamic")
 BY_KIND = "by_kind"  # the data summary's K/V ranges at text and at image positions (clips.kind_ranges)
 SHORT_COVERAGE = 0.25  # the report warns when the longest sequence covers less than this share of the context
 

@@ -1,6 +1,6 @@
 """The floor of static INT8 KV scales on a set of dialogues: scales fitted on those very dialogues.
 
-No calibration can know the evaluated dialogues better than they know themselves, so int8-shared-eq with
+No calibration can know the evaluated dialogues better than they know themselves, so int8-eq with
 per-channel clips taken from the dialogues it is measured on (abs-max, or a percentile) is what TensorRT-LLM's
 format (one scale per layer, equalization folded into the weights, the first token on the grid) can reach on
 them. int8-dynamic (a scale per token and KV head) runs beside it on the same reference. Compare with
