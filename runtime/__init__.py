@@ -5,8 +5,8 @@ The face of the package; the rooms below it, in import order: ``errors``, ``kern
 its linear ops, RoPE, tokenizer), ``generation`` (the token loop, sampling, stop rules), ``sources`` (where a
 model comes from), ``engine``, ``dialogue`` (sessions, overflow, session files) and ``backends``.
 
-    from cabinllm.runtime import SessionRequest, open_session
-    session = open_session(SessionRequest(Path("engines/smollm2-135m-int8-eq"), budget_bytes=32 << 20))
+    from cabinllm.runtime import KvCacheConfig, SessionRequest, open_session
+    session = open_session(SessionRequest(Path("engines/smollm2-135m-int8-eq"), KvCacheConfig(max_bytes=32 << 20)))
     print(session.chat("Where is the nearest charging station?").reply)
 """
 from cabinllm.runtime.backends.select import SessionRequest, open_session
