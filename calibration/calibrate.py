@@ -24,7 +24,7 @@ from cabinllm.calibration.selection import TokenizedDialogue, picture_summary, p
 from cabinllm.calibration.stats import KVStats, collect_stats
 from cabinllm.runtime.errors import ConfigError, DataError
 from cabinllm.runtime.formats.scales_file import ScalesFile, save_scales
-from cabinllm.runtime.sources.model_source import LoadedModel
+from cabinllm.runtime.sources.model_source import Checkpoint
 
 CALIBRATION_METHODS = (SEARCH_METHOD, *METHODS)
 NO_MIX = "none"
@@ -77,7 +77,7 @@ class _Part:
     summary: dict
 
 
-def _source_part(data: str, split: str, count: int, seed: int, model: LoadedModel, max_tokens: int,
+def _source_part(data: str, split: str, count: int, seed: int, model: Checkpoint, max_tokens: int,
                  min_tokens: int, sessions: bool, validation: int) -> _Part:
     dialogues, summary = prepare_dialogues(data, split, count + validation, seed, model.tokenizer, max_tokens,
                                            min_tokens, sessions, model.vision)
@@ -85,7 +85,7 @@ def _source_part(data: str, split: str, count: int, seed: int, model: LoadedMode
     return _Part(dialogues[:count], held, summary)
 
 
-def _parts(model: LoadedModel, request: CalibrationRequest, split: str, validation: int) -> list[_Part]:
+def _parts(model: Checkpoint, request: CalibrationRequest, split: str, validation: int) -> list[_Part]:
     """The primary source and, for builtin data, the mixed-in general dialogue."""
     context = model.config.max_position_embeddings
     count, max_tokens = DEFAULTS[BUILTIN if request.data == BUILTIN else "other"]
@@ -144,7 +144,7 @@ def short_coverage_warning(data: dict) -> str | None:
             "(--max-tokens, or --data builtin for long cabin sessions)")
 
 
-def calibrate(model: LoadedModel, request: CalibrationRequest, progress: bool = True) -> CalibrationResult:
+def calibrate(model: Checkpoint, request: CalibrationRequest, progress: bool = True) -> CalibrationResult:
     """Collect K/V statistics on the train split of the data, compute scales by the requested method and grade
     them on the held-out split."""
     if request.method not in CALIBRATION_METHODS:
@@ -182,7 +182,7 @@ def calibrate(model: LoadedModel, request: CalibrationRequest, progress: bool = 
     return CalibrationResult(scales_file, stats, clips, seconds, candidates, grade)
 
 
-def _grade(model: LoadedModel, request: CalibrationRequest, scales_file: ScalesFile,
+def _grade(model: Checkpoint, request: CalibrationRequest, scales_file: ScalesFile,
            progress: bool) -> dict[str, ModeResult]:
     """The scales' accuracy on held-out dialogues of the same sources ({} when the data has none)."""
     try:

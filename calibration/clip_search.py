@@ -23,7 +23,7 @@ from cabinllm.calibration.selection import TokenizedDialogue
 from cabinllm.calibration.stats import KVStats
 from cabinllm.runtime.kv.modes import kv_mode
 from cabinllm.runtime.model.transformer import Transformer
-from cabinllm.runtime.sources.model_source import LoadedModel
+from cabinllm.runtime.sources.model_source import Checkpoint
 
 SEARCH_METHOD = "kl"  # cabin-calibrate's name for choosing among CANDIDATES by validation KL
 
@@ -68,7 +68,7 @@ def reference_logprobs(model: Transformer, dialogues: list[TokenizedDialogue]) -
     return [run_logits(model, d, kv_mode("fp32"), None)[:-1].log_softmax(-1) for d in dialogues]
 
 
-def score_clips(model: LoadedModel, stats: KVStats, clips: LayerClips, dialogues: list[TokenizedDialogue],
+def score_clips(model: Checkpoint, stats: KVStats, clips: LayerClips, dialogues: list[TokenizedDialogue],
                 references: list[torch.Tensor], first_token: int | None = None) -> tuple[Totals, torch.Tensor]:
     """KL and top-1 sums of int8-eq with these clips over the validation dialogues, and the KL of every
     validation position (``first_token``: the token equalization puts on the grid, cabinllm.calibration.equalize)."""
@@ -88,7 +88,7 @@ def clearly_lower(token_kl: torch.Tensor, than: torch.Tensor) -> bool:
     return bool(difference.mean() < -MIN_Z * difference.std() / len(difference) ** 0.5)
 
 
-def choose_clips(model: LoadedModel, stats: KVStats, dialogues: list[TokenizedDialogue],
+def choose_clips(model: Checkpoint, stats: KVStats, dialogues: list[TokenizedDialogue],
                  candidates: tuple[ClipRule, ...] = CANDIDATES, progress: bool = True,
                  first_token: int | None = None) -> tuple[ClipRule, LayerClips, list[CandidateScore]]:
     """The chosen candidate, its clips and every score. The first candidate holds unless a later one's validation

@@ -40,7 +40,7 @@ from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK
 from cabinllm.runtime.kv.modes import KV_MODES, KVMode, kv_mode, kv_mode_name
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.transformer import Transformer
-from cabinllm.runtime.sources.model_source import LoadedModel
+from cabinllm.runtime.sources.model_source import Checkpoint
 
 REFERENCE_MODE = "fp32"
 REFERENCE_WEIGHTS = "fp32"
@@ -127,7 +127,7 @@ class ModeRunner:
     weight_bytes: int = 0
 
 
-def build_runners(model: LoadedModel, modes: list[str], scales_file: ScalesFile | None) -> dict[str, ModeRunner]:
+def build_runners(model: Checkpoint, modes: list[str], scales_file: ScalesFile | None) -> dict[str, ModeRunner]:
     """A runner per mode; an equalized mode runs on weights equalized from the scales' channel ranges (and with the
     first token of the calibration data on the grid when the file names it)."""
     chosen = {name: eval_mode(name) for name in modes}
@@ -254,7 +254,7 @@ def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, tar
     return torch.cat(token_kl)
 
 
-def evaluate(model: LoadedModel, dialogues: list[TokenizedDialogue], modes: list[str],
+def evaluate(model: Checkpoint, dialogues: list[TokenizedDialogue], modes: list[str],
              scales_file: ScalesFile | None, progress: bool = True,
              weights: dict[str, tuple[ModelConfig, dict[str, torch.Tensor]]] | None = None) -> dict[str, ModeResult]:
     """Accuracy of each mode over the dialogues, after the ``fp32`` reference itself; with ``weights`` (name ->

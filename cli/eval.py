@@ -19,7 +19,7 @@ from cabinllm.cli.args import (add_kv_cache, entry_point, int_range, non_negativ
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.formats.scales_file import ScalesFile, load_scales_file
-from cabinllm.runtime.sources.model_source import LoadedModel, load_model, open_source, resolve_model
+from cabinllm.runtime.sources.model_source import Checkpoint, load_model, open_source, resolve_model
 
 RESULTS_JSON = "eval.json"
 EVAL_SPLITS = ("heldout", "all")
@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def resolve_scales(args: argparse.Namespace, model: LoadedModel, modes: list[str]) -> tuple[ScalesFile | None, str]:
+def resolve_scales(args: argparse.Namespace, model: Checkpoint, modes: list[str]) -> tuple[ScalesFile | None, str]:
     """The scales the static modes use, and where they came from."""
     if not any(eval_mode(m).kv_mode.static_scales for m in modes):
         return None, "none needed"
@@ -122,7 +122,7 @@ def format_table(results: dict[str, ModeResult]) -> str:
     return "\n".join(rows)
 
 
-def quantized_weights(names: list[str], model: LoadedModel, source: str, data: str, seed: int) -> dict:
+def quantized_weights(names: list[str], model: Checkpoint, source: str, data: str, seed: int) -> dict:
     """Each requested weights entry other than fp32, made from the model's full-precision weights (int4-g32 from
     the blocks of ``source``, the --model argument, where it is a GGUF)."""
     names = [n for n in names if n != REFERENCE_WEIGHTS]

@@ -26,12 +26,12 @@ from cabinllm.calibration.stats import collect_stats
 from cabinllm.cli.args import float_range, positive_int
 from cabinllm.runtime.errors import DataError
 from cabinllm.runtime.formats.scales_file import ScalesFile
-from cabinllm.runtime.sources.model_source import LoadedModel, load_model
+from cabinllm.runtime.sources.model_source import Checkpoint, load_model
 
 MODES = list(GRADE_MODES)  # the modes cabin-calibrate grades its own scales on
 
 
-def fitted_scales(model: LoadedModel, dialogues: list[TokenizedDialogue], percentile: float) -> ScalesFile:
+def fitted_scales(model: Checkpoint, dialogues: list[TokenizedDialogue], percentile: float) -> ScalesFile:
     """Scales whose clips come from the statistics of ``dialogues`` themselves (percentile 100: the abs-max)."""
     stats = collect_stats(model.transformer(), dialogues)
     clips = compute_clips(stats, "max") if percentile == 100 else compute_clips(stats, "percentile", percentile)
