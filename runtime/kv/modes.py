@@ -34,7 +34,8 @@ def kv_mode_name(name: str) -> str:
 
 @functools.cache
 def _warn_renamed(former: str, current: str) -> None:
-    warnings.warn(f"KV mode {former!r} is now called {current!r}; say {current!r}", FutureWarning, stacklevel=4)
+    warnings.warn(f"KV mode {former!r} is now called {current!r} and read as it; say {current!r} in flags and files",
+                  FutureWarning, stacklevel=3)
 
 
 def kv_mode(name: str) -> KVMode:
