@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from cabinllm.benchmarks.runners.base import Runner
-from cabinllm.calibration.evaluate import REFERENCE_MODE, eval_name
+from cabinllm.calibration.evaluate import REFERENCE_MODE, current_name, eval_name
 from cabinllm.runtime.errors import EvalJsonError
 
 COLUMNS = ("ppl", "ppl_delta_pct", "kl", "top1_agree")
@@ -13,7 +13,7 @@ COLUMNS = ("ppl", "ppl_delta_pct", "kl", "top1_agree")
 
 def load_eval(path: Path) -> dict:
     """The file cabin-eval writes (``{"modes": {mode: {...}}, ...}``) or its printed ``--json`` object
-    (``{mode: {...}}``), as ``{"modes": ..., "source": ...}``."""
+    (``{mode: {...}}``), as ``{"modes": ..., "source": ...}``, modes under their current names."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
@@ -22,7 +22,7 @@ def load_eval(path: Path) -> dict:
     if not isinstance(modes, dict) or not modes or not all(isinstance(m, dict) and "ppl" in m for m in modes.values()):
         raise EvalJsonError(f"{path}: no per-mode results with 'ppl'; pass the eval.json cabin-eval wrote")
     source = {k: record[k] for k in ("model", "scales", "data", "command") if k in record}
-    return {"file": str(path), "modes": modes, **source}
+    return {"file": str(path), "modes": {current_name(m): r for m, r in modes.items()}, **source}
 
 
 def eval_mode(runner: Runner, equalized: bool) -> str | None:

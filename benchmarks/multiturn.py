@@ -11,6 +11,7 @@ from cabinllm.benchmarks.runners.base import Runner
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import KvCacheConfig
 
 MIB = 1 << 20
 SYSTEM_PROMPT = "You are a helpful assistant."
@@ -45,7 +46,7 @@ def measure_multiturn(engine: Engine, mode: str, users: list[str], peers: list[R
     contexts: list[TurnContext] = []
     for _ in range(repeats):
         params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=engine.stop_token_ids())
-        session = DialogueSession(engine, engine.new_cache(engine.kv_cache_config(mode, budget_mib * MIB)), params,
+        session = DialogueSession(engine, engine.new_cache(KvCacheConfig(mode, budget_mib * MIB)), params,
                                   SYSTEM_PROMPT)
         contexts = []
         for index, text in enumerate(users):

@@ -28,7 +28,7 @@ from cabinllm.runtime.formats.scales_file import KVScales, LayerRanges, ScalesFi
 from cabinllm.runtime.kv.quant import INT8_MAX
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.transformer import Transformer
-from cabinllm.runtime.sources.model_source import LoadedModel, vision_of
+from cabinllm.runtime.sources.model_source import Checkpoint, vision_of
 
 Log = Callable[[str], None]
 RANGE_FACTOR = 100.0  # a file's K/V range this many times above or below the model's own is refused
@@ -104,7 +104,7 @@ def calibrated_scales(data: str, config: ModelConfig, weights: dict[str, torch.T
                       fingerprint: str, equalize: bool, out: Path) -> BuildScales:
     """Scales calibrated now on dialogues (``builtin``, ``sharegpt`` or a file; cabinllm.calibration.calibrate); a
     vision-language build's pictures are read by the vision part written beside the checkpoint."""
-    model = LoadedModel("build", config, weights, ChatTokenizer(checkpoint), fingerprint,
+    model = Checkpoint("build", config, weights, ChatTokenizer(checkpoint), fingerprint,
                         vision=vision_of(checkpoint.parent))
     request = CalibrationRequest(data=data, grade=False)  # max_tokens: the default, capped at the context
     found = calibrate(model, request, progress=False).scales_file

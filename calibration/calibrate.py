@@ -24,13 +24,13 @@ from cabinllm.calibration.selection import TokenizedDialogue, picture_summary, p
 from cabinllm.calibration.stats import KVStats, collect_stats
 from cabinllm.runtime.errors import ConfigError, DataError, Fix, Hint
 from cabinllm.runtime.formats.scales_file import ScalesFile, save_scales
-from cabinllm.runtime.sources.model_source import LoadedModel
+from cabinllm.runtime.sources.model_source import Checkpoint
 
 CALIBRATION_METHODS = (SEARCH_METHOD, *METHODS)
 NO_MIX = "none"
 BUILTIN = "builtin"
 VALIDATION_TOKENS = 1024  # per source: the validation and grading parts are cut to this many tokens
-GRADE_MODES = ("int8-shared", "int8-shared-eq", "int8-dynamic")
+GRADE_MODES = ("int8", "int8-eq", "int8-dynamic")
 BY_KIND = "by_kind"  # the data summary's K/V ranges at text and at image positions (clips.kind_ranges)
 SHORT_COVERAGE = 0.25  # the report warns when the longest sequence covers less than this share of the context
 
@@ -77,7 +77,7 @@ class _Part:
     summary: dict
 
 
-def _source_part(data: str, split: str, count: int, seed: int, model: LoadedModel, max_tokens: int,
+def _source_part(data: str, split: str, count: int, seed: int, model: Checkpoint, max_tokens: int,
                  min_tokens: int, sessions: bool, validation: int) -> _Part:
     dialogues, summary = prepare_dialogues(data, split, count + validation, seed, model.tokenizer, max_tokens,
                                            min_tokens, sessions, model.vision)
@@ -85,7 +85,7 @@ def _source_part(data: str, split: str, count: int, seed: int, model: LoadedMode
     return _Part(dialogues[:count], held, summary)
 
 
-def _parts(model: LoadedModel, request: CalibrationRequest, split: str, validation: int) -> list[_Part]:
+def _parts(model: Checkpoint, request: CalibrationRequest, split: str, validation: int) -> list[_Part]:
     """The primary source and, for builtin data, the mixed-in general dialogue."""
     context = model.config.max_position_embeddings
     count, max_tokens = DEFAULTS[BUILTIN if request.data == BUILTIN else "other"]
@@ -145,7 +145,7 @@ def short_coverage_warning(data: dict) -> DataError | None:
                      f"{positions['context']}: K/V at later positions were never seen", (Hint(Fix.LONGER_DIALOGUES),))
 
 
-def calibrate(model: LoadedModel, request: CalibrationRequest, progress: bool = True) -> CalibrationResult:
+def calibrate(model: Checkpoint, request: CalibrationRequest, progress: bool = True) -> CalibrationResult:
     """Collect K/V statistics on the train split of the data, compute scales by the requested method and grade
     them on the held-out split."""
     if request.method not in CALIBRATION_METHODS:
@@ -183,7 +183,7 @@ def calibrate(model: LoadedModel, request: CalibrationRequest, progress: bool = 
     return CalibrationResult(scales_file, stats, clips, seconds, candidates, grade)
 
 
-def _grade(model: LoadedModel, request: CalibrationRequest, scales_file: ScalesFile,
+def _grade(model: Checkpoint, request: CalibrationRequest, scales_file: ScalesFile,
            progress: bool) -> dict[str, ModeResult]:
     """The scales' accuracy on held-out dialogues of the same sources ({} when the data has none)."""
     try:

@@ -1,5 +1,5 @@
 """Clips chosen by what the user sees: each candidate rule's clips, folded into equalized weights, are scored by
-the next-token KL of ``int8-shared-eq`` against full precision on a validation part of the calibration data.
+the next-token KL of ``int8-eq`` against full precision on a validation part of the calibration data.
 
 The candidates reuse the collected statistics (a clip rule is a few histogram reads), so a candidate costs one
 teacher-forced run over the validation tokens; the reference runs once. Per-tensor quantization error is a
@@ -23,7 +23,7 @@ from cabinllm.calibration.selection import TokenizedDialogue
 from cabinllm.calibration.stats import KVStats
 from cabinllm.runtime.kv.modes import kv_mode
 from cabinllm.runtime.model.transformer import Transformer
-from cabinllm.runtime.sources.model_source import LoadedModel
+from cabinllm.runtime.sources.model_source import Checkpoint
 
 SEARCH_METHOD = "kl"  # cabin-calibrate's name for choosing among CANDIDATES by validation KL
 
@@ -45,7 +45,7 @@ class ClipRule:
         return compute_clips(stats, self.method, self.percentile)
 
 
-# Measured on the default model's validation part (KL of int8-shared-eq): per-channel least-error (mse) clips
+# Measured on the default model's validation part (KL of int8-eq): per-channel least-error (mse) clips
 # 0.00094, abs-max 0.00097, percentile 99.99 0.00103, percentile 99.9 0.00154, 1.25 x the abs-max 0.00165; on the
 # held-out grade part mse 0.00111 against abs-max 0.00116 (both gains within the noise: z = -1.28 on the
 # validation part, so the abs-max holds). The last three never won and each cost a run of the calibration's
@@ -56,7 +56,7 @@ MIN_Z = 2.0  # a later candidate replaces the one holding when its paired KL gai
 
 @dataclass
 class CandidateScore:
-    """One candidate's next-token KL and top-1 agreement (int8-shared-eq vs fp32) on the validation tokens."""
+    """One candidate's next-token KL and top-1 agreement (int8-eq vs fp32) on the validation tokens."""
 
     rule: str
     kl: float
@@ -68,9 +68,9 @@ def reference_logprobs(model: Transformer, dialogues: list[TokenizedDialogue]) -
     return [run_logits(model, d, kv_mode("fp32"), None)[:-1].log_softmax(-1) for d in dialogues]
 
 
-def score_clips(model: LoadedModel, stats: KVStats, clips: LayerClips, dialogues: list[TokenizedDialogue],
+def score_clips(model: Checkpoint, stats: KVStats, clips: LayerClips, dialogues: list[TokenizedDialogue],
                 references: list[torch.Tensor], first_token: int | None = None) -> tuple[Totals, torch.Tensor]:
-    """KL and top-1 sums of int8-shared-eq with these clips over the validation dialogues, and the KL of every
+    """KL and top-1 sums of int8-eq with these clips over the validation dialogues, and the KL of every
     validation position (``first_token``: the token equalization puts on the grid, cabinllm.calibration.equalize)."""
     weights, scales = equalize(model.config, model.weights, layer_ranges(stats, clips), first_token=first_token)
     equalized = Transformer(model.config, weights)
@@ -88,7 +88,7 @@ def clearly_lower(token_kl: torch.Tensor, than: torch.Tensor) -> bool:
     return bool(difference.mean() < -MIN_Z * difference.std() / len(difference) ** 0.5)
 
 
-def choose_clips(model: LoadedModel, stats: KVStats, dialogues: list[TokenizedDialogue],
+def choose_clips(model: Checkpoint, stats: KVStats, dialogues: list[TokenizedDialogue],
                  candidates: tuple[ClipRule, ...] = CANDIDATES, progress: bool = True,
                  first_token: int | None = None) -> tuple[ClipRule, LayerClips, list[CandidateScore]]:
     """The chosen candidate, its clips and every score. The first candidate holds unless a later one's validation

@@ -7,8 +7,9 @@ A mode that keeps the newest tokens at higher precision (``int4``'s fp16 window)
 is prefilled in chunks of one block (cabinllm.runtime.model.run_tokens.run_tokens): every position
 then sees 96 to 127 earlier tokens at full precision (with the default 128-token
 window), as in decode, where it sees 127 or more. The modes measured are the
-reference engine's KV modes (cabinllm.runtime.kv.modes) under their eval names, plus each
-shared-scale mode on weights with KV equalization folded in (``-eq``).
+reference engine's KV modes (cabinllm.runtime.kv.modes) under their registry names, plus each
+shared-scale mode on weights with KV equalization folded in (``-eq``); a former name of a mode is read as its
+current one, and results are keyed by the names asked for.
 Per mode: perplexity of the dialogue's next tokens, mean KL(reference || mode)
 of the next-token distributions, and how often the top-1 token agrees; KL and
 top-1 also per bucket of positions (POSITION_BUCKETS), so drift with dialogue
@@ -36,10 +37,10 @@ from cabinllm.runtime.formats.scales_file import KVScales, ScalesFile
 from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK
-from cabinllm.runtime.kv.modes import KV_MODES, KVMode, kv_mode
+from cabinllm.runtime.kv.modes import KV_MODES, KVMode, kv_mode, kv_mode_name
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.transformer import Transformer
-from cabinllm.runtime.sources.model_source import LoadedModel
+from cabinllm.runtime.sources.model_source import Checkpoint
 
 REFERENCE_MODE = "fp32"
 REFERENCE_WEIGHTS = "fp32"
@@ -57,10 +58,10 @@ def bucket_label(bucket: tuple[int, int]) -> str:
 
 
 def eval_name(mode_name: str, equalized: bool = False) -> str:
-    """The name cabin-eval gives a KV mode (on equalized weights where asked and the mode has a shared scale)."""
+    """The name cabin-eval gives a KV mode: the registry's (with ``-eq`` on equalized weights where asked and the mode
+    has a shared scale)."""
     mode = kv_mode(mode_name)
-    name = mode.eval_name or mode.name
-    return name + EQUALIZED_SUFFIX if equalized and mode.shared_scale else name
+    return mode.name + EQUALIZED_SUFFIX if equalized and mode.shared_scale else mode.name
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,19 @@ EVAL_MODES: dict[str, EvalMode] = {
     for mode in KV_MODES.values() if mode.reference and mode.name != REFERENCE_MODE
     for equalized in (False, True) if not equalized or mode.shared_scale}
 STATIC_MODES = tuple(name for name, mode in EVAL_MODES.items() if mode.kv_mode.static_scales)
+
+
+def current_name(name: str) -> str:
+    """A result's name as cabin-eval gives it now: a former KV mode name (alone, with ``-eq`` or after
+    ``<weights>/``) read as the registry's."""
+    weights, separator, mode = name.rpartition(WEIGHTS_SEPARATOR)
+    base = mode.removesuffix(EQUALIZED_SUFFIX)
+    return weights + separator + kv_mode_name(base) + mode[len(base):]
+
+
+def eval_mode(name: str) -> EvalMode | None:
+    """What cabin-eval measures under ``name`` (a former KV mode name read as the registry's), None if nothing."""
+    return EVAL_MODES.get(current_name(name))
 
 
 @dataclass
@@ -113,15 +127,16 @@ class ModeRunner:
     weight_bytes: int = 0
 
 
-def build_runners(model: LoadedModel, modes: list[str], scales_file: ScalesFile | None) -> dict[str, ModeRunner]:
+def build_runners(model: Checkpoint, modes: list[str], scales_file: ScalesFile | None) -> dict[str, ModeRunner]:
     """A runner per mode; an equalized mode runs on weights equalized from the scales' channel ranges (and with the
     first token of the calibration data on the grid when the file names it)."""
-    unknown = [m for m in modes if m not in EVAL_MODES]
+    chosen = {name: eval_mode(name) for name in modes}
+    unknown = [name for name, mode in chosen.items() if mode is None]
     if unknown:
         raise ConfigError(f"unknown KV mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
-    if scales_file is None and any(m in STATIC_MODES for m in modes):
+    if scales_file is None and any(mode.kv_mode.static_scales for mode in chosen.values()):
         raise ConfigError(f"modes {', '.join(STATIC_MODES)} need calibrated scales", (Hint(Fix.SCALES),))
-    equalized = [m for m in modes if EVAL_MODES[m].equalized]
+    equalized = [name for name, mode in chosen.items() if mode.equalized]
     if equalized and scales_file.ranges is None:
         raise ConfigError(f"{', '.join(equalized)} need per-channel ranges in the scales file (schema version 2); "
                          "re-run cabin-calibrate")
@@ -129,8 +144,7 @@ def build_runners(model: LoadedModel, modes: list[str], scales_file: ScalesFile 
         raise ConfigError("the scales file belongs to equalized weights; pass the scales of the original model")
     base = model.transformer()
     runners = {}
-    for name in modes:
-        mode = EVAL_MODES[name]
+    for name, mode in chosen.items():
         if mode.equalized:
             weights, scales = equalize(model.config, model.weights, scales_file.ranges,
                                        first_token=scales_file.data.get(FIRST_TOKEN))
@@ -148,8 +162,8 @@ def weight_runners(weights: dict[str, tuple[ModelConfig, dict[str, torch.Tensor]
     runners = {}
     for name, (config, tensors) in weights.items():
         model, size = Transformer(config, tensors), stored_bytes(tensors)
-        for kv in [REFERENCE_MODE] + [m for m in modes if not EVAL_MODES[m].equalized]:
-            mode = kv_mode(REFERENCE_MODE) if kv == REFERENCE_MODE else EVAL_MODES[kv].kv_mode
+        for kv in [REFERENCE_MODE] + [m for m in modes if not eval_mode(m).equalized]:
+            mode = kv_mode(REFERENCE_MODE) if kv == REFERENCE_MODE else eval_mode(kv).kv_mode
             scales = scales_file.scales if mode.static_scales else None
             runners[f"{name}{WEIGHTS_SEPARATOR}{kv}"] = ModeRunner(model, mode, scales, name, size)
     return runners
@@ -240,7 +254,7 @@ def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, tar
     return torch.cat(token_kl)
 
 
-def evaluate(model: LoadedModel, dialogues: list[TokenizedDialogue], modes: list[str],
+def evaluate(model: Checkpoint, dialogues: list[TokenizedDialogue], modes: list[str],
              scales_file: ScalesFile | None, progress: bool = True,
              weights: dict[str, tuple[ModelConfig, dict[str, torch.Tensor]]] | None = None) -> dict[str, ModeResult]:
     """Accuracy of each mode over the dialogues, after the ``fp32`` reference itself; with ``weights`` (name ->

@@ -51,7 +51,7 @@ def summary_markdown(model_name: str, result: CalibrationResult, command: str) -
                      f"| {100 * clips.k_clip_rate[i]:.4f} | {100 * clips.v_clip_rate[i]:.4f} |")
     levels = [v / s for v, s in zip(clips.v, scales.shared())]
     lines += ["", f"With one shared scale per layer (TensorRT-LLM's format), V uses {min(levels):.0f} to "
-              f"{max(levels):.0f} of the 127 INT8 levels; KV equalization (int8-shared-eq) gives every layer "
+              f"{max(levels):.0f} of the 127 INT8 levels; KV equalization (int8-eq) gives every layer "
               "all of them.", ""]
     return "\n".join(lines + _kind_lines(data.get(BY_KIND)))
 
@@ -78,7 +78,7 @@ def _candidate_lines(result: CalibrationResult) -> list[str]:
         return []
     validation = result.scales_file.data.get("validation_ids", [])
     lines = ["", f"## Clips chosen by next-token KL ({len(validation)} validation sequences, never in the statistics)",
-             "", "| clip rule | KL of int8-shared-eq | top-1 agreement |", "|---|---|---|"]
+             "", "| clip rule | KL of int8-eq | top-1 agreement |", "|---|---|---|"]
     chosen = result.scales_file.method.split(":", 1)[-1]
     for c in result.candidates:
         mark = " (chosen)" if c.rule == chosen else ""

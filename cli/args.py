@@ -12,15 +12,16 @@ import math
 import os
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable, TextIO
 
 from cabinllm.runtime.dialogue.overflow import OVERFLOW_POLICIES, OverflowPolicy
 from cabinllm.runtime.errors import CabinError, ConfigError, Fix
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
-from cabinllm.runtime.kv.cache import KvCacheConfig
+from cabinllm.runtime.kv.cache import DEFAULT_KV_BYTES, KvCacheConfig
 from cabinllm.runtime.kv.memory import available_memory
-from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES
+from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES, kv_mode_name
 from cabinllm.runtime.model.threads import AUTO, CPU_THREADS, parse_threads
 from cabinllm.runtime.model.vision import ImageLimits
 
@@ -82,18 +83,46 @@ def image_limits(args: argparse.Namespace) -> ImageLimits:
     return ImageLimits(**{cap.name: getattr(args, cap.name) for cap in dataclasses.fields(ImageLimits)})
 
 
+def kv_mode_choice(modes: Sequence[str]) -> Callable[[str], str]:
+    """An argparse type: a KV mode among ``modes``, a former name read as the registry's (``kv_mode_name``)."""
+    def parse(text: str) -> str:
+        name = kv_mode_name(text)
+        if name not in modes:
+            raise argparse.ArgumentTypeError(f"invalid choice {text!r}; choose from {', '.join(modes)}")
+        return name
+
+    return parse
+
+
+def add_kv_cache(parser: argparse.ArgumentParser, purpose: str, modes: Sequence[str] = REFERENCE_KV_MODES,
+                 default: str | None = None, default_help: str | None = None, many: bool = False) -> None:
+    """--kv-cache of a command: one of ``modes`` (a set the registry, cabinllm.runtime.kv.modes, derives), or with
+    ``many`` a comma-separated list of them that the command checks (default: all); ``purpose`` says what the
+    mode is for, ``default_help`` the default where it is not a mode name."""
+    listed, default = ", ".join(modes), ",".join(modes) if many else default
+    help_text = f"{purpose}: comma-separated, of {listed} (default: all)" if many else \
+        f"{purpose}: one of {listed} (default: {default_help or default})"
+    parser.add_argument("--kv-cache", default=default, metavar="MODE[,MODE...]" if many else "MODE",
+                        type=str if many else kv_mode_choice(modes), help=help_text)
+
+
 def add_cache_flags(parser: argparse.ArgumentParser, shared_by: str = "") -> None:
     """--kv-cache, --kv-budget-mb, --tokens-per-block and --overflow of a dialogue on the engine (``shared_by``: who
     shares the budget, for the help)."""
-    mib = KvCacheConfig.max_bytes / 2**20
-    parser.add_argument("--kv-cache", choices=REFERENCE_KV_MODES,
-                        help=f"{help_of(KvCacheConfig, 'kv_mode')} (default: what the engine was built for)")
+    mib = DEFAULT_KV_BYTES / 2**20
+    add_kv_cache(parser, help_of(KvCacheConfig, "kv_mode"), default_help="what the engine was built for")
     parser.add_argument("--kv-budget-mb", type=positive_float, default=mib,
                         help=f"{help_of(KvCacheConfig, 'max_bytes')} in MiB{shared_by} (default {mib:g})")
     parser.add_argument("--tokens-per-block", type=positive_int,
                         help=f"{help_of(KvCacheConfig, 'tokens_per_block')} (default: the engine's target's)")
     parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=OverflowPolicy.name,
                         help=f"{help_of(OverflowPolicy, 'name')} (default {OverflowPolicy.name})")
+
+
+def kv_cache_config(args: argparse.Namespace) -> KvCacheConfig:
+    """The KvCacheConfig of add_cache_flags' flags (the budget checked by ``kv_budget_bytes``); what they leave
+    unset is the engine's."""
+    return KvCacheConfig(args.kv_cache, kv_budget_bytes(args.kv_budget_mb), args.tokens_per_block)
 
 
 def thread_count(text: str) -> int | str:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from cabinllm.builders.engine_build import DEFAULT_SYSTEM_PROMPT, BuildRequest, build_engine
-from cabinllm.cli.args import cli_message, entry_point, int_range, os_error_message, reserve_gib
+from cabinllm.cli.args import add_kv_cache, cli_message, entry_point, int_range, os_error_message, reserve_gib
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.chat_script import text_problem
 from cabinllm.runtime.formats.weight_formats import HEAD_FORMATS, WEIGHT_FORMATS
@@ -30,8 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "cpu); an NPU target (e.g. sa8775p-36gb) takes the graphs cabin-export writes from the "
                         "folder next")
     parser.add_argument("--output", required=True, type=Path, help="engine folder to write, e.g. engines/smollm2-int8")
-    parser.add_argument("--kv-cache", default="int8", choices=tuple(KV_MODES),
-                        help="KV cache storage the engine is built for (default int8); must be one the target takes")
+    add_kv_cache(parser, "KV cache storage the engine is built for; must be one the target takes", tuple(KV_MODES),
+                 default=BuildRequest.kv_cache)
     parser.add_argument("--scales", type=Path, help="calibrated kv_scales.json for this model (default: a quick "
                         "abs-max measurement on built-in sample exchanges)")
     parser.add_argument("--calibrate", metavar="DATA", help="calibrate KV scales now on dialogues: builtin "

@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--method", default=SEARCH_METHOD, choices=CALIBRATION_METHODS,
                         help="how clips are chosen: 'kl' scores the clip rules "
                              f"{', '.join(r.name for r in CANDIDATES)} (per channel) "
-                             "by the next-token KL of int8-shared-eq (equalized, the first token's K/V stored exactly; "
+                             "by the next-token KL of int8-eq (equalized, the first token's K/V stored exactly; "
                              "the file records that token) against full precision on a validation part of the data, "
                              "and keeps the first unless a later one is lower by more than 2 standard errors, for "
                              "the channel clips equalization uses, "

@@ -7,9 +7,9 @@ import signal
 import sys
 from pathlib import Path
 
-from cabinllm.cli.args import (CLI_WORDS, add_cache_flags, add_image_flags, add_sampling_flags, add_thread_flag, cli_message,
-                               entry_point, float_range, help_of, image_limits, kv_budget_bytes, os_error_message,
-                               output_name, positive_int, sampling_params, use_threads)
+from cabinllm.cli.args import (CLI_WORDS, add_cache_flags, add_image_flags, add_sampling_flags, add_thread_flag,
+                               cli_message, entry_point, float_range, help_of, image_limits, kv_cache_config,
+                               os_error_message, output_name, positive_int, sampling_params, use_threads)
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.backends.select import BACKENDS, SessionRequest, open_session
@@ -103,10 +103,9 @@ def chat_tools(args: argparse.Namespace) -> tuple[Tool, ...]:
 
 def session_request(args: argparse.Namespace, system: str | None) -> SessionRequest:
     """The session cabin-chat's flags ask for."""
-    return SessionRequest(args.engine, kv_budget_bytes(args.kv_budget_mb), sampling_params(args), system,
-                          OverflowPolicy(args.overflow), args.kv_cache, args.tokens_per_block, args.backend,
-                          args.ort_provider, args.htp_arch, args.restore, chat_tools(args), args.tool_choice,
-                          max(args.choices, args.beam_width), image_limits(args))
+    return SessionRequest(args.engine, kv_cache_config(args), sampling_params(args), system,
+                          OverflowPolicy(args.overflow), args.backend, args.ort_provider, args.htp_arch, args.restore,
+                          chat_tools(args), args.tool_choice, max(args.choices, args.beam_width), image_limits(args))
 
 
 def open_chat_session(args: argparse.Namespace, system: str | None) -> Session:

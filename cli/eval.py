@@ -9,17 +9,17 @@ from pathlib import Path
 
 from cabinllm.calibration.calibrate import CalibrationRequest, calibrate
 from cabinllm.calibration.charts import plot_accuracy
-from cabinllm.calibration.evaluate import (EVAL_MODES, REFERENCE_MODE, REFERENCE_WEIGHTS, STATIC_MODES,
-                                           WEIGHTS_SEPARATOR, ModeResult, evaluate, results_json)
+from cabinllm.calibration.evaluate import (EVAL_MODES, REFERENCE_MODE, REFERENCE_WEIGHTS, WEIGHTS_SEPARATOR,
+                                           ModeResult, eval_mode, evaluate, results_json)
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.calibration.weight_quant import (CALIBRATED_WEIGHTS, DEFAULT_CALIB_DIALOGUES, DEFAULT_CALIB_TOKENS,
                                                EVAL_WEIGHTS, INT8_HEAD, calibration_tokens, eval_weights)
-from cabinllm.cli.args import (cli_message, entry_point, int_range, non_negative_int, os_error_message, output_name,
-                               positive_int)
+from cabinllm.cli.args import (add_kv_cache, cli_message, entry_point, int_range, non_negative_int, os_error_message,
+                               output_name, positive_int)
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.formats.scales_file import ScalesFile, load_scales_file
-from cabinllm.runtime.sources.model_source import LoadedModel, load_model, open_source, resolve_model
+from cabinllm.runtime.sources.model_source import Checkpoint, load_model, open_source, resolve_model
 
 RESULTS_JSON = "eval.json"
 EVAL_SPLITS = ("heldout", "all")
@@ -41,8 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", default="builtin",
                         help="'builtin', 'sharegpt', a .jsonl (a vision-language engine's may show pictures: "
                              "\"images\" on user messages) or a ShareGPT .json file")
-    parser.add_argument("--kv-cache", default=",".join(EVAL_MODES),
-                        help=f"comma-separated modes (default all: {','.join(EVAL_MODES)})")
+    add_kv_cache(parser, "the KV modes to measure (-eq: on equalized weights)", tuple(EVAL_MODES), many=True)
     parser.add_argument("--weights", default=REFERENCE_WEIGHTS,
                         help=f"comma-separated weights to measure, each alone (fp32 KV) and with each --kv-cache mode: "
                              f"{', '.join(EVAL_WEIGHTS)}; int8 and int4-awq are quantized with ModelOpt on "
@@ -81,9 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def resolve_scales(args: argparse.Namespace, model: LoadedModel, modes: list[str]) -> tuple[ScalesFile | None, str]:
+def resolve_scales(args: argparse.Namespace, model: Checkpoint, modes: list[str]) -> tuple[ScalesFile | None, str]:
     """The scales the static modes use, and where they came from."""
-    if not any(m in STATIC_MODES for m in modes):
+    if not any(eval_mode(m).kv_mode.static_scales for m in modes):
         return None, "none needed"
     kv_shape = (model.config.num_key_value_heads, model.config.head_size)
     layers = model.config.num_hidden_layers
@@ -91,7 +90,7 @@ def resolve_scales(args: argparse.Namespace, model: LoadedModel, modes: list[str
         return load_scales_file(args.scales, model.fingerprint, layers, kv_shape), str(args.scales)
     if model.scales_path:
         found = load_scales_file(model.scales_path, model.fingerprint, layers, kv_shape)
-        if found.ranges is not None or not any(EVAL_MODES[m].equalized for m in modes):
+        if found.ranges is not None or not any(eval_mode(m).equalized for m in modes):
             return found, str(model.scales_path)
     request = CalibrationRequest(args.data, args.calib_dialogues, args.max_tokens, args.min_tokens, seed=args.seed,
                                  grade=False)
@@ -123,7 +122,7 @@ def format_table(results: dict[str, ModeResult]) -> str:
     return "\n".join(rows)
 
 
-def quantized_weights(names: list[str], model: LoadedModel, source: str, data: str, seed: int) -> dict:
+def quantized_weights(names: list[str], model: Checkpoint, source: str, data: str, seed: int) -> dict:
     """Each requested weights entry other than fp32, made from the model's full-precision weights (int4-g32 from
     the blocks of ``source``, the --model argument, where it is a GGUF)."""
     names = [n for n in names if n != REFERENCE_WEIGHTS]
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.kv_cache.split(",") if m.strip()]
     started = time.perf_counter()
     try:
-        unknown = [m for m in modes if m not in EVAL_MODES]
+        unknown = [m for m in modes if eval_mode(m) is None]
         if unknown or not modes:
             raise ConfigError(f"unknown --kv-cache mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
         weight_names = [w.strip() for w in args.weights.split(",") if w.strip()]

@@ -11,7 +11,7 @@ from cabinllm.builders.onnx_profiles import ONNX_PROFILES, PRECISIONS
 from cabinllm.builders.planner import PlanRequest, working_plan
 from cabinllm.builders.qnn_quantize import CalibrationData
 from cabinllm.builders.targets import Backend, get_target, load_targets
-from cabinllm.cli.args import cli_message, entry_point, os_error_message, positive_int
+from cabinllm.cli.args import add_kv_cache, cli_message, entry_point, os_error_message, positive_int
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.errors import CabinError, CheckpointError, TargetError
 from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE, read_manifest
@@ -40,9 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{DEFAULT_CONTEXT}, or the --target plan's)")
     parser.add_argument("--chunk", type=positive_int,
                         help=f"tokens of the prompt graph (default {DEFAULT_CHUNK}, or the --target plan's)")
-    parser.add_argument("--kv-cache", choices=ONNX_KV_MODES,
-                        help=f"K/V form in and out of the graphs (int8: QDQ with the engine's calibrated scales; "
-                             f"default {DEFAULT_KV}, or the first the --target plan fits)")
+    add_kv_cache(parser, "K/V form in and out of the graphs (int8: QDQ with the engine's calibrated scales)",
+                 ONNX_KV_MODES, default_help=f"{DEFAULT_KV}, or the first the --target plan fits")
     parser.add_argument("--profile", choices=tuple(ONNX_PROFILES),
                         help="; ".join(f"{p.name}: {p.description}" for p in ONNX_PROFILES.values())
                         + f" (default {DEFAULT_PROFILE}, or the --target's)")

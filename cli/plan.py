@@ -11,9 +11,11 @@ from cabinllm.builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER,
 from cabinllm.builders.image_plan import ImageCost
 from cabinllm.builders.planner import MIB, KVPlan, Plan, PlanRequest, weight_choices, working_plan
 from cabinllm.builders.targets import GIB, Backend, get_target
-from cabinllm.cli.args import cli_message, entry_point, int_range, os_error_message, output_name, reserve_gib
+from cabinllm.cli.args import (add_kv_cache, cli_message, entry_point, int_range, os_error_message, output_name,
+                               reserve_gib)
 from cabinllm.runtime.errors import CabinError, PlanRefused
 from cabinllm.runtime.formats.weight_formats import HEAD_FORMATS, WEIGHT_FORMATS
+from cabinllm.runtime.kv.modes import KV_MODES
 from cabinllm.runtime.sources.model_source import load_model_config
 
 
@@ -34,8 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head", default="fp16", choices=tuple(HEAD_FORMATS),
                         help="embedding and lm_head storage: fp16, or int8 with a scale per 32 (the reference "
                              "engine only; default fp16)")
-    parser.add_argument("--kv-cache", help="plan one KV dtype only (refused when the target cannot run it); default: "
-                        "every KV dtype the target takes")
+    add_kv_cache(parser, "plan one KV dtype only (refused when the target cannot run it)", tuple(KV_MODES),
+                 default_help="every KV dtype the target takes")
     parser.add_argument("--max-beam-width", type=int_range(1), default=1, metavar="N",
                         help="beams the TensorRT engine searches (trtllm-build --max_beam_width); the KV pool then "
                              "holds a search over the longest prompt (default 1: no beam search)")

@@ -12,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from cabinllm.cli.args import (add_cache_flags, add_image_flags, add_thread_flag, cli_message, entry_point, help_of,
-                               image_limits, int_range, kv_budget_bytes, positive_float, positive_int, use_threads)
+                               image_limits, int_range, kv_cache_config, positive_float, positive_int, use_threads)
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
@@ -93,12 +93,12 @@ def limits(args: argparse.Namespace) -> ServeLimits:
 def build(args: argparse.Namespace) -> FastAPI:
     """The engine, its core and the app for these options; CabinError and OSError on bad ones."""
     key = api_key(args)
-    budget = kv_budget_bytes(args.kv_budget_mb)
+    kv_cache = kv_cache_config(args)
     use_threads(args)
     engine = Engine.load(args.engine)
     if engine.vision is not None:
         engine.vision.limits = image_limits(args)
-    cache = engine.new_cache(engine.kv_cache_config(args.kv_cache, budget, args.tokens_per_block), args.max_sessions)
+    cache = engine.new_cache(kv_cache, args.max_sessions)
     core = engine.new_core(cache, SchedulerConfig(args.max_sessions, args.max_queue, args.prefill_chunk,
                                                   args.queue_timeout))
     config = ServeConfig(args.model_name or Path(args.engine).resolve().name, OverflowPolicy(args.overflow),

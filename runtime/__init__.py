@@ -6,8 +6,8 @@ interface, the reference forward pass, its linear ops, RoPE, tokenizer), ``gener
 grammars, beam search state), ``sources`` (where a model comes from), ``engine`` (the loaded engine and the engine
 core: requests, scheduler, step), ``dialogue`` (sessions, overflow, session files) and ``backends``.
 
-    from cabinllm.runtime import SessionRequest, open_session
-    session = open_session(SessionRequest(Path("engines/smollm2-135m-int8-eq"), budget_bytes=32 << 20))
+    from cabinllm.runtime import KvCacheConfig, SessionRequest, open_session
+    session = open_session(SessionRequest(Path("engines/smollm2-135m-int8-eq"), KvCacheConfig(max_bytes=32 << 20)))
     print(session.chat("Where is the nearest charging station?").reply)
 """
 from cabinllm.runtime.backends.select import SessionRequest, open_session

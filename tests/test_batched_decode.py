@@ -6,6 +6,7 @@ from core_helpers import prefill
 
 from cabinllm.runtime.errors import OutOfBlocks
 from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.model.interface import Span
 
 VOCAB = 20  # the tiny model's vocabulary is small
@@ -23,7 +24,7 @@ def batched_decode(model, cache, seqs, tokens):
 
 def single_decode(engine, kv_mode, prompt):
     """Greedy tokens and per-step logits of one sequence decoded alone on its own cache."""
-    cache = engine.new_cache(engine.kv_cache_config(kv_mode, 1 << 20))
+    cache = engine.new_cache(KvCacheConfig(kv_mode, 1 << 20))
     seq = Sequence()
     logits, _, _ = prefill(engine.model, cache, seq, prompt)
     tokens, all_logits = [], [logits]
@@ -43,7 +44,7 @@ def single_decode(engine, kv_mode, prompt):
 @pytest.mark.parametrize("kv_mode, tolerance", [("fp32", 1e-3), ("int8", 1e-3), ("fp16", 1e-2)])
 def test_batched_decode_equals_single_sequence_decodes(tiny_engine, kv_mode, tolerance):
     want = [single_decode(tiny_engine, kv_mode, prompt) for prompt in PROMPTS]
-    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config(kv_mode, 1 << 20))
+    cache = tiny_engine.new_cache(KvCacheConfig(kv_mode, 1 << 20))
     seqs = [Sequence() for _ in PROMPTS]
     logits = torch.stack([prefill(tiny_engine.model, cache, seq, prompt)[0] for seq, prompt in zip(seqs, PROMPTS)])
     tokens, all_logits = [[] for _ in PROMPTS], [logits]
@@ -63,13 +64,13 @@ def test_batched_decode_equals_single_sequence_decodes(tiny_engine, kv_mode, tol
 def test_prefill_chunk_steps_with_decodes(tiny_engine):
     """A step mixing one sequence's prompt chunk with another's decode token matches running them apart."""
     model = tiny_engine.model
-    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("int8", 1 << 20))
+    cache = tiny_engine.new_cache(KvCacheConfig("int8", 1 << 20))
     first, second = Sequence(), Sequence()
     prefill(model, cache, first, PROMPTS[0])
     cache.append(first, [6])
     cache.allocate(second, PROMPTS[1])
     mixed = model.step([Span([6], len(PROMPTS[0]), first), Span(PROMPTS[1], 0, second)], cache)
-    alone_cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("int8", 1 << 20))
+    alone_cache = tiny_engine.new_cache(KvCacheConfig("int8", 1 << 20))
     alone_first, alone_second = Sequence(), Sequence()
     prefill(model, alone_cache, alone_first, PROMPTS[0])
     alone_cache.append(alone_first, [6])
@@ -79,7 +80,7 @@ def test_prefill_chunk_steps_with_decodes(tiny_engine):
 
 
 def test_batched_decode_out_of_blocks_extends_nothing(tiny_engine):
-    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("int8", cache_bytes(tiny_engine, 2)))
+    cache = tiny_engine.new_cache(KvCacheConfig("int8", cache_bytes(tiny_engine, 2)))
     tpb = cache.tokens_per_block
     seqs = [Sequence(), Sequence()]
     for seq in seqs:
@@ -91,5 +92,5 @@ def test_batched_decode_out_of_blocks_extends_nothing(tiny_engine):
 
 
 def cache_bytes(engine, blocks):
-    config = engine.kv_cache_config("int8", 1 << 20)
+    config = engine.kv_cache_config(KvCacheConfig("int8", 1 << 20))
     return config.bytes_per_token(engine.model.kv_layout) * config.tokens_per_block * blocks

@@ -13,6 +13,7 @@ from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.engine.scheduler import SchedulerConfig
+from cabinllm.runtime.kv.cache import KvCacheConfig
 
 # (length_penalty, early_stopping) as transformers names them
 RULES = [(1.0, False), (0.0, True), (2.0, "never"), (-1.0, False)]
@@ -29,7 +30,7 @@ def hf_beams(hf, prompt: list[int], params: BeamParams) -> list[int]:
 
 
 def ours(engine, prompt: list[int], params: BeamParams) -> list[int]:
-    cache = engine.new_cache(engine.kv_cache_config("fp32", 8 << 20, 4))
+    cache = engine.new_cache(KvCacheConfig("fp32", 8 << 20, 4))
     beams = beam_search(engine, cache, prompt, params)
     assert cache.stats().blocks_in_use == 0
     cache.blocks.check_invariants()
@@ -53,14 +54,14 @@ def test_beams_equal_transformers_on_the_tiny_model(tiny_engine, tiny_hf, length
 def test_beam_width_1_is_greedy(tiny_engine):
     stops = tuple(tiny_engine.stop_token_ids())
     prompt = [1, 5, 9, 2, 6]
-    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 8 << 20, 4))
+    cache = tiny_engine.new_cache(KvCacheConfig("fp32", 8 << 20, 4))
     greedy = generate(tiny_engine, cache, prompt, SamplingParams(10, stop_token_ids=list(stops)))
     assert ours(tiny_engine, prompt, BeamParams(1, 10, stop_token_ids=stops)) == greedy.token_ids
 
 
 def test_beams_share_blocks_and_a_search_that_cannot_fit_is_refused(tiny_engine):
     prompt = list(range(1, 21)) * 3  # 60 tokens: 15 blocks of 4
-    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 8 << 20, 4))
+    cache = tiny_engine.new_cache(KvCacheConfig("fp32", 8 << 20, 4))
     params = BeamParams(4, 8, stop_token_ids=())
     peak = 0
     original = tiny_engine.model.step
@@ -76,7 +77,7 @@ def test_beams_share_blocks_and_a_search_that_cannot_fit_is_refused(tiny_engine)
     finally:
         del tiny_engine.model.step
     assert 15 < peak <= params.blocks_needed(len(prompt), 4) < 4 * 17  # shared, not 4 copies
-    small = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 20 * cache.bytes_per_block, 4))
+    small = tiny_engine.new_cache(KvCacheConfig("fp32", 20 * cache.bytes_per_block, 4))
     with pytest.raises(CapacityError, match="lower beam_width or max_new_tokens"):
         beam_search(tiny_engine, small, prompt, params)
     assert small.stats().blocks_in_use == 0
@@ -91,7 +92,7 @@ def test_beams_equal_transformers_on_the_default_model(default_engine, default_h
         prompt = tok.encode(tok.render([{"role": "user", "content": question}]))
         for length_penalty, early_stopping in ((1.0, False), (0.5, True)):
             params = BeamParams(4, 24, length_penalty, early_stopping, stops)
-            cache = default_engine.new_cache(default_engine.kv_cache_config("fp32", 32 << 20, 16))
+            cache = default_engine.new_cache(KvCacheConfig("fp32", 32 << 20, 16))
             got = beam_search(default_engine, cache, prompt, params)[0]
             assert got == hf_beams(hf, prompt, params), question
 
@@ -100,7 +101,7 @@ def test_the_scheduler_runs_a_beam_search_beside_a_sampled_request(tiny_engine):
     stops = tuple(tiny_engine.stop_token_ids())
     prompt = [1, 5, 9, 2]
     params = BeamParams(4, 12, 1.0, False, stops)
-    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 8 << 20, 4))
+    cache = tiny_engine.new_cache(KvCacheConfig("fp32", 8 << 20, 4))
     scheduler = tiny_engine.new_core(cache, SchedulerConfig(max_sessions=5))
     beam = Request(prompt, SamplingParams(12, stop_token_ids=list(stops)), lambda *_: None, beam=params)
     other = Request([3, 3, 7], SamplingParams(12, stop_token_ids=list(stops)), lambda *_: None)

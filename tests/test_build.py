@@ -64,7 +64,7 @@ def test_int8_checkpoint_carries_the_file_scales_and_matches_the_runtime(tiny, t
     assert manifest["device_step"]["status"] == "not needed" and manifest["backend"] == "reference"
 
     engine = Engine.load(out)
-    built = logits_of(engine.model, engine.new_cache(engine.kv_cache_config("int8", 1 << 20, 16)))
+    built = logits_of(engine.model, engine.new_cache(KvCacheConfig("int8", 1 << 20, 16)))
     scales = load_scales(tiny["scales"], model_fingerprint(tiny["config"], tiny["weights"]), 3)
     direct = Transformer(tiny["config"], tiny["weights"])
     reference = logits_of(direct, PagedKVCache(direct.kv_layout, KvCacheConfig("int8", 1 << 20, 16), scales))

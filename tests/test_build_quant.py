@@ -22,6 +22,7 @@ from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS, awq_group_si
 from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.kernels.bindings import decode_step
 from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.interface import Span
 from cabinllm.runtime.sources.model_source import import_model
@@ -128,7 +129,7 @@ def test_decoding_on_the_quantized_kernels_matches_prefill(built):
     message = {"role": "user", "content": "set cabin temperature"}
     ids = engine.tokenizer.encode_prompt(engine.tokenizer.render([message]))
     prefill = run_tokens(engine.model, ids, "fp32", all_logits=True)
-    prefilled = run_tokens(engine.model, ids[:1], "fp32", cache=engine.new_cache(engine.kv_cache_config("fp32")))
+    prefilled = run_tokens(engine.model, ids[:1], "fp32", cache=engine.new_cache(KvCacheConfig("fp32")))
     cache, seq = prefilled.cache, prefilled.seq
     calls = decode_step.cache_info().hits
     for pos in range(1, len(ids)):
@@ -147,7 +148,7 @@ def test_batched_decode_on_quantized_weights_matches_each_sequence_alone(built):
     _, folder = built
     engine = Engine.load(folder)
     prompts = [[1, 5, 9, 2], [3, 8, 8, 4, 6, 2, 7], [11, 2]]
-    cache = engine.new_cache(engine.kv_cache_config("int8", 1 << 20))
+    cache = engine.new_cache(KvCacheConfig("int8", 1 << 20))
     seqs = [Sequence() for _ in prompts]
     for seq, prompt in zip(seqs, prompts):
         prefill(engine.model, cache, seq, prompt)
@@ -156,7 +157,7 @@ def test_batched_decode_on_quantized_weights_matches_each_sequence_alone(built):
         cache.append(seq, [4])
     batched = engine.model.step(spans, cache)
     for prompt, row in zip(prompts, batched):
-        alone_cache = engine.new_cache(engine.kv_cache_config("int8", 1 << 20))
+        alone_cache = engine.new_cache(KvCacheConfig("int8", 1 << 20))
         alone = Sequence()
         prefill(engine.model, alone_cache, alone, prompt)
         alone_cache.append(alone, [4])

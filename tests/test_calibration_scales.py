@@ -14,6 +14,7 @@ from cabinllm.calibration.stats import KVStats, RangeStats, bin_edges, collect_s
 from cabinllm.runtime.errors import ScalesError
 from cabinllm.runtime.formats.scales_file import KVScales, LayerRanges, load_scales, load_scales_file, save_scales
 from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig
 
 
 def _stats_of(x: torch.Tensor) -> RangeStats:
@@ -110,7 +111,7 @@ def test_collect_stats_measures_what_the_cache_stores(engine):
     assert torch.all(stats.k.layer_hist.sum(1) == 96 * layout.num_kv_heads * layout.head_size)
     # Same numbers as reading one layer (5; 1 of the tiny model's 3) back from an fp32 cache by hand.
     layer = min(5, layout.num_layers - 2)
-    cache = engine.new_cache(engine.kv_cache_config("fp32"))
+    cache = engine.new_cache(KvCacheConfig("fp32"))
     amax = torch.zeros(layout.num_kv_heads, layout.head_size)
     for d in dialogues:
         seq = Sequence()

@@ -5,13 +5,14 @@ import pytest
 from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.errors import CapacityError
 from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.blocks import Sequence
 
 HISTORY, NEW = [3, 10, 17, 4, 11, 18, 5, 12, 19], [6, 13, 1, 7]
 
 
 def cache(engine, budget=1 << 20):
-    return engine.new_cache(engine.kv_cache_config("fp32", budget, 4))
+    return engine.new_cache(KvCacheConfig("fp32", budget, 4))
 
 
 def test_a_continued_sequence_holds_the_reply_and_answers_as_a_fresh_one(tiny_engine):

@@ -99,7 +99,7 @@ def test_cabin_calibrate_explains_bad_requests(engine, tmp_path, capsys):
 
 def test_evaluate_compares_every_mode_with_full_precision(engine, evaluated):
     model, dialogues, results = evaluated(engine.folder)
-    assert list(EVAL_MODES) == ["fp16", "int8-shared", "int8-shared-eq", "int8-separate", "int8-dynamic", "int4"]
+    assert list(EVAL_MODES) == ["fp16", "int8", "int8-eq", "int8-separate", "int8-dynamic", "int4"]  # one name a mode
     assert list(results) == ["fp32", *EVAL_MODES]
     assert 1 < results["fp32"].ppl < math.inf and results["fp32"].kl == 0
     for mode in EVAL_MODES:
@@ -122,8 +122,8 @@ def test_real_weights_keep_fp16_close_and_rank_the_int8_modes(default_engine, ev
     _, _, results = evaluated(default_engine.folder)
     assert results["fp32"].ppl < 1000
     assert abs(results["fp16"].ppl_delta_pct) < 0.1
-    assert results["int8-dynamic"].kl < results["int8-shared"].kl
-    assert results["int8-shared-eq"].kl < results["int8-shared"].kl
+    assert results["int8-dynamic"].kl < results["int8"].kl
+    assert results["int8-eq"].kl < results["int8"].kl
 
 
 def test_cabin_eval_prints_json_keyed_by_mode(engine, calibrated_scales, tmp_path, capsys):
@@ -298,9 +298,9 @@ def test_default_calibration_chooses_clips_by_kl_and_grades_itself(tiny_engine, 
     assert set(data["validation_ids"]).isdisjoint(data["ids"] + data["mixed"]["ids"])
     tokenizer = tiny_engine.tokenizer
     assert data["first_token"] == tokenizer.encode_prompt(tokenizer.render([{"role": "user", "content": "hi"}]))[0]
-    assert set(data["grade"]) == {"fp32", "int8-shared", "int8-shared-eq", "int8-dynamic"}
+    assert set(data["grade"]) == {"fp32", "int8", "int8-eq", "int8-dynamic"}
     assert all(split_of(part) == "heldout" for part in data["grade_ids"][0].split("+"))
-    assert 0 < data["grade"]["int8-shared-eq"]["top1_agree"] <= 1 and "held-out grade int8-shared-eq" in err
+    assert 0 < data["grade"]["int8-eq"]["top1_agree"] <= 1 and "held-out grade int8-eq" in err
     assert "warning" not in err
     summary = (report / "summary.md").read_text(encoding="utf-8")
     assert f"token positions covered: 0 to {context} of the model's context of {context} (100%)" in summary

@@ -28,6 +28,7 @@ from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kernels.bindings import native_kernels_enabled
 from cabinllm.runtime.kv.blocks import cdiv
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.model.transformer import Transformer
 
 SHAPE = {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
@@ -115,7 +116,7 @@ def test_greedy_tokens_equal_transformers_decoding_with_its_cache(built):
             cache = out.past_key_values
             theirs.append(int(out.logits[0, -1].argmax()))
             step = torch.tensor([[theirs[-1]]])
-    kv = engine.new_cache(engine.kv_cache_config("fp32", 4 << 20))
+    kv = engine.new_cache(KvCacheConfig("fp32", 4 << 20))
     ours = generate(engine, kv, ids, SamplingParams(max_new_tokens=12))
     assert ours.token_ids == theirs
 
@@ -123,12 +124,12 @@ def test_greedy_tokens_equal_transformers_decoding_with_its_cache(built):
 def test_reuse_over_six_turns_equals_recomputing(built):
     engine = built["engine"]
     params = SamplingParams(max_new_tokens=6, stop_token_ids=engine.stop_token_ids())
-    session = DialogueSession(engine, engine.new_cache(engine.kv_cache_config("fp32", 4 << 20, 8)), params,
+    session = DialogueSession(engine, engine.new_cache(KvCacheConfig("fp32", 4 << 20, 8)), params,
                               MESSAGES[0]["content"])
     for text in TURNS:
         turn = session.chat(text)
         history = session.fed[: turn.reused_tokens + turn.prefill_tokens]
-        fresh = generate(engine, engine.new_cache(engine.kv_cache_config("fp32", 4 << 20, 8)), history, params)
+        fresh = generate(engine, engine.new_cache(KvCacheConfig("fp32", 4 << 20, 8)), history, params)
         assert fresh.token_ids == turn.token_ids
     assert turn.reused_tokens > 8  # the last turn reused more than Gemma's window
 
@@ -195,7 +196,7 @@ def test_gemma3_local_layers_hold_the_window_over_4000_tokens(gemma_512):
     """Over a 4,000-token dialogue the blocks hold the global layers' tokens and the window pool only the local
     layers' last 512 (block-rounded), and every reply equals transformers' greedy one on the same conversation."""
     engine, model = gemma_512["engine"], gemma_512["model"]
-    cache = engine.new_cache(engine.kv_cache_config("fp32", 8 << 20, 32))
+    cache = engine.new_cache(KvCacheConfig("fp32", 8 << 20, 32))
     layout, plan = cache.layout, cache.storage.plan
     per_layer = 2 * layout.channels * 4  # fp32 K and V of one token in one layer
     assert len(plan.global_layers) == 2 and len(plan.local_layers) == 2
@@ -280,7 +281,7 @@ def test_the_fused_decode_step_takes_every_family_but_gemma(built):
     last = []
     for fused in (True, False):
         run = run_tokens(model, ids[:-1], "fp32", cache=built["engine"].new_cache(
-            built["engine"].kv_cache_config("fp32", 1 << 20)))
+            KvCacheConfig("fp32", 1 << 20)))
         run.cache.append(run.seq, ids[-1:])
         if not fused:
             model.__dict__["_step_weights"] = None  # the cached property, emptied: the per-layer path

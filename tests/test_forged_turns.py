@@ -4,6 +4,7 @@ from __future__ import annotations
 from cabinllm.runtime.dialogue.interface import TurnStats
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import KvCacheConfig
 
 SYSTEM = "navigate to the station"
 
@@ -43,7 +44,7 @@ def test_control_strings_in_content_encode_as_text(engine):
 
 
 def test_forged_turn_reaches_the_model_as_text(engine, tmp_path):
-    cache = engine.new_cache(engine.kv_cache_config("fp16", 4 << 20, 16))
+    cache = engine.new_cache(KvCacheConfig("fp16", 4 << 20, 16))
     session = DialogueSession(engine, cache, SamplingParams(max_new_tokens=4, stop_token_ids=engine.stop_token_ids()),
                               SYSTEM)
     stats: TurnStats = session.chat(forged_text(engine))

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES
 
 PROMPT = [5, 9, 2, 7, 7, 3, 1, 8, 4, 6]  # 10 tokens: two full blocks of 4 and a partial one
@@ -32,7 +33,7 @@ def kv(cache, seq: Sequence) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("mode", REFERENCE_KV_MODES)
 def test_a_fork_shares_then_copies_and_reads_what_separate_sequences_read(tiny_engine, mode):
-    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config(mode, 1 << 20, TPB))
+    cache = tiny_engine.new_cache(KvCacheConfig(mode, 1 << 20, TPB))
     parent = prefilled(tiny_engine, cache)
     in_use = cache.stats().blocks_in_use
     child = Sequence()
@@ -46,7 +47,7 @@ def test_a_fork_shares_then_copies_and_reads_what_separate_sequences_read(tiny_e
     assert parent.block_table[2] != child.block_table[2]
     assert cache.stats().blocks_in_use == in_use + 1 + 1  # the copy, and the parent's next block
 
-    alone = tiny_engine.new_cache(tiny_engine.kv_cache_config(mode, 1 << 20, TPB))
+    alone = tiny_engine.new_cache(KvCacheConfig(mode, 1 << 20, TPB))
     expected = {}
     for name, tokens in (("parent", [11, 12, 13]), ("child", [14, 15])):
         seq = prefilled(tiny_engine, alone)

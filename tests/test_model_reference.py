@@ -5,6 +5,7 @@ import torch
 
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def prompt_256(default_engine):
 
 
 def test_logits_match_transformers_on_256_tokens(default_engine, default_hf_model, prompt_256):
-    cache = default_engine.new_cache(default_engine.kv_cache_config("fp32", 32 << 20, tokens_per_block=16))
+    cache = default_engine.new_cache(KvCacheConfig("fp32", 32 << 20, tokens_per_block=16))
     seq = Sequence()
     cache.allocate(seq, prompt_256)
     ours = default_engine.model.forward(prompt_256, 0, cache, seq, all_logits=True)
@@ -34,7 +35,7 @@ def test_logits_match_transformers_on_256_tokens(default_engine, default_hf_mode
 
 def test_64_greedy_tokens_match_transformers(default_engine, default_hf_model, prompt_256):
     prompt = prompt_256[:100]
-    cache = default_engine.new_cache(default_engine.kv_cache_config("fp32", 32 << 20))
+    cache = default_engine.new_cache(KvCacheConfig("fp32", 32 << 20))
     params = SamplingParams(max_new_tokens=64, temperature=0.0, stop_token_ids=[])
     ours = generate(default_engine, cache, prompt, params)
     with torch.no_grad():

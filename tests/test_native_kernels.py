@@ -179,7 +179,7 @@ def test_decode_on_native_kernels_matches_the_torch_path(engine, mode):
     runs = []
     for native in (True, False):
         model.native_kernels = native
-        cache = engine.new_cache(engine.kv_cache_config(mode, 8 << 20))
+        cache = engine.new_cache(KvCacheConfig(mode, 8 << 20))
         seq = Sequence()
         cache.allocate(seq, prompt)
         logits = model.forward(prompt, 0, cache, seq)
@@ -268,7 +268,7 @@ def test_fused_decode_step_equals_the_step_layer_by_layer(tiny_engine_dir, tiny_
     prompt, steps = [1, 5, 9, 2, 7, 3, 8, 4], 6
     runs = []
     for fused in (True, False):
-        cache = tiny_engine.new_cache(tiny_engine.kv_cache_config(mode, 1 << 20, tokens_per_block=4))
+        cache = tiny_engine.new_cache(KvCacheConfig(mode, 1 << 20, tokens_per_block=4))
         if not fused:
             cache.storage.static_pools = lambda: None  # the per-layer step (same kernels for its linear ops)
         seq = Sequence()
@@ -308,7 +308,7 @@ def test_a_fused_step_of_several_sequences_gives_each_what_it_gives_alone(tiny_e
     prompts = [[1, 5, 9, 2, 7], [3, 8, 4, 6, 2, 9, 1, 5, 7, 3, 2], [6, 4]]
     runs = []
     for together in (True, False):
-        cache = tiny_engine.new_cache(tiny_engine.kv_cache_config(mode, 1 << 20, tokens_per_block=4), 3)
+        cache = tiny_engine.new_cache(KvCacheConfig(mode, 1 << 20, tokens_per_block=4), 3)
         seqs = [Sequence() for _ in prompts]
         spans = []
         for seq, prompt in zip(seqs, prompts):

@@ -10,6 +10,7 @@ from core_helpers import generate
 from cabinllm.runtime.errors import QueueFull
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.server.app import SERVER_WORDS, Output, Reply, _stream
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.server.edge import Shutdown
 from cabinllm.server.openai_api import ChatCompletionRequest
 from cabinllm.runtime.engine.request import Request
@@ -25,7 +26,7 @@ def params(n=10):
 
 
 def new_scheduler(engine, budget=1 << 20, **config):
-    cache = engine.new_cache(engine.kv_cache_config("int8", budget, 8))
+    cache = engine.new_cache(KvCacheConfig("int8", budget, 8))
     return engine.new_core(cache, SchedulerConfig(**config))
 
 
@@ -44,7 +45,7 @@ def collect():
 def test_chunked_prefill_and_batched_decode_give_the_single_sequence_tokens(tiny_engine):
     want = []
     for prompt in PROMPTS:
-        cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("int8", 1 << 20, 8))
+        cache = tiny_engine.new_cache(KvCacheConfig("int8", 1 << 20, 8))
         want.append(generate(tiny_engine, cache, prompt, params()).token_ids)
     scheduler = new_scheduler(tiny_engine, max_sessions=3, prefill_chunk=16)
     done, on_output = collect()

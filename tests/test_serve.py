@@ -13,6 +13,7 @@ from cabinllm.cli.serve import main
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.server.app import ServeConfig, create_app
 from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.engine.scheduler import SchedulerConfig
@@ -37,7 +38,7 @@ def client(server):
 
 def session_replies(engine):
     """Greedy replies of a dialogue session (what cabin-chat prints) to TURNS."""
-    cache = engine.new_cache(engine.kv_cache_config("int8", 16 << 20))
+    cache = engine.new_cache(KvCacheConfig("int8", 16 << 20))
     session = DialogueSession(engine, cache, SamplingParams(MAX_TOKENS, stop_token_ids=engine.stop_token_ids()),
                               SYSTEM)
     return [session.chat(text) for text in TURNS]
@@ -191,7 +192,7 @@ def test_a_conversation_over_the_budget_follows_the_overflow_policy(tiny_engine_
 
 def test_a_full_queue_is_a_429_with_retry_after(tiny_engine):
     """No engine thread runs (the app's lifespan is not started), so one queued request fills a queue of one."""
-    scheduler = tiny_engine.new_core(tiny_engine.new_cache(tiny_engine.kv_cache_config("int8", 1 << 20)),
+    scheduler = tiny_engine.new_core(tiny_engine.new_cache(KvCacheConfig("int8", 1 << 20)),
                           SchedulerConfig(max_queue=1))
     scheduler.add_request(Request([1, 2, 3], SamplingParams(4), lambda *_: None))
     app = create_app(tiny_engine, scheduler, ServeConfig("tiny", OverflowPolicy("error")))

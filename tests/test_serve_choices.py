@@ -14,6 +14,7 @@ from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.runtime.engine.core import EngineCore
 from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.engine.scheduler import SchedulerConfig
+from cabinllm.runtime.kv.cache import KvCacheConfig
 
 from serve_helpers import running_server
 
@@ -45,7 +46,7 @@ def group(prompt: list[int], n: int, max_new: int, temperature: float = 0.0, log
 def test_n_choices_prefill_once_and_share_the_prompt_blocks(bytes_engine):
     prompt = torch.randint(0, 200, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
     tpb = 32
-    cache = bytes_engine.new_cache(bytes_engine.kv_cache_config("int8", 16 << 20, tpb))
+    cache = bytes_engine.new_cache(KvCacheConfig("int8", 16 << 20, tpb))
     scheduler = bytes_engine.new_core(cache, SchedulerConfig(max_sessions=4, prefill_chunk=2048))
     forked = group(prompt, 4, 64)
     scheduler.add_request(forked[0])
@@ -55,7 +56,7 @@ def test_n_choices_prefill_once_and_share_the_prompt_blocks(bytes_engine):
     assert len({tuple(r.token_ids) for r in forked}) == 1 and all(len(r.token_ids) == 64 for r in forked)
 
     separate = [Request(prompt, SamplingParams(64, stop_token_ids=[]), lambda *_: None) for _ in range(4)]
-    alone = bytes_engine.new_core(bytes_engine.new_cache(bytes_engine.kv_cache_config("int8", 64 << 20, tpb)),
+    alone = bytes_engine.new_core(bytes_engine.new_cache(KvCacheConfig("int8", 64 << 20, tpb)),
                       SchedulerConfig(max_sessions=4, prefill_chunk=2048))
     for request in separate:
         alone.add_request(request)
@@ -67,13 +68,13 @@ def test_n_choices_prefill_once_and_share_the_prompt_blocks(bytes_engine):
 
 def test_greedy_logprobs_are_the_models_own(bytes_engine):
     prompt = [72, 101, 108, 108, 111]
-    cache = bytes_engine.new_cache(bytes_engine.kv_cache_config("fp32", 4 << 20, 16))
+    cache = bytes_engine.new_cache(KvCacheConfig("fp32", 4 << 20, 16))
     scheduler = bytes_engine.new_core(cache)
     request = group(prompt, 1, 3, logprobs=5)[0]
     scheduler.add_request(request)
     run(scheduler, [request])
     seq = Sequence()
-    reference = bytes_engine.new_cache(bytes_engine.kv_cache_config("fp32", 4 << 20, 16))
+    reference = bytes_engine.new_cache(KvCacheConfig("fp32", 4 << 20, 16))
     reference.allocate(seq, prompt + request.token_ids[:-1])
     logits = bytes_engine.model.forward(prompt + request.token_ids[:-1], 0, reference, seq, all_logits=True)
     want = torch.log_softmax(logits[len(prompt) - 1:], dim=-1)
@@ -130,7 +131,7 @@ def test_beam_width_gives_the_best_beam(client, tiny_engine):
                                                   extra_body={"beam_width": 3, "length_penalty": 0.5})
     tok = tiny_engine.tokenizer
     prompt = tok.encode(tok.render(ASK))
-    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config(None, 8 << 20))
+    cache = tiny_engine.new_cache(KvCacheConfig(None, 8 << 20))
     best = beam_search(tiny_engine, cache, prompt, BeamParams(3, 10, 0.5, False, tuple(tiny_engine.stop_token_ids())))
     assert prompt_reply.choices[0].message.content == tok.decode_reply(best[0])
     assert prompt_reply.usage.completion_tokens == len(best[0])
@@ -147,7 +148,7 @@ def test_a_beam_search_that_cannot_be_done_as_asked_is_a_400(client, fields, wor
 
 
 def test_a_group_that_can_never_fit_is_named_before_it_is_queued(tiny_engine):
-    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 20 * 4 * 1536, 4))  # 20 blocks of 4 tokens
+    cache = tiny_engine.new_cache(KvCacheConfig("fp32", 20 * 4 * 1536, 4))  # 20 blocks of 4 tokens
     scheduler = tiny_engine.new_core(cache, SchedulerConfig(max_sessions=4))
     assert scheduler.never_fits(group(list(range(1, 9)), 2, 12)[0]) is None  # 2 + 3 + 4 blocks
     problem = scheduler.never_fits(group(list(range(1, 9)), 4, 24)[0])

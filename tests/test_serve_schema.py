@@ -7,6 +7,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.server.app import ServeConfig, create_app
 
 METRIC_NAMES = {
@@ -23,7 +24,7 @@ PLAY = [{"role": "user", "content": "play"}]
 
 
 def new_app(engine):
-    scheduler = engine.new_core(engine.new_cache(engine.kv_cache_config("int8", 1 << 20)))
+    scheduler = engine.new_core(engine.new_cache(KvCacheConfig("int8", 1 << 20)))
     return create_app(engine, scheduler, ServeConfig("tiny", OverflowPolicy("error")))
 
 

@@ -6,7 +6,7 @@ from cabinllm.cli.args import CLI_WORDS
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.generation.streaming import TextStream
-from cabinllm.runtime.kv.cache import sized_config
+from cabinllm.runtime.kv.cache import KvCacheConfig, sized_config
 
 SYSTEM = "You are the in-car assistant. Answer in one sentence."
 TURNS = ["Turn on the seat heating, please.", "How long until we reach Munich?", "Play something calm."]
@@ -18,7 +18,7 @@ def params(engine, n=12):
 
 
 def new_cache(engine, mode, max_bytes, tokens_per_block=None):
-    return engine.new_cache(engine.kv_cache_config(mode, max_bytes, tokens_per_block))
+    return engine.new_cache(KvCacheConfig(mode, max_bytes, tokens_per_block))
 
 
 @pytest.mark.parametrize("mode", ["fp16", "int8-dynamic"])

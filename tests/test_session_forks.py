@@ -7,13 +7,14 @@ from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import KvCacheConfig
 
 SYSTEM = "You are the assistant of a car."
 TURNS = ["suggest three songs for the drive", "and one more"]
 
 
 def session(engine, **params) -> DialogueSession:
-    cache = engine.new_cache(engine.kv_cache_config("fp32", 8 << 20, 4))
+    cache = engine.new_cache(KvCacheConfig("fp32", 8 << 20, 4))
     return DialogueSession(engine, cache, SamplingParams(10, stop_token_ids=engine.stop_token_ids(), **params),
                            SYSTEM)
 
@@ -41,7 +42,7 @@ def test_a_beam_turn_gives_the_best_beam_and_keeps_its_kv(tiny_engine):
     turn = beams.chat(TURNS[0], beam=params)
     tok = tiny_engine.tokenizer
     prompt = tok.encode(tok.render([{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]))
-    cache = tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 8 << 20, 4))
+    cache = tiny_engine.new_cache(KvCacheConfig("fp32", 8 << 20, 4))
     found = beam_search(tiny_engine, cache, prompt, params)
     assert turn.token_ids == found[0] and turn.alternatives == [tok.decode_reply(t) for t in found[1:]]
     assert beams.fed == prompt + turn.token_ids[:-1] and beams.pending == turn.token_ids[-1:]
@@ -52,7 +53,7 @@ def test_a_beam_turn_gives_the_best_beam_and_keeps_its_kv(tiny_engine):
 def test_what_cannot_be_forked_is_refused(tiny_engine):
     with pytest.raises(ConfigError, match="n must be >= 1"):
         session(tiny_engine).chat(TURNS[0], n=2, beam=BeamParams(2))
-    small = DialogueSession(tiny_engine, tiny_engine.new_cache(tiny_engine.kv_cache_config("fp32", 12 * 4 * 1536, 4)),
+    small = DialogueSession(tiny_engine, tiny_engine.new_cache(KvCacheConfig("fp32", 12 * 4 * 1536, 4)),
                             SamplingParams(10, stop_token_ids=tiny_engine.stop_token_ids()))
     turn = small.chat(TURNS[0], n=4)
     assert turn.finish_reason == "capacity" and "ask for fewer replies" in turn.error

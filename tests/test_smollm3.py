@@ -25,6 +25,7 @@ from cabinllm.runtime.formats.checkpoint import CONFIG_FILE, load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
 from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import KvCacheConfig
 
 # four layers, every second one without RoPE (no_rope_layers [1, 0, 1, 0])
 SMOLLM3 = {"SmolLM3": ("SmolLM3Config", "SmolLM3ForCausalLM", {
@@ -64,7 +65,7 @@ def test_logits_and_greedy_tokens_equal_transformers(built):
     torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=0)
     with torch.no_grad():
         expected = model.generate(torch.tensor([ids[:40]]), max_new_tokens=8, do_sample=False)[0, 40:].tolist()
-    kv = engine.new_cache(engine.kv_cache_config("fp32", 4 << 20))
+    kv = engine.new_cache(KvCacheConfig("fp32", 4 << 20))
     assert generate(engine, kv, ids[:40], SamplingParams(max_new_tokens=8)).token_ids == expected
 
 

@@ -16,7 +16,7 @@ from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import cdiv
-from cabinllm.runtime.kv.cache import KvCacheConfig
+from cabinllm.runtime.kv.cache import DEFAULT_KV_BYTES, KvCacheConfig
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tools import Tool
 from cli_words import raises_in_cli_words
@@ -507,7 +507,7 @@ def test_limits_come_from_the_engine_build_config_when_the_runner_lacks_them(eng
 
 
 def test_tools_on_the_tensorrt_llm_backend_are_refused_naming_the_backends_that_take_them(tmp_path):
-    request = SessionRequest(tmp_path, 8 << 20, backend="tensorrt-llm",
+    request = SessionRequest(tmp_path, KvCacheConfig(max_bytes=8 << 20), backend="tensorrt-llm",
                              tools=(Tool("set_sunroof", "", {"type": "object"}),))
     with raises_in_cli_words(ConfigError, match="ModelRunnerCpp .* does not do .* --backend reference or onnxruntime"):
         select_open_session(request)
@@ -630,7 +630,7 @@ def test_sliding_window_layers_get_their_window_per_layer():
     engine's max_seq_len (5,500 there), repeated; the pool's tokens are the global layers' (the windows held
     beside)."""
     layout = KVLayout(26, 1, 256, tuple(None if (i + 1) % 6 == 0 else 512 for i in range(26)))
-    config = KvCacheConfig("fp16", 64 << 20, 32)
+    config = KvCacheConfig("fp16", DEFAULT_KV_BYTES, 32)
     settings = kv_settings(config, layout, 5500).as_kwargs()
     assert settings["max_attention_window_size"][:12] == [512] * 5 + [5500] + [512] * 5 + [5500]
     assert settings["max_tokens_in_paged_kv_cache"] == config.max_tokens(layout)

@@ -17,6 +17,7 @@ from cabinllm.runtime.backends.select import SessionRequest, open_session
 from cabinllm.runtime.backends.trtllm import picture_key
 from cabinllm.runtime.errors import ImageError
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.vision import Vision
 from cli_words import raises_in_cli_words
@@ -60,7 +61,7 @@ def install(monkeypatch, folder, runner_class):
 
 
 def session(folder):
-    return open_session(SessionRequest(folder, 8 << 20, backend="tensorrt-llm", kv_mode="fp16"))
+    return open_session(SessionRequest(folder, KvCacheConfig("fp16", 8 << 20), backend="tensorrt-llm"))
 
 
 def picture(seed: int) -> tuple[str, bytes]:

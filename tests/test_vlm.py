@@ -26,6 +26,7 @@ from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import ImageError
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import BlockManager, MediaSpan, Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.model.vision import EncodedRows
 
 QUESTION = "what does the camera at the back show, and is the lane beside us free to change into?"
@@ -54,7 +55,7 @@ def vlm(request, tmp_path_factory) -> dict:
 
 def session(engine: Engine, cache=None, max_new_tokens: int = 6) -> DialogueSession:
     """A greedy session on an fp32 KV cache (``cache`` shared with other sessions where given)."""
-    cache = cache or engine.new_cache(engine.kv_cache_config("fp32"), max_sequences=4)
+    cache = cache or engine.new_cache(KvCacheConfig("fp32"), max_sequences=4)
     return DialogueSession(engine, cache, SamplingParams(max_new_tokens=max_new_tokens, temperature=0,
                                                          stop_token_ids=engine.stop_token_ids()))
 
@@ -187,7 +188,7 @@ def saved_and_restored(engine: Engine, picture: bytes, folder) -> tuple[Dialogue
     chat = session(engine)
     chat.chat(QUESTION, images=[("cam.png", picture)])
     chat.save(folder / "s.json")
-    restored = DialogueSession.restore(folder / "s.json", engine, engine.new_cache(engine.kv_cache_config("fp32")))
+    restored = DialogueSession.restore(folder / "s.json", engine, engine.new_cache(KvCacheConfig("fp32")))
     restored.params = chat.params
     return chat, restored
 
@@ -209,7 +210,7 @@ def test_a_picture_whose_rows_are_gone_is_an_error_and_the_next_turn_rebuilds(vl
     _, restored = saved_and_restored(engine, data, tmp_path)
     engine.vision.features = type(engine.vision.features)(engine.vision.features.max_bytes)  # the rows forgotten
     restored._release()  # the restored KV gone too (evicted): the next turn must compute the picture
-    restored.cache = engine.new_cache(engine.kv_cache_config("fp32"))
+    restored.cache = engine.new_cache(KvCacheConfig("fp32"))
     with pytest.raises(ImageError, match="send the picture again"):
         restored.chat(FOLLOW_UP)
     assert restored.cache.stats().blocks_cached == 0 and len(restored.messages) == 2
@@ -236,7 +237,7 @@ def test_two_pictures_of_the_same_size_never_share_their_blocks(vlm):
     """The bug where prefix caching ignores the picture (the same placeholder ids): the second picture's reply is
     its own, as on a cache that never saw the first."""
     engine = vlm["engine"]
-    shared = engine.new_cache(engine.kv_cache_config("fp32"), max_sequences=4)
+    shared = engine.new_cache(KvCacheConfig("fp32"), max_sequences=4)
     cat, dog = png(image(96, 96, seed=5)), png(image(96, 96, seed=6))
     first = session(engine, shared).chat(QUESTION, images=[("cat.png", cat)])
     other = session(engine, shared)
@@ -315,7 +316,7 @@ def test_the_openai_client_sends_pictures_to_cabin_serve(vlm):
     cat, dog = png(image(90, 120, seed=8)), png(image(90, 120, seed=9))
     want, picture_end = {}, 0
     for name, data in (("cat", cat), ("dog", dog)):
-        chat = DialogueSession(engine, engine.new_cache(engine.kv_cache_config("fp16", 16 << 20)),
+        chat = DialogueSession(engine, engine.new_cache(KvCacheConfig("fp16", 16 << 20)),
                                SamplingParams(6, temperature=0, stop_token_ids=engine.stop_token_ids()))
         want[name] = chat.chat(QUESTION, images=[(f"{name}.png", data)])
         picture_end = chat.seq.media[0].end
@@ -431,13 +432,13 @@ def test_npu_graphs_take_the_pictures_rows_as_inputs_embeds(vlm, tmp_path):
     export_onnx(OnnxExportRequest(engine.folder, tmp_path / "npu", 512, 64, "fp16", "npu", "fp16"), log=lambda _: None)
     graphs = load_onnx_engine(tmp_path / "npu", threads=1)
     params = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=engine.stop_token_ids())
-    on_graphs = DialogueSession(graphs, graphs.new_cache(graphs.kv_cache_config("fp16")), params)
+    on_graphs = DialogueSession(graphs, graphs.new_cache(KvCacheConfig("fp16")), params)
     if vlm["family"] == "qwen2_vl":  # its M-RoPE positions are not in the host tables: refused, nothing changed
         with pytest.raises(ImageError, match="takes text only"):
             on_graphs.chat(QUESTION, images=[("cam.png", data)])
         assert on_graphs.messages == [] and on_graphs.chat(QUESTION).finish_reason in ("stop", "length")
         return
-    reference = DialogueSession(engine, engine.new_cache(engine.kv_cache_config("fp16")), params)
+    reference = DialogueSession(engine, engine.new_cache(KvCacheConfig("fp16")), params)
     assert on_graphs.chat(QUESTION, images=[("cam.png", data)]).token_ids == reference.chat(
         QUESTION, images=[("cam.png", data)]).token_ids
     assert on_graphs.chat(FOLLOW_UP).token_ids == reference.chat(FOLLOW_UP).token_ids
@@ -473,7 +474,7 @@ def test_cabin_plan_counts_a_camera_frame_and_the_vision_memory(vlm, capsys):
 
 def test_a_turn_whose_picture_cannot_fit_names_the_picture_and_the_cap(vlm):
     engine = vlm["engine"]
-    config = engine.kv_cache_config("fp32", tokens_per_block=16)
+    config = engine.kv_cache_config(KvCacheConfig("fp32", tokens_per_block=16))
     small = engine.new_cache(replace(config, max_bytes=config.bytes_per_token(engine.model.kv_layout) * 48))
     chat = DialogueSession(engine, small, SamplingParams(4, temperature=0, stop_token_ids=engine.stop_token_ids()),
                            overflow=OverflowPolicy("error"))

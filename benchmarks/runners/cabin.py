@@ -12,7 +12,7 @@ from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.engine.scheduler import SchedulerConfig
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kernels.bindings import matvec, native_kernels_enabled
-from cabinllm.runtime.kv.cache import sized_config
+from cabinllm.runtime.kv.cache import KvCacheConfig, sized_config
 from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES, bytes_per_token, kv_mode
 from cabinllm.runtime.model.transformer import Transformer
 
@@ -35,7 +35,7 @@ def cabin_runner(engine: Engine, mode: str, name: str | None = None, weights: st
         return RunTiming(len(prompt), result.ttft_s, len(result.token_ids) - 1, result.decode_s)
 
     def footprint(budget: int, _prompt: list[int]) -> KVFootprint:
-        config = engine.kv_cache_config(mode, budget)
+        config = engine.kv_cache_config(KvCacheConfig(mode, budget))
         stats = engine.new_cache(config).stats()
         return KVFootprint(stats.bytes_per_token, stats.window_bytes, stats.tokens_capacity,
                            f"runtime block accounting (PagedKVCache.stats), blocks of {config.tokens_per_block} "
@@ -44,7 +44,7 @@ def cabin_runner(engine: Engine, mode: str, name: str | None = None, weights: st
     fmt = engine.config.weight_format
     name = name or f"cabin {mode}" + (f" + {fmt.quant_algo}" if fmt.quant_algo else "")
     held = step_weight_bytes(engine.model) if isinstance(engine.model, Transformer) else None
-    per_token = bytes_per_token(layout, mode, engine.kv_cache_config(mode).tokens_per_block)
+    per_token = bytes_per_token(layout, mode, engine.kv_cache_config(KvCacheConfig(mode)).tokens_per_block)
 
     def read_bytes(context: int) -> int:
         return held + context * per_token

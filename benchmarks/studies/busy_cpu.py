@@ -73,7 +73,7 @@ def run_cell(args: argparse.Namespace) -> dict:
     """One cell in this process: median TTFT (s) and decode tok/s of the turns after the first."""
     CPU_THREADS.use(args.worker)
     engine = Engine.load(args.engine)
-    cache = engine.new_cache(engine.kv_cache_config(None, 64 << 20))
+    cache = engine.new_cache()
     params = SamplingParams(max_new_tokens=args.decode_tokens, temperature=0.0, stop_token_ids=[])
     session = DialogueSession(engine, cache, params, SYSTEM)
     turns = [session.chat(text) for text in user_turns(engine, args.turns, args.prompt_tokens)][1:]

@@ -33,7 +33,7 @@ from cabinllm.runtime.engine.scheduler import SchedulerConfig
 from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
-from cabinllm.runtime.kv.cache import sized_config
+from cabinllm.runtime.kv.cache import KvCacheConfig, sized_config
 
 MIB = 1 << 20
 
@@ -48,14 +48,13 @@ def bench_ttft(engine: Engine, turns: int = 20, mode: str = "int8") -> dict:
     """TTFT per turn with reuse, and of re-prefilling the same history from scratch."""
     users = long_sharegpt_dialogue(engine, turns, max_user_tokens=96)
     params = SamplingParams(max_new_tokens=32, stop_token_ids=engine.stop_token_ids())
-    session = DialogueSession(engine, engine.new_cache(engine.kv_cache_config(mode, 64 * MIB)), params,
+    session = DialogueSession(engine, engine.new_cache(KvCacheConfig(mode)), params,
                               "You are a helpful assistant.")
     rows = []
     for turn, text in enumerate(users, start=1):
         stats = session.chat(text)
         history = session.fed[: stats.reused_tokens + stats.prefill_tokens]
-        core = engine.new_core(engine.new_cache(engine.kv_cache_config(mode, 64 * MIB)),
-                               SchedulerConfig(prefill_chunk=len(history)))
+        core = engine.new_core(engine.new_cache(KvCacheConfig(mode)), SchedulerConfig(prefill_chunk=len(history)))
         fresh = core.generate(Request(history, SamplingParams(max_new_tokens=1, stop_token_ids=[])))
         rows.append({"turn": turn, "context_tokens": len(history), "new_tokens": stats.prefill_tokens,
                      "ttft_reuse_s": stats.ttft_s, "ttft_reprefill_s": fresh.ttft_s})
@@ -77,7 +76,7 @@ def bench_budget(engine: Engine, out: Path, turns: int = 200, budget_mib: int = 
     params = SamplingParams(max_new_tokens=24, stop_token_ids=engine.stop_token_ids())
     result = {}
     for policy in ("sink-window", "drop-turns"):
-        session = DialogueSession(engine, engine.new_cache(engine.kv_cache_config("int8", budget_mib * MIB)), params,
+        session = DialogueSession(engine, engine.new_cache(KvCacheConfig("int8", budget_mib * MIB)), params,
                                   "You are the in-car assistant. Keep answers short.", OverflowPolicy(policy))
         curve = []
         for text in users:
@@ -118,7 +117,7 @@ def plot_budget(result: dict, budget_mib: int, path: Path) -> None:
 
 def bench_capacity(engine: Engine, budget_mib: int = 32) -> dict:
     """Tokens the same budget holds in each KV mode, and the ratio to FP16."""
-    tokens = {m: engine.new_cache(engine.kv_cache_config(m, budget_mib * MIB)).stats().tokens_capacity
+    tokens = {m: engine.new_cache(KvCacheConfig(m, budget_mib * MIB)).stats().tokens_capacity
               for m in ("fp16", "int8", "int8-dynamic")}
     return {"budget_mib": budget_mib, "tokens": tokens,
             "ratio_vs_fp16": {m: t / tokens["fp16"] for m, t in tokens.items()}}

@@ -22,6 +22,7 @@ from cabinllm.cli.args import positive_int
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import cdiv
+from cabinllm.runtime.kv.cache import DEFAULT_KV_BYTES, KvCacheConfig
 from cabinllm.runtime.model.threads import CPU_THREADS
 from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.engine.scheduler import SchedulerConfig
@@ -39,14 +40,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reply-tokens", type=positive_int, default=64, help="tokens of each reply")
     parser.add_argument("--n", type=positive_int, default=4, help="replies")
     parser.add_argument("--repeats", type=positive_int, default=3, help="interleaved runs of each way")
-    parser.add_argument("--kv-budget-mb", type=float, default=64.0, help="the scheduler's KV budget")
+    parser.add_argument("--kv-budget-mb", type=float, default=DEFAULT_KV_BYTES / 2**20,
+                        help="the scheduler's KV budget")
     parser.add_argument("--output", type=Path, default=RESULTS / "forks", help="results path, without suffix")
     return parser.parse_args(argv)
 
 
 def run(engine: Engine, args: argparse.Namespace, way: str, prompt: list[int]) -> dict:
     """One run of ``way`` on a fresh cache: its figures."""
-    cache = engine.new_cache(engine.kv_cache_config(None, int(args.kv_budget_mb * 2**20)))
+    cache = engine.new_cache(KvCacheConfig(None, int(args.kv_budget_mb * 2**20)))
     scheduler = engine.new_core(cache, SchedulerConfig(max_sessions=args.n, prefill_chunk=args.prompt_tokens))
     params = SamplingParams(args.reply_tokens, temperature=0.0, stop_token_ids=[])
     requests = [Request(list(prompt), params, lambda *_: None) for _ in range(args.n)]
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.load(args.engine)
     prompt = torch.randint(100, engine.config.vocab_size - 100, (args.prompt_tokens,),
                            generator=torch.Generator().manual_seed(0)).tolist()
-    tpb = engine.new_cache(engine.kv_cache_config(None, 1 << 20)).tokens_per_block
+    tpb = engine.new_cache(KvCacheConfig(None, 1 << 20)).tokens_per_block
     runs: dict[str, list[dict]] = {way: [] for way in WAYS}
     run(engine, args, "forked", prompt)  # warm-up
     for _ in range(args.repeats):

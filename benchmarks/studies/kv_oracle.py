@@ -1,6 +1,6 @@
 """The floor of static INT8 KV scales on a set of dialogues: scales fitted on those very dialogues.
 
-No calibration can know the evaluated dialogues better than they know themselves, so int8-shared-eq with
+No calibration can know the evaluated dialogues better than they know themselves, so int8-eq with
 per-channel clips taken from the dialogues it is measured on (abs-max, or a percentile) is what TensorRT-LLM's
 format (one scale per layer, equalization folded into the weights, the first token on the grid) can reach on
 them. int8-dynamic (a scale per token and KV head) runs beside it on the same reference. Compare with
@@ -26,12 +26,12 @@ from cabinllm.calibration.stats import collect_stats
 from cabinllm.cli.args import float_range, positive_int
 from cabinllm.runtime.errors import DataError
 from cabinllm.runtime.formats.scales_file import ScalesFile
-from cabinllm.runtime.sources.model_source import LoadedModel, load_model
+from cabinllm.runtime.sources.model_source import Checkpoint, load_model
 
 MODES = list(GRADE_MODES)  # the modes cabin-calibrate grades its own scales on
 
 
-def fitted_scales(model: LoadedModel, dialogues: list[TokenizedDialogue], percentile: float) -> ScalesFile:
+def fitted_scales(model: Checkpoint, dialogues: list[TokenizedDialogue], percentile: float) -> ScalesFile:
     """Scales whose clips come from the statistics of ``dialogues`` themselves (percentile 100: the abs-max)."""
     stats = collect_stats(model.transformer(), dialogues)
     clips = compute_clips(stats, "max") if percentile == 100 else compute_clips(stats, "percentile", percentile)

@@ -32,6 +32,7 @@ from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.cli.args import positive_int
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.engine.loader import Engine
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.model.run_tokens import run_tokens
 
 # the perplexity runs: the reference engine at once (the base), the reference in the graphs' chunks, the ONNX
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     layout = ours.model.kv_layout
     result = {"kv_cache": kv, "context": context, "threads": torch.get_num_threads(),
               "load_average": os.getloadavg(),
-              "kv_bytes_per_token": {"cabin": ours.kv_cache_config(kv).bytes_per_token(layout)}}
+              "kv_bytes_per_token": {"cabin": ours.kv_cache_config(KvCacheConfig(kv)).bytes_per_token(layout)}}
     if not args.skip_perplexity:
         dialogues, _ = prepare_dialogues(args.data, "heldout", args.num_dialogues, 0, reference.tokenizer,
                                          min(args.max_tokens, context))

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from cabinllm.benchmarks.machine import machine_info
 from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
+from cabinllm.runtime.kv.cache import DEFAULT_KV_BYTES
 
 SYSTEM = ("You are the assistant of a car. You help the driver and the passengers with navigation, climate, media "
           "and questions about the vehicle. Keep answers short, friendly and safe to hear while driving.")
@@ -54,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--turns", type=positive_int, default=10, help="turns of the returning conversation")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="conversations played (each with its own system prompt); TTFT is the median per turn")
-    parser.add_argument("--kv-budget-mb", type=float, default=64.0, help="the server's KV budget")
+    parser.add_argument("--kv-budget-mb", type=float, default=DEFAULT_KV_BYTES / 2**20,
+                        help="the server's KV budget")
     parser.add_argument("--tokens-per-block", type=positive_int, default=None,
                         help="the server's KV block size (None: the engine's target's)")
     parser.add_argument("--output", type=Path, default=RESULTS / "serve_bench", help="results path, without suffix")

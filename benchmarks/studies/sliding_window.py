@@ -23,7 +23,7 @@ from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.cli.args import positive_int
 from cabinllm.runtime.formats.checkpoint import expected_shapes
 from cabinllm.runtime.kv.blocks import Sequence
-from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
+from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
 from cabinllm.runtime.model.threads import CPU_THREADS
 from cabinllm.runtime.model.transformer import Transformer
 from cabinllm.runtime.sources.hf_names import config_from_hf
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     CPU_THREADS.use(1)
     model = random_model(args.config)
     layout = model.kv_layout
-    cache = PagedKVCache(layout, KvCacheConfig(args.kv_cache, int(args.kv_budget_mb * MIB)))
+    cache = PagedKVCache(layout, KvCacheConfig(args.kv_cache, int(args.kv_budget_mb * MIB), DEFAULT_TOKENS_PER_BLOCK))
     plan = cache.storage.plan
     per_layer = cache.bytes_per_token() // len(plan.global_layers)  # one layer's K and V of one token
     gen = torch.Generator().manual_seed(1)
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     found = cache.allocate(again, tokens + [0])
     fresh = model.forward((tokens + [0])[found:], found, cache, again)
     cache.free(again)
-    check = PagedKVCache(layout, KvCacheConfig(args.kv_cache, int(args.kv_budget_mb * MIB)))
+    check = PagedKVCache(layout, KvCacheConfig(args.kv_cache, int(args.kv_budget_mb * MIB), DEFAULT_TOKENS_PER_BLOCK))
     alone = Sequence()
     check.allocate(alone, tokens + [0])
     recomputed = model.forward(tokens + [0], 0, check, alone)

@@ -60,6 +60,7 @@ from cabinllm.benchmarks.studies import RESULTS, write_results
 from cabinllm.benchmarks.studies.serve_bench import free_port
 from cabinllm.cli.args import float_range, non_negative_float, non_negative_int, positive_float, positive_int
 from cabinllm.runtime.dialogue.overflow import OVERFLOW_POLICIES
+from cabinllm.runtime.kv.cache import DEFAULT_KV_BYTES
 
 PROG = "python -m cabinllm.benchmarks.studies.soak"
 MODEL = "soak"
@@ -97,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-queue", type=positive_int, default=8, help="the server's --max-queue")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="CPU threads of the server's engine (1 leaves a core of 2 to this load generator)")
-    parser.add_argument("--kv-budget-mb", type=positive_float, default=64.0, help="the server's KV budget")
+    parser.add_argument("--kv-budget-mb", type=positive_float, default=DEFAULT_KV_BYTES / 2**20,
+                        help="the server's KV budget")
     parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="sink-window",
                         help="the server's --overflow (sink-window and drop-turns cut a long conversation and go on; "
                              "error answers 400 context_length_exceeded, and the client resets)")

@@ -27,6 +27,7 @@ from cabinllm.cli.chat import BUILTIN_TOOLS
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.grammar import json_schema_grammar, reply_grammar
 from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.model.tools import Tool, read_tools
 from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.engine.scheduler import SchedulerConfig
@@ -66,7 +67,7 @@ def run_replies(engine: Engine, tools: list[Tool], commands: list[dict], mode: s
     tokenizer = engine.tokenizer.with_tools(tools if mode == "tools" else [])
     grammar = (reply_grammar(tokenizer.tool_format, tools, "required", parallel=False) if mode == "tools"
                else json_schema_grammar(intent_schema(tools)))
-    scheduler = engine.new_core(engine.new_cache(engine.kv_cache_config(max_bytes=256 << 20)),
+    scheduler = engine.new_core(engine.new_cache(KvCacheConfig(max_bytes=256 << 20)),
                           SchedulerConfig(max_sessions=sessions, max_queue=len(commands), queue_timeout_s=3600))
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=engine.stop_token_ids())
     requests = []

@@ -30,6 +30,7 @@ from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import DEFAULT_KV_BYTES, KvCacheConfig
 from cabinllm.runtime.model.threads import CPU_THREADS
 from cabinllm.runtime.model.vision import FeatureCache
 from cabinllm.runtime.sources.model_source import default_gguf_path
@@ -37,7 +38,6 @@ from cabinllm.runtime.sources.tokenizer_export import export_tokenizer
 
 SHAPE = "smolvlm-256m"
 FRAME = (1280, 720)  # a cabin camera's frame
-BUDGET = 64 << 20
 SYSTEM = "You are the car's assistant. Answer in one short sentence."
 FIRST = "What is behind the car in this camera picture?"
 SECOND = "Is it safe to change into the left lane now?"
@@ -86,7 +86,7 @@ def timed(call) -> tuple[float, object]:
 def new_session(engine: Engine, mode: str, cache=None, reply_tokens: int = 1,
                 overflow: OverflowPolicy | None = None) -> DialogueSession:
     """A greedy session (``reply_tokens`` a reply) on a ``mode`` KV cache of the budget, or on ``cache``."""
-    cache = cache or engine.new_cache(engine.kv_cache_config(mode, BUDGET), max_sequences=2)
+    cache = cache or engine.new_cache(KvCacheConfig(mode), max_sequences=2)
     return DialogueSession(engine, cache, SamplingParams(reply_tokens, temperature=0, stop_token_ids=[]), SYSTEM,
                            overflow)
 
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": machine_info(), "command": " ".join(["python -m cabinllm.benchmarks.studies.vlm_bench",
                                                                *(argv or sys.argv[1:])]),
               "model": f"random weights, {SHAPE} shape", "frame": list(FRAME), "repeats": args.repeats,
-              "encoder": encoder, "turns": rows, "capacity": fits, "budget_bytes": BUDGET,
+              "encoder": encoder, "turns": rows, "capacity": fits, "budget_bytes": DEFAULT_KV_BYTES,
               "ratios_to_the_new_picture_turn": {name: row["s"] / first for name, row in rows.items()},
               "int8_over_fp16_picture_turns": fits["int8"]["picture_turns_in_budget"]
               / max(fits["fp16"]["picture_turns_in_budget"], 1), "runs": runs, "transformers_runs": peer}

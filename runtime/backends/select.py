@@ -19,6 +19,7 @@ from cabinllm.runtime.errors import CheckpointError, ConfigError, Fix, Hint
 from cabinllm.runtime.formats.engine_folder import EngineFolder, read_manifest
 from cabinllm.runtime.formats.onnx_folder import ONNX_FORMAT
 from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import Tool
@@ -30,12 +31,10 @@ class SessionRequest:
     """What a front end asks for: the folder, the backend, the KV cache, sampling, overflow and the conversation."""
 
     engine: Path  # engine folder (cabin-build) or graph folder (cabin-export)
-    budget_bytes: int  # the KV budget of this conversation
+    kv_cache: KvCacheConfig = KvCacheConfig()  # this conversation's; its mode and block size unset: the engine's
     params: SamplingParams = field(default_factory=SamplingParams)  # stop ids: the engine's own, always
     system: str | None = None  # system prompt (None: no system message)
     overflow: OverflowPolicy = field(default_factory=OverflowPolicy)
-    kv_mode: str | None = None  # None: what the engine was built for
-    tokens_per_block: int | None = None  # None: the engine's target's
     backend: str = "auto"  # a key of BACKENDS, or auto: by the folder
     ort_provider: str = "cpu"  # ONNX Runtime's execution provider (backends.onnxruntime.ORT_PROVIDERS)
     htp_arch: int | None = None  # ort_provider qnn: this device's HTP architecture (None: the graphs' own)
@@ -82,16 +81,16 @@ def _open_onnxruntime(request: SessionRequest) -> Session:
         raise ConfigError(f"htp_arch names the HTP of ort_provider qnn, not {request.ort_provider}; leave htp_arch "
                           "out", (Hint(Fix.ORT_PROVIDER, "qnn"),))
     engine = load_onnx_engine(request.engine, request.ort_provider, htp_arch=request.htp_arch)
-    if request.kv_mode not in (None, engine.default_kv_mode):
-        raise ConfigError(f"kv_mode {request.kv_mode}: the graphs in {request.engine} take "
-                          f"{engine.default_kv_mode} K/V", (Hint(Fix.GRAPHS_KV_MODE, request.kv_mode),))
+    asked = request.kv_cache.kv_mode
+    if asked not in (None, engine.default_kv_mode):
+        raise ConfigError(f"kv_mode {asked}: the graphs in {request.engine} take {engine.default_kv_mode} K/V",
+                          (Hint(Fix.GRAPHS_KV_MODE, asked),))
     return _open_dialogue(request, engine)
 
 
 def _open_dialogue(request: SessionRequest, engine: Engine) -> DialogueSession:
     """A session on our paged cache (restored when asked) for an engine whose model runs anywhere."""
-    cache = engine.new_cache(engine.kv_cache_config(request.kv_mode, request.budget_bytes, request.tokens_per_block),
-                             request.max_sequences)
+    cache = engine.new_cache(request.kv_cache, request.max_sequences)
     if request.restore:
         return DialogueSession.restore(request.restore, engine, cache)
     params = dataclasses.replace(request.params, stop_token_ids=engine.stop_token_ids())
@@ -106,7 +105,7 @@ def _open_trtllm(request: SessionRequest) -> TrtllmSession:
     if not folder.trt_engine.is_dir():
         raise CheckpointError(f"{folder.trt_engine}: no TensorRT engine; run the engine build on the device")
     tokenizer = ChatTokenizer(folder.checkpoint)
-    config = kv_cache_config(folder.manifest(), request.kv_mode, request.budget_bytes, request.tokens_per_block)
+    config = kv_cache_config(folder.manifest(), request.kv_cache)
     params = dataclasses.replace(request.params, stop_token_ids=tokenizer.stop_token_ids)
     vision, model_config = folder.path / VISION_FOLDER, folder.config()
     return TrtllmSession(folder.path, tokenizer, KVLayout.of(model_config), config, params, request.system,

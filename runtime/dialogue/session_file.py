@@ -25,7 +25,7 @@ from cabinllm.runtime.formats.atomic import atomic_write_bytes
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.memory import available_memory
-from cabinllm.runtime.kv.modes import KV_MODES
+from cabinllm.runtime.kv.modes import KV_MODES, kv_mode_name
 from cabinllm.runtime.kv.window import WINDOW
 from cabinllm.runtime.model.tools import Tool
 
@@ -107,7 +107,8 @@ HEADER: Spec = {  # the types; the ranges of kv_cache, overflow and params are t
     "model_fingerprint": FINGERPRINT,
     "scales_fingerprint": FINGERPRINT,
     "kv_cache": {
-        "kv_mode": (f"one of {', '.join(SESSION_KV_MODES)}", lambda v: v in SESSION_KV_MODES),
+        "kv_mode": (f"one of {', '.join(SESSION_KV_MODES)}",
+                    lambda v: isinstance(v, str) and kv_mode_name(v) in SESSION_KV_MODES),
         "max_bytes": INTEGER,
         "tokens_per_block": INTEGER,
         "enable_block_reuse": ("true or false", lambda v: type(v) is bool),

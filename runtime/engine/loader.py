@@ -2,7 +2,7 @@
 tokenizer, KV scales), or any backend's model (``ModelRunner``) with its tokenizer and the cache defaults."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -16,25 +16,22 @@ from cabinllm.runtime.formats.scales_file import KVScales, load_scales
 from cabinllm.runtime.model.interface import ModelRunner
 from cabinllm.runtime.generation.grammar import Vocabulary
 from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
-from cabinllm.runtime.kv.modes import KV_MODES
+from cabinllm.runtime.kv.modes import KV_MODES, kv_mode_name
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.transformer import Transformer
 from cabinllm.runtime.model.vision import VISION_FOLDER, Vision
 
-DEFAULT_KV_BUDGET = 64 << 20
-
 
 def built_kv_mode(manifest: dict) -> str:
     """The KV mode an engine was built for (fp16 for a manifest that does not say)."""
-    return manifest.get("kv_cache", "fp16")
+    return kv_mode_name(manifest.get("kv_cache", "fp16"))
 
 
-def kv_cache_config(manifest: dict, kv_mode: str | None = None, max_bytes: int = DEFAULT_KV_BUDGET,
-                    tokens_per_block: int | None = None) -> KvCacheConfig:
-    """A cache config for an engine: by default the KV mode it was built for and the block size of the target
-    it was planned for."""
-    tpb = tokens_per_block or int(manifest.get("plan", {}).get("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK))
-    return KvCacheConfig(kv_mode or built_kv_mode(manifest), max_bytes, tpb)
+def kv_cache_config(manifest: dict, config: KvCacheConfig = KvCacheConfig()) -> KvCacheConfig:
+    """``config`` with what it leaves to the engine filled in: the KV mode the engine was built for and the block
+    size of the target it was planned for."""
+    tpb = config.tokens_per_block or int(manifest.get("plan", {}).get("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK))
+    return replace(config, kv_mode=config.kv_mode or built_kv_mode(manifest), tokens_per_block=tpb)
 
 
 @dataclass
@@ -85,16 +82,15 @@ class Engine:
         """Every id that ends an assistant turn."""
         return self.tokenizer.stop_token_ids
 
-    def kv_cache_config(self, kv_mode: str | None = None, max_bytes: int = DEFAULT_KV_BUDGET,
-                        tokens_per_block: int | None = None) -> KvCacheConfig:
-        """A cache config with this engine's defaults (``kv_cache_config``; a mode only the reference engine
-        lacks, e.g. fp8, falls back to fp16)."""
-        return kv_cache_config(self.manifest, kv_mode or self.default_kv_mode, max_bytes, tokens_per_block)
+    def kv_cache_config(self, config: KvCacheConfig = KvCacheConfig()) -> KvCacheConfig:
+        """``config`` with this engine's defaults where it leaves them unset (``kv_cache_config``; a mode only the
+        reference engine lacks, e.g. fp8, falls back to fp16)."""
+        return kv_cache_config(self.manifest, replace(config, kv_mode=config.kv_mode or self.default_kv_mode))
 
-    def new_cache(self, config: KvCacheConfig | None = None, max_sequences: int = 1) -> PagedKVCache:
-        """A fresh paged KV cache for this engine (default: ``kv_cache_config()``); ``max_sequences``: the live
-        sequences whose windows a model with sliding-window layers holds at once."""
-        config = config or self.kv_cache_config()
+    def new_cache(self, config: KvCacheConfig = KvCacheConfig(), max_sequences: int = 1) -> PagedKVCache:
+        """A fresh paged KV cache for this engine (what ``config`` leaves unset: the engine's, ``kv_cache_config``);
+        ``max_sequences``: the live sequences whose windows a model with sliding-window layers holds at once."""
+        config = self.kv_cache_config(config)
         if config.mode.static_scales and self.scales is None:
             raise CheckpointError(f"{self.folder}: KV mode {config.kv_mode} needs {SCALES_FILE}; rebuild with "
                                   "cabin-build")

@@ -20,18 +20,20 @@ from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.kv.window import WindowedStorage, WindowPlan
 
 DEFAULT_TOKENS_PER_BLOCK = 32  # the reference engine's default; a target's profile has its own
+DEFAULT_KV_BYTES = 64 << 20  # the KV budget of a run that names none
 
 
 @dataclass(frozen=True)
 class KvCacheConfig:
     """The KV cache of one run; fields named as TensorRT-LLM's ``KvCacheConfig`` names them where it has them, each
-    with the description the commands' flags show."""
+    with the description the commands' flags show. ``kv_mode`` and ``tokens_per_block`` left None are the engine's
+    (``Engine.kv_cache_config`` fills them in); a cache needs them set."""
 
-    kv_mode: str = field(default="fp16", metadata={
+    kv_mode: str | None = field(default=None, metadata={  # a former name is read as the registry's (kv.modes)
         "help": "KV storage; static int8 modes use the engine's kv_scales.json"})
-    max_bytes: int = field(default=64 << 20, metadata={  # TensorRT-LLM sizes its pool in max_tokens instead
+    max_bytes: int = field(default=DEFAULT_KV_BYTES, metadata={  # TensorRT-LLM sizes its pool in max_tokens instead
         "help": "KV cache budget"})
-    tokens_per_block: int = field(default=DEFAULT_TOKENS_PER_BLOCK, metadata={
+    tokens_per_block: int | None = field(default=None, metadata={
         "help": "tokens per KV block, the unit of prefix reuse"})
     enable_block_reuse: bool = field(default=True, metadata={
         "help": "find blocks of a prefix computed before by their hash and share them"})
@@ -39,14 +41,19 @@ class KvCacheConfig:
         "help": "tokens after the system prompt the sink window always keeps"})
 
     def __post_init__(self) -> None:
-        kv_mode(self.kv_mode)
-        if self.tokens_per_block < 1 or self.max_bytes < 1 or self.sink_token_length < 0:
+        if self.kv_mode is not None:
+            object.__setattr__(self, "kv_mode", kv_mode(self.kv_mode).name)
+        tpb = self.tokens_per_block
+        if (tpb is not None and tpb < 1) or self.max_bytes < 1 or self.sink_token_length < 0:
             raise ConfigError(f"need tokens_per_block >= 1, max_bytes >= 1 and sink_token_length >= 0, got "
                               f"{self.tokens_per_block}, {self.max_bytes} and {self.sink_token_length}")
 
     @property
     def mode(self) -> KVMode:
         """The storage class of ``kv_mode``."""
+        if self.kv_mode is None or self.tokens_per_block is None:
+            raise ConfigError("this KV cache config leaves its mode or block size to the engine; fill them in with "
+                              "Engine.kv_cache_config before sizing a cache")
         return kv_mode(self.kv_mode)
 
     def bytes_per_token(self, layout: KVLayout) -> int:

@@ -54,7 +54,6 @@ class KVStorage:
 
     name: ClassVar[str]
     label: ClassVar[str]  # what the mode stores, for reports
-    eval_name: ClassVar[str | None] = None  # its name in cabin-eval, where it differs
     reference: ClassVar[bool] = True  # the reference engine can store it
     static_scales: ClassVar[bool] = False  # needs calibrated static INT8 scales (kv_scales.json)
     shared_scale: ClassVar[bool] = False  # one static scale per layer for K and V (TensorRT-LLM's format)
@@ -223,7 +222,6 @@ class Int8KV(_PooledKV):
     """int8 with one static scale per layer shared by K and V (TensorRT-LLM's format)."""
 
     name, label, element = "int8", "int8, one static scale per layer shared by K and V", torch.int8
-    eval_name = "int8-shared"
     static_scales, shared_scale, onnx_graph = True, True, True
     trtllm_quant_algo, trtllm_paged_context_fmha = "INT8", False
 
@@ -274,7 +272,7 @@ class Int8KV(_PooledKV):
 class Int8SeparateKV(Int8KV):
     """int8 with static per-layer scales, one for K and one for V."""
 
-    name, label, eval_name, shared_scale = "int8-separate", "int8, static per-layer K and V scales", None, False
+    name, label, shared_scale = "int8-separate", "int8, static per-layer K and V scales", False
     onnx_graph = False
 
     @staticmethod

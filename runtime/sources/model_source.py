@@ -3,9 +3,10 @@
 engine folder made by cabin-build.
 
 ``load_model_config`` reads only the shapes (planning needs no weights); ``import_model`` converts a
-GGUF file or HF folder into a TensorRT-LLM checkpoint with its tokenizer; ``load_model`` gives config,
-weights and tokenizer of any source (imported in float32 where needed: a GGUF once per machine, into the
-user cache, an HF folder into a temporary folder).
+GGUF file or HF folder into a TensorRT-LLM checkpoint with its tokenizer; ``load_model`` gives any source's
+``Checkpoint`` (config, weights and tokenizer in memory, imported in float32 where needed: a GGUF once per
+machine, into the user cache, an HF folder into a temporary folder): what calibration, evaluation and the
+builders work on before an engine exists (a built engine is ``cabinllm.runtime.engine.loader.Engine``).
 """
 from __future__ import annotations
 
@@ -194,8 +195,9 @@ def _cast(tensors: Iterable[tuple[str, torch.Tensor]], total: int, source: Path,
 
 
 @dataclass
-class LoadedModel:
-    """Config, weights and tokenizer of a model, and the engine's scales file if it has one."""
+class Checkpoint:
+    """A model source's checkpoint in memory: config, weights and tokenizer (and, for an engine folder, the path of
+    its scales file), before any engine is built or loaded."""
 
     name: str
     config: ModelConfig
@@ -210,9 +212,9 @@ class LoadedModel:
         return Transformer(self.config, self.weights)
 
 
-def _from_checkpoint(name: str, folder: Path, scales_path: Path | None, vision: Vision | None = None) -> LoadedModel:
+def _from_checkpoint(name: str, folder: Path, scales_path: Path | None, vision: Vision | None = None) -> Checkpoint:
     config, weights = load_checkpoint(folder)
-    return LoadedModel(name, config, weights, ChatTokenizer(folder), model_fingerprint(config, weights),
+    return Checkpoint(name, config, weights, ChatTokenizer(folder), model_fingerprint(config, weights),
                        scales_path if scales_path and scales_path.is_file() else None, vision)
 
 
@@ -221,15 +223,15 @@ def vision_of(folder: Path) -> Vision | None:
     return Vision(folder / VISION_FOLDER) if (folder / VISION_FOLDER).is_dir() else None
 
 
-def load_model(spec: str) -> LoadedModel:
-    """Load ``default``, an engine folder made by cabin-build, a TensorRT-LLM checkpoint folder, or a .gguf
+def load_model(spec: str) -> Checkpoint:
+    """The checkpoint of ``default``, an engine folder made by cabin-build, a TensorRT-LLM checkpoint folder, or a .gguf
     file / HF folder (imported in float32; a GGUF from the user cache after its first import); a vision-language
     model's vision part comes with it."""
     path = Path(spec)
     if spec != DEFAULT_MODEL and read_manifest(path) is not None:
         folder = EngineFolder(path)
         config, weights, fingerprint = folder.load_checkpoint()
-        return LoadedModel(spec, config, weights, ChatTokenizer(folder.checkpoint), fingerprint,
+        return Checkpoint(spec, config, weights, ChatTokenizer(folder.checkpoint), fingerprint,
                            folder.scales if folder.scales.is_file() else None, vision_of(path))
     if spec != DEFAULT_MODEL and (path / CONFIG_FILE).is_file() and (path / "tokenizer_config.json").is_file() \
             and (path / WEIGHTS_FILE).is_file():
