@@ -101,7 +101,8 @@ class EngineCore:
         while request.finish_reason is None:
             if should_stop and request.token_ids and should_stop():
                 self.abort(request, "interrupted")
-            self.step()
+            if not self.step() and request.finish_reason is None:
+                raise RuntimeError("the engine core holds a request it can neither run nor end")
         if request.finish_reason == "capacity" and not request.token_ids:
             raise CapacityError(request.error or "the request does not fit the KV cache")
         return request
