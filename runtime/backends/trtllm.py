@@ -1,5 +1,7 @@
-"""The TensorRT-LLM backend of a dialogue: the ``Session`` protocol (cabinllm.runtime.dialogue.interface) on a
-built TensorRT engine through ``tensorrt_llm.runtime.ModelRunnerCpp`` (imported only here, only when used).
+"""The TensorRT-LLM backend of a dialogue: a session over TensorRT-LLM's own executor, not a model runner of our
+engine core (TensorRT-LLM schedules, batches and holds the KV itself). It offers the ``Session`` protocol
+(cabinllm.runtime.dialogue.interface) on a built TensorRT engine through ``tensorrt_llm.runtime.ModelRunnerCpp``
+(imported only here, only when used).
 
 The KV cache config becomes the runner's KV arguments; overflow, stops, several replies (``n``, beams) and pictures
 (a prompt table) follow TensorRT-LLM's source as docs/trtllm-backend.md records it, with its lines and commits.
