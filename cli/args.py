@@ -224,6 +224,8 @@ CLI_WORDS: dict[Fix, str] = {
     Fix.SCALES: "pass --scales or calibrate first",
     Fix.EXPORT_CHUNK: "export the graphs with cabin-export --chunk {} at most",
     Fix.RAISE_MAX_QUEUE: "raise cabin-serve's --max-queue (now {})",
+    Fix.DEVICE: "run with --device {}",
+    Fix.KV_MODE: "choose --kv-cache {}",
 }
 
 

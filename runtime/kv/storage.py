@@ -126,6 +126,11 @@ class KVStorage:
         """One layer's K and V as stored, for the native decode attention to read in place."""
         raise NotImplementedError
 
+    def layer_slots(self, layer: int, slots: torch.Tensor) -> tuple[StoredKV, torch.Tensor]:
+        """One layer's pools (``stored_kv`` with an empty block table) and where flat ``slots`` of the blocks are in
+        them: what a kernel that stores K/V in place writes to."""
+        return self.stored_kv(layer, torch.zeros(0, dtype=torch.long), 0), slots
+
     def static_pools(self) -> StaticPools | None:
         """All layers' pools, where each layer's elements convert with one static scale (the fused decode
         step's form); None otherwise."""

@@ -227,6 +227,11 @@ class WindowedStorage(KVStorage):
         storage, index, table = self._table(layer, block_table, num_tokens)
         return storage.stored_kv(index, table, num_tokens)
 
+    def layer_slots(self, layer: int, slots: torch.Tensor) -> tuple[StoredKV, torch.Tensor]:
+        """The layer's pool and where the slots are in it."""
+        storage, index, where = self._slots(layer, slots)
+        return storage.layer_slots(index, where)
+
     def copy_block(self, source: int, copy: int) -> None:
         """Copy a block in the blocks' layers and, where the window pool maps it, in the local ones."""
         self.blocks.copy_block(source, copy)

@@ -17,13 +17,11 @@ real group, head size and tokens. Where the operands are fp32 the dots ask for I
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from cabinllm.runtime.kernels.bindings import StoredKV
+from cabinllm.runtime.kernels.triton.pools import LayerPools
 
 MIN_TILE = 16  # the smallest side of a tl.dot operand on the GPU
 DECODE_TOKENS_PER_TILE = 32
@@ -31,7 +29,6 @@ PREFILL_ROWS = 64  # query rows (tokens x heads of a group) of one prefill tile
 PREFILL_TOKENS_PER_TILE = 32
 SPLIT_TOKENS = 256  # decode: about this many keys per split before another split is worth it
 MAX_SPLITS = 16
-QUANT_NONE, QUANT_STATIC, QUANT_TOKEN = 0, 1, 2
 NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any context
 
 
@@ -44,48 +41,6 @@ def decode_splits(max_tokens: int) -> int:
     """Splits of a decode step's keys: one per SPLIT_TOKENS of the longest sequence, a power of two, at most
     MAX_SPLITS (the result is the same for any count; more splits keep the GPU busy on few long sequences)."""
     return min(MAX_SPLITS, triton.next_power_of_2(max(1, -(-max_tokens // SPLIT_TOKENS))))
-
-
-@dataclass
-class LayerPools:
-    """One layer's K and V pools, as the kernels read and write them."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: float = 1.0
-    v_scale: float = 1.0
-    k_token_scales: torch.Tensor | None = None
-    v_token_scales: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, stored: StoredKV) -> "LayerPools":
-        """The pools of a ``KVStorage.stored_kv`` answer (its block table is not used)."""
-        return cls(stored.k, stored.v, stored.k_scale, stored.v_scale, stored.k_token_scales, stored.v_token_scales)
-
-    @property
-    def quant(self) -> int:
-        """How the pools store values: QUANT_TOKEN, QUANT_STATIC (int8 codes) or QUANT_NONE."""
-        if self.k_token_scales is not None:
-            return QUANT_TOKEN
-        return QUANT_STATIC if self.k.dtype == torch.int8 else QUANT_NONE
-
-    def strides(self) -> tuple[int, int, int]:
-        """(block, token, head) strides shared by the K and V pools."""
-        if self.k.stride() != self.v.stride() or self.k.stride(-1) != 1:
-            raise ValueError("K and V pools must have the same strides and contiguous head rows")
-        return self.k.stride(0), self.k.stride(1), self.k.stride(2)
-
-    def scale_strides(self) -> tuple[int, int, int]:
-        """The token-scale pools' (block, token, head) strides (zeros without them)."""
-        if self.k_token_scales is None:
-            return 0, 0, 0
-        return self.k_token_scales.stride(0), self.k_token_scales.stride(1), self.k_token_scales.stride(2)
-
-    def scale_pools(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The token-scale pools, or K's and V's pools as placeholders the kernel never reads."""
-        if self.k_token_scales is None:
-            return self.k, self.v
-        return self.k_token_scales, self.v_token_scales
 
 
 def _precision(dtype: torch.dtype) -> str:
