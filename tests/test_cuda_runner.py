@@ -10,6 +10,7 @@ graph tests run. Random weights prove mechanics, not quality.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import pytest
 import torch
@@ -72,7 +73,8 @@ def dialogue(engine: Engine, runner: CudaRunner, kv_mode: str, decode=None) -> N
     tokens = [3, 9]
     for step in range(3):
         logits = []
-        for model, cache, seqs in ((engine.model, theirs, (first[0], second[0])), (runner, ours, (first[1], second[1]))):
+        pairs = ((engine.model, theirs, (first[0], second[0])), (runner, ours, (first[1], second[1])))
+        for model, cache, seqs in pairs:
             spans = [Span([token], len(seq), seq) for seq, token in zip(seqs, tokens)]
             for seq, token in zip(seqs, tokens):
                 cache.append(seq, [token])
@@ -159,3 +161,14 @@ def test_fp8_refused_below_sm89():
     else:
         with pytest.raises(ConfigError, match="compute capability 8.9"):
             check_kv_mode("fp8", device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("command", ["cabinllm.cli.chat", "cabinllm.cli.serve", "cabinllm.benchmarks.cli"])
+def test_each_command_refuses_device_cuda_in_one_line(tiny_engine_dir, capsys, command):
+    """cabin-chat, cabin-serve and cabin-bench: --device cuda without CUDA exits 2 with one line naming why and the
+    fix (--device cpu)."""
+    main = importlib.import_module(command).main
+    assert main(["--engine", str(tiny_engine_dir), "--device", "cuda"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "--device cpu" in lines[0], lines

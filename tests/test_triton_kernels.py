@@ -1,12 +1,12 @@
-"""The Triton kernels (runtime/kernels/triton) against the reference engine's storage and attention on the same
-paged cache contents: the KV write against ``KVStorage.write``, decode and prefill attention against
-``grouped_attention`` over ``KVStorage.read_unscaled``, in every KV mode the CUDA runner stores (fp16, int8 with one
-static scale per layer, int8 with separate K and V scales, int8-dynamic, fp32), with GQA, sliding windows, split-KV
-and a prefix reused across turns.
+"""The Triton kernels (runtime/kernels/triton) against the reference engine's storage and attention on the same paged
+cache contents: the KV write against ``KVStorage.write``, decode and prefill attention against ``grouped_attention``
+over ``KVStorage.read_unscaled``, in every KV mode the CUDA runner stores (fp16, int8 with one static scale per
+layer, int8 with separate K and V scales, int8-dynamic, fp32), with GQA, sliding windows, split-KV and a prefix
+reused across turns.
 
-Where no GPU is at hand the kernels run under Triton's interpreter on CPU tensors (``triton_helpers``). Tolerances: fp32 pools 1e-4 (the
-same math in another order); fp16 and int8 pools 1e-4 on the interpreter (fp32 operands both sides), 2e-2 on a GPU
-(fp16 operands of the tensor cores).
+Where no GPU is at hand the kernels run under Triton's interpreter on CPU tensors (``triton_helpers``). Tolerances:
+fp32 pools 1e-4 (the same math in another order); fp16 and int8 pools 1e-4 on the interpreter (fp32 operands both
+sides), 2e-2 on a GPU (fp16 operands of the tensor cores).
 """
 from __future__ import annotations
 

@@ -90,7 +90,8 @@ class WindowedStorage(KVStorage):
                            _scales(scales, plan.local_layers))
         self._route = {layer: (self.blocks, i) for i, layer in enumerate(plan.global_layers)}
         self._route |= {layer: (self.window, i) for i, layer in enumerate(plan.local_layers)}
-        self._local = torch.full((num_blocks,), -1, dtype=torch.long)  # global block -> local block, -1: none
+        # global block -> local block, -1: none; host bookkeeping, wherever the pools live
+        self._local = torch.full((num_blocks,), -1, dtype=torch.long, device="cpu")
         self._cached: OrderedDict[int, None] = OrderedDict()  # mapped global blocks no sequence pins, oldest first
         self._free = list(range(self.local_blocks))
         self._pins: dict[int, int] = {}  # global block -> sequences pinning it

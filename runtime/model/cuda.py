@@ -33,6 +33,7 @@ from cabinllm.runtime.model.linear import Int8G32Table, Int8Linear, Linear, full
 from cabinllm.runtime.model.rope import apply_rope
 from cabinllm.runtime.model.transformer import ACTIVATIONS, Transformer, in_pieces, rms_norm
 
+DEVICES = ("cpu", "cuda")  # where Engine.load runs a model: the reference engine, the CUDA runner
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CUDA_KV_MODES = ("fp16", "int8", "int8-separate", "int8-dynamic", "fp32")  # what the Triton kernels store
 FP8_CAPABILITY = (8, 9)  # fp8 e4m3 arithmetic: Ada (sm_89) and newer
@@ -158,7 +159,12 @@ class CudaRunner:
     def step(self, spans: list[Span], cache: PagedKVCache, all_logits: bool = False,
              media: MediaTable | None = None) -> torch.Tensor:
         """Run the spans' new tokens (slots allocated), writing their K/V into the cache on the device; fp32 logits
-        of each span's last token (spans, vocab), or of every token (tokens, vocab), on the device."""
+        of each span's last token (spans, vocab), or of every token (tokens, vocab), on the host (where the engine
+        core samples)."""
+        return self._step(spans, cache, all_logits, media).cpu()
+
+    def _step(self, spans: list[Span], cache: PagedKVCache, all_logits: bool,
+              media: MediaTable | None) -> torch.Tensor:
         c = self.config
         for span in spans:
             if span.end > c.max_position_embeddings:
@@ -167,7 +173,7 @@ class CudaRunner:
             if span.seq.media:
                 raise ConfigError("pictures run on the reference engine only; the CUDA runner reads text",
                                   (Hint(Fix.DEVICE, "cpu"),))
-        if cache.device != self.device:
+        if cache.device.type != self.device.type:
             raise ConfigError(f"the KV cache lives on {cache.device} and the model on {self.device}; make the cache "
                               "with Engine.new_cache")
         limit = cache.storage.step_tokens

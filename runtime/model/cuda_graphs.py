@@ -11,7 +11,7 @@ graph depends on a host value. A new cache (other pools) captures anew.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 

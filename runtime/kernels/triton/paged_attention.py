@@ -2,15 +2,14 @@
 
 Layout (``cabinllm.runtime.kv.storage``): one layer's K and V pools are (blocks, tokens_per_block, kv_heads,
 head_size) of int8 codes, fp16, bf16 or fp32; position ``p`` of a sequence lives in block ``table[p // tpb]`` at row
-``p % tpb``; a flat slot is ``block * tpb + row``. int8 with static scales (TensorRT-LLM's one scale per layer, or K's
-and V's) stores ``round(x / scale)``; int8-dynamic stores a fp16 scale per token and KV head beside the codes in
-(blocks, tokens_per_block, kv_heads) pools. Attention folds the scales into the dot products: ``q . codes`` times
-the K scale (and each key's token scale), the probabilities times each value's token scale, the output times the V
-scale.
+``p % tpb``; a flat slot is ``block * tpb + row``. int8 with static scales (TensorRT-LLM's one scale per layer, or
+K's and V's) stores ``round(x / scale)``; int8-dynamic stores a fp16 scale per token and KV head beside the codes in
+(blocks, tokens_per_block, kv_heads) pools. Attention folds the scales into the dot products: ``q . codes`` times the
+K scale (and each key's token scale), the probabilities times each value's token scale, the output times the V scale.
 
-Positions here are the block table's own: a table that starts at a later block (a sliding-window layer's) counts
-from its first row. A query at table position ``p`` attends to keys ``(p - window, p]`` (no window: all of
-``[0, p]``; the kernels take NO_WINDOW then). Rows of the GQA group are rows of one tile, so each K/V block is read once per KV head.
+Positions here are the block table's own: a table that starts at a later block (a sliding-window layer's) counts from
+its first row. A query at table position ``p`` attends to keys ``(p - window, p]`` (no window: all of ``[0, p]``; the
+kernels take NO_WINDOW then). Rows of the GQA group are rows of one tile, so each K/V block is read once per KV head.
 
 Tiles are at least 16 on every side of a ``tl.dot`` (what the GPU's matrix instructions take); masks cut them to the
 real group, head size and tokens. Where the operands are fp32 the dots ask for IEEE precision (no TF32).
