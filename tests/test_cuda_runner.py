@@ -164,11 +164,37 @@ def test_fp8_refused_below_sm89():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("command", ["cabinllm.cli.chat", "cabinllm.cli.serve", "cabinllm.benchmarks.cli"])
-def test_each_command_refuses_device_cuda_in_one_line(tiny_engine_dir, capsys, command):
-    """cabin-chat, cabin-serve and cabin-bench: --device cuda without CUDA exits 2 with one line naming why and the
-    fix (--device cpu)."""
+@pytest.mark.parametrize("command", ["cabinllm.cli.chat", "cabinllm.cli.serve", "cabinllm.benchmarks.cli",
+                                     "cabinllm.cli.eval"])
+def test_each_command_refuses_device_cuda_in_one_line(tiny_engine_dir, tmp_path, capsys, command):
+    """cabin-chat, cabin-serve, cabin-bench and cabin-eval: --device cuda without CUDA exits 2 with one line naming
+    why and the fix (--device cpu)."""
     main = importlib.import_module(command).main
-    assert main(["--engine", str(tiny_engine_dir), "--device", "cuda"]) == 2
+    folder = ["--model", str(tiny_engine_dir), "--output", str(tmp_path)] if command.endswith("eval") else \
+        ["--engine", str(tiny_engine_dir)]
+    assert main([*folder, "--device", "cuda"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "--device cpu" in lines[0], lines
+
+
+def test_eval_moves_each_model_once_and_checks_modes_first(monkeypatch, tiny_engine):
+    """cabin-eval --device cuda: each distinct model becomes one CUDA runner (modes sharing weights share it), and a
+    mode the runner does not store is refused before any moves."""
+    from cabinllm.calibration import evaluate
+    from cabinllm.runtime.kv.modes import kv_mode
+
+    moved = []
+    monkeypatch.setattr(evaluate, "check_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(evaluate, "check_kv_mode", lambda name, device: check_kv_mode(name, torch.device("cpu")))
+    monkeypatch.setattr(evaluate.CudaRunner, "of", classmethod(lambda cls, model, device: moved.append(model) or
+                                                                 ("runner", id(model))))
+    shared, other = tiny_engine.model, object()
+    runners = {name: evaluate.ModeRunner(model, kv_mode(mode), None) for name, model, mode in (
+        ("int8", shared, "int8"), ("fp16", shared, "fp16"), ("w/int8", other, "int8"))}
+    assert evaluate.on_device(runners, "cuda") == torch.device("cuda")
+    assert moved == [shared, other]
+    assert runners["int8"].model is runners["fp16"].model == ("runner", id(shared))
+    refused = {"int4": evaluate.ModeRunner(shared, kv_mode("int4"), None)}
+    with pytest.raises(ConfigError, match="reference engine only"):
+        evaluate.on_device(refused, "cuda")
+    assert refused["int4"].model is shared
