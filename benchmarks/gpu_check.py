@@ -118,13 +118,15 @@ def measure(runner: CudaRunner, kv_mode: str, context: int, steps: int, graphs: 
             "plan_bytes": plan, "weights_bytes_on_gpu": runner.weight_bytes()}
 
 
-def run(shapes: list[str], contexts: list[int], kv_modes: list[str], steps: int) -> dict:
-    """Every measurement of every shape."""
+def run(shapes: list[str], contexts: list[int], kv_modes: list[str], steps: int, out: Path) -> dict:
+    """Every measurement of every shape, the results written to ``out`` after each (a run cut short keeps them)."""
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
     for name in shapes:
         config = shape_config(name)
+        started = time.perf_counter()
         runner = CudaRunner(random_model(config), "cuda", torch.float16)
-        rows = []
+        rows = results["shapes"][name] = []
+        print(f"{name}: weights on the GPU in {time.perf_counter() - started:.1f} s", flush=True)
         for kv_mode in kv_modes:
             for context in contexts:
                 if context + steps + 8 > config.max_position_embeddings:
@@ -132,10 +134,16 @@ def run(shapes: list[str], contexts: list[int], kv_modes: list[str], steps: int)
                 for graphs in (False, True):
                     rows.append(measure(runner, kv_mode, context, steps, graphs))
                     print(json.dumps({"shape": name, **rows[-1]}), flush=True)
-        results["shapes"][name] = rows
+                    write(results, out)
         del runner
         torch.cuda.empty_cache()
     return results
+
+
+def write(results: dict, out: Path) -> None:
+    """``gpu_check.json`` and ``gpu_check.txt`` (the table) in ``out``."""
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
+    (out / "gpu_check.txt").write_text(table(results) + "\n")
 
 
 def table(results: dict) -> str:
@@ -163,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: error: no CUDA GPU here", file=sys.stderr)
         return 2
-    results = run(args.shapes.split(","), [int(c) for c in args.contexts.split(",")], args.kv.split(","), args.steps)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2))
-    (args.out / "gpu_check.txt").write_text(table(results) + "\n")
+    results = run(args.shapes.split(","), [int(c) for c in args.contexts.split(",")], args.kv.split(","), args.steps,
+                  args.out)
+    write(results, args.out)
     print(table(results))
     return 0
 

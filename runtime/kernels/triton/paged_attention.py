@@ -68,7 +68,7 @@ def _store_row(x, Pool, Scales, dst, scale_dst, scale, dmask, QUANT: tl.constexp
         tl.store(Pool + dst, codes.to(tl.int8), mask=dmask)
     else:
         amax = tl.max(tl.where(dmask, tl.abs(x), 0.0), 0)
-        token_scale = tl.maximum(amax / 127.0, 1e-8).to(tl.float16)
+        token_scale = tl.maximum(tl.div_rn(amax, 127.0), 1e-8).to(tl.float16)  # IEEE, as torch divides
         codes = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(x, token_scale.to(tl.float32))), -127.0), 127.0)
         tl.store(Pool + dst, codes.to(tl.int8), mask=dmask)
         tl.store(Scales + scale_dst, token_scale)
