@@ -169,3 +169,24 @@ def test_decode_splits_bounds():
     assert KERNELS.decode_splits(1) == 1
     assert KERNELS.decode_splits(KERNELS.SPLIT_TOKENS + 1) == 2
     assert KERNELS.decode_splits(10 ** 6) == KERNELS.MAX_SPLITS
+
+
+def test_a_wrong_scale_or_block_is_caught():
+    """The comparison these tests make fails where the kernel would read without the scales or from another
+    sequence's block: the reference differs from such a read by over ten times the tolerance (57.8 and 1.25 here)."""
+    storage = make_storage("int8")
+    table = [7, 2, 9]
+    fill(storage, table, 11, seed=4)
+    q = torch.randn(1, HEADS, HEAD, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    pools = KERNELS.LayerPools.of(storage.stored_kv(LAYER, torch.zeros(1), 0))
+    expected = reference(storage, q, table, 11, 10)
+
+    def decode(pools, table):
+        return KERNELS.decode_attention(q, pools, KERNELS.block_tables([table], DEVICE),
+                                        torch.tensor([11], dtype=torch.int32, device=DEVICE), 1 / math.sqrt(HEAD))
+
+    torch.testing.assert_close(decode(pools, table).float().cpu(), expected, atol=1e-4, rtol=1e-4)
+    unscaled = KERNELS.LayerPools(pools.k, pools.v)  # codes read as values
+    fill(storage, [5], 4, seed=5)  # another sequence's block
+    for wrong in (decode(unscaled, table), decode(pools, [7, 2, 5])):
+        assert (wrong.float().cpu() - expected).abs().max() > 10 * tolerance("int8")
