@@ -9,6 +9,7 @@ graph tests run. Random weights prove mechanics, not quality.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
@@ -198,3 +199,26 @@ def test_eval_moves_each_model_once_and_checks_modes_first(monkeypatch, tiny_eng
     with pytest.raises(ConfigError, match="reference engine only"):
         evaluate.on_device(refused, "cuda")
     assert refused["int4"].model is shared
+
+
+@pytest.mark.slow
+def test_a_dialogue_on_the_runner_replies_as_the_reference(tiny_engine, tmp_path):
+    """Turns through the engine core (DialogueSession: prefill over the reused history, greedy decode) reply with the
+    reference's tokens; the session saved and restored from a file goes on the same way."""
+    from cabinllm.runtime.dialogue.session import DialogueSession
+    from cabinllm.runtime.generation.sampling import SamplingParams
+
+    ours = dataclasses.replace(tiny_engine, model=runner_of(tiny_engine), device=torch.device(DEVICE))
+    turns = ["Turn on the seat heating, please.", "And the steering wheel.", "Thanks."]
+    replies = {}
+    for name, engine in (("reference", tiny_engine), ("runner", ours)):
+        params = SamplingParams(max_new_tokens=5, stop_token_ids=engine.stop_token_ids())
+        session = DialogueSession(engine, engine.new_cache(KvCacheConfig("int8", 1 << 20, 4)), params, "Be brief.")
+        replies[name] = [session.chat(text).token_ids for text in turns[:2]]
+        session.save(tmp_path / f"{name}.json")
+        restored = DialogueSession.restore(tmp_path / f"{name}.json", engine,
+                                           engine.new_cache(KvCacheConfig("int8", 1 << 20, 4)))
+        stats = restored.chat(turns[2])
+        assert stats.reused_tokens > 0
+        replies[name].append(stats.token_ids)
+    assert replies["runner"] == replies["reference"]

@@ -142,15 +142,15 @@ class KVStorage:
                           (Hint(Fix.PER_TOKEN_KV_MODE),))
 
     def session_rows(self, seq: Sequence) -> dict[str, torch.Tensor]:
-        """What a session file saves of a sequence: each per-token pool's rows of its tokens, in order."""
+        """What a session file saves of a sequence: each per-token pool's rows of its tokens, in order (on the host)."""
         slots = sequence_slots(seq, 0, len(seq), self.tokens_per_block)
-        return {name: t.flatten(1, 2)[:, slots].contiguous() for name, t in self.token_tensors().items()}
+        return {name: t.flatten(1, 2)[:, slots].cpu().contiguous() for name, t in self.token_tensors().items()}
 
     def restore_rows(self, seq: Sequence, rows: dict[str, torch.Tensor], start: int) -> None:
         """Put a session file's rows (``session_rows``) of positions [start, len(seq)) back into the pools."""
         slots = sequence_slots(seq, start, len(seq), self.tokens_per_block)
         for name, t in self.token_tensors().items():
-            t.flatten(1, 2)[:, slots] = rows[name][:, start:]
+            t.flatten(1, 2)[:, slots] = rows[name][:, start:].to(t.device)
 
     def window_bytes(self) -> tuple[int, int]:
         """Bytes held outside the blocks (reserved, in use)."""

@@ -249,7 +249,7 @@ class WindowedStorage(KVStorage):
         """Every token's rows of the global layers; the local layers' rows of what the next query's window reads."""
         rows = self.blocks.session_rows(seq)
         slots = self._slots(self.plan.local_layers[0], self._window_slots(seq, len(seq)))[2]
-        return rows | {f"{WINDOW}{name}": t.flatten(1, 2)[:, slots].contiguous()
+        return rows | {f"{WINDOW}{name}": t.flatten(1, 2)[:, slots].cpu().contiguous()
                        for name, t in self.window.token_tensors().items()}
 
     def restore_rows(self, seq: Sequence, rows: dict[str, torch.Tensor], start: int) -> None:
@@ -258,7 +258,7 @@ class WindowedStorage(KVStorage):
         self.follow(seq, len(seq))
         slots = self._slots(self.plan.local_layers[0], self._window_slots(seq, len(seq)))[2]
         for name, t in self.window.token_tensors().items():
-            t.flatten(1, 2)[:, slots] = rows[f"{WINDOW}{name}"]
+            t.flatten(1, 2)[:, slots] = rows[f"{WINDOW}{name}"].to(t.device)
 
     def _window_slots(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
         """The blocks' slots of the positions a local layer keeps for a sequence of ``num_tokens``."""
