@@ -10,6 +10,10 @@
 #      tok/s, peak GPU memory against the planner's memory model.
 # Writes into $OUT (default: a new temporary folder): env.txt, kernel_tests.txt, runner_tests.txt, gpu_check.json,
 # gpu_check.txt, summary.json. Usage: OUT=/some/folder scripts/gpu_check.sh   (PYTHON=... to pick the interpreter)
+# Parts 2 and 3 import the project's dependencies; a machine without network that lacks some (env.txt lists the
+# missing ones) takes them as wheels: WHEELS=folder, filled beforehand where there is network with
+#   pip download -d folder --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       --platform manylinux_2_28_x86_64 gguf llguidance jsonschema fastapi uvicorn pydantic
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$(mktemp -d)}
@@ -22,12 +26,20 @@ for folder in runtime calibration builders server cli benchmarks; do ln -s "$ROO
 export PYTHONPATH="$PKG" CABIN_NATIVE_KERNELS=0
 unset TRITON_INTERPRET
 cd "$ROOT"
+if [ -n "${WHEELS:-}" ]; then
+    "$PY" -m pip install -q --no-index --find-links "$WHEELS" gguf llguidance jsonschema fastapi uvicorn pydantic \
+        > "$OUT/wheels.txt" 2>&1 || echo "installing the wheels failed: $OUT/wheels.txt"
+fi
 
 "$PY" - > "$OUT/env.txt" 2>&1 <<'PYEOF'
 import torch, triton
 print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU",
       torch.cuda.get_device_capability() if torch.cuda.is_available() else "")
+import importlib.util
+missing = [m for m in ("gguf", "llguidance", "jsonschema", "fastapi", "uvicorn", "pydantic", "pytest")
+           if importlib.util.find_spec(m) is None]
+print("missing:", " ".join(missing) or "none")
 PYEOF
 cat "$OUT/env.txt"
 
