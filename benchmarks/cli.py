@@ -15,7 +15,7 @@ from cabinllm.benchmarks.machine import oversubscribed
 from cabinllm.benchmarks.plots import write_figures
 from cabinllm.benchmarks.results_page import render_markdown
 from cabinllm.benchmarks.settings import BenchSettings, quick_settings
-from cabinllm.cli.args import cli_message, entry_point
+from cabinllm.cli.args import add_device_flag, cli_message, entry_point
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text
@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, help="dialogue turns, 0 for no multi-turn test "
                         f"(default {DEFAULTS.turns})")
     parser.add_argument("--modes", nargs="+", help=f"our KV modes to measure (default: {' '.join(DEFAULTS.modes)})")
+    add_device_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -176,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         evaluation = load_eval(args.eval_json) if args.eval_json else None
-        engine = Engine.load(args.engine)
-        weight_engines = [same_model(engine, Engine.load(folder)) for folder in args.weights_engines]
+        engine = Engine.load(args.engine, args.device)
+        weight_engines = [same_model(engine, Engine.load(folder, args.device)) for folder in args.weights_engines]
         peers = make_peers(engine, families, torch.get_num_threads(), args.genai)
         results = run_bench(engine, settings, peers, evaluation, weight_engines, args.onnx)
     except CabinError as err:

@@ -39,6 +39,8 @@ from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK
 from cabinllm.runtime.kv.modes import KV_MODES, KVMode, kv_mode, kv_mode_name
 from cabinllm.runtime.kv.storage import KVLayout
+from cabinllm.runtime.model.cuda import CudaRunner, check_device, check_kv_mode
+from cabinllm.runtime.model.interface import ModelRunner
 from cabinllm.runtime.model.transformer import Transformer
 from cabinllm.runtime.sources.model_source import Checkpoint
 
@@ -120,7 +122,7 @@ class ModeResult:
 class ModeRunner:
     """The weights and cache settings one mode runs with."""
 
-    model: Transformer
+    model: ModelRunner  # the reference Transformer, or the CUDA runner of one
     kv_mode: KVMode
     scales: KVScales | None
     weights: str = REFERENCE_WEIGHTS
@@ -169,9 +171,28 @@ def weight_runners(weights: dict[str, tuple[ModelConfig, dict[str, torch.Tensor]
     return runners
 
 
-def run_logits(model: Transformer, dialogue: TokenizedDialogue, mode: KVMode, scales: KVScales | None) -> torch.Tensor:
-    """Logits (tokens, vocab) of a dialogue (its pictures too) prefilled over a fresh cache of the given mode."""
-    return run_tokens(model, dialogue.token_ids, mode.name, scales, all_logits=True, media=dialogue.media).logits
+def run_logits(model: ModelRunner, dialogue: TokenizedDialogue, mode: KVMode, scales: KVScales | None,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """Logits (tokens, vocab) of a dialogue (its pictures too) prefilled over a fresh cache of the given mode (on
+    ``device``, the model's)."""
+    return run_tokens(model, dialogue.token_ids, mode.name, scales, all_logits=True, media=dialogue.media,
+                      device=device).logits
+
+
+def on_device(runners: dict[str, ModeRunner], device: str) -> torch.device:
+    """Move each runner's model to ``device`` (cuda: the CUDA runner, each model once; the KV modes checked first);
+    the device."""
+    where = check_device(device)
+    if where.type == "cpu":
+        return where
+    for runner in runners.values():
+        check_kv_mode(runner.kv_mode.name, where)
+    moved = {}
+    for runner in runners.values():
+        if id(runner.model) not in moved:
+            moved[id(runner.model)] = CudaRunner.of(runner.model, device)
+        runner.model = moved[id(runner.model)]
+    return where
 
 
 def stored_bytes_per_token(layout: KVLayout, mode: KVMode, tokens: int) -> int:
@@ -256,14 +277,17 @@ def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, tar
 
 def evaluate(model: Checkpoint, dialogues: list[TokenizedDialogue], modes: list[str],
              scales_file: ScalesFile | None, progress: bool = True,
-             weights: dict[str, tuple[ModelConfig, dict[str, torch.Tensor]]] | None = None) -> dict[str, ModeResult]:
+             weights: dict[str, tuple[ModelConfig, dict[str, torch.Tensor]]] | None = None,
+             device: str = "cpu") -> dict[str, ModeResult]:
     """Accuracy of each mode over the dialogues, after the ``fp32`` reference itself; with ``weights`` (name ->
-    quantized checkpoint of the same model), also of each of them with fp32 KV and with each mode."""
+    quantized checkpoint of the same model), also of each of them with fp32 KV and with each mode. ``device`` cuda
+    runs the modes on the CUDA runner (fp16 weights), the reference staying the fp32 reference engine."""
     runners = build_runners(model, modes, scales_file)
     full_bytes = stored_bytes(model.weights)
     for runner in runners.values():
         runner.weight_bytes = full_bytes
     runners.update(weight_runners(weights or {}, modes, scales_file))
+    where = on_device(runners, device)
     vocab = model.config.vocab_size  # an AWQ export pads the vocabulary: its extra logits are left out
     reference = model.transformer()
     ref_totals, totals = Totals(), {mode: Totals() for mode in runners}
@@ -276,7 +300,7 @@ def evaluate(model: Checkpoint, dialogues: list[TokenizedDialogue], modes: list[
             bar.update()
             for mode, runner in runners.items():
                 bar.set_postfix_str(mode)
-                logits = run_logits(runner.model, dialogue, runner.kv_mode, runner.scales)[:-1, :vocab]
+                logits = run_logits(runner.model, dialogue, runner.kv_mode, runner.scales, where)[:-1, :vocab]
                 accumulate(totals[mode], ref_logp, logits, targets, image)
                 bar.update()
     ref_ppl = math.exp(ref_totals.nll / ref_totals.nll_tokens)

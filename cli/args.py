@@ -22,6 +22,7 @@ from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
 from cabinllm.runtime.kv.cache import DEFAULT_KV_BYTES, KvCacheConfig
 from cabinllm.runtime.kv.memory import available_memory
 from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES, kv_mode_name
+from cabinllm.runtime.model.cuda import DEVICES
 from cabinllm.runtime.model.threads import AUTO, CPU_THREADS, parse_threads
 from cabinllm.runtime.model.vision import ImageLimits
 
@@ -141,6 +142,14 @@ def add_thread_flag(parser: argparse.ArgumentParser) -> None:
                              "re-read every 0.25 s; a prefill split over a busy core waits for it")
 
 
+def add_device_flag(parser: argparse.ArgumentParser) -> None:
+    """--device: where the model runs (``Engine.load``'s device)."""
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="where the model runs: cpu, the reference engine (the default), or cuda, the CUDA runner "
+                             "(fp16 weights and the KV pool on an NVIDIA GPU, Triton kernels; needs torch with CUDA "
+                             "and pip install 'cabinllm[gpu]')")
+
+
 def use_threads(args: argparse.Namespace) -> None:
     """Apply --threads to this process."""
     CPU_THREADS.use(args.threads)
@@ -224,6 +233,8 @@ CLI_WORDS: dict[Fix, str] = {
     Fix.SCALES: "pass --scales or calibrate first",
     Fix.EXPORT_CHUNK: "export the graphs with cabin-export --chunk {} at most",
     Fix.RAISE_MAX_QUEUE: "raise cabin-serve's --max-queue (now {})",
+    Fix.DEVICE: "run with --device {}",
+    Fix.KV_MODE: "choose --kv-cache {}",
 }
 
 

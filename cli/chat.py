@@ -7,9 +7,10 @@ import signal
 import sys
 from pathlib import Path
 
-from cabinllm.cli.args import (CLI_WORDS, add_cache_flags, add_image_flags, add_sampling_flags, add_thread_flag,
-                               cli_message, entry_point, float_range, help_of, image_limits, kv_cache_config,
-                               os_error_message, output_name, positive_int, sampling_params, use_threads)
+from cabinllm.cli.args import (CLI_WORDS, add_cache_flags, add_device_flag, add_image_flags, add_sampling_flags,
+                               add_thread_flag, cli_message, entry_point, float_range, help_of, image_limits,
+                               kv_cache_config, os_error_message, output_name, positive_int, sampling_params,
+                               use_threads)
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.backends.select import BACKENDS, SessionRequest, open_session
@@ -71,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--early-stopping", choices=("true", "false", NEVER), default="false",
                         help=f"{help_of(BeamParams, 'early_stopping')} (default false)")
     add_thread_flag(parser)
+    add_device_flag(parser)
     add_sampling_flags(parser)
     return parser.parse_args(argv)
 
@@ -105,7 +107,8 @@ def session_request(args: argparse.Namespace, system: str | None) -> SessionRequ
     """The session cabin-chat's flags ask for."""
     return SessionRequest(args.engine, kv_cache_config(args), sampling_params(args), system,
                           OverflowPolicy(args.overflow), args.backend, args.ort_provider, args.htp_arch, args.restore,
-                          chat_tools(args), args.tool_choice, max(args.choices, args.beam_width), image_limits(args))
+                          chat_tools(args), args.tool_choice, max(args.choices, args.beam_width), image_limits(args),
+                          args.device)
 
 
 def open_chat_session(args: argparse.Namespace, system: str | None) -> Session:

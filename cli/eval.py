@@ -14,11 +14,12 @@ from cabinllm.calibration.evaluate import (EVAL_MODES, REFERENCE_MODE, REFERENCE
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.calibration.weight_quant import (CALIBRATED_WEIGHTS, DEFAULT_CALIB_DIALOGUES, DEFAULT_CALIB_TOKENS,
                                                EVAL_WEIGHTS, INT8_HEAD, calibration_tokens, eval_weights)
-from cabinllm.cli.args import (add_kv_cache, cli_message, entry_point, int_range, non_negative_int, os_error_message,
-                               output_name, positive_int)
+from cabinllm.cli.args import (add_device_flag, add_kv_cache, cli_message, entry_point, int_range, non_negative_int,
+                               os_error_message, output_name, positive_int)
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.formats.scales_file import ScalesFile, load_scales_file
+from cabinllm.runtime.model.cuda import check_device
 from cabinllm.runtime.sources.model_source import Checkpoint, load_model, open_source, resolve_model
 
 RESULTS_JSON = "eval.json"
@@ -77,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print the JSON object instead of the table")
     parser.add_argument("--output", type=Path, default=Path("eval_report"),
                         help=f"folder for {RESULTS_JSON} and {CHART_PNG} (default eval_report)")
+    add_device_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.kv_cache.split(",") if m.strip()]
     started = time.perf_counter()
     try:
+        check_device(args.device)  # before anything loads
         unknown = [m for m in modes if eval_mode(m) is None]
         if unknown or not modes:
             raise ConfigError(f"unknown --kv-cache mode(s) {unknown}; choose from {', '.join(EVAL_MODES)}")
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         dialogues, data = prepare_dialogues(args.data, split, count, args.seed, model.tokenizer,
                                             args.max_tokens, args.min_tokens, args.sessions, model.vision)
         weights = quantized_weights(weight_names, model, args.model, args.data, args.seed)
-        results = evaluate(model, dialogues, modes, scales, weights=weights)
+        results = evaluate(model, dialogues, modes, scales, weights=weights, device=args.device)
     except CabinError as err:
         print(f"cabin-eval: error: {cli_message(err)}", file=sys.stderr)
         return 2

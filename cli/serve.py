@@ -11,8 +11,9 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from cabinllm.cli.args import (add_cache_flags, add_image_flags, add_thread_flag, cli_message, entry_point, help_of,
-                               image_limits, int_range, kv_cache_config, positive_float, positive_int, use_threads)
+from cabinllm.cli.args import (add_cache_flags, add_device_flag, add_image_flags, add_thread_flag, cli_message,
+                               entry_point, help_of, image_limits, int_range, kv_cache_config, positive_float,
+                               positive_int, use_threads)
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
@@ -61,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(flag, dest=limit.name, type=kind, default=limit.default,
                             help=f"{help_of(ServeLimits, limit.name)} (default {limit.default:,})")
     add_thread_flag(parser)
+    add_device_flag(parser)
     parser.add_argument("--model-name", default=None, help="model id clients send (default: the engine folder's name)")
     return parser.parse_args(argv)
 
@@ -95,7 +97,7 @@ def build(args: argparse.Namespace) -> FastAPI:
     key = api_key(args)
     kv_cache = kv_cache_config(args)
     use_threads(args)
-    engine = Engine.load(args.engine)
+    engine = Engine.load(args.engine, args.device)
     if engine.vision is not None:
         engine.vision.limits = image_limits(args)
     cache = engine.new_cache(kv_cache, args.max_sessions)

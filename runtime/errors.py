@@ -55,6 +55,8 @@ class Fix(Enum):
     STITCH_SESSIONS = "stitch dialogues into sessions (prepare_dialogues' sessions)"
     SCALES = "give the scales (a ScalesFile) or calibrate first"
     RAISE_MAX_QUEUE = "raise SchedulerConfig.max_queue (now {})"
+    DEVICE = "load the engine on device {} (Engine.load's device)"
+    KV_MODE = "choose KvCacheConfig.kv_mode {}"
 
 
 @dataclass(frozen=True)

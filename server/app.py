@@ -67,6 +67,7 @@ SERVER_WORDS: dict[Fix, str] = {
     Fix.SMALLER_PICTURES: 'send fewer or smaller pictures (detail "low")',
     Fix.ONE_REPLY: "ask for n 1 or a beam search (beam_width)",
     Fix.RAISE_MAX_QUEUE: "ask the server's operator for more than --max-queue {}",
+    Fix.DEVICE: "ask the server's operator to run it with --device {}",
 }
 
 

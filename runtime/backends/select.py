@@ -43,6 +43,7 @@ class SessionRequest:
     tool_choice: str = "auto"  # how: auto, required, none or one tool's name
     max_sequences: int = 1  # sequences a turn runs at once (choices, beams): the windows a sliding-window model keeps
     image_limits: ImageLimits = field(default_factory=ImageLimits)  # a vision-language engine's caps on pictures
+    device: str = "cpu"  # where the reference backend's model runs (cuda: the CUDA runner)
 
     def __post_init__(self) -> None:
         """Folders given as text become paths."""
@@ -53,7 +54,11 @@ class SessionRequest:
 
 def open_session(request: SessionRequest) -> Session:
     """Load the folder and start (or restore) a session on the chosen backend."""
-    return BACKENDS[choose_backend(request.engine, request.backend)](request)
+    backend = choose_backend(request.engine, request.backend)
+    if request.device != "cpu" and backend != "reference":
+        raise ConfigError(f"device {request.device} runs the reference backend's model on the CUDA runner; the "
+                          f"{backend} backend chooses its own device", (Hint(Fix.BACKEND, "reference"),))
+    return BACKENDS[backend](request)
 
 
 def choose_backend(engine: Path, backend: str = "auto") -> str:
@@ -70,7 +75,7 @@ def choose_backend(engine: Path, backend: str = "auto") -> str:
 
 
 def _open_reference(request: SessionRequest) -> Session:
-    engine = Engine.load(request.engine)
+    engine = Engine.load(request.engine, request.device)
     if engine.vision is not None:
         engine.vision.limits = request.image_limits
     return _open_dialogue(request, engine)

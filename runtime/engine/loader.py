@@ -1,10 +1,13 @@
-"""A loaded engine: a built engine folder (cabinllm.runtime.formats.engine_folder) on the reference engine (weights,
-tokenizer, KV scales), or any backend's model (``ModelRunner``) with its tokenizer and the cache defaults."""
+"""A loaded engine: a built engine folder (cabinllm.runtime.formats.engine_folder) on the reference engine or the CUDA
+runner (weights, tokenizer, KV scales), or any backend's model (``ModelRunner``) with its tokenizer and the cache
+defaults."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
+
+import torch
 
 from cabinllm.runtime.engine.core import EngineCore
 from cabinllm.runtime.engine.scheduler import SchedulerConfig
@@ -17,6 +20,7 @@ from cabinllm.runtime.model.interface import ModelRunner
 from cabinllm.runtime.generation.grammar import Vocabulary
 from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK, KvCacheConfig, PagedKVCache
 from cabinllm.runtime.kv.modes import KV_MODES, kv_mode_name
+from cabinllm.runtime.model.cuda import CudaRunner, check_device, check_kv_mode
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.transformer import Transformer
 from cabinllm.runtime.model.vision import VISION_FOLDER, Vision
@@ -46,10 +50,14 @@ class Engine:
     manifest: dict
     fingerprint: str
     scales: KVScales | None
+    device: torch.device = torch.device("cpu")  # where the model and its KV pools live
 
     @classmethod
-    def load(cls, folder: str | Path) -> "Engine":
-        """Load an engine folder written by cabin-build (its checkpoint checked against its manifest)."""
+    def load(cls, folder: str | Path, device: str = "cpu") -> "Engine":
+        """Load an engine folder written by cabin-build (its checkpoint checked against its manifest): on the
+        reference engine (``device`` cpu), or on the CUDA runner in fp16 (``device`` cuda or cuda:N; refused where
+        torch has no CUDA)."""
+        where = check_device(device)
         folder = EngineFolder(Path(folder))
         manifest = folder.manifest()
         if manifest.get("format") == ONNX_FORMAT:
@@ -59,7 +67,10 @@ class Engine:
         config, weights, fingerprint = folder.load_checkpoint()
         scales = load_scales(folder.scales, fingerprint, config.num_hidden_layers) if folder.scales.exists() else None
         tokenizer = ChatTokenizer(folder.checkpoint)
-        return cls(folder.path, config, Transformer(config, weights), tokenizer, manifest, fingerprint, scales)
+        model = Transformer(config, weights)
+        if where.type == "cuda":
+            model = CudaRunner.of(model, device)
+        return cls(folder.path, config, model, tokenizer, manifest, fingerprint, scales, where)
 
     @property
     def default_kv_mode(self) -> str:
@@ -91,10 +102,13 @@ class Engine:
         """A fresh paged KV cache for this engine (what ``config`` leaves unset: the engine's, ``kv_cache_config``);
         ``max_sequences``: the live sequences whose windows a model with sliding-window layers holds at once."""
         config = self.kv_cache_config(config)
+        if self.device.type != "cpu":
+            check_kv_mode(config.kv_mode, self.device)
         if config.mode.static_scales and self.scales is None:
             raise CheckpointError(f"{self.folder}: KV mode {config.kv_mode} needs {SCALES_FILE}; rebuild with "
                                   "cabin-build")
-        return PagedKVCache(self.model.kv_layout, config, self.scales, max_sequences=max_sequences)
+        return PagedKVCache(self.model.kv_layout, config, self.scales, max_sequences=max_sequences,
+                            device=self.device)
 
     def new_core(self, cache: PagedKVCache | None = None, config: SchedulerConfig | None = None) -> EngineCore:
         """An engine core running this engine's model over ``cache`` (default: ``new_cache()``)."""

@@ -116,11 +116,13 @@ class PagedKVCache:
     """Block pool plus block tables; writes and reads K/V of one sequence at a time."""
 
     def __init__(self, layout: KVLayout, config: KvCacheConfig, scales: KVScales | None = None,
-                 storage_class: KVMode | None = None, max_sequences: int = 1, **storage_options) -> None:
+                 storage_class: KVMode | None = None, max_sequences: int = 1, device: torch.device | str = "cpu",
+                 **storage_options) -> None:
         """``storage_class`` replaces the config's mode by a variant of it (an experiment's); ``max_sequences``:
-        the sequences whose windows a model with sliding-window layers holds at once; ``storage_options`` go to
-        the storage class (int4: ``window``)."""
-        self.layout, self.config, self.scales = layout, config, scales
+        the sequences whose windows a model with sliding-window layers holds at once; ``device``: where the pools
+        live (a GPU's memory for the CUDA runner; block tables and slots stay on the host); ``storage_options`` go
+        to the storage class (int4: ``window``)."""
+        self.layout, self.config, self.scales, self.device = layout, config, scales, torch.device(device)
         mode, tpb = storage_class or config.mode, config.tokens_per_block
         plan, self._mode, self.max_sequences = WindowPlan.of(layout, tpb), mode, max_sequences
         if max_sequences < 1:
@@ -136,12 +138,13 @@ class PagedKVCache:
                 + (f", plus {reserved} reserved for {held}" if reserved else "")
                 + f"); raise the budget to at least {self.bytes_per_block + reserved} bytes")
         self.blocks = BlockManager(num_blocks, tpb, config.enable_block_reuse)
-        self.storage = (mode(layout, num_blocks, tpb, scales, **storage_options) if plan is None else
-                        WindowedStorage(mode, layout, num_blocks, plan, max_sequences, scales))
+        with self.device:  # the storage's tensors (its pools) are made where torch's default device says
+            self.storage = (mode(layout, num_blocks, tpb, scales, **storage_options) if plan is None else
+                            WindowedStorage(mode, layout, num_blocks, plan, max_sequences, scales))
 
     def renewed(self) -> "PagedKVCache":
-        """An empty cache like this one (its layout, config, scales and sequences)."""
-        return PagedKVCache(self.layout, self.config, self.scales, max_sequences=self.max_sequences)
+        """An empty cache like this one (its layout, config, scales, sequences and device)."""
+        return PagedKVCache(self.layout, self.config, self.scales, max_sequences=self.max_sequences, device=self.device)
 
     @property
     def mode(self) -> KVMode:

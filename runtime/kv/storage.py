@@ -126,6 +126,11 @@ class KVStorage:
         """One layer's K and V as stored, for the native decode attention to read in place."""
         raise NotImplementedError
 
+    def layer_slots(self, layer: int, slots: torch.Tensor) -> tuple[StoredKV, torch.Tensor]:
+        """One layer's pools (``stored_kv`` with an empty block table) and where flat ``slots`` of the blocks are in
+        them: what a kernel that stores K/V in place writes to."""
+        return self.stored_kv(layer, torch.zeros(0, dtype=torch.long), 0), slots
+
     def static_pools(self) -> StaticPools | None:
         """All layers' pools, where each layer's elements convert with one static scale (the fused decode
         step's form); None otherwise."""
@@ -137,15 +142,15 @@ class KVStorage:
                           (Hint(Fix.PER_TOKEN_KV_MODE),))
 
     def session_rows(self, seq: Sequence) -> dict[str, torch.Tensor]:
-        """What a session file saves of a sequence: each per-token pool's rows of its tokens, in order."""
+        """What a session file saves of a sequence: each per-token pool's rows of its tokens, in order (on the host)."""
         slots = sequence_slots(seq, 0, len(seq), self.tokens_per_block)
-        return {name: t.flatten(1, 2)[:, slots].contiguous() for name, t in self.token_tensors().items()}
+        return {name: t.flatten(1, 2)[:, slots].cpu().contiguous() for name, t in self.token_tensors().items()}
 
     def restore_rows(self, seq: Sequence, rows: dict[str, torch.Tensor], start: int) -> None:
         """Put a session file's rows (``session_rows``) of positions [start, len(seq)) back into the pools."""
         slots = sequence_slots(seq, start, len(seq), self.tokens_per_block)
         for name, t in self.token_tensors().items():
-            t.flatten(1, 2)[:, slots] = rows[name][:, start:]
+            t.flatten(1, 2)[:, slots] = rows[name][:, start:].to(t.device)
 
     def window_bytes(self) -> tuple[int, int]:
         """Bytes held outside the blocks (reserved, in use)."""

@@ -90,7 +90,8 @@ class WindowedStorage(KVStorage):
                            _scales(scales, plan.local_layers))
         self._route = {layer: (self.blocks, i) for i, layer in enumerate(plan.global_layers)}
         self._route |= {layer: (self.window, i) for i, layer in enumerate(plan.local_layers)}
-        self._local = torch.full((num_blocks,), -1, dtype=torch.long)  # global block -> local block, -1: none
+        # global block -> local block, -1: none; host bookkeeping, wherever the pools live
+        self._local = torch.full((num_blocks,), -1, dtype=torch.long, device="cpu")
         self._cached: OrderedDict[int, None] = OrderedDict()  # mapped global blocks no sequence pins, oldest first
         self._free = list(range(self.local_blocks))
         self._pins: dict[int, int] = {}  # global block -> sequences pinning it
@@ -227,6 +228,11 @@ class WindowedStorage(KVStorage):
         storage, index, table = self._table(layer, block_table, num_tokens)
         return storage.stored_kv(index, table, num_tokens)
 
+    def layer_slots(self, layer: int, slots: torch.Tensor) -> tuple[StoredKV, torch.Tensor]:
+        """The layer's pool and where the slots are in it."""
+        storage, index, where = self._slots(layer, slots)
+        return storage.layer_slots(index, where)
+
     def copy_block(self, source: int, copy: int) -> None:
         """Copy a block in the blocks' layers and, where the window pool maps it, in the local ones."""
         self.blocks.copy_block(source, copy)
@@ -243,7 +249,7 @@ class WindowedStorage(KVStorage):
         """Every token's rows of the global layers; the local layers' rows of what the next query's window reads."""
         rows = self.blocks.session_rows(seq)
         slots = self._slots(self.plan.local_layers[0], self._window_slots(seq, len(seq)))[2]
-        return rows | {f"{WINDOW}{name}": t.flatten(1, 2)[:, slots].contiguous()
+        return rows | {f"{WINDOW}{name}": t.flatten(1, 2)[:, slots].cpu().contiguous()
                        for name, t in self.window.token_tensors().items()}
 
     def restore_rows(self, seq: Sequence, rows: dict[str, torch.Tensor], start: int) -> None:
@@ -252,7 +258,7 @@ class WindowedStorage(KVStorage):
         self.follow(seq, len(seq))
         slots = self._slots(self.plan.local_layers[0], self._window_slots(seq, len(seq)))[2]
         for name, t in self.window.token_tensors().items():
-            t.flatten(1, 2)[:, slots] = rows[f"{WINDOW}{name}"]
+            t.flatten(1, 2)[:, slots] = rows[f"{WINDOW}{name}"].to(t.device)
 
     def _window_slots(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
         """The blocks' slots of the positions a local layer keeps for a sequence of ``num_tokens``."""

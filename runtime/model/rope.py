@@ -8,6 +8,7 @@ tables are per position as here).
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -59,6 +60,13 @@ class Rope:
         self.factor = longrope_attention_factor(scaling)
         self.mrope_section = (scaling or {}).get("mrope_section") if scaling_kind(scaling) == "mrope" else None
 
+    def to(self, device: torch.device | str) -> "Rope":
+        """This RoPE computing its rows on ``device`` (for positions there)."""
+        moved = copy.copy(self)
+        moved.inv_freq = self.inv_freq.to(device)
+        moved.long_inv_freq = None if self.long_inv_freq is None else self.long_inv_freq.to(device)
+        return moved
+
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape (tokens, rotated) for integer positions (tokens,), or M-RoPE's (3, tokens): the
         frequencies of each ``mrope_section`` turned by the temporal, height and width position in turn."""
@@ -70,9 +78,9 @@ class Rope:
             angles = torch.cat([angles, angles], dim=-1)
             return angles.cos(), angles.sin()
         angles = positions[:, None] * self.inv_freq[None, :]
-        if self.long_inv_freq is not None:
-            long = positions >= self.boundary
-            angles[long] = positions[long][:, None] * self.long_inv_freq[None, :]
+        if self.long_inv_freq is not None:  # torch.where, not a masked write: no host sync on a GPU
+            angles = torch.where(positions[:, None] >= self.boundary, positions[:, None] * self.long_inv_freq[None, :],
+                                 angles)
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos() * self.factor, angles.sin() * self.factor
 

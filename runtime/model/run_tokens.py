@@ -27,18 +27,19 @@ class Prefilled:
 
 def run_tokens(model: ModelRunner, token_ids: list[int], kv_mode: str = "fp32", scales: KVScales | None = None,
                all_logits: bool = False, cache: PagedKVCache | None = None, chunk: int | None = None,
-               media: MediaFeed | None = None) -> Prefilled:
+               media: MediaFeed | None = None, device: torch.device | str = "cpu") -> Prefilled:
     """Run the model over token_ids (``media``: the pictures among them) on a fresh cache sized to them (or on
     ``cache``, empty) and hand back its K/V.
 
     A fresh cache keeps every layer's K/V of every token, sliding-window layers' too (their attention still sees
     their window only), so that calibration reads them all. They go through the model at once, or in pieces of
     ``chunk`` tokens. Modes that keep a window of recent tokens at higher precision are prefilled block by block at
-    most, so every position sees the window as it would while decoding.
+    most, so every position sees the window as it would while decoding. ``device``: where a fresh cache's pools
+    live (the model's: a GPU for the CUDA runner).
     """
     if cache is None:
         layout = replace(model.kv_layout, windows=())
-        cache = PagedKVCache(layout, sized_config(layout, kv_mode, len(token_ids)), scales)
+        cache = PagedKVCache(layout, sized_config(layout, kv_mode, len(token_ids)), scales, device=device)
     seq = Sequence()
     chunk = min(chunk or len(token_ids), cache.tokens_per_block if cache.mode.recent_window else len(token_ids))
     logits = []

@@ -44,7 +44,7 @@ from cabinllm.runtime.kv.storage import KVLayout, KVStorage
 from cabinllm.runtime.formats.weight_formats import HEAD_TENSORS, SCALE, head_format
 from cabinllm.runtime.model.linear import Int8G32Table, Linear, halves, kernel_linear, linear_op, stack
 from cabinllm.runtime.model.linear import linear as _linear
-from cabinllm.runtime.model.interface import MediaTable, Span
+from cabinllm.runtime.model.interface import MediaTable, ModelRunner, Span
 from cabinllm.runtime.model.rope import Rope, apply_rope, mrope_offset, mrope_positions
 from cabinllm.runtime.model.threads import CPU_THREADS
 
@@ -81,7 +81,7 @@ class Transformer:
         self.local_rope = None if local is None else Rope(rotary, local)  # Gemma 3's local layers
         # SDPA scales by 1 / sqrt(head_size); Gemma's query_pre_attn_scalar asks for another scale
         scalar = config.query_pre_attn_scalar
-        self._query_scale = 1.0 if scalar is None else math.sqrt(config.head_size / scalar)
+        self.query_scale = 1.0 if scalar is None else math.sqrt(config.head_size / scalar)  # q's factor
         self._act = ACTIVATIONS[config.hidden_act]
 
     @property
@@ -120,14 +120,14 @@ class Transformer:
                                  "tokens")
         limit = cache.storage.step_tokens
         if limit is not None and any(len(span.token_ids) > limit for span in spans):
-            return self._in_pieces(spans, cache, all_logits, limit, media)
+            return in_pieces(self, spans, cache, all_logits, limit, media)
         for span in spans:
             cache.storage.prepare(span.seq, span.start_pos, span.end)
         ids = [t for span in spans for t in span.token_ids]
         decoding = len(spans) <= MATVEC_MAX_TOKENS and all(len(span.token_ids) == 1 for span in spans)
         x = self._fused_step(spans, cache) if decoding and self.native_kernels else None
         if x is not None:
-            return _linear(_rms_norm(x, self.final_norm, c.norm_epsilon), self.lm_head, matvec())
+            return _linear(rms_norm(x, self.final_norm, c.norm_epsilon), self.lm_head, matvec())
         positions = torch.cat([self._positions(span) for span in spans], dim=-1)
         x = self.embed(torch.tensor(ids, dtype=torch.long))
         x = x * c.embedding_multiplier if c.embedding_multiplier != 1.0 else x
@@ -138,21 +138,21 @@ class Transformer:
         ctx = StepContext(spans, torch.cat([cache.slots(s.seq, s.start_pos, s.end) for s in spans]),
                           [cache.block_table(s.seq) for s in spans], cache.storage, self.native_kernels, mv)
         for index, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer["input_norm"], c.norm_epsilon)
+            h = rms_norm(x, layer["input_norm"], c.norm_epsilon)
             rope = (ropes[-1] if c.layer_window(index) is not None else ropes[0]) if c.layer_rotates(index) else None
             attn = self._attention(index, layer, h, rope, ctx)
             if c.inter_layernorms:  # Gemma: post_layernorm normalizes the attention output, two more the MLP's
-                x = x + _rms_norm(attn, layer["post_norm"], c.norm_epsilon)
-                h = _rms_norm(x, layer["pre_ff_norm"], c.norm_epsilon)
+                x = x + rms_norm(attn, layer["post_norm"], c.norm_epsilon)
+                h = rms_norm(x, layer["pre_ff_norm"], c.norm_epsilon)
             else:
                 x = x + attn
-                h = _rms_norm(x, layer["post_norm"], c.norm_epsilon)
+                h = rms_norm(x, layer["post_norm"], c.norm_epsilon)
             fc, gate = _linear(h, layer["fc_gate"], mv).chunk(2, dim=-1)
             mlp = _linear(self._act(fc) * gate, layer["proj"], mv)
-            x = x + (_rms_norm(mlp, layer["post_ff_norm"], c.norm_epsilon) if c.inter_layernorms else mlp)
+            x = x + (rms_norm(mlp, layer["post_ff_norm"], c.norm_epsilon) if c.inter_layernorms else mlp)
         if not all_logits:
             x = x[torch.tensor([span.end - span.start_pos for span in spans]).cumsum(0) - 1]
-        h = _rms_norm(x, self.final_norm, c.norm_epsilon)  # one row per span, or per token
+        h = rms_norm(x, self.final_norm, c.norm_epsilon)  # one row per span, or per token
         logits = _linear(h, self.lm_head, matvec() if self.native_kernels and len(h) <= MATVEC_MAX_TOKENS else None)
         cap = c.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -163,17 +163,6 @@ class Transformer:
             return torch.arange(span.start_pos, span.end)
         return mrope_positions(span.start_pos, span.end, span.seq.media)
 
-    def _in_pieces(self, spans: list[Span], cache: PagedKVCache, all_logits: bool, limit: int,
-                   media: MediaTable | None) -> torch.Tensor:
-        """``step``'s logits, each span run in steps of at most ``limit`` tokens (a storage that holds only what
-        the next positions read, e.g. sliding-window layers' pool)."""
-        outs = []
-        for span in spans:
-            ids = span.token_ids
-            logits = [self.step([Span(ids[i:i + limit], span.start_pos + i, span.seq)], cache, all_logits, media)
-                      for i in range(0, len(ids), limit)]
-            outs.append(torch.cat(logits) if all_logits else logits[-1])
-        return torch.cat(outs)
 
     def _fused_step(self, spans: list[Span], cache: PagedKVCache) -> torch.Tensor | None:
         """One token of each span's sequence through every layer in one native call (runtime/kernels/decode_step.c):
@@ -200,7 +189,7 @@ class Transformer:
         windows or layers without RoPE)."""
         c = self.config
         if (c.inter_layernorms or c.sliding_window is not None or c.embedding_multiplier != 1.0
-                or self._query_scale != 1.0 or c.final_logit_softcapping is not None or c.nope_layers):
+                or self.query_scale != 1.0 or c.final_logit_softcapping is not None or c.nope_layers):
             return None
         layers = []
         for layer in self.layers:
@@ -223,11 +212,11 @@ class Transformer:
         q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
         q, k = q.reshape(n, heads, d), k.reshape(n, kv_heads, d)
         if c.qk_layernorm:
-            q, k = _rms_norm(q, layer["q_norm"], c.norm_epsilon), _rms_norm(k, layer["k_norm"], c.norm_epsilon)
+            q, k = rms_norm(q, layer["q_norm"], c.norm_epsilon), rms_norm(k, layer["k_norm"], c.norm_epsilon)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         ctx.storage.write(index, ctx.slots, k, v.reshape(n, kv_heads, d))
-        q = q * self._query_scale if self._query_scale != 1.0 else q
+        q = q * self.query_scale if self.query_scale != 1.0 else q
         outs, first, window = [], 0, c.layer_window(index)
         for span, block_table in zip(ctx.spans, ctx.block_tables):
             count = len(span.token_ids)
@@ -268,6 +257,19 @@ class Transformer:
         out = grouped_attention(q * k_scale if k_scale != 1.0 else q, keys, values, span.start_pos,
                                 key_start=first_block * tpb, window=window)
         return out * v_scale if v_scale != 1.0 else out
+
+
+def in_pieces(model: ModelRunner, spans: list[Span], cache: PagedKVCache, all_logits: bool, limit: int,
+              media: MediaTable | None) -> torch.Tensor:
+    """``model.step``'s logits, each span run in steps of at most ``limit`` tokens (a storage that holds only what
+    the next positions read, e.g. sliding-window layers' pool)."""
+    outs = []
+    for span in spans:
+        ids = span.token_ids
+        logits = [model.step([Span(ids[i:i + limit], span.start_pos + i, span.seq)], cache, all_logits, media)
+                  for i in range(0, len(ids), limit)]
+        outs.append(torch.cat(logits) if all_logits else logits[-1])
+    return torch.cat(outs)
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int,
@@ -365,5 +367,6 @@ def _place_media(x: torch.Tensor, spans: list[Span], media: MediaTable) -> None:
         first += len(span.token_ids)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the rows of x times ``weight`` (a family's offset is already in the weight)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight

@@ -1,0 +1,32 @@
+"""Triton kernels over the paged KV cache, for the CUDA runner (``cabinllm.runtime.model.cuda``).
+
+``paged_attention`` holds them (``pools`` the layer pools they take): the KV write that stores a step's new K/V rows
+into their slots (int8 codes with a layer's static scale, int8 with a fp16 scale per token and KV head, or
+fp16/bf16/fp32 as they are), decode attention of one token per sequence over its blocks (split-KV, flash-decoding
+style, with a second kernel reducing the splits) and prefill attention of new tokens over a cached prefix (paged
+context: the prefix's blocks plus causal among the new tokens). Each reads the blocks in place, as
+``KVStorage.stored_kv`` hands them over (``StoredKV``): int8 codes are multiplied by their scale inside the dot
+products, never dequantized into a copy of the history.
+
+Triton is an optional dependency (the ``gpu`` extra): ``load`` imports the kernels on first use. With
+``TRITON_INTERPRET=1`` set before that, they run under Triton's interpreter on CPU tensors (how the tests check them
+on a machine without a GPU).
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from cabinllm.runtime.errors import MissingDependency
+
+KERNELS_MODULE = f"{__name__}.paged_attention"
+
+
+def load() -> ModuleType:
+    """The kernels module (``paged_attention``); MissingDependency naming the extra where Triton is missing."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        raise MissingDependency("the CUDA runner's kernels need triton, which is not installed; "
+                                "pip install 'cabinllm[gpu]'") from None
+    return importlib.import_module(KERNELS_MODULE)
