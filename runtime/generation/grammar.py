@@ -164,16 +164,18 @@ class Vocabulary:
         return list(dict.fromkeys(int(token) for token in picks))[:SEARCH_BRANCHES]
 
     def _order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The search's token lists (built once): tokens of closing bytes only and every token, longest first; the
-        single-byte tokens in ``BYTE_ORDER``."""
+        """The search's token lists (built once): tokens of closing bytes only (after spaces), those that end a
+        string first, longest first; every token, longest first; the single-byte tokens in ``BYTE_ORDER``."""
         if self._search_order is None:
             spelled = [(token, self.token_bytes(token)) for token in range(self.vocab_size)]
             spelled = [(token, text) for token, text in spelled if text]
             by_length = sorted(spelled, key=lambda item: -len(item[1]))
             singles = {text[0]: token for token, text in reversed(by_length) if len(text) == 1}
             order = list(dict.fromkeys(BYTE_ORDER))
+            closing = [(token, text.lstrip(b" ")) for token, text in by_length if not text.strip(b" ").strip(CLOSING)]
+            closing.sort(key=lambda item: (not item[1].startswith(b'"'), -len(item[1])))  # a string's end first
             self._search_order = (
-                np.array([token for token, text in by_length if not text.strip(CLOSING)], dtype=np.int64),
+                np.array([token for token, _ in closing], dtype=np.int64),
                 np.array([token for token, _ in by_length], dtype=np.int64),
                 np.array([singles[byte] for byte in order if byte in singles], dtype=np.int64))
         return self._search_order
