@@ -144,6 +144,7 @@ def test_a_reply_cut_after_a_whole_call_returns_it_in_tool_calls_with_no_markup(
         assert 1 <= len(whole) <= grammar_module.MAX_TOOL_CALLS
         if len(whole) >= 2 and whole[0].function.name != "play_media":
             break
+    assert len(whole) >= 2, "no seed gave two calls"
     first = (whole[0].function.name, whole[0].function.arguments)
     cut = len(HERMES.call_text(*first)) + 30  # inside the second call
     choice = client.chat.completions.create(**kwargs, seed=seed, max_tokens=cut).choices[0]
