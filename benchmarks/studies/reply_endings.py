@@ -51,8 +51,8 @@ def tool_replies(client, model: str, tools: list[dict], commands: list[dict], ma
     for command in commands:
         extra = {} if parallel is None else {"parallel_tool_calls": parallel}
         reply = client.chat.completions.create(
-            model=model, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": command["command"]}],
-            tools=tools, tool_choice="required", max_tokens=max_tokens, **extra)
+            model=model, tools=tools, tool_choice="required", max_tokens=max_tokens, **extra,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": command["command"]}])
         choice = reply.choices[0]
         calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls or []]
         valid = all(name in schemas and _valid(arguments, schemas[name]) for name, arguments in calls)
@@ -136,8 +136,8 @@ def steering_cost(engine: Engine, tools: list[Tool], commands: list[dict], forma
     steered, unsteered = statistics.median(runs["steered"]), statistics.median(runs["unsteered"])
     return {"rounds": runs, "steered_tok_s": steered, "unsteered_tok_s": unsteered, "ratio": steered / unsteered,
             "check_tokens": len(checks), "check_median_us": statistics.median(checks) * 1e6,
-            "check_p95_us": statistics.quantiles(checks, n=20)[-1] * 1e6, "check_mean_us": statistics.fmean(checks) * 1e6,
-            "check_max_us": max(checks) * 1e6}
+            "check_p95_us": statistics.quantiles(checks, n=20)[-1] * 1e6,
+            "check_mean_us": statistics.fmean(checks) * 1e6, "check_max_us": max(checks) * 1e6}
 
 
 def _check_times(engine: Engine, replies: list[tuple]) -> list[float]:
@@ -182,7 +182,8 @@ def markdown(result: dict) -> str:
                      f"{s['tokens']} |")
     st = result["structured"]["summary"]
     lines += ["", "Structured replies: json_schema / json_object, max_tokens 8 to 64", "",
-              "| requests | answered | parse and validate | refused up front (400, max_tokens) | finish stop / length |",
+              "| requests | answered | parse and validate | refused up front (400, max_tokens) "
+              "| finish stop / length |",
               "|---|---|---|---|---|",
               f"| {st['requests']} | {st['answered']} | {st['valid']}/{st['answered']} | {st['refused']} | "
               f"{st['stop']} / {st['length']} |"]

@@ -234,7 +234,8 @@ class GrammarState:
         shortest = self._vocabulary.ending(self._matcher, ENDING_DEPTH)
         if shortest is not None:
             raise GrammarError(f"the shortest reply the grammar allows takes {len(shortest)} tokens, more than the "
-                               f"{max_tokens} the reply may have", (Hint(Fix.RAISE_MAX_NEW_TOKENS, str(len(shortest))),))
+                               f"{max_tokens} the reply may have",
+                               (Hint(Fix.RAISE_MAX_NEW_TOKENS, str(len(shortest))),))
 
     def fits(self, token: int, left: int) -> bool:
         """Whether a whole sentence can still follow ``token`` (one the mask allows) within the ``left`` tokens after
