@@ -202,6 +202,7 @@ def kv_budget_bytes(megabytes: float) -> int:
 # The command line's words for each Fix of a CabinError (a {} takes the hint's detail): its flags and commands.
 CLI_WORDS: dict[Fix, str] = {
     Fix.LOWER_MAX_NEW_TOKENS: "lower --max-new-tokens",
+    Fix.RAISE_MAX_NEW_TOKENS: "raise --max-new-tokens to {} at least",
     Fix.NEW_CONVERSATION: "start a new conversation (/reset)",
     Fix.RAISE_KV_BUDGET: "raise --kv-budget-mb",
     Fix.LOWER_KV_BUDGET: "give a smaller --kv-budget-mb",

@@ -17,6 +17,7 @@ from cabinllm.cli.args import (add_cache_flags, add_device_flag, add_image_flags
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
+from cabinllm.runtime.generation.grammar import MAX_TOOL_CALLS
 from cabinllm.server.app import ServeConfig, create_app
 from cabinllm.server.edge import API_KEY_ENV, MAX_HEADER_BYTES, CabinServer, ServeLimits, is_loopback, timed_h11
 from cabinllm.runtime.engine.scheduler import SchedulerConfig
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-n", type=positive_int, default=4,
                         help="most choices (n) one request may ask for, each decoded as one of --max-sessions; they "
                              "share the prompt's prefill and KV blocks (default 4)")
+    parser.add_argument("--max-tool-calls", type=positive_int, default=MAX_TOOL_CALLS,
+                        help="most calls one reply makes with parallel_tool_calls (false: one; a call repeated in "
+                             f"one reply ends it) (default {MAX_TOOL_CALLS})")
     parser.add_argument("--prefill-chunk", type=positive_int, default=256,
                         help="prompt tokens computed per step, so decoding clients are not stalled by a long prompt "
                              "(default 256)")
@@ -104,7 +108,7 @@ def build(args: argparse.Namespace) -> FastAPI:
     core = engine.new_core(cache, SchedulerConfig(args.max_sessions, args.max_queue, args.prefill_chunk,
                                                   args.queue_timeout))
     config = ServeConfig(args.model_name or Path(args.engine).resolve().name, OverflowPolicy(args.overflow),
-                         args.max_tokens, args.max_n)
+                         args.max_tokens, args.max_n, args.max_tool_calls)
     return create_app(engine, core, config, limits(args), key)
 
 

@@ -22,6 +22,7 @@ class Fix(Enum):
     ``server.app.SERVER_WORDS``)."""
 
     LOWER_MAX_NEW_TOKENS = "lower SamplingParams.max_new_tokens"
+    RAISE_MAX_NEW_TOKENS = "raise SamplingParams.max_new_tokens to {} at least"
     NEW_CONVERSATION = "start a new conversation (DialogueSession.reset)"
     RAISE_KV_BUDGET = "raise KvCacheConfig.max_bytes"
     LOWER_KV_BUDGET = "lower KvCacheConfig.max_bytes"

@@ -29,14 +29,14 @@ from prometheus_client.registry import Collector
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_error
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CapacityError, Fix, GrammarError, ImageError, QueueFull
-from cabinllm.runtime.generation.grammar import (GrammarState, choice_grammar, json_schema_grammar, regex_grammar,
-                                                 reply_grammar)
+from cabinllm.runtime.generation.grammar import (MAX_TOOL_CALLS, GrammarState, choice_grammar, json_schema_grammar,
+                                                 regex_grammar, reply_grammar)
 from cabinllm.runtime.generation.sampling import TokenLogprob
 from cabinllm.runtime.engine.core import EngineCore
 from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.model.interface import MediaFeed
 from cabinllm.runtime.model.vision import EncodedRows, PreparedImage
-from cabinllm.runtime.model.tools import Tool, ToolCall
+from cabinllm.runtime.model.tools import ContentStream, Tool, ToolCall, ToolFormat
 from cabinllm.server.conversation import plan_prompt
 from cabinllm.server.edge import Edge, ServeLimits, Shutdown
 from cabinllm.server.openai_api import (ApiError, ImagePart, ChatCompletion, ChatCompletionRequest, Choice, ChoiceDelta,
@@ -61,6 +61,7 @@ STREAM_ANSWER = {"description": "a chat.completion, or with stream true server-s
 # what the client chooses; what only the server's operator can change is named as the operator's.
 SERVER_WORDS: dict[Fix, str] = {
     Fix.LOWER_MAX_NEW_TOKENS: "lower max_tokens",
+    Fix.RAISE_MAX_NEW_TOKENS: "raise max_tokens to {} at least",
     Fix.NEW_CONVERSATION: "start a new conversation",
     Fix.RAISE_KV_BUDGET: "ask the server's operator to raise --kv-budget-mb",
     Fix.OTHER_OVERFLOW: "ask the server's operator to choose --overflow sink-window|drop-turns",
@@ -79,6 +80,7 @@ class ServeConfig:
     overflow: OverflowPolicy
     max_tokens: int = 256  # reply limit of a request that gives none (at most half of what a sequence holds)
     max_n: int = 4  # most choices of one request (each one sequence of --max-sessions)
+    max_tool_calls: int = MAX_TOOL_CALLS  # most calls of one reply (parallel_tool_calls false: one)
 
 
 def json_body_route(limits: ServeLimits) -> type[APIRoute]:
@@ -301,7 +303,8 @@ def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCom
     images: dict[str, PreparedImage] = {}
     messages = _messages_with_images(engine, chat, images)
     tools = [tool.to_tool() for tool in chat.tools or []]
-    grammars = [_grammar(engine, chat, tools) for _ in range(chat.n)]  # each choice follows its grammar alone
+    grammars = [_grammar(engine, chat, tools, config.max_tool_calls)  # each choice follows its grammar alone
+                for _ in range(chat.n)]
     tokenizer = engine.tokenizer.with_tools(tools)
     tokenizer = tokenizer.with_images(images, engine.vision.placeholder) if images else tokenizer
     try:
@@ -337,6 +340,9 @@ def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCom
         raise ApiError(400, f"{problem}; ask for a smaller {field} or max_tokens", param=field)
     try:
         core.add_request(choices[0])
+    except GrammarError as err:  # the shortest reply the grammar allows does not fit the reply's limit
+        field = "max_completion_tokens" if chat.max_completion_tokens is not None else "max_tokens"
+        raise ApiError(400, f"{field} {max_tokens} is too small: {err.words(SERVER_WORDS)}", param=field) from err
     except QueueFull as err:
         raise ApiError(429, f"too many requests: {err.words(SERVER_WORDS)}; retry in {RETRY_AFTER_S} s",
                        kind="rate_limit_error", code="rate_limit_exceeded", retry_after_s=RETRY_AFTER_S) from err
@@ -365,9 +371,9 @@ async def _disconnect(http: HttpRequest) -> None:
         pass
 
 
-def _grammar(engine: Engine, chat: ChatCompletionRequest, tools: list[Tool]) -> GrammarState | None:
-    """The grammar the reply follows (``tools``, ``response_format``, ``guided_regex`` or ``guided_choice``); a 400
-    naming the part it cannot use."""
+def _grammar(engine: Engine, chat: ChatCompletionRequest, tools: list[Tool], max_calls: int) -> GrammarState | None:
+    """The grammar the reply follows (``tools``, at most ``max_calls`` calls, ``response_format``, ``guided_regex`` or
+    ``guided_choice``); a 400 naming the part it cannot use."""
     if chat.guided_regex is not None:
         return _start(engine, "guided_regex", regex_grammar(chat.guided_regex))
     if chat.guided_choice is not None:
@@ -377,14 +383,17 @@ def _grammar(engine: Engine, chat: ChatCompletionRequest, tools: list[Tool]) -> 
     schema = chat.response_format.schema if chat.response_format else None
     if schema is not None:
         _start(engine, "response_format.json_schema.schema", json_schema_grammar(schema))
-    grammar = reply_grammar(engine.tokenizer.tool_format, tools, chat.tool_mode, chat.parallel_tool_calls, schema)
-    return _start(engine, "tools", grammar) if grammar else None
+    tool_format = engine.tokenizer.tool_format
+    grammar = reply_grammar(tool_format, tools, chat.tool_mode, chat.parallel_tool_calls, schema, max_calls)
+    return _start(engine, "tools", grammar, tool_format if tools and chat.tool_mode != "none" else None) \
+        if grammar else None
 
 
-def _start(engine: Engine, param: str, grammar: str) -> GrammarState:
-    """A reply's grammar state; the 400 naming ``param`` where the grammar cannot be used."""
+def _start(engine: Engine, param: str, grammar: str, tool_format: ToolFormat | None = None) -> GrammarState:
+    """A reply's grammar state (``tool_format``: of the calls it writes); the 400 naming ``param`` where the grammar
+    cannot be used."""
     try:
-        return engine.vocabulary.start(grammar)
+        return engine.vocabulary.start(grammar, tool_format)
     except GrammarError as err:
         raise ApiError(400, f"{param} {err.words(SERVER_WORDS)}", param=param) from err
 
@@ -393,23 +402,19 @@ class Reply:
     """How a request's reply reads back: text, or calls of its tools in the model's tool format."""
 
     def __init__(self, chat: ChatCompletionRequest, engine: Engine) -> None:
-        self.tool_format = engine.tokenizer.tool_format
-        self.may_call = chat.tool_mode != "none"
+        self.tool_format = engine.tokenizer.tool_format if chat.tool_mode != "none" else None
 
     def calls(self, text: str) -> list[ToolCall] | None:
-        """The calls the reply made (None: it is text)."""
-        return self.tool_format.read_calls(text) if self.may_call else None
+        """The calls the reply completed (None: none)."""
+        return self.tool_format.read_calls(text) if self.tool_format else None
+
+    def content(self, text: str) -> str:
+        """The reply's content: its text but call markup."""
+        return self.tool_format.content(text) if self.tool_format else text
 
     def finish_reason(self, request: Request, calls: list[ToolCall] | None) -> str:
         """OpenAI's reason: tool_calls for a reply that ended by calling."""
         return "tool_calls" if calls and request.finish_reason == "stop" else request.finish_reason
-
-    def is_call(self, text: str) -> bool | None:
-        """Whether a reply beginning with ``text`` is calls (None: cannot tell yet)."""
-        opener = self.tool_format.opener
-        if not self.may_call or not (text.startswith(opener) or opener.startswith(text)):
-            return False
-        return True if text.startswith(opener) else None
 
 
 class ChoiceStream:
@@ -420,15 +425,12 @@ class ChoiceStream:
     def __init__(self, index: int, request: Request, reply: Reply,
                  logprobs: Callable[[list[TokenLogprob]], ChoiceLogprobs] | None) -> None:
         self.index, self.request, self.reply, self.logprobs = index, request, reply, logprobs
-        self.held, self.is_call, self.logprobs_sent, self.calls = "", None, 0, None
+        self.content, self.logprobs_sent, self.calls = ContentStream(reply.tool_format), 0, None
 
     def pieces(self, piece: str) -> list[tuple[ChoiceDelta, ChoiceLogprobs | None]]:
         """The content deltas of a new piece of text."""
-        if self.is_call is None:
-            self.held += piece
-            self.is_call = self.reply.is_call(self.held) if self.held else None
-            piece = self.held if self.is_call is False else ""
-        return [(ChoiceDelta(content=piece), self._new_logprobs())] if piece and not self.is_call else []
+        piece = self.content.piece(piece)
+        return [(ChoiceDelta(content=piece), self._new_logprobs())] if piece else []
 
     def ending(self) -> list[tuple[ChoiceDelta, ChoiceLogprobs | None]]:
         """The deltas after the last piece: the calls, or text held back for nothing."""
@@ -436,9 +438,8 @@ class ChoiceStream:
         self.calls = self.reply.calls(text)
         if self.calls:
             return [(delta, None) for delta in call_deltas(self.calls)]
-        if self.is_call is not False and text:
-            return [(ChoiceDelta(content=text), self._new_logprobs())]
-        return []
+        rest = self.content.rest(text)
+        return [(ChoiceDelta(content=rest), self._new_logprobs())] if rest else []
 
     def _new_logprobs(self) -> ChoiceLogprobs | None:
         if self.logprobs is None:
@@ -520,7 +521,7 @@ def _choice(index: int, request: Request, reply: Reply,
             logprobs: Callable[[list[TokenLogprob]], ChoiceLogprobs] | None) -> Choice:
     """One choice of a whole completion."""
     calls = reply.calls(request.text)
-    return Choice(index=index, message=reply_message(request.text, calls),
+    return Choice(index=index, message=reply_message(reply.content(request.text), calls),
                   finish_reason=reply.finish_reason(request, calls),
                   logprobs=logprobs(request.token_logprobs) if logprobs else None)
 

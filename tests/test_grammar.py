@@ -166,7 +166,8 @@ def test_a_grammar_that_fails_mid_reply_ends_that_reply_only(bytes_engine, monke
     nothing = torch.zeros(bytes_engine.config.vocab_size, dtype=torch.bool)
     broken = bytes_engine.vocabulary.start(json_schema_grammar(WINDOW))
     monkeypatch.setattr(broken, "allowed", lambda: nothing)
-    failing, free = Request(prompt, params, lambda *_: None, grammar=broken), Request(prompt, params, lambda *_: None)
+    room = SamplingParams(max_new_tokens=64, stop_token_ids=bytes_engine.stop_token_ids())  # holds a whole WINDOW
+    failing, free = Request(prompt, room, lambda *_: None, grammar=broken), Request(prompt, params, lambda *_: None)
     for request in (failing, free):
         scheduler.add_request(request)
     while free.finish_reason is None:

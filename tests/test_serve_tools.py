@@ -12,6 +12,8 @@ import openai
 import pytest
 
 from cabinllm.cli.chat import BUILTIN_TOOLS
+from cabinllm.runtime.generation import grammar as grammar_module
+from cabinllm.runtime.model.tools import HERMES
 
 from serve_helpers import metrics, running_server
 
@@ -119,6 +121,76 @@ def test_json_object_replies_are_objects(client):
     reply = client.chat.completions.create(model="tiny", messages=ASK, response_format={"type": "json_object"},
                                            seed=0, max_tokens=300)
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def _streamed(client, **kwargs) -> tuple[str, list[tuple[str, str]], str]:
+    """A streamed reply's content, its calls (name, arguments) and its finish reason."""
+    content, calls, finish = "", {}, None
+    for part in client.chat.completions.create(**kwargs, stream=True):
+        choice = part.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, [delta.function.name, ""])
+            call[1] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [tuple(call) for call in calls.values()], finish
+
+
+def test_a_reply_cut_after_a_whole_call_returns_it_in_tool_calls_with_no_markup(client, monkeypatch):
+    monkeypatch.setattr(grammar_module, "ENDING_DEPTH", 0)  # unsteered: the token limit cuts the reply mid-call
+    kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0)
+    for seed in range(30):  # a reply of two calls or more, the first of fixed length (a token a byte)
+        whole = client.chat.completions.create(**kwargs, seed=seed, max_tokens=600).choices[0].message.tool_calls
+        assert 1 <= len(whole) <= grammar_module.MAX_TOOL_CALLS
+        if len(whole) >= 2 and whole[0].function.name != "play_media":
+            break
+    assert len(whole) >= 2, "no seed gave two calls"
+    first = (whole[0].function.name, whole[0].function.arguments)
+    cut = len(HERMES.call_text(*first)) + 30  # inside the second call
+    choice = client.chat.completions.create(**kwargs, seed=seed, max_tokens=cut).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert [(call.function.name, call.function.arguments) for call in choice.message.tool_calls] == [first]
+    assert _streamed(client, **kwargs, seed=seed, max_tokens=cut) == ("", [first], "length")
+    choice = client.chat.completions.create(**kwargs, seed=seed, max_tokens=20).choices[0]  # cut in the first call
+    assert choice.finish_reason == "length" and not choice.message.tool_calls and not choice.message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_replies_close_within_small_token_limits(client, stream):
+    schema = {"type": "object", "properties": {"note": {"type": "string"}}}
+    for seed, limit in enumerate((8, 13, 21, 34)):
+        kwargs = dict(model="tiny", messages=ASK, temperature=1.0, seed=seed, max_tokens=limit,
+                      response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+        if stream:
+            text, _, finish = _streamed(client, **kwargs)
+        else:
+            choice = client.chat.completions.create(**kwargs).choices[0]
+            text, finish = choice.message.content, choice.finish_reason
+        assert finish in ("stop", "length")
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_max_tokens_below_the_shortest_answer_is_a_400_naming_it(client):
+    asks = [dict(response_format=JSON_SCHEMA), dict(tools=TOOLS, tool_choice="required"),
+            dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "set_window"}})]
+    for ask in asks:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=ASK, max_tokens=10, **ask)
+        error = err.value.body
+        assert error["param"] == "max_tokens" and error["message"].startswith("max_tokens 10 is too small")
+        assert "raise max_tokens to " in error["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=ASK, max_completion_tokens=10, **asks[0])
+    assert err.value.body["param"] == "max_completion_tokens"
+
+
+def test_the_server_s_cap_on_calls(bytes_engine_dir):
+    with running_server(bytes_engine_dir, "--kv-budget-mb", "16", "--max-tool-calls", "1") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        for seed in range(3):
+            reply = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                   temperature=1.0, seed=seed, max_tokens=300)
+            assert len(reply.choices[0].message.tool_calls) == 1 and reply.choices[0].finish_reason == "tool_calls"
 
 
 BAD = [

@@ -35,7 +35,7 @@ from cabinllm.runtime.kv.blocks import MediaSpan, Sequence, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
 from cabinllm.runtime.model.interface import MediaFeed
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
-from cabinllm.runtime.model.tools import Tool
+from cabinllm.runtime.model.tools import ContentStream, Tool, ToolFormat
 from cabinllm.runtime.model.vision import EncodedRows, PreparedImage
 
 
@@ -85,22 +85,23 @@ class DialogueSession:
             message = self._with_images(message, images)
         self.turns += 1
         messages = self.messages + [message]
-        grammar = reply_grammar(self.tokenizer.tool_format, self.tools, tool_choice or self.tool_choice,
-                                parallel=False)
+        choice = tool_choice or self.tool_choice
+        grammar = reply_grammar(self.tokenizer.tool_format, self.tools, choice, parallel=False)
+        tool_format = self.tokenizer.tool_format if self.tools and choice != "none" else None  # of calls it may write
         try:
             plan = self._plan(messages)
             if plan.rebuild:
                 self._release()
             held, t0 = len(self.seq), time.perf_counter()
-            request = self._request(plan, n, beam, grammar, on_text)
+            request = self._request(plan, n, beam, grammar, tool_format, on_text)
             self._core(request).generate(request, should_stop)
         except CapacityError as err:
             refused = capacity_error(err, self.overflow, self.params.max_new_tokens, self._room().capacity,
                                      self._pictures_of(message))
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, refused)
-        except GrammarError as err:  # the reply's grammar could not start: the next turn rebuilds
+        except GrammarError as err:  # the reply's grammar could not start (or fit its limit): the next turn rebuilds
             self._release()
-            return self._stats("", [], 0, 0, 0.0, 0.0, "error", 0, str(err))
+            return self._stats("", [], 0, 0, 0.0, 0.0, "error", 0, err)
         except ImageError:  # a picture's rows were not at hand: its sequence is gone, the next turn rebuilds
             self._release()
             self.turns -= 1
@@ -111,8 +112,9 @@ class DialogueSession:
         if request.finish_reason == "error":  # the cache holds part of a reply the messages will not: rebuild
             self._release()
             return self._stats("", [], 0, 0, 0.0, 0.0, "error", 0, request.error)
-        calls = self.tokenizer.tool_format.read_calls(request.text) if self.tools else None
-        reply = {"role": "assistant", "content": "" if calls else request.text}
+        content = tool_format.content(request.text) if tool_format else request.text
+        calls = tool_format.read_calls(request.text) if tool_format else None
+        reply = {"role": "assistant", "content": "" if calls else content}
         if calls:
             reply["tool_calls"] = [call.to_openai() for call in calls]
         self.messages = plan.messages + [reply]
@@ -122,26 +124,33 @@ class DialogueSession:
         decode = self.engine.tokenizer.decode_reply
         others = request.beams[1:] if beam else [follower.token_ids for follower in request.followers]
         ttft = (request.first_token_at or t0) - t0
-        return self._stats(request.text, request.token_ids, len(plan.feed) - request.cached_tokens,
+        return self._stats(reply["content"], request.token_ids, len(plan.feed) - request.cached_tokens,
                            held + request.cached_tokens, ttft, request.decode_tok_s, finish, plan.evicted,
                            tool_calls=reply.get("tool_calls"), alternatives=[decode(ids) for ids in others])
 
     def _request(self, plan: TurnPlan, n: int, beam: BeamParams | None, grammar: str | None,
-                 on_text: Callable[[str], None] | None) -> Request:
+                 tool_format: ToolFormat | None, on_text: Callable[[str], None] | None) -> Request:
         """The turn's request to the core: the plan's feed continuing the session's sequence, ``n`` choices (seeds
-        ``seed``, ``seed + 1``, ...) or a beam search."""
+        ``seed``, ``seed + 1``, ...) or a beam search; ``tool_format``: of the calls the reply may write (their
+        markup never reaches ``on_text``)."""
         params = replace(self.params, max_new_tokens=beam.max_new_tokens) if beam else self.params
         seed = params.seed
 
         def choice(i: int) -> Request:
             return Request(plan.feed, replace(params, seed=None if seed is None else (seed + i) % (MAX_SEED + 1)),
-                           grammar=self.engine.vocabulary.start(grammar) if grammar else None)
+                           grammar=self.engine.vocabulary.start(grammar, tool_format) if grammar else None)
 
         request = choice(0)
         request.seq, request.beam, request.media = self.seq, beam, self._media(plan)
         request.followers = [choice(i) for i in range(1, n)]
         if on_text and n == 1 and beam is None:
-            request.on_output = lambda _, text, __: text and on_text(text)
+            shown = ContentStream(tool_format)
+
+            def show(_request: Request, text: str, finished: bool) -> None:
+                piece = shown.piece(text) + (shown.rest(_request.text) if finished else "")
+                if piece:
+                    on_text(piece)
+            request.on_output = show
         return request
 
     def _core(self, request: Request) -> EngineCore:

@@ -142,7 +142,10 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        """Queue a request; QueueFull when ``max_queue`` are waiting already."""
+        """Queue a request; QueueFull when ``max_queue`` are waiting already, GrammarError (its hint: the tokens
+        needed) when the shortest reply its grammar allows is longer than its ``max_new_tokens``."""
+        if request.grammar and not request.beam:
+            request.grammar.check_room(request.params.max_new_tokens)
         with self.lock:
             if len(self.waiting) >= self.config.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already",
@@ -371,8 +374,7 @@ class Scheduler:
     def _sample(self, running: _Running, logits: torch.Tensor) -> None:
         request = running.request
         try:
-            logits = running.reply.constrain(logits)
-            token = sample(logits, request.params, running.generator)
+            token, logits = running.reply.sample(logits, lambda row: sample(row, request.params, running.generator))
         except GrammarError as err:  # the grammar's own failure ends its request only
             request.error = str(err)
             self.finish(running, "error")

@@ -5,8 +5,10 @@ session push each sampled token into a ``ReplyStream``. A reply ends at a stop t
 in its text), at a stop string (its text cut before it), after ``max_new_tokens`` tokens, or for a reason of
 the loop's own ("interrupted", "capacity", "cancelled", "error"). Text is handed out as it becomes safe to
 show: never half of a UTF-8 character, never the first characters of what may still become a stop string.
-A reply under a grammar (``GrammarState``) samples from ``constrain(logits)``; its stop tokens are allowed
-once the grammar is complete.
+A reply under a grammar (``GrammarState``) samples through ``sample``: from the logits the grammar allows,
+steered to a whole sentence where the tokens left could not hold one otherwise; its stop tokens are allowed once
+the grammar is complete. A reply whose grammar writes calls ends, its text cut before it, at a call identical to
+one it made already.
 """
 from __future__ import annotations
 
@@ -34,15 +36,27 @@ class ReplyStream:
         self._stop_ids = set(params.stop_token_ids)
         self._held = max((len(s) - 1 for s in params.stop_strings), default=0)  # a stop string may be starting
         self._shown = 0  # characters handed out
+        self._cut: int | None = None  # where the text ends before a repeated call
+        self._calls_seen = 0  # call endings seen in the text so far
 
     @property
     def text(self) -> str:
         """The reply's text so far, cut before a stop string."""
-        return self.params.cut_at_stop(self._stream.text)
+        return self.params.cut_at_stop(self._stream.text)[:self._cut]
 
-    def constrain(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits to sample the next token from: masked by the grammar, if the reply has one."""
-        return self.grammar.constrain(logits) if self.grammar else logits
+    def sample(self, logits: torch.Tensor, draw: Callable[[torch.Tensor], int]) -> tuple[int, torch.Tensor]:
+        """The next token, drawn by ``draw`` from ``logits`` as the grammar allows (if the reply has one), and the
+        logits it was drawn from: where no whole sentence of the grammar would fit the tokens left after the drawn
+        token, it is drawn again from the tokens after which one does."""
+        if not self.grammar:
+            return draw(logits), logits
+        logits = self.grammar.constrain(logits)
+        token = draw(logits)
+        left = self.params.max_new_tokens - len(self.ids) - 1
+        if self.grammar.fits(token, left):
+            return token, logits
+        logits = self.grammar.steer(logits, left)
+        return draw(logits), logits
 
     def push(self, token: int) -> str:
         """Add a sampled token and apply the stop rules; return the text that became safe to show ("" for the
@@ -54,7 +68,7 @@ class ReplyStream:
             self.finish_reason = "stop"
             return ""
         self._stream.push(token)
-        if self.params.stops(self._stream.text):
+        if self.params.stops(self._stream.text) or self._repeats_a_call():
             self.finish_reason = "stop"
         elif len(self.ids) >= self.params.max_new_tokens:
             self.finish_reason = "length"
@@ -67,6 +81,17 @@ class ReplyStream:
         shown yet, up to the stop string."""
         self.finish_reason = self.finish_reason or reason
         return self._hand_out(len(self.text))
+
+    def _repeats_a_call(self) -> bool:
+        """Whether the call the text just completed is one the reply made already (the text is cut before it)."""
+        calls = self.grammar.tool_format if self.grammar else None
+        if calls is None:
+            return False
+        seen, self._calls_seen = self._calls_seen, self._stream.text.count(calls.after)
+        if self._calls_seen == seen:
+            return False
+        self._cut = calls.repeats_a_call(self._stream.text)
+        return self._cut is not None
 
     def _hand_out(self, end: int) -> str:
         """The text from what was shown up to ``end``, now shown."""

@@ -21,6 +21,7 @@ from cabinllm.runtime.errors import GrammarError
 
 TOOL_PROMPT = (Path(__file__).parent / "data" / "tool_prompt.txt").read_text(encoding="utf-8").strip()
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
+_JSON = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
@@ -87,19 +88,9 @@ class ToolFormat:
         return f"{self.before}{json.dumps(name)}{self.between}{arguments}{self.after}"
 
     def parse(self, text: str) -> list[tuple[str, str]] | None:
-        """The calls a reply's text holds, as (name, arguments JSON text); None when it is no calls."""
-        if not text.startswith(self.before):
-            return None
-        calls = []
-        for piece in text.split(self.after + self.separator) if self.parallel else [text]:
-            piece = piece.removesuffix(self.after)
-            head, _, arguments = piece.removeprefix(self.before).partition(self.between)
-            try:
-                name, arguments = json.loads(head), json.loads(arguments)
-            except json.JSONDecodeError:
-                return None
-            calls.append((name, json.dumps(arguments, ensure_ascii=False)))
-        return calls
+        """The calls a reply's text completed, as (name, arguments JSON text); None when it completed none. A reply
+        cut inside a call (by its token limit, a stop string, the budget) keeps the calls before it."""
+        return [(name, arguments) for name, arguments, _ in self._scan(text)] or None
 
     @property
     def opener(self) -> str:
@@ -107,10 +98,78 @@ class ToolFormat:
         return self.before
 
     def read_calls(self, text: str) -> list[ToolCall] | None:
-        """The calls of a reply, each with a fresh id; None when the reply is no (whole) calls."""
+        """The calls a reply completed, each with a fresh id; None when it completed none."""
         calls = self.parse(text)
         return [ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments) for name, arguments in calls] \
             if calls else None
+
+    def content(self, text: str) -> str:
+        """What of a reply's text is content, not call markup: all of it, unless it begins a call (or is cut inside
+        the opener), which is no content even where the call was cut; JSON that holds no call stays content."""
+        if self.begins_call(text) is False or (not self._scan(text) and _is_json(text)):
+            return text
+        return ""
+
+    def begins_call(self, text: str) -> bool | None:
+        """Whether a reply beginning with ``text`` is calls (None: cannot tell yet, it may still become the
+        opener)."""
+        if text.startswith(self.opener):
+            return True
+        return None if self.opener.startswith(text) else False
+
+    def repeats_a_call(self, text: str) -> int | None:
+        """Where a reply's calls end before the first call identical (name and arguments) to one before it, or None
+        where no call repeats."""
+        seen, end = [], 0
+        for name, arguments, after in self._scan(text):
+            call = (name, json.loads(arguments))
+            if call in seen:
+                return end
+            seen.append(call)
+            end = after
+        return None
+
+    def _scan(self, text: str) -> list[tuple[str, str, int]]:
+        """The whole calls at the start of ``text``: (name, arguments JSON text, where the call's text ends)."""
+        calls: list[tuple[str, str, int]] = []
+        at = 0
+        while text.startswith(self.before, at) and (not calls or self.parallel):
+            try:
+                name, at = _JSON.raw_decode(text, at + len(self.before))
+                if not isinstance(name, str) or not text.startswith(self.between, at):
+                    break
+                arguments, at = _JSON.raw_decode(text, at + len(self.between))
+            except json.JSONDecodeError:
+                break
+            if not text.startswith(self.after, at):
+                break
+            at += len(self.after)
+            calls.append((name, json.dumps(arguments, ensure_ascii=False), at))
+            if not text.startswith(self.separator, at):
+                break
+            at += len(self.separator)
+        return calls
+
+
+class ContentStream:
+    """The content of a reply as it streams (``ToolFormat.content``): text that may still begin a call is held back
+    until it is clear, and a reply that calls shows none. Without a format (no calls allowed) all text is content."""
+
+    def __init__(self, tool_format: ToolFormat | None) -> None:
+        self.tool_format = tool_format
+        self.held, self.is_call = "", None if tool_format else False
+
+    def piece(self, text: str) -> str:
+        """What of a new piece of the reply is content to show now."""
+        if self.is_call is None:
+            self.held += text
+            self.is_call = self.tool_format.begins_call(self.held) if self.held else None
+            text = self.held if self.is_call is False else ""
+        return "" if self.is_call else text
+
+    def rest(self, text: str) -> str:
+        """The content held back that the whole reply, ``text``, shows after all."""
+        return self.tool_format.content(text) if self.tool_format and self.is_call is not False else ""
 
 
 HERMES = ToolFormat("hermes", '<tool_call>\n{"name": ', ', "arguments": ', "}\n</tool_call>", "\n", parallel=True)
@@ -197,6 +256,15 @@ def in_our_words(messages: list[dict], tools: list[Tool]) -> list[dict]:
         else:
             out.append({"role": message["role"], "content": message["content"]})
     return out
+
+
+def _is_json(text: str) -> bool:
+    """Whether ``text`` is one JSON document."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _as_object(arguments: object) -> object:
