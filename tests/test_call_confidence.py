@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from cabinllm.benchmarks.studies.call_confidence import trade_off
 from cabinllm.cli.chat import DECLINED, main
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.errors import GrammarError, ScriptError
@@ -113,3 +114,11 @@ def test_confirm_lines_and_the_flag_are_checked(bytes_engine_dir, tmp_path, caps
         read_script(bad)
     assert main(["--engine", str(bytes_engine_dir), "--confirm-below", "0.5"]) == 2
     assert "--confirm-below needs --tools" in capsys.readouterr().err
+
+
+def test_the_study_counts_questions_and_wrong_calls_that_run_at_each_threshold():
+    calls = [{"meant": "a", "called": "a", "probability": 0.9}, {"meant": "a", "called": "b", "probability": 0.6},
+             {"meant": "b", "called": "a", "probability": 0.2}, {"meant": "b", "called": "b", "probability": 0.4}]
+    assert trade_off(calls, 0.0) == {"asked": 0, "wrong_run": 2, "wrong_caught": 0, "right_asked": 0}
+    assert trade_off(calls, 0.5) == {"asked": 2, "wrong_run": 1, "wrong_caught": 1, "right_asked": 1}
+    assert trade_off(calls, 1.0) == {"asked": 4, "wrong_run": 0, "wrong_caught": 2, "right_asked": 2}
