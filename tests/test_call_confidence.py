@@ -25,8 +25,9 @@ TOOLS = [Tool("set_sunroof", "", {"type": "object", "properties": {"action": {"e
 
 
 def test_a_name_s_probability_is_the_product_over_the_tokens_of_its_json_string():
-    pieces = [b'<tool_call>\n{"name": ', b'"set', b"_sun", b'roof",', b' "arguments": {"action": "open"}}\n</tool_call>',
-              b"\n", b'<tool_call>\n{"name": "', b"set_seat", b'"', b', "arguments": {"on": true}}\n</tool_call>', b""]
+    pieces = [b'<tool_call>\n{"name": ', b'"set', b"_sun", b'roof",', b' "arguments": {"action": "open"}}',
+              b"\n</tool_call>\n", b'<tool_call>\n{"name": "', b"set_seat", b'"',
+              b', "arguments": {"on": true}}\n</tool_call>', b""]
     logprobs = [0.0, math.log(0.5), math.log(0.8), math.log(0.9), -3.0, -1.0, -2.0, math.log(0.25), math.log(0.5),
                 -4.0, -5.0]
     assert HERMES.name_probabilities(pieces, logprobs, ["set_sunroof", "set_seat"]) == pytest.approx(
