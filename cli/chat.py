@@ -27,6 +27,7 @@ HELP_COMMANDS = ("commands: /reset (new conversation), /stats (KV memory), /save
                  "with the next message), /quit; Ctrl-C stops a reply")
 TOOLS_HELP = "; /tool RESULT answers the reply's call"
 BUILTIN_TOOLS = Path(__file__).parent / "data" / "vehicle_functions.json"
+DECLINED = '{"error": "not carried out: the user declined this call"}'  # the result of a call not confirmed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --tools, for the replies to user messages: auto (call or answer), required (always "
                              "call), none, or one function's name (default auto); calls are constrained to valid calls "
                              "by a grammar; the reply to a tool's result is words")
+    parser.add_argument("--confirm-below", type=float_range(0, 1, low_included=True), default=0.0, metavar="P",
+                        help="with --tools, ask the user to confirm a call whose function name the model gave a "
+                             "probability below P (y/n; in --script, a {\"role\": \"user\", \"confirm\": true} line "
+                             "after the message; none: declined); a declined call is answered with a result saying "
+                             "so (default 0: never ask)")
     parser.add_argument("--choices", type=positive_int, default=1,
                         help="replies per turn, sampled from one prefill on shared KV blocks (seeds --seed, --seed + "
                              "1, ...); the conversation goes on with the first, the others are printed as "
@@ -94,6 +100,8 @@ def chat_tools(args: argparse.Namespace) -> tuple[Tool, ...]:
     if not args.tools:
         if args.tool_choice != "auto":
             raise ConfigError("--tool-choice needs --tools: name the functions the replies may call")
+        if args.confirm_below:
+            raise ConfigError("--confirm-below needs --tools: it asks about the calls of their functions")
         return ()
     tools = read_tools(BUILTIN_TOOLS if args.tools == "builtin" else args.tools)
     names = [tool.name for tool in tools]
@@ -133,6 +141,17 @@ def format_calls(stats: TurnStats) -> str:
     return "\n".join(f"call {c['id']}: {c['function']['name']}({c['function']['arguments']})" for c in stats.tool_calls)
 
 
+def calls_to_confirm(stats: TurnStats, below: float) -> list[tuple[dict, float]]:
+    """The reply's calls whose function name the model gave a probability below ``below``, with it."""
+    return [(call, p) for call, p in zip(stats.tool_calls, stats.call_confidence) if p < below]
+
+
+def confirm_question(call: dict, probability: float, below: float) -> str:
+    """How cabin-chat asks the user to confirm a call."""
+    return (f"confirm {call['function']['name']}({call['function']['arguments']})? the model gave this function "
+            f"{probability:.0%}, below {below:.0%}")
+
+
 def reply_choice(message: str | dict) -> str | None:
     """The tool choice of the reply to a message: a tool's result is answered in words (the user's messages by
     --tool-choice)."""
@@ -149,6 +168,11 @@ class CallsToAnswer:
         """Note the calls a reply made."""
         self.ids = [call["id"] for call in stats.tool_calls]
 
+    def declined(self, call: dict) -> dict:
+        """The tool message answering a call the user did not confirm (it no longer waits for a result)."""
+        self.ids = [open_id for open_id in self.ids if open_id != call["id"]]
+        return {"role": "tool", "tool_call_id": call["id"], "content": DECLINED}
+
     def result(self, message: dict) -> dict:
         """A tool message answering the next call (its tool_call_id filled in); ConfigError when none is open."""
         if not self.ids:
@@ -156,36 +180,75 @@ class CallsToAnswer:
         return {**message, "tool_call_id": message.get("tool_call_id") or self.ids.pop(0)}
 
 
-def run_script(session: Session, turns: list[dict], as_json: bool, options: dict | None = None) -> None:
-    """Play user turns (and tool results) from a script and print each reply (``options``: turn_options)."""
+def run_script(session: Session, turns: list[dict], as_json: bool, options: dict | None = None,
+               confirm_below: float = 0.0) -> None:
+    """Play user turns (and tool results) from a script and print each reply (``options``: turn_options). A call
+    below ``confirm_below`` is confirmed by a confirm line right after its message; without one it is declined, and
+    a declined call is answered with ``DECLINED``."""
     calls = CallsToAnswer()
-    for number, message in enumerate(turns, start=1):
-        if message["role"] == "tool":
-            try:
-                message = calls.result(message)
-            except ConfigError as err:
-                print(f"cabin-chat: error: message {number} of the script: {cli_message(err)}; it was not sent",
-                      file=sys.stderr, flush=True)
-                continue
+
+    def play(number: int, message: dict) -> TurnStats | None:
         message = dict(message)
         try:
             stats = session.chat(message, tool_choice=reply_choice(message),
                                  images=read_pictures(message.pop("images", [])), **(options or {}))
         except ImageError as err:
-            print(f"cabin-chat: error: message {number} of the script: {cli_message(err)}; it was not sent",
-                  file=sys.stderr, flush=True)
-            continue
+            script_error(number, cli_message(err))
+            return None
         calls.after(stats)
+        return stats
+
+    def show(message: dict, stats: TurnStats, asked: list[tuple[dict, float, bool]]) -> None:
         if as_json:
-            print(json.dumps(stats.to_dict(CLI_WORDS), ensure_ascii=False), flush=True)
-        else:
-            reply = format_calls(stats) if stats.tool_calls else stats.reply
-            print(f"{message['role']}> {message['content']}\nassistant> {reply}{format_alternatives(stats)}\n  "
-                  f"{format_stats(stats)}", flush=True)
-            if stats.error:
-                print(f"  error: {stats.error_words(CLI_WORDS)}", flush=True)
+            shown = stats.to_dict(CLI_WORDS)
+            confirmations = [{"id": call["id"], "name": call["function"]["name"], "probability": probability,
+                              "confirmed": confirmed} for call, probability, confirmed in asked]
+            print(json.dumps({**shown, "confirmations": confirmations} if confirm_below else shown,
+                             ensure_ascii=False), flush=True)
+            return
+        reply = format_calls(stats) if stats.tool_calls else stats.reply
+        print(f"{message['role']}> {message['content']}\nassistant> {reply}{format_alternatives(stats)}\n  "
+              f"{format_stats(stats)}", flush=True)
+        if stats.error:
+            print(f"  error: {stats.error_words(CLI_WORDS)}", flush=True)
+        for call, probability, confirmed in asked:
+            print(f"  {confirm_question(call, probability, confirm_below)}: {'yes' if confirmed else 'no, declined'}",
+                  flush=True)
+
+    number = 0
+    while number < len(turns):
+        message, number = turns[number], number + 1
+        if "confirm" in message:
+            script_error(number, "a confirm line answers a call that asked for confirmation, and the reply before it "
+                                 "asked none")
+            continue
+        if message["role"] == "tool":
+            try:
+                message = calls.result(message)
+            except ConfigError as err:
+                script_error(number, cli_message(err))
+                continue
+        stats = play(number, message)
+        if stats is None:
+            continue
+        asked = []
+        for call, probability in calls_to_confirm(stats, confirm_below):
+            answer = turns[number].get("confirm") if number < len(turns) else None
+            if answer is not None:  # the confirm line is used up
+                number += 1
+            asked.append((call, probability, answer is True))
+        show(message, stats, asked)
+        for result in [calls.declined(call) for call, _, confirmed in asked if not confirmed]:
+            if (stats := play(number, result)) is not None:
+                show(result, stats, [])
     if not as_json:
         print(f"after {session.turns} turns: {session.describe_kv()}")
+
+
+def script_error(number: int, problem: str) -> None:
+    """Say that a script's message was not sent and why."""
+    print(f"cabin-chat: error: message {number} of the script: {problem}; it was not sent", file=sys.stderr,
+          flush=True)
 
 
 def save_command(session: Session, path: str) -> str:
@@ -219,13 +282,13 @@ def format_alternatives(stats: TurnStats) -> str:
 
 
 def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer, options: dict | None = None,
-              images: list[tuple[str, bytes]] | None = None) -> None:
+              images: list[tuple[str, bytes]] | None = None) -> TurnStats | None:
     """Stream the reply to one message (with ``images``; several replies, ``options``, come whole); Ctrl-C stops it
-    and keeps the session."""
+    and keeps the session. None: the message could not be sent."""
     problem = text_problem(text if isinstance(text, str) else text["content"])
     if problem:
         print(f"  error: the message {problem}")
-        return
+        return None
     interrupted = False
 
     def on_sigint(signum, frame):
@@ -248,9 +311,24 @@ def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer, options:
     print(f"\n  {format_stats(stats)}")
     if stats.error:
         print(f"  error: {stats.error_words(CLI_WORDS)}")
+    return stats
 
 
-def run_interactive(session: Session, options: dict | None = None) -> None:
+def confirm_calls(session: Session, stats: TurnStats, calls: CallsToAnswer, options: dict | None,
+                  below: float) -> None:
+    """Ask the user to confirm each call below ``below`` (y/n); a call not confirmed is answered with
+    ``DECLINED`` and its reply streamed."""
+    for call, probability in calls_to_confirm(stats, below):
+        try:
+            answer = input(f"  {confirm_question(call, probability, below)} [y/N] ").strip().lower()
+        except (EOFError, KeyboardInterrupt, UnicodeDecodeError):
+            answer = ""
+        if answer not in ("y", "yes"):
+            print("  (declined: not carried out)")
+            chat_turn(session, calls.declined(call), calls, options)
+
+
+def run_interactive(session: Session, options: dict | None = None, confirm_below: float = 0.0) -> None:
     """A terminal chat with streaming replies; a command or turn that fails is one line and the session is kept."""
     system = session.messages[0]["content"] if session.messages and session.messages[0]["role"] == "system" else None
     calls = CallsToAnswer()
@@ -287,7 +365,9 @@ def run_interactive(session: Session, options: dict | None = None) -> None:
                 print(run_command(session, command, argument.strip()))
             else:
                 pictures, attached = attached, []
-                chat_turn(session, text, calls, options, pictures)
+                stats = chat_turn(session, text, calls, options, pictures)
+                if stats:
+                    confirm_calls(session, stats, calls, options, confirm_below)
         except Exception as err:  # one failed command or turn never ends the chat
             again = "; attach pictures again with /image" if isinstance(err, ImageError) else ""
             print(f"\n  error: {cli_message(err) or type(err).__name__} (the conversation is kept{again})", flush=True)
@@ -314,9 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.script:
-            run_script(session, turns, args.json, options)
+            run_script(session, turns, args.json, options, args.confirm_below)
         else:
-            run_interactive(session, options)
+            run_interactive(session, options, args.confirm_below)
     except ConfigError as err:  # the backend cannot run the turns as asked (several replies)
         print(f"cabin-chat: error: {cli_message(err)}", file=sys.stderr)
         return 2

@@ -419,8 +419,8 @@ class Reply:
 
 class ChoiceStream:
     """One choice's part of a stream: text that may begin a call is held back until it is clear; calls are sent
-    whole once the reply ends; each content chunk carries the log-probabilities of the tokens sampled since the
-    last."""
+    whole once the reply ends; each content chunk, and the first of the calls, carries the log-probabilities of the
+    tokens sampled since the last."""
 
     def __init__(self, index: int, request: Request, reply: Reply,
                  logprobs: Callable[[list[TokenLogprob]], ChoiceLogprobs] | None) -> None:
@@ -436,8 +436,8 @@ class ChoiceStream:
         """The deltas after the last piece: the calls, or text held back for nothing."""
         text = self.request.text
         self.calls = self.reply.calls(text)
-        if self.calls:
-            return [(delta, None) for delta in call_deltas(self.calls)]
+        if self.calls:  # the first delta carries the log-probabilities of the calls' tokens
+            return [(delta, None if i else self._new_logprobs()) for i, delta in enumerate(call_deltas(self.calls))]
         rest = self.content.rest(text)
         return [(ChoiceDelta(content=rest), self._new_logprobs())] if rest else []
 

@@ -79,6 +79,20 @@ def test_streamed_calls_arrive_as_openai_deltas_and_match_the_whole_reply(client
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
+def test_a_call_s_tokens_come_with_their_log_probabilities_whole_and_streamed(client):
+    kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=400,
+                  parallel_tool_calls=False, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    content, (call,) = whole.logprobs.content, whole.message.tool_calls
+    assert whole.message.content is None and b"".join(bytes(t.bytes) for t in content).startswith(b"<tool_call>")
+    (probability,) = HERMES.name_probabilities([bytes(t.bytes) for t in content], [t.logprob for t in content],
+                                               [call.function.name])
+    assert 0 < probability <= 1
+    streamed = [token for part in client.chat.completions.create(**kwargs, stream=True)
+                if part.choices and part.choices[0].logprobs for token in part.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+
 def test_a_tool_result_follows_up_on_the_cached_conversation(client, bytes_engine):
     first = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
                                            temperature=0, max_tokens=400, parallel_tool_calls=False)

@@ -62,8 +62,15 @@ def read_commands(path: Path) -> list[dict]:
 
 def run_replies(engine: Engine, tools: list[Tool], commands: list[dict], mode: str, max_new_tokens: int,
                 sessions: int = 4) -> list[str]:
-    """The greedy reply to each command on one scheduler: the first alone, so that the prefix every prompt shares
-    (the system prompt and the tool list) is computed once and found in the cache by the rest, queued together."""
+    """The greedy reply to each command (``run_requests``)."""
+    return [request.text for request in run_requests(engine, tools, commands, mode, max_new_tokens, sessions)]
+
+
+def run_requests(engine: Engine, tools: list[Tool], commands: list[dict], mode: str, max_new_tokens: int,
+                 sessions: int = 4, logprobs: int | None = None) -> list[Request]:
+    """The greedy request of each command, run on one scheduler: the first alone, so that the prefix every prompt
+    shares (the system prompt and the tool list) is computed once and found in the cache by the rest, queued
+    together; ``logprobs`` as ``Request`` takes them."""
     tokenizer = engine.tokenizer.with_tools(tools if mode == "tools" else [])
     grammar = (reply_grammar(tokenizer.tool_format, tools, "required", parallel=False) if mode == "tools"
                else json_schema_grammar(intent_schema(tools)))
@@ -74,7 +81,7 @@ def run_replies(engine: Engine, tools: list[Tool], commands: list[dict], mode: s
     for command in commands:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": command["command"]}]
         requests.append(Request(tokenizer.encode_prompt(tokenizer.render(messages)), params, lambda *_: None,
-                                grammar=engine.vocabulary.start(grammar)))
+                                grammar=engine.vocabulary.start(grammar), logprobs=logprobs))
     with tqdm(total=len(requests), desc=f"{mode} replies", unit="reply") as progress:
         for batch in (requests[:1], requests[1:]):
             for request in batch:
@@ -82,7 +89,7 @@ def run_replies(engine: Engine, tools: list[Tool], commands: list[dict], mode: s
             while any(r.finish_reason is None for r in batch):
                 scheduler.step()
                 progress.update(sum(r.finish_reason is not None for r in requests) - progress.n)
-    return [r.text for r in requests]
+    return requests
 
 
 def score(engine: Engine, tools: list[Tool], commands: list[dict], mode: str, replies: list[str]) -> list[Scored]:

@@ -39,6 +39,7 @@ class TurnStats:
     tool_calls: list[dict] = field(default_factory=list)  # the reply's calls in OpenAI's form (finish "tool_calls")
     alternatives: list[str] = field(default_factory=list)  # with n > 1 or a beam search: the other replies
     hints: tuple[Hint, ...] = ()  # what the user can change about ``error``; front ends word them
+    call_confidence: list[float] = field(default_factory=list)  # per call: the probability of its function's name
 
     def error_words(self, phrases: Mapping[Fix, str | None] | None = None) -> str | None:
         """The error with its hints in a front end's ``phrases`` (the library's words by default)."""

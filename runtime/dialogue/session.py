@@ -35,7 +35,7 @@ from cabinllm.runtime.kv.blocks import MediaSpan, Sequence, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
 from cabinllm.runtime.model.interface import MediaFeed
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
-from cabinllm.runtime.model.tools import ContentStream, Tool, ToolFormat
+from cabinllm.runtime.model.tools import ContentStream, Tool, ToolCall, ToolFormat
 from cabinllm.runtime.model.vision import EncodedRows, PreparedImage
 
 
@@ -114,6 +114,7 @@ class DialogueSession:
             return self._stats("", [], 0, 0, 0.0, 0.0, "error", 0, request.error)
         content = tool_format.content(request.text) if tool_format else request.text
         calls = tool_format.read_calls(request.text) if tool_format else None
+        confidence = self._name_probabilities(request, calls) if calls else []
         reply = {"role": "assistant", "content": "" if calls else content}
         if calls:
             reply["tool_calls"] = [call.to_openai() for call in calls]
@@ -126,7 +127,8 @@ class DialogueSession:
         ttft = (request.first_token_at or t0) - t0
         return self._stats(reply["content"], request.token_ids, len(plan.feed) - request.cached_tokens,
                            held + request.cached_tokens, ttft, request.decode_tok_s, finish, plan.evicted,
-                           tool_calls=reply.get("tool_calls"), alternatives=[decode(ids) for ids in others])
+                           tool_calls=reply.get("tool_calls"), alternatives=[decode(ids) for ids in others],
+                           call_confidence=confidence)
 
     def _request(self, plan: TurnPlan, n: int, beam: BeamParams | None, grammar: str | None,
                  tool_format: ToolFormat | None, on_text: Callable[[str], None] | None) -> Request:
@@ -138,7 +140,8 @@ class DialogueSession:
 
         def choice(i: int) -> Request:
             return Request(plan.feed, replace(params, seed=None if seed is None else (seed + i) % (MAX_SEED + 1)),
-                           grammar=self.engine.vocabulary.start(grammar, tool_format) if grammar else None)
+                           grammar=self.engine.vocabulary.start(grammar, tool_format) if grammar else None,
+                           logprobs=0 if grammar and self.tools else None)  # a call's confidence needs them
 
         request = choice(0)
         request.seq, request.beam, request.media = self.seq, beam, self._media(plan)
@@ -292,6 +295,13 @@ class DialogueSession:
         total = new + self.params.max_new_tokens
         return len(self.seq) + total <= self.engine.config.max_position_embeddings and self.cache.fits(self.seq, total)
 
+    def _name_probabilities(self, request: Request, calls: list[ToolCall]) -> list[float]:
+        """The probability the reply gave each call's function name, from its tokens' log-probabilities."""
+        token_bytes = self.engine.vocabulary.token_bytes
+        return self.tokenizer.tool_format.name_probabilities(
+            [token_bytes(lp.token) for lp in request.token_logprobs], [lp.logprob for lp in request.token_logprobs],
+            [call.name for call in calls])
+
     def _release(self) -> None:
         if self.seq:
             self.cache.free(self.seq)
@@ -299,9 +309,10 @@ class DialogueSession:
 
     def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
                finish: str, evicted: int, error: str | CabinError | None = None,
-               tool_calls: list[dict] | None = None, alternatives: list[str] | None = None) -> TurnStats:
+               tool_calls: list[dict] | None = None, alternatives: list[str] | None = None,
+               call_confidence: list[float] | None = None) -> TurnStats:
         s = self.cache.stats()
         message, hints = (error.message, error.hints) if isinstance(error, CabinError) else (error, ())
         return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, s.bytes_used, s.bytes_reserved,
                          s.bytes_per_token, s.mode, finish, evicted, self.overflow.name, message, tool_calls or [],
-                         alternatives or [], hints)
+                         alternatives or [], hints, call_confidence or [])

@@ -1,6 +1,8 @@
 """Reading a scripted dialogue: JSONL with one ``{"role", "content"}`` message per line: an optional first system
 line, then user lines and tool lines (a tool's result for the call the reply before it made; ``tool_call_id``
-is optional). A user line may show pictures: ``"images": ["cam.png", ...]``, paths from the script's folder."""
+is optional). A user line may show pictures: ``"images": ["cam.png", ...]``, paths from the script's folder. A
+confirm line, ``{"role": "user", "confirm": true}`` (or false, no content), answers a front end that asks the user
+to confirm a call before it is carried out."""
 from __future__ import annotations
 
 import json
@@ -34,6 +36,9 @@ def read_script(path: str | Path) -> tuple[str | None, list[dict]]:
             continue
         try:
             message = json.loads(line)
+            if isinstance(message, dict) and "confirm" in message and message.get("role") == "user":
+                users.append(_confirm_line(message, f"{path}:{number}"))
+                continue
             role, content = message["role"], message["content"]
         except (ValueError, KeyError, TypeError) as err:
             raise ScriptError(f"{path}:{number}: expected {{\"role\": ..., \"content\": ...}} ({err})") from err
@@ -58,3 +63,11 @@ def read_script(path: str | Path) -> tuple[str | None, list[dict]]:
     if not users:
         raise ScriptError(f"{path}: no user turns")
     return system, users
+
+
+def _confirm_line(message: dict, where: str) -> dict:
+    """A confirm line as the script's message ``{"role": "user", "confirm": bool}``."""
+    if not isinstance(message["confirm"], bool) or set(message) != {"role", "confirm"}:
+        raise ScriptError(f"{where}: a confirm line is {{\"role\": \"user\", \"confirm\": true}} (or false), "
+                          "nothing else")
+    return {"role": "user", "confirm": message["confirm"]}

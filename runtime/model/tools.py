@@ -10,8 +10,10 @@ assistant's content, each result sent as a user message in ``<tool_response>`` t
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +152,28 @@ class ToolFormat:
             at += len(self.separator)
         return calls
 
+
+    def name_probabilities(self, pieces: Sequence[bytes], logprobs: Sequence[float],
+                           names: Sequence[str]) -> list[float]:
+        """The probability the reply gave each call's function name (``names``, in the order of its calls): the
+        product of the probabilities of the tokens that write the name's JSON string, quotes included, given the
+        text before it. ``pieces`` are the reply's tokens as bytes and ``logprobs`` their log-probabilities (as
+        OpenAI's ``logprobs.content`` lists them: ``bytes`` and ``logprob``). It is the probability of the
+        tokens written: another tokenization of the same name, which a model rarely weighs, is not added."""
+        starts, offset = [], 0
+        for piece in pieces:
+            starts.append(offset)
+            offset += len(piece)
+        text, found, out = b"".join(pieces), 0, []
+        for name in names:
+            quoted = json.dumps(name).encode("utf-8")
+            begin = text.find(quoted + self.between.encode("utf-8"), found)
+            if begin < 0:
+                raise GrammarError(f"the reply's tokens write no call of {name}")
+            found = begin + len(quoted)
+            out.append(math.exp(sum(lp for start, piece, lp in zip(starts, pieces, logprobs)
+                                    if start < found and start + len(piece) > begin)))
+        return out
 
 class ContentStream:
     """The content of a reply as it streams (``ToolFormat.content``): text that may still begin a call is held back
