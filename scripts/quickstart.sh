@@ -36,7 +36,7 @@ echo; echo "=== 5. the assistant acts on the car: replies constrained to calls o
 
 echo; echo "=== 6. quality of INT8 KV against full precision (held-out built-in dialogues) ==="
 # Evaluated on the original weights: int8-shared-eq applies the same equalization the engine carries.
-"$BIN/cabin-eval" --model default --data builtin --kv-cache fp16,int8-shared,int8-shared-eq,int8-dynamic \
+"$BIN/cabin-eval" --model default --data builtin --kv-cache fp16,int8,int8-eq,int8-dynamic \
     --scales "$SCALES" --num-dialogues 6 --max-tokens 1024 --output "$OUT/eval"
 
 echo; echo "=== next: chat with the engine you built ==="
