@@ -35,7 +35,7 @@ echo; echo "=== 5. the assistant acts on the car: replies constrained to calls o
     --kv-budget-mb 32 --max-new-tokens 128
 
 echo; echo "=== 6. quality of INT8 KV against full precision (held-out built-in dialogues) ==="
-# Evaluated on the original weights: int8-shared-eq applies the same equalization the engine carries.
+# Evaluated on the original weights: int8-eq applies the same equalization the engine carries.
 "$BIN/cabin-eval" --model default --data builtin --kv-cache fp16,int8,int8-eq,int8-dynamic \
     --scales "$SCALES" --num-dialogues 6 --max-tokens 1024 --output "$OUT/eval"
 
