@@ -11,6 +11,7 @@ sides), 2e-2 on a GPU (fp16 operands of the tensor cores).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def test_write_kv_stores_what_the_reference_stores(mode_name):
     theirs.write(LAYER, slots[:6], k[:6], v[:6])
     padded = slots.clone()
     padded[6] = -1  # a padded row: stored nowhere
-    KERNELS.write_kv(k, v, padded, KERNELS.LayerPools.of(ours.stored_kv(LAYER, torch.zeros(1), 0)))
+    KERNELS.write_kv(k, v, padded, ours.stored_kv(LAYER, torch.zeros(1), 0))
     for name, pool in theirs.token_tensors().items():
         assert torch.equal(ours.token_tensors()[name], pool), name
 
@@ -97,7 +98,7 @@ def _decode_case(mode_name: str, window: int | None, splits: int | None):
         fill(storage, table, n, seed=i)
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(len(tables), HEADS, HEAD, generator=gen).to(DEVICE, query_dtype(mode_name))
-    pools = KERNELS.LayerPools.of(storage.stored_kv(LAYER, torch.zeros(1), 0))
+    pools = storage.stored_kv(LAYER, torch.zeros(1), 0)
     out = KERNELS.decode_attention(q, pools, KERNELS.block_tables(tables, DEVICE),
                                    torch.tensor(lengths, dtype=torch.int32, device=DEVICE), 1 / math.sqrt(HEAD),
                                    window=window or 0, splits=splits)
@@ -124,7 +125,7 @@ def test_decode_attention_padded_row_gives_zeros():
     storage = make_storage("int8")
     fill(storage, [3, 4], 6, seed=1)
     q = torch.randn(2, HEADS, HEAD).to(DEVICE)
-    pools = KERNELS.LayerPools.of(storage.stored_kv(LAYER, torch.zeros(1), 0))
+    pools = storage.stored_kv(LAYER, torch.zeros(1), 0)
     out = KERNELS.decode_attention(q, pools, KERNELS.block_tables([[3, 4], [0]], DEVICE),
                                    torch.tensor([6, 0], dtype=torch.int32, device=DEVICE), 0.25, splits=2)
     assert torch.equal(out[1].cpu(), torch.zeros(HEADS, HEAD))
@@ -142,7 +143,7 @@ def _prefill_case(mode_name: str, window: int | None) -> None:
     gen = torch.Generator().manual_seed(5)
     q_lens = [n - p for n, p in zip(lengths, prefix)]
     q = torch.randn(sum(q_lens), HEADS, HEAD, generator=gen).to(DEVICE, query_dtype(mode_name))
-    pools = KERNELS.LayerPools.of(storage.stored_kv(LAYER, torch.zeros(1), 0))
+    pools = storage.stored_kv(LAYER, torch.zeros(1), 0)
     out = KERNELS.prefill_attention(q, pools, KERNELS.block_tables(tables, DEVICE), q_lens, lengths,
                                     1 / math.sqrt(HEAD), window=window or 0, rows=16)
     first = 0
@@ -178,7 +179,7 @@ def test_a_wrong_scale_or_block_is_caught():
     table = [7, 2, 9]
     fill(storage, table, 11, seed=4)
     q = torch.randn(1, HEADS, HEAD, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    pools = KERNELS.LayerPools.of(storage.stored_kv(LAYER, torch.zeros(1), 0))
+    pools = storage.stored_kv(LAYER, torch.zeros(1), 0)
     expected = reference(storage, q, table, 11, 10)
 
     def decode(pools, table):
@@ -186,7 +187,7 @@ def test_a_wrong_scale_or_block_is_caught():
                                         torch.tensor([11], dtype=torch.int32, device=DEVICE), 1 / math.sqrt(HEAD))
 
     torch.testing.assert_close(decode(pools, table).float().cpu(), expected, atol=1e-4, rtol=1e-4)
-    unscaled = KERNELS.LayerPools(pools.k, pools.v)  # codes read as values
+    unscaled = replace(pools, k_scale=1.0, v_scale=1.0)  # codes read as values
     fill(storage, [5], 4, seed=5)  # another sequence's block
     for wrong in (decode(unscaled, table), decode(pools, [7, 2, 5])):
         assert (wrong.float().cpu() - expected).abs().max() > 10 * tolerance("int8")

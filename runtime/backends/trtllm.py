@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from cabinllm.runtime.dialogue.interface import TurnStats
+from cabinllm.runtime.dialogue.interface import TurnStats, error_parts
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_error, plan_turn
 from cabinllm.runtime.errors import (CabinError, CapacityError, CheckpointError, ConfigError, Fix, Hint, ImageError,
                                      SessionFileError)
@@ -488,7 +488,7 @@ class TrtllmSession:
                alternatives: list[str] | None = None) -> TurnStats:
         held = min(len(self.previous_keys), self.settings.max_tokens_in_paged_kv_cache)
         budget = self.settings.max_tokens_in_paged_kv_cache * self.bytes_per_token
-        message, hints = (error.message, error.hints) if isinstance(error, CabinError) else (error, ())
+        message, hints = error_parts(error)
         return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, held * self.bytes_per_token, budget,
                          self.bytes_per_token, self.config.kv_mode, finish, evicted, self.overflow.name, message,
                          alternatives=alternatives or [], hints=hints)

@@ -51,6 +51,11 @@ class TurnStats:
         return {**fields, "error": self.error_words(phrases)}
 
 
+def error_parts(error: str | CabinError | None) -> tuple[str | None, tuple[Hint, ...]]:
+    """A turn's error as ``TurnStats`` holds it: the message, and the hints a ``CabinError`` carries."""
+    return (error.message, error.hints) if isinstance(error, CabinError) else (error, ())
+
+
 class Session(Protocol):
     """A multi-turn dialogue on one backend."""
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from cabinllm.runtime.dialogue.interface import TurnStats
+from cabinllm.runtime.dialogue.interface import TurnStats, error_parts
 from cabinllm.runtime.dialogue.overflow import Held, OverflowPolicy, Room, TurnPlan, capacity_error, plan_turn
 from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file, within_memory, write_session_file
 from cabinllm.runtime.engine.core import EngineCore
@@ -312,7 +312,7 @@ class DialogueSession:
                tool_calls: list[dict] | None = None, alternatives: list[str] | None = None,
                call_confidence: list[float] | None = None) -> TurnStats:
         s = self.cache.stats()
-        message, hints = (error.message, error.hints) if isinstance(error, CabinError) else (error, ())
+        message, hints = error_parts(error)
         return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, s.bytes_used, s.bytes_reserved,
                          s.bytes_per_token, s.mode, finish, evicted, self.overflow.name, message, tool_calls or [],
                          alternatives or [], hints, call_confidence or [])

@@ -31,7 +31,7 @@ from cabinllm.runtime.model.cuda_graphs import DecodeGraphs, StepInputs
 from cabinllm.runtime.model.interface import MediaTable, Span
 from cabinllm.runtime.model.linear import Int8G32Table, Int8Linear, Linear, full_precision
 from cabinllm.runtime.model.rope import apply_rope
-from cabinllm.runtime.model.transformer import ACTIVATIONS, Transformer, in_pieces, rms_norm
+from cabinllm.runtime.model.transformer import ACTIVATIONS, Transformer, begin_step, rms_norm
 
 DEVICES = ("cpu", "cuda")  # where Engine.load runs a model: the reference engine, the CUDA runner
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -165,22 +165,15 @@ class CudaRunner:
 
     def _step(self, spans: list[Span], cache: PagedKVCache, all_logits: bool,
               media: MediaTable | None) -> torch.Tensor:
-        c = self.config
-        for span in spans:
-            if span.end > c.max_position_embeddings:
-                raise ConfigError(f"position {span.end} exceeds the model's context of {c.max_position_embeddings} "
-                                  "tokens")
-            if span.seq.media:
-                raise ConfigError("pictures run on the reference engine only; the CUDA runner reads text",
-                                  (Hint(Fix.DEVICE, "cpu"),))
+        if any(span.seq.media for span in spans):
+            raise ConfigError("pictures run on the reference engine only; the CUDA runner reads text",
+                              (Hint(Fix.DEVICE, "cpu"),))
         if cache.device.type != self.device.type:
             raise ConfigError(f"the KV cache lives on {cache.device} and the model on {self.device}; make the cache "
                               "with Engine.new_cache")
-        limit = cache.storage.step_tokens
-        if limit is not None and any(len(span.token_ids) > limit for span in spans):
-            return in_pieces(self, spans, cache, all_logits, limit, media)
-        for span in spans:
-            cache.storage.prepare(span.seq, span.start_pos, span.end)
+        pieces = begin_step(self, spans, cache, all_logits, media)
+        if pieces is not None:
+            return pieces
         if all(len(span.token_ids) == 1 for span in spans) and not all_logits:
             if self.graphs is not None:
                 logits = self.graphs.run(spans, cache)

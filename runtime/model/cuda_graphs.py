@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cabinllm.runtime.kernels.triton.pools import LayerPools
+from cabinllm.runtime.kernels.bindings import StoredKV
 from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.cache import PagedKVCache
 from cabinllm.runtime.kv.window import WindowedStorage
@@ -63,7 +63,7 @@ class StepInputs:
     positions: torch.Tensor
     views: list[LayerView]
     layer_view: list[int]
-    pools: list[LayerPools]
+    pools: list[StoredKV]
     q_lens: list[int]
     splits: int | None = None
 
@@ -87,7 +87,7 @@ class StepInputs:
             for layer in storage.plan.local_layers:
                 layer_view[layer] = 1
         empty = torch.zeros(0, dtype=torch.long)
-        pools = [LayerPools.of(storage.layer_slots(layer, empty)[0]) for layer in range(cache.layout.num_layers)]
+        pools = [storage.layer_slots(layer, empty)[0] for layer in range(cache.layout.num_layers)]
         built = [_view(view_slots, view_tables, view_lens, padding, None if widths is None else widths[i], device)
                  for i, (view_slots, view_tables, view_lens) in enumerate(views)]
         as_device = lambda values: torch.tensor(values, dtype=torch.long).to(device)  # noqa: E731

@@ -114,15 +114,9 @@ class Transformer:
         """
         c = self.config
         CPU_THREADS.before_step()
-        for span in spans:
-            if span.end > c.max_position_embeddings:
-                raise ConfigError(f"position {span.end} exceeds the model's context of {c.max_position_embeddings} "
-                                 "tokens")
-        limit = cache.storage.step_tokens
-        if limit is not None and any(len(span.token_ids) > limit for span in spans):
-            return in_pieces(self, spans, cache, all_logits, limit, media)
-        for span in spans:
-            cache.storage.prepare(span.seq, span.start_pos, span.end)
+        pieces = begin_step(self, spans, cache, all_logits, media)
+        if pieces is not None:
+            return pieces
         ids = [t for span in spans for t in span.token_ids]
         decoding = len(spans) <= MATVEC_MAX_TOKENS and all(len(span.token_ids) == 1 for span in spans)
         x = self._fused_step(spans, cache) if decoding and self.native_kernels else None
@@ -259,10 +253,21 @@ class Transformer:
         return out * v_scale if v_scale != 1.0 else out
 
 
-def in_pieces(model: ModelRunner, spans: list[Span], cache: PagedKVCache, all_logits: bool, limit: int,
-              media: MediaTable | None) -> torch.Tensor:
-    """``model.step``'s logits, each span run in steps of at most ``limit`` tokens (a storage that holds only what
-    the next positions read, e.g. sliding-window layers' pool)."""
+def begin_step(model: ModelRunner, spans: list[Span], cache: PagedKVCache, all_logits: bool,
+               media: MediaTable | None) -> torch.Tensor | None:
+    """What every runner's step does first: ConfigError for a span past the model's context; where a span is longer
+    than the cache's storage takes in one step (a storage that holds only what the next positions read, e.g.
+    sliding-window layers' pool), ``model.step``'s logits with each span run in pieces of at most that; else None,
+    each span's storage prepared."""
+    context = model.config.max_position_embeddings
+    for span in spans:
+        if span.end > context:
+            raise ConfigError(f"position {span.end} exceeds the model's context of {context} tokens")
+    limit = cache.storage.step_tokens
+    if limit is None or all(len(span.token_ids) <= limit for span in spans):
+        for span in spans:
+            cache.storage.prepare(span.seq, span.start_pos, span.end)
+        return None
     outs = []
     for span in spans:
         ids = span.token_ids

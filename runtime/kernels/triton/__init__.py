@@ -1,6 +1,6 @@
 """Triton kernels over the paged KV cache, for the CUDA runner (``cabinllm.runtime.model.cuda``).
 
-``paged_attention`` holds them (``pools`` the layer pools they take): the KV write that stores a step's new K/V rows
+``paged_attention`` holds them (``pools`` how they read a layer's ``StoredKV``): the KV write that stores a step's new K/V rows
 into their slots (int8 codes with a layer's static scale, int8 with a fp16 scale per token and KV head, or
 fp16/bf16/fp32 as they are), decode attention of one token per sequence over its blocks (split-KV, flash-decoding
 style, with a second kernel reducing the splits) and prefill attention of new tokens over a cached prefix (paged

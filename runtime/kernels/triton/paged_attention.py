@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cabinllm.runtime.kernels.triton.pools import LayerPools
+from cabinllm.runtime.kernels.bindings import StoredKV
+from cabinllm.runtime.kernels.triton.pools import quant, scale_pools, scale_strides, strides
 
 MIN_TILE = 16  # the smallest side of a tl.dot operand on the GPU
 DECODE_TOKENS_PER_TILE = 32
@@ -95,17 +96,17 @@ def _write_kv_kernel(K, V, Slots, KPool, VPool, KScales, VScales, k_scale, v_sca
         _store_row(v, VPool, VScales, dst, scale_dst, v_scale, dmask, QUANT)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pools: LayerPools) -> None:
+def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pools: StoredKV) -> None:
     """Store K/V rows (tokens, kv_heads, head_size) into flat ``slots`` (tokens,) of one layer's pools, quantized as
     the pools hold them; a negative slot stores nothing."""
     tokens, kv_heads, head = k.shape
     if tokens == 0:
         return
-    k_scales, v_scales = pools.scale_pools()
+    k_scales, v_scales = scale_pools(pools)
     _write_kv_kernel[(tokens, kv_heads)](
         k, v, slots, pools.k, pools.v, k_scales, v_scales, float(pools.k_scale), float(pools.v_scale),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *pools.strides(), *pools.scale_strides(),
-        TPB=pools.k.shape[1], HEAD=head, BLOCK_D=triton.next_power_of_2(head), QUANT=pools.quant)
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides(pools), *scale_strides(pools),
+        TPB=pools.k.shape[1], HEAD=head, BLOCK_D=triton.next_power_of_2(head), QUANT=quant(pools))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -200,7 +201,7 @@ def _decode_reduce_kernel(MidOut, MidLse, Out, stride_mb, stride_mh, stride_ms, 
     tl.store(Out + seq * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=dmask)
 
 
-def decode_attention(q: torch.Tensor, pools: LayerPools, tables: torch.Tensor, seq_lens: torch.Tensor,
+def decode_attention(q: torch.Tensor, pools: StoredKV, tables: torch.Tensor, seq_lens: torch.Tensor,
                      sm_scale: float, window: int = 0, splits: int | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per sequence (q: (seqs, heads, head_size)) over its first ``seq_lens`` keys in the
@@ -215,15 +216,15 @@ def decode_attention(q: torch.Tensor, pools: LayerPools, tables: torch.Tensor, s
     mid = torch.empty(seqs, heads, splits, head, dtype=torch.float32, device=q.device)
     lse = torch.empty(seqs, heads, splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q) if out is None else out
-    k_scales, v_scales = pools.scale_pools()
+    k_scales, v_scales = scale_pools(pools)
     block_d = tile(head)
     _decode_split_kernel[(seqs, kv_heads, splits)](
         q, pools.k, pools.v, k_scales, v_scales, tables, seq_lens, mid, lse,
         float(pools.k_scale), float(pools.v_scale), float(sm_scale), window or NO_WINDOW,
-        q.stride(0), q.stride(1), tables.stride(0), *pools.strides(), *pools.scale_strides(),
+        q.stride(0), q.stride(1), tables.stride(0), *strides(pools), *scale_strides(pools),
         mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, HEAD=head, TPB=pools.k.shape[1], BLOCK_H=tile(group), BLOCK_D=block_d,
-        BLOCK_N=DECODE_TOKENS_PER_TILE, SPLITS=splits, QUANT=pools.quant, PRECISION=_precision(q.dtype))
+        BLOCK_N=DECODE_TOKENS_PER_TILE, SPLITS=splits, QUANT=quant(pools), PRECISION=_precision(q.dtype))
     _decode_reduce_kernel[(seqs, heads)](
         mid, lse, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), HEAD=head, BLOCK_D=block_d, SPLITS=splits)
@@ -276,7 +277,7 @@ def _prefill_kernel(Q, KPool, VPool, KScales, VScales, Tables, QStarts, QLens, C
              out.to(Out.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
-def prefill_attention(q: torch.Tensor, pools: LayerPools, tables: torch.Tensor, q_lens: list[int],
+def prefill_attention(q: torch.Tensor, pools: StoredKV, tables: torch.Tensor, q_lens: list[int],
                       ctx_lens: list[int], sm_scale: float, window: int = 0, rows: int = PREFILL_ROWS,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each sequence's new queries over its blocks, whose K/V (the new tokens' included) are written.
@@ -304,13 +305,13 @@ def prefill_attention(q: torch.Tensor, pools: LayerPools, tables: torch.Tensor, 
     device = q.device
     ints = {name: torch.tensor(values, dtype=torch.int32, device=device) for name, values in (
         ("starts", starts), ("lens", q_lens), ("ctx", ctx_lens), ("seq", tile_seq), ("first", tile_first))}
-    k_scales, v_scales = pools.scale_pools()
+    k_scales, v_scales = scale_pools(pools)
     _prefill_kernel[(len(tile_seq), kv_heads)](
         q, pools.k, pools.v, k_scales, v_scales, tables, ints["starts"], ints["lens"], ints["ctx"], ints["seq"],
         ints["first"], out, float(pools.k_scale), float(pools.v_scale), float(sm_scale), window or NO_WINDOW,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0), *pools.strides(),
-        *pools.scale_strides(), GROUP=group, GROUP_TILE=group_tile, HEAD=head, TPB=pools.k.shape[1],
-        BLOCK_Q=block_q, BLOCK_D=tile(head), BLOCK_N=PREFILL_TOKENS_PER_TILE, QUANT=pools.quant,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0), *strides(pools),
+        *scale_strides(pools), GROUP=group, GROUP_TILE=group_tile, HEAD=head, TPB=pools.k.shape[1],
+        BLOCK_Q=block_q, BLOCK_D=tile(head), BLOCK_N=PREFILL_TOKENS_PER_TILE, QUANT=quant(pools),
         PRECISION=_precision(q.dtype))
     return out
 
