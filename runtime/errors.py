@@ -28,6 +28,8 @@ class Fix(Enum):
     LOWER_KV_BUDGET = "lower KvCacheConfig.max_bytes"
     OTHER_OVERFLOW = "choose OverflowPolicy.name sink-window or drop-turns"
     SMALLER_PICTURES = 'send fewer or smaller pictures (detail "low"), or lower ImageLimits.max_image_tokens'
+    SHORTER_AUDIO = "send clips of {} at most (AudioLimits.max_seconds)"
+    INSTALL_VOICE = "install the speech front end: pip install 'cabinllm[voice]'"
     PER_TOKEN_KV_MODE = "choose a KvCacheConfig.kv_mode that stores per token"
     BACKEND = "choose SessionRequest.backend {}"
     BACKEND_NAME = "SessionRequest.backend {}"
@@ -137,6 +139,10 @@ class DataError(CabinError, ValueError):
 
 class ImageError(CabinError, ValueError):
     """A picture that cannot be taken: unreadable, truncated, empty, too large, over a cap."""
+
+
+class AudioError(CabinError, ValueError):
+    """Audio that cannot be taken: another format, corrupt, empty, too long, over a cap, or no front end for it."""
 
 
 class GrammarError(CabinError, ValueError):
