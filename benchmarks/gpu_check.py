@@ -7,8 +7,8 @@ in ``builders/data/model_configs`` (the default model's checkpoint config, Qwen3
 int8 KV's static scale is a fixed guess for the same reason.
 
 The memory plan of a run is the planner's model (``cabinllm.builders.memory_model``): fp16 weights, plus the KV pool
-the cache reserved, plus the activations of the largest step (TensorRT's estimate: fp16 activations and fused
-attention, the nearest the planner has to this runner); the check reports ``torch.cuda.max_memory_allocated`` beside
+the cache reserved, plus the activations of the largest step (the CUDA runner's: fp16 activations, attention in
+tiles); the check reports ``torch.cuda.max_memory_allocated`` beside
 it (CUDA graphs' private pools included where they ran).
 """
 from __future__ import annotations
@@ -112,7 +112,7 @@ def measure(runner: CudaRunner, kv_mode: str, context: int, steps: int, graphs: 
     decode_s = timed(lambda: decode(steps))
     c = runner.config
     plan = (weights_bytes(c, "fp16") + cache.stats().bytes_reserved
-            + activation_bytes(c, min(PREFILL_CHUNK, context), context, 1, Backend.TENSORRT))
+            + activation_bytes(c, min(PREFILL_CHUNK, context), context, 1, Backend.CUDA))
     return {"kv_mode": kv_mode, "context": context, "graphs": graphs, "prefill_tok_s": round(context / prefill_s, 1),
             "decode_tok_s": round(steps / decode_s, 1), "peak_bytes": torch.cuda.max_memory_allocated(),
             "plan_bytes": plan, "weights_bytes_on_gpu": runner.weight_bytes()}

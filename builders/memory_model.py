@@ -79,8 +79,8 @@ def activation_bytes(config: ModelConfig, num_tokens: int, context: int, batch: 
     """Peak activation memory of one forward step over ``num_tokens`` tokens (an estimate).
 
     The largest live tensors of a layer (residual, normed input and the wider of the
-    attention and MLP intermediates) plus the fp32 logits. TensorRT computes in fp16
-    with fused attention and returns the last tokens' logits; the reference engine
+    attention and MLP intermediates) plus the fp32 logits. TensorRT and the CUDA runner compute in fp16
+    with attention in tiles and return the last tokens' logits; the reference engine
     computes in fp32 and materialises attention scores, the mask and one layer's
     dequantised K/V; an ONNX graph (cabin-export) does the same in fp32 over its window
     and the new tokens, holds scores and probabilities at once, and returns every
@@ -90,7 +90,7 @@ def activation_bytes(config: ModelConfig, num_tokens: int, context: int, batch: 
     widest = max(2 * config.intermediate_size, q_out + 2 * config.kv_channels + q_out)
     per_token = 2 * h + widest
     logits = batch * config.vocab_size * 4
-    if backend is Backend.TENSORRT:
+    if backend in (Backend.TENSORRT, Backend.CUDA):  # fp16, attention in tiles (no score matrix)
         return num_tokens * per_token * 2 + logits
     kv_read = 2 * context * config.kv_channels * 4
     if backend is Backend.ONNX:

@@ -6,7 +6,8 @@ the plan sizes ``max_seq_len`` (the model's context, or less when the pool is sm
 ``max_num_tokens`` (a 2,048-token prefill chunk, or the whole prompt when chunked
 prefill is unavailable, as with INT8 KV on TensorRT) and the pool's blocks, and turns
 the pool into turns of a typical in-car dialogue (``dialogue_turns.TYPICAL_TURN``).
-On an ONNX target ``max_seq_len`` is the graphs' KV window and ``max_num_tokens`` the
+On a GPU target planned for the CUDA runner (``Target.on_cuda``) every KV dtype keeps block reuse and chunked
+prefill. On an ONNX target ``max_seq_len`` is the graphs' KV window and ``max_num_tokens`` the
 prompt graph's tokens, sized by ``cabinllm.builders.graph_plan`` as cabin-export arguments.
 
 A model with sliding-window layers (Gemma 3's local layers) counts them at their window: its bytes per token are the
@@ -26,7 +27,7 @@ from cabinllm.builders.graph_plan import GraphPlan, graph_limit, npu_weight_byte
 from cabinllm.builders.image_plan import ImageCost, image_cost
 from cabinllm.builders.memory_model import (activation_bytes, kv_bytes_per_token, kv_window_bytes, parameter_count,
                                             weights_bytes)
-from cabinllm.builders.targets import GIB, Backend, Target, load_targets
+from cabinllm.builders.targets import CUDA_WEIGHT_FORMATS, GIB, Backend, Target, load_targets
 from cabinllm.builders.trtllm import EngineShape, build_args, cannot_build, flag_set
 from cabinllm.runtime.backends.trtllm import beam_kv_blocks_up_to
 from cabinllm.runtime.errors import ConfigError, PlanRefused
@@ -41,7 +42,7 @@ REPLY_TOKENS = 256  # longest reply the engine is built for: max_seq_len - max_i
 CHUNK_TOKENS = 2048  # max_num_tokens where prefill can be chunked
 MIN_TURNS = 4  # a KV dtype whose pool holds fewer turns than this does not fit
 MIB = 1 << 20
-ONNX_INSTEAD = ("the ONNX path runs it: cabin-build --target cpu, cabin-export --profile ort, then on the board "
+ONNX_INSTEAD = ("the ONNX path runs it too: cabin-build --target cpu, cabin-export --profile ort, then on the board "
                 "cabin-chat --backend onnxruntime --ort-provider cuda")
 
 
@@ -154,7 +155,8 @@ class Plan:
         kv_flag = f" --kv-cache {self.request.kv_dtype}" if self.request.kv_dtype else ""
         weights += f" --head {self.request.head}" if self.request.head != "fp16" else ""
         beams = f" --max-beam-width {self.request.max_beam_width}" if self.request.max_beam_width > 1 else ""
-        return f"--target {self.target.name}{weights}{kv_flag}{beams} ({kvs})"
+        backend = " --backend cuda" if self.target.backend is Backend.CUDA else ""
+        return f"--target {self.target.name}{backend}{weights}{kv_flag}{beams} ({kvs})"
 
     def to_json(self) -> dict:
         """The plan as cabin-plan --json prints it; per-dtype values are keyed by KV dtype."""
@@ -240,11 +242,28 @@ def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPI
     why = cannot_build(config, t.trtllm_line) if t.backend is Backend.TENSORRT and t.trtllm_line else None
     if why:
         plan.cannot_build = (f"TensorRT-LLM {t.trtllm_line} on {t.name} cannot build {config.architecture}: {why}; "
-                             f"{ONNX_INSTEAD}")
+                             f"{cuda_instead(request, config, turn)}{ONNX_INSTEAD}")
         plan.warnings.insert(0, plan.cannot_build)
         for kv in plan.kv.values():
             kv.trtllm_build_args = None
     return plan
+
+
+def cuda_instead(request: PlanRequest, config: ModelConfig, turn: TurnTokens) -> str:
+    """The CUDA runner's plan of the same request in a few words (``cabin-plan --backend cuda``), where the target
+    has one: with the request's weights where the runner holds them, else W8A16."""
+    if request.target.cuda_overhead_gib is None:
+        return ""
+    held = [request.weights] if request.weights in CUDA_WEIGHT_FORMATS else []
+    plans = [make_plan(replace(request, target=request.target.on_cuda(), kv_dtype=None, weights=weights), config, turn)
+             for weights in dict.fromkeys(held + ["int8"])]  # int4 weights: W8A16, the lightest the runner holds
+    cuda = next((plan for plan in plans if plan.refusal() is None), None)
+    if cuda is None:
+        return f"the CUDA runner cannot hold it either ({plans[-1].refusal()}); "
+    return (f"the CUDA runner runs it (cabin-plan --backend cuda, then cabin-chat --device cuda): "
+            f"{cuda.request.weights} weights {cuda.weights_bytes / GIB:.2f} GiB, "
+            + ", ".join(f"{kv.kv_dtype} KV pool {kv.kv_pool_bytes / MIB:,.0f} MiB for {kv.max_seq_len:,} tokens "
+                        f"({kv.est_turns} turns, block reuse)" for kv in cuda.kv.values() if kv.fits) + "; ")
 
 
 def working_plan(request: PlanRequest, config: ModelConfig) -> Plan:
@@ -279,7 +298,7 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
     tpb = target.tokens_per_block
     per_token = kv_bytes_per_token(config, kv_dtype, tpb)
     paged_fmha = not (target.backend is Backend.TENSORRT and not kv_mode(kv_dtype).trtllm_paged_context_fmha)
-    chunked = target.backend is Backend.TENSORRT and paged_fmha
+    chunked = target.backend in (Backend.TENSORRT, Backend.CUDA) and paged_fmha
     context = config.max_position_embeddings
 
     def limits(seq: int) -> tuple[int, int, int]:
@@ -407,6 +426,10 @@ def plan_warnings(plan: Plan) -> list[str]:
         out.append(f"the model's context ({plan.config.max_position_embeddings:,} tokens) caps max_seq_len, not "
                    f"memory: it could hold {held}; a longer dialogue needs the overflow policy (sliding window "
                    "+ sink tokens), and the memory left is free for other models")
+    if t.backend is Backend.CUDA:
+        out.append("the CUDA runner keeps the paged cache with block reuse and chunked prefill in every KV dtype, "
+                   "INT8 included (TensorRT-LLM 0.12 reuses no blocks with INT8 KV); its runtime overhead is an "
+                   "estimate (cuda_overhead_gib) until scripts/gpu_check.sh has measured a board")
     if t.backend is Backend.TENSORRT:
         pool = "max_seq_len" if plan.request.max_beam_width == 1 else "KV blocks x tokens_per_block"
         out.append(f"size the runtime KV pool with KvCacheConfig(max_tokens={pool}): the default "
@@ -469,6 +492,8 @@ def nearest_working(request: PlanRequest, config: ModelConfig, targets: dict[str
     onnx = here.backend is Backend.ONNX  # graphs for an NPU, or an engine: the nearest config stays on its side
     larger = sorted((t for t in targets.values() if t.memory_gib > here.memory_gib
                      and (t.backend is Backend.ONNX) == onnx), key=lambda t: t.memory_gib)
+    if here.backend is Backend.CUDA:  # the same runner on a larger board
+        larger = [t.on_cuda() for t in larger if t.cuda_overhead_gib is not None]
     for target in larger:
         for weights in dict.fromkeys([request.weights, *weight_formats]):
             kv = request.kv_dtype if request.kv_dtype in target.kv_dtypes else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 from importlib import resources
 from pathlib import Path
@@ -14,6 +14,7 @@ from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.errors import TargetError
 from cabinllm.runtime.formats.weight_formats import weight_format
+from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK
 from cabinllm.runtime.kv.modes import ONNX_KV_MODES
 
 if sys.version_info >= (3, 11):
@@ -32,6 +33,13 @@ class Backend(str, Enum):
     TENSORRT = "tensorrt"  # a trtllm-build engine
     REFERENCE = "reference"  # the torch reference engine
     ONNX = "onnx"  # cabin-export's static graphs, run by ONNX Runtime on an NPU
+    CUDA = "cuda"  # the CUDA runner on the board's GPU: torch, our Triton kernels, CUDA graphs (--device cuda)
+
+
+# What the CUDA runner offers a plan (runtime/model/cuda.py): KV dtypes its kernels store, weight formats it holds as
+# stored (int4 layouts are dequantized to fp16 on load until a Triton int4 GEMV exists).
+CUDA_KV_DTYPES = ("fp16", "int8", "int8-dynamic")
+CUDA_WEIGHT_FORMATS = ("fp16", "int8")
 
 
 @dataclass(frozen=True)
@@ -78,15 +86,32 @@ class Target:
     weights_in_memory: str | None = None  # the dtype the runtime holds weights in, when it is not the stored one
     unsupported_kv: dict[str, str] = field(default_factory=dict)
     npu: NpuProfile | None = None  # ONNX targets only
+    cuda_overhead_gib: float | None = None  # a GPU target's runtime overhead under the CUDA runner
+
+    def on_cuda(self) -> "Target":
+        """This device run by the CUDA runner (``cabin-plan --backend cuda``); TargetError where it has no GPU."""
+        if self.sm is None or self.cuda_overhead_gib is None:
+            raise TargetError(f"{self.name} has no CUDA GPU profile (sm and cuda_overhead_gib in its table); the "
+                              "CUDA runner plans for the Jetson Orin and Thor targets")
+        fp8 = (f"{self.name} is SM{self.sm}: fp8 KV needs SM89 or newer" if self.sm < 89
+               else "the CUDA runner does not store fp8 KV yet: use int8")
+        return replace(self, backend=Backend.CUDA, kv_dtypes=CUDA_KV_DTYPES, weight_formats=CUDA_WEIGHT_FORMATS,
+                       runtime_overhead_gib=self.cuda_overhead_gib, trtllm_line=None, weights_in_memory=None,
+                       tokens_per_block=DEFAULT_TOKENS_PER_BLOCK, unsupported_kv={"fp8": fp8})
 
     def weights_refusal(self, weights: str) -> str | None:
         """Why this target's runtime does not take a weight format, or None."""
         if weights in self.weight_formats:
             return None
-        why = (f"{self.name}'s TensorRT-LLM W4A16 kernels take symmetric groups of 64 / 128 only, not "
-               f"{weights}'s blocks of 32 with a minimum; it runs on the reference engine (--target cpu) and "
-               f"ONNX Runtime (cabin-export --profile ort)" if self.backend is Backend.TENSORRT
-               and not weight_format(weights).trtllm else f"{weights} weights are not available on {self.name}")
+        if self.backend is Backend.CUDA:
+            why = (f"the CUDA runner dequantizes {weights} weights to fp16 on load (a Triton int4 GEMV is not built "
+                   "yet), so they would take fp16's memory")
+        elif self.backend is Backend.TENSORRT and not weight_format(weights).trtllm:
+            why = (f"{self.name}'s TensorRT-LLM W4A16 kernels take symmetric groups of 64 / 128 only, not "
+                   f"{weights}'s blocks of 32 with a minimum; it runs on the reference engine (--target cpu) and "
+                   f"ONNX Runtime (cabin-export --profile ort)")
+        else:
+            why = f"{weights} weights are not available on {self.name}"
         return f"{why}; it takes {', '.join(self.weight_formats)}"
 
     def head_refusal(self, head: str) -> str | None:

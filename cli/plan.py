@@ -13,8 +13,9 @@ from cabinllm.builders.planner import MIB, KVPlan, Plan, PlanRequest, weight_cho
 from cabinllm.builders.targets import GIB, Backend, get_target
 from cabinllm.cli.args import (add_kv_cache, cli_message, entry_point, int_range, os_error_message, output_name,
                                reserve_gib)
-from cabinllm.runtime.errors import CabinError, PlanRefused
+from cabinllm.runtime.errors import CabinError, ConfigError, PlanRefused
 from cabinllm.runtime.formats.weight_formats import HEAD_FORMATS, WEIGHT_FORMATS
+from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.modes import KV_MODES
 from cabinllm.runtime.sources.model_source import load_model_config
 
@@ -41,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-beam-width", type=int_range(1), default=1, metavar="N",
                         help="beams the TensorRT engine searches (trtllm-build --max_beam_width); the KV pool then "
                              "holds a search over the longest prompt (default 1: no beam search)")
+    parser.add_argument("--backend", choices=("tensorrt", "cuda"),
+                        help="what runs the model on a GPU target: its TensorRT-LLM engine (tensorrt) or the CUDA "
+                             "runner, torch with our Triton kernels (cuda: cabin-chat --device cuda); default: the "
+                             "target's own")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
     return parser.parse_args(argv)
 
@@ -48,8 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """The plan for the arguments; PlanRefused (with the nearest working plan) when it cannot work."""
     config = load_model_config(args.model)
-    request = PlanRequest(args.model, get_target(args.target), args.weights, args.reserve_gb, args.kv_cache,
-                          args.max_beam_width, args.head)
+    target = get_target(args.target)
+    if args.backend == "cuda":
+        target = target.on_cuda()
+    elif args.backend and args.backend != target.backend.value:
+        raise ConfigError(f"--backend {args.backend}: {target.name} runs {target.backend.value}; leave --backend out")
+    request = PlanRequest(args.model, target, args.weights, args.reserve_gb, args.kv_cache, args.max_beam_width,
+                          args.head)
     return working_plan(request, config)
 
 
@@ -93,6 +103,9 @@ def format_table(plan: Plan) -> str:
         if kv.trtllm_build_args:
             lines.append(f"trtllm-build for {kv.kv_dtype} KV (run in the engine folder): "
                          f"trtllm-build {' '.join(kv.trtllm_build_args)}")
+        if t.backend is Backend.CUDA and kv.fits:
+            lines.append(f"{kv.kv_dtype} KV on the CUDA runner: cabin-chat --engine {ENGINE_PLACEHOLDER} --device cuda "
+                         f"--kv-cache {kv.kv_dtype} --kv-budget-mb {cdiv(kv.kv_pool_bytes, MIB)}")
         if kv.graphs:
             lines.append(f"{kv.kv_dtype} KV: {kv.graphs.export_command()}")
             lines.append(f"  then on the board: {kv.graphs.chat_command()}")

@@ -66,3 +66,36 @@ def test_cabin_build_refuses_a_checkpoint_the_board_cannot_build(tmp_path, capsy
                                             str(tmp_path / "engine")], capsys)
     assert_one_error(code, err, "TensorRT-LLM 0.12.0-jetson", "cannot build Qwen3ForCausalLM", "cabin-export")
     assert not (tmp_path / "engine").exists()
+
+
+def test_plan_names_the_cuda_runner_where_tensorrt_cannot_build(capsys):
+    why = plan(capsys, "qwen3-1.7b", "orin-nano-8gb")["trtllm_cannot_build"]
+    assert "the CUDA runner runs it (cabin-plan --backend cuda" in why and "int8 weights 2.47 GiB" in why
+    assert "int8 KV pool" in why and "turns, block reuse" in why
+
+
+def test_cuda_backend_plans_every_dtype_with_block_reuse(capsys):
+    code, out, err = run_cli(cabin_plan, ["--model", str(CONFIGS / "qwen3-1.7b.json"), "--target", "orin-nano-8gb",
+                                          "--backend", "cuda", "--weights", "int8", "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["target_profile"]["backend"] == "cuda" and result["kv_dtypes"] == ["fp16", "int8", "int8-dynamic"]
+    assert all(result["block_reuse"].values()) and set(result["max_num_tokens"].values()) == {2048}
+    assert result["trtllm_build_args"] is None and result["trtllm_cannot_build"] is None
+    # the runner's overhead, not TensorRT-LLM's, comes out of the board's memory
+    assert result["memory_bytes"]["runtime_overhead"] == int(1.2 * 2**30)
+    code, out, err = run_cli(cabin_plan, ["--model", str(CONFIGS / "qwen3-1.7b.json"), "--target", "orin-nano-8gb",
+                                          "--backend", "cuda", "--weights", "int8"], capsys)
+    assert "cabin-chat --engine ENGINE_DIR --device cuda --kv-cache int8 --kv-budget-mb" in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--target", "orin-nano-8gb", "--kv-cache", "fp8"], ["fp8", "SM87", "SM89"]),
+    (["--target", "orin-nano-8gb", "--weights", "int4-awq"], ["dequantizes int4-awq", "fp16"]),
+    (["--target", "cpu"], ["cpu has no CUDA GPU profile"]),
+])
+def test_cuda_backend_refusals_are_one_line(capsys, args, words):
+    code, _, err = run_cli(cabin_plan, ["--model", str(CONFIGS / "qwen3-1.7b.json"), "--backend", "cuda", *args],
+                           capsys)
+    assert code == 2 and all(word in err for word in words), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
