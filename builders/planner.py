@@ -27,7 +27,7 @@ from cabinllm.builders.graph_plan import GraphPlan, graph_limit, npu_weight_byte
 from cabinllm.builders.image_plan import ImageCost, image_cost
 from cabinllm.builders.memory_model import (activation_bytes, kv_bytes_per_token, kv_window_bytes, parameter_count,
                                             weights_bytes)
-from cabinllm.builders.targets import CUDA_WEIGHT_FORMATS, GIB, Backend, Target, load_targets
+from cabinllm.builders.targets import GIB, Backend, Target, load_targets
 from cabinllm.builders.trtllm import EngineShape, build_args, cannot_build, flag_set
 from cabinllm.runtime.backends.trtllm import beam_kv_blocks_up_to
 from cabinllm.runtime.errors import ConfigError, PlanRefused
@@ -251,15 +251,12 @@ def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPI
 
 def cuda_instead(request: PlanRequest, config: ModelConfig, turn: TurnTokens) -> str:
     """The CUDA runner's plan of the same request in a few words (``cabin-plan --backend cuda``), where the target
-    has one: with the request's weights where the runner holds them, else W8A16."""
+    has one."""
     if request.target.cuda_overhead_gib is None:
         return ""
-    held = [request.weights] if request.weights in CUDA_WEIGHT_FORMATS else []
-    plans = [make_plan(replace(request, target=request.target.on_cuda(), kv_dtype=None, weights=weights), config, turn)
-             for weights in dict.fromkeys(held + ["int8"])]  # int4 weights: W8A16, the lightest the runner holds
-    cuda = next((plan for plan in plans if plan.refusal() is None), None)
-    if cuda is None:
-        return f"the CUDA runner cannot hold it either ({plans[-1].refusal()}); "
+    cuda = make_plan(replace(request, target=request.target.on_cuda(), kv_dtype=None), config, turn)
+    if cuda.refusal():
+        return f"the CUDA runner cannot hold it either ({cuda.refusal()}); "
     return (f"the CUDA runner runs it (cabin-plan --backend cuda, then cabin-chat --device cuda): "
             f"{cuda.request.weights} weights {cuda.weights_bytes / GIB:.2f} GiB, "
             + ", ".join(f"{kv.kv_dtype} KV pool {kv.kv_pool_bytes / MIB:,.0f} MiB for {kv.max_seq_len:,} tokens "

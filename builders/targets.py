@@ -13,7 +13,7 @@ from cabinllm.builders.onnx_profiles import ONNX_PROFILES, PRECISIONS
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.errors import TargetError
-from cabinllm.runtime.formats.weight_formats import weight_format
+from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS, weight_format
 from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK
 from cabinllm.runtime.kv.modes import ONNX_KV_MODES
 
@@ -36,10 +36,9 @@ class Backend(str, Enum):
     CUDA = "cuda"  # the CUDA runner on the board's GPU: torch, our Triton kernels, CUDA graphs (--device cuda)
 
 
-# What the CUDA runner offers a plan (runtime/model/cuda.py): KV dtypes its kernels store, weight formats it holds as
-# stored (int4 layouts are dequantized to fp16 on load until a Triton int4 GEMV exists).
+# The KV dtypes the CUDA runner's kernels store that a plan offers (runtime/model/cuda.py); it holds every weight format
+# as stored (4-bit ones multiplied by its Triton int4 kernels).
 CUDA_KV_DTYPES = ("fp16", "int8", "int8-dynamic")
-CUDA_WEIGHT_FORMATS = ("fp16", "int8")
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ class Target:
                               "CUDA runner plans for the Jetson Orin and Thor targets")
         fp8 = (f"{self.name} is SM{self.sm}: fp8 KV needs SM89 or newer" if self.sm < 89
                else "the CUDA runner does not store fp8 KV yet: use int8")
-        return replace(self, backend=Backend.CUDA, kv_dtypes=CUDA_KV_DTYPES, weight_formats=CUDA_WEIGHT_FORMATS,
+        return replace(self, backend=Backend.CUDA, kv_dtypes=CUDA_KV_DTYPES, weight_formats=tuple(WEIGHT_FORMATS),
                        runtime_overhead_gib=self.cuda_overhead_gib, trtllm_line=None, weights_in_memory=None,
                        tokens_per_block=DEFAULT_TOKENS_PER_BLOCK, unsupported_kv={"fp8": fp8})
 
@@ -103,10 +102,7 @@ class Target:
         """Why this target's runtime does not take a weight format, or None."""
         if weights in self.weight_formats:
             return None
-        if self.backend is Backend.CUDA:
-            why = (f"the CUDA runner dequantizes {weights} weights to fp16 on load (a Triton int4 GEMV is not built "
-                   "yet), so they would take fp16's memory")
-        elif self.backend is Backend.TENSORRT and not weight_format(weights).trtllm:
+        if self.backend is Backend.TENSORRT and not weight_format(weights).trtllm:
             why = (f"{self.name}'s TensorRT-LLM W4A16 kernels take symmetric groups of 64 / 128 only, not "
                    f"{weights}'s blocks of 32 with a minimum; it runs on the reference engine (--target cpu) and "
                    f"ONNX Runtime (cabin-export --profile ort)")

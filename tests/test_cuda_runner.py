@@ -9,6 +9,7 @@ graph tests run. Random weights prove mechanics, not quality.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -26,6 +27,7 @@ from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
 from cabinllm.runtime.model.cuda import CudaRunner, check_device, check_kv_mode
 from cabinllm.runtime.model.cuda_graphs import StepInputs, bucket, graph_sizes, table_widths
 from cabinllm.runtime.model.interface import Span
+from cabinllm.runtime.model.linear import Int4AwqLinear, Int4G32Linear, Stacked, halves, pack_g32, pack_int4
 
 KERNELS = triton_kernels()
 DTYPE = torch.float16 if ON_GPU else torch.float32
@@ -89,6 +91,45 @@ def dialogue(engine: Engine, runner: CudaRunner, kv_mode: str, decode=None) -> N
                                      pytest.param("int8-dynamic", marks=pytest.mark.slow)])
 def test_runner_equals_the_reference(tiny_engine, kv_mode):
     dialogue(tiny_engine, runner_of(tiny_engine), kv_mode)
+
+
+def quantized_copy(engine: Engine) -> Engine:
+    """The tiny engine with its linears rounded to 4 bits, every layout the runner multiplies in its int4 kernels:
+    int4-g32 for qkv, W4A16-AWQ (group 64, a prequant scale) for dense and proj, a stack of int4-g32 and int4-g32 on
+    int8 activations for fc/gate."""
+    def g32(w: torch.Tensor, int8_x: bool = False) -> Int4G32Linear:
+        blocks = w.unflatten(-1, (-1, 32))
+        low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).half().float()
+        q = torch.round((blocks - low.half().float()) / scale).clamp(0, 15).flatten(-2)
+        return Int4G32Linear(pack_g32(q), scale.squeeze(-1).half(), low.squeeze(-1).half(), int8_x)
+
+    def awq(w: torch.Tensor) -> Int4AwqLinear:
+        prequant = 1 + torch.rand(w.shape[1], generator=torch.Generator().manual_seed(3))
+        groups = (w / prequant).unflatten(-1, (-1, 64))
+        scale = groups.abs().amax(-1, keepdim=True) / 7
+        q = torch.round(groups / scale).clamp(-8, 7).flatten(-2)
+        return Int4AwqLinear(pack_int4(q), scale.squeeze(-1), 1 / prequant, 64)
+
+    model = copy.copy(engine.model)
+    model.__dict__.pop("_step_weights", None)  # the fused decode step's view of the layers, taken again
+    model.layers = [dict(layer) for layer in model.layers]
+    for layer in model.layers:
+        fc, gate = halves(layer["fc_gate"])
+        layer.update(qkv=g32(layer["qkv"]), dense=awq(layer["dense"]), proj=awq(layer["proj"]),
+                     fc_gate=Stacked((g32(fc), g32(gate, int8_x=True))))
+    return dataclasses.replace(engine, model=model)
+
+
+def test_runner_multiplies_4bit_weights_as_stored(tiny_engine):
+    """int4-g32 (also on int8 activations) and W4A16-AWQ linears stay packed on the device, multiplied by the int4
+    kernels, and give the reference's logits with the same weights."""
+    engine = quantized_copy(tiny_engine)
+    runner = runner_of(engine)
+    qkv = runner.layers[0]["qkv"]
+    assert qkv.weight is None and qkv.int4.codes.dtype == torch.uint8
+    assert runner.weight_bytes() < runner_of(tiny_engine).weight_bytes() / 2
+    dialogue(engine, runner, "int8")
 
 
 def test_padded_decode_step_equals_the_reference(tiny_engine):

@@ -70,13 +70,13 @@ def test_cabin_build_refuses_a_checkpoint_the_board_cannot_build(tmp_path, capsy
 
 def test_plan_names_the_cuda_runner_where_tensorrt_cannot_build(capsys):
     why = plan(capsys, "qwen3-1.7b", "orin-nano-8gb")["trtllm_cannot_build"]
-    assert "the CUDA runner runs it (cabin-plan --backend cuda" in why and "int8 weights 2.47 GiB" in why
+    assert "the CUDA runner runs it (cabin-plan --backend cuda" in why and "int4-awq weights 1.86 GiB" in why
     assert "int8 KV pool" in why and "turns, block reuse" in why
 
 
 def test_cuda_backend_plans_every_dtype_with_block_reuse(capsys):
     code, out, err = run_cli(cabin_plan, ["--model", str(CONFIGS / "qwen3-1.7b.json"), "--target", "orin-nano-8gb",
-                                          "--backend", "cuda", "--weights", "int8", "--json"], capsys)
+                                          "--backend", "cuda", "--weights", "int4-g32", "--json"], capsys)
     assert code == 0, err
     result = json.loads(out)
     assert result["target_profile"]["backend"] == "cuda" and result["kv_dtypes"] == ["fp16", "int8", "int8-dynamic"]
@@ -85,13 +85,12 @@ def test_cuda_backend_plans_every_dtype_with_block_reuse(capsys):
     # the runner's overhead, not TensorRT-LLM's, comes out of the board's memory
     assert result["memory_bytes"]["runtime_overhead"] == int(1.2 * 2**30)
     code, out, err = run_cli(cabin_plan, ["--model", str(CONFIGS / "qwen3-1.7b.json"), "--target", "orin-nano-8gb",
-                                          "--backend", "cuda", "--weights", "int8"], capsys)
+                                          "--backend", "cuda", "--weights", "int4-g32"], capsys)
     assert "cabin-chat --engine ENGINE_DIR --device cuda --kv-cache int8 --kv-budget-mb" in out
 
 
 @pytest.mark.parametrize("args, words", [
     (["--target", "orin-nano-8gb", "--kv-cache", "fp8"], ["fp8", "SM87", "SM89"]),
-    (["--target", "orin-nano-8gb", "--weights", "int4-awq"], ["dequantizes int4-awq", "fp16"]),
     (["--target", "cpu"], ["cpu has no CUDA GPU profile"]),
 ])
 def test_cuda_backend_refusals_are_one_line(capsys, args, words):

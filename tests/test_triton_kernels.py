@@ -191,3 +191,29 @@ def test_a_wrong_scale_or_block_is_caught():
     fill(storage, [5], 4, seed=5)  # another sequence's block
     for wrong in (decode(unscaled, table), decode(pools, [7, 2, 5])):
         assert (wrong.float().cpu() - expected).abs().max() > 10 * tolerance("int8")
+
+
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_int4_kernels_equal_the_dequantized_product(tokens):
+    """The int4 linears (a decode step's one token, a prefill's 20) equal x @ W.T with W dequantized as the reference
+    does, on output counts that are not a multiple of the tile."""
+    from cabinllm.runtime.kernels.triton import INT4_MODULE, load
+    from cabinllm.runtime.model.linear import Int4AwqLinear, Int4G32Linear, pack_g32, pack_int4
+
+    int4 = load(INT4_MODULE)
+    gen = torch.Generator().manual_seed(tokens)
+    out, inputs = 70, 128
+    g32 = Int4G32Linear(pack_g32(torch.randint(0, 16, (out, inputs), generator=gen)),
+                        (torch.rand(out, inputs // 32, generator=gen) / 10).half(),
+                        (torch.rand(out, inputs // 32, generator=gen) - 0.5).half())
+    awq = Int4AwqLinear(pack_int4(torch.randint(-8, 8, (out, inputs), generator=gen)),
+                        torch.rand(out, inputs // 64, generator=gen) / 10, torch.ones(inputs), 64)
+    x = torch.randn(tokens, inputs, generator=gen).to(DEVICE, torch.float16 if ON_GPU else torch.float32)
+    on = {name: value.to(DEVICE) for name, value in vars(g32).items() if isinstance(value, torch.Tensor)}
+    ours = int4.int4_g32_linear(x, on["codes"], on["scale"], on["minimum"])
+    tolerance = 2e-2 if ON_GPU else 1e-4
+    torch.testing.assert_close(ours.float().cpu(), x.float().cpu() @ g32.dequantize().T, atol=tolerance,
+                               rtol=tolerance)
+    ours = int4.int4_awq_linear(x, awq.packed.to(DEVICE), awq.scale.to(DEVICE), 64)
+    torch.testing.assert_close(ours.float().cpu(), x.float().cpu() @ awq.dequantize().T, atol=tolerance,
+                               rtol=tolerance)

@@ -5,8 +5,9 @@ device (``PagedKVCache(device=...)``).
 It is built from a loaded reference ``Transformer`` (``CudaRunner.of``), so every family the reference reads runs
 here the same way (q/k norms, partial rotary and LongRoPE, Gemma 3's extra norms, scales and local layers' windows,
 layers without RoPE, softcapped logits): weights go to the device in fp16 or bf16, int8 ones (W8A16) as their codes
-and per-channel scales (the codes cast to the compute dtype inside each product), other quantized formats
-dequantized to the compute dtype. The residual stream and norms compute in fp32, linears and attention's operands in
+and per-channel scales (the codes cast to the compute dtype inside each product), 4-bit ones (int4-g32, W4A16-AWQ)
+as their packed codes, multiplied by Triton kernels that dequantize inside the product (a 3B model in 4 bits is what
+fits an 8 GB Orin). The residual stream and norms compute in fp32, linears and attention's operands in
 the compute dtype. Pictures (a vision-language model's media) run on the reference engine only.
 
 Decode steps (one token per sequence) can run as CUDA graphs, one per batch size bucket (``cabinllm.runtime.model.
@@ -16,7 +17,7 @@ with the kernels under Triton's interpreter, which is how it is tested without a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import ModuleType
 
 import torch
@@ -29,7 +30,8 @@ from cabinllm.runtime.kv.cache import PagedKVCache
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.cuda_graphs import DecodeGraphs, StepInputs
 from cabinllm.runtime.model.interface import MediaTable, Span
-from cabinllm.runtime.model.linear import Int8G32Table, Int8Linear, Linear, full_precision
+from cabinllm.runtime.model.linear import (Int4AwqLinear, Int4G32Linear, Int8G32Table, Int8Linear, Linear, Stacked,
+                                          full_precision, int8_blocks)
 from cabinllm.runtime.model.rope import apply_rope
 from cabinllm.runtime.model.transformer import ACTIVATIONS, Transformer, begin_step, rms_norm
 
@@ -37,6 +39,11 @@ DEVICES = ("cpu", "cuda")  # where Engine.load runs a model: the reference engin
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CUDA_KV_MODES = ("fp16", "int8", "int8-separate", "int8-dynamic", "fp32")  # what the Triton kernels store
 FP8_CAPABILITY = (8, 9)  # fp8 e4m3 arithmetic: Ada (sm_89) and newer
+
+
+def int4_linear() -> ModuleType:
+    """The Triton kernels of 4-bit linears (``kernels/triton/int4_linear``)."""
+    return triton_kernels.load(triton_kernels.INT4_MODULE)
 
 
 def check_device(device: str) -> torch.device:
@@ -66,12 +73,16 @@ def check_kv_mode(mode_name: str, device: torch.device) -> None:
 
 @dataclass
 class DeviceLinear:
-    """A linear op on the device: a dense (out, in) weight in the compute dtype, or int8 codes with one scale per
-    output channel (W8A16: x @ (q * s).T == (x @ q.T) * s)."""
+    """A linear op on the device, as stored: a dense (out, in) weight in the compute dtype; W8A16's int8 codes with
+    one scale per output channel (x @ (q * s).T == (x @ q.T) * s); or 4-bit codes (int4-g32, W4A16-AWQ) multiplied
+    by the Triton kernels of ``kernels/triton/int4_linear``, which dequantize inside the product. A stacked op
+    (``parts``) concatenates its parts' outputs."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    int4: Linear | None = None  # the reference's Int4G32Linear / Int4AwqLinear with its tensors on the device
+    parts: tuple["DeviceLinear", ...] = ()
 
     @classmethod
     def of(cls, op: Linear, device: torch.device, dtype: torch.dtype,
@@ -80,17 +91,39 @@ class DeviceLinear:
         bias = None if bias is None else bias.to(device, dtype)
         if isinstance(op, Int8Linear):
             return cls(op.weight.to(device), op.scale.to(device, dtype), bias)
+        if isinstance(op, (Int4G32Linear, Int4AwqLinear)):
+            moved = {f.name: getattr(op, f.name) for f in fields(op)}
+            moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+            if isinstance(op, Int4AwqLinear):
+                moved["prequant"] = moved["prequant"].to(dtype)
+            return cls(bias=bias, int4=type(op)(**moved))
+        if isinstance(op, Stacked):
+            return cls(bias=bias, parts=tuple(cls.of(part, device, dtype) for part in op.parts))
         return cls(full_precision(op).to(device, dtype).contiguous(), None, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scale is None:
+        if self.parts:
+            y = torch.cat([part(x) for part in self.parts], dim=-1)
+        elif isinstance(self.int4, Int4G32Linear):
+            q = self.int4
+            y = int4_linear().int4_g32_linear(int8_blocks(x).to(x.dtype) if q.int8_x else x, q.codes, q.scale,
+                                              q.minimum)
+        elif isinstance(self.int4, Int4AwqLinear):
+            q = self.int4
+            y = int4_linear().int4_awq_linear(x * q.prequant, q.packed, q.scale, q.group_size)
+        elif self.scale is None:
             return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight.to(x.dtype)) * self.scale
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scale
         return y if self.bias is None else y + self.bias
 
     def nbytes(self) -> int:
         """Bytes the op holds on the device."""
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.bias) if t is not None)
+        held = [self.weight, self.scale, self.bias]
+        if self.int4 is not None:
+            held += [getattr(self.int4, f.name) for f in fields(self.int4)]
+        own = sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
+        return own + sum(part.nbytes() for part in self.parts)
 
 
 class CudaRunner:

@@ -1,6 +1,7 @@
 """Triton kernels over the paged KV cache, for the CUDA runner (``cabinllm.runtime.model.cuda``).
 
-``paged_attention`` holds them (``pools`` how they read a layer's ``StoredKV``): the KV write that stores a step's new K/V rows
+``int4_linear`` multiplies by 4-bit weights (int4-g32, W4A16-AWQ) without dequantizing them into a copy.
+``paged_attention`` holds the attention kernels (``pools`` how they read a layer's ``StoredKV``): the KV write that stores a step's new K/V rows
 into their slots (int8 codes with a layer's static scale, int8 with a fp16 scale per token and KV head, or
 fp16/bf16/fp32 as they are), decode attention of one token per sequence over its blocks (split-KV, flash-decoding
 style, with a second kernel reducing the splits) and prefill attention of new tokens over a cached prefix (paged
@@ -20,13 +21,15 @@ from types import ModuleType
 from cabinllm.runtime.errors import MissingDependency
 
 KERNELS_MODULE = f"{__name__}.paged_attention"
+INT4_MODULE = f"{__name__}.int4_linear"
 
 
-def load() -> ModuleType:
-    """The kernels module (``paged_attention``); MissingDependency naming the extra where Triton is missing."""
+def load(module: str = KERNELS_MODULE) -> ModuleType:
+    """A kernels module (``paged_attention`` by default, or ``int4_linear``); MissingDependency naming the extra where
+    Triton is missing."""
     try:
         importlib.import_module("triton")
     except ImportError:
         raise MissingDependency("the CUDA runner's kernels need triton, which is not installed; "
                                 "pip install 'cabinllm[gpu]'") from None
-    return importlib.import_module(KERNELS_MODULE)
+    return importlib.import_module(module)
