@@ -74,9 +74,10 @@ def hf_state_dict(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict
     return state
 
 
-def transformers_model(config: ModelConfig, weights: dict[str, torch.Tensor]):
-    """A checkpoint's config and weights as its family's transformers model (its ``Reference``), in fp32, eval
-    mode.
+def transformers_model(config: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.float32):
+    """A checkpoint's config and weights as its family's transformers model (its ``Reference``), in eval mode, on
+    ``device`` in ``dtype`` (fp32 on the CPU by default).
 
     Quantized linear weights become the fp32 matrices the reference engine multiplies by (an AWQ prequant
     scale folded in); a vocabulary padded by the export keeps its padded rows. Loaded strictly: every parameter
@@ -84,6 +85,7 @@ def transformers_model(config: ModelConfig, weights: dict[str, torch.Tensor]):
     """
     import transformers
 
-    model = getattr(transformers, reference(config).model_class)(transformers_config(config)).float().eval()
+    with torch.device(device):  # drawn where it runs: a 3B model's init on the CPU takes minutes
+        model = getattr(transformers, reference(config).model_class)(transformers_config(config)).to(dtype).eval()
     model.load_state_dict(hf_state_dict(config, weights), strict=True)
     return model

@@ -2,12 +2,15 @@
 # The CUDA runner's check on a machine with an NVIDIA GPU, torch with CUDA, triton and pytest installed; nothing is
 # downloaded. Under 8 minutes on an H100 (each part has its own time limit):
 #   1. the Triton kernel tests compiled for the GPU (tests/test_triton_kernels.py, fp16 tolerance 2e-2);
-#   2. the runner tests on the GPU (tests/test_cuda_runner.py: against the reference engine, CUDA graphs, fp8's
-#      refusal); they build tiny engines, so they need the project's dependencies (tokenizers, jinja2, gguf,
+#   2. the runner tests on the GPU (tests/test_cuda_runner.py: against the reference engine, 4-bit weights, CUDA
+#      graphs, fp8's refusal, a 60-turn dialogue at a fixed budget whose memory never grows); they build tiny engines, so they need the project's dependencies (tokenizers, jinja2, gguf,
 #      llguidance, ...): where one is missing the part fails and the log says which;
-#   3. benchmarks/gpu_check.py: random weights at the default model's, Qwen3-1.7B's and Llama-3.2-3B's shapes,
-#      decode tok/s with fp16 and int8 KV at 512, 4,096 and 16,384 tokens, eager and from CUDA graphs, prefill
-#      tok/s, peak GPU memory against the planner's memory model.
+#   3. benchmarks/gpu_check.py: random weights at the default model's, Llama-3.2-3B's and Qwen3-4B's shapes:
+#      logits against transformers on the same weights (fp16), decode tok/s with fp16 and int8 KV at 512, 4,096
+#      and 16,384 tokens, eager and from CUDA graphs, the fraction of the GPU's read bandwidth, prefill tok/s, TTFT
+#      of turn 10 with and without reuse, transformers' generate (static cache, eager and compiled) as the peer,
+#      peak GPU memory against the planner's memory model. Results are written after each measurement, so a part
+#      cut by its time limit keeps what it measured.
 # Writes into $OUT (default: a new temporary folder): env.txt, kernel_tests.txt, runner_tests.txt, gpu_check.json,
 # gpu_check.txt, summary.json. Usage: OUT=/some/folder scripts/gpu_check.sh   (PYTHON=... to pick the interpreter)
 # Parts 2 and 3 import the project's dependencies; a machine without network that lacks some (env.txt lists the
@@ -43,13 +46,13 @@ print("missing:", " ".join(missing) or "none")
 PYEOF
 cat "$OUT/env.txt"
 
-timeout 90 "$PY" -m pytest -q -p no:cacheprovider --noconftest tests/test_triton_kernels.py > "$OUT/kernel_tests.txt" 2>&1
+timeout 60 "$PY" -m pytest -q -p no:cacheprovider --noconftest tests/test_triton_kernels.py > "$OUT/kernel_tests.txt" 2>&1
 kernels=$?
 tail -3 "$OUT/kernel_tests.txt"
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_runner.py > "$OUT/runner_tests.txt" 2>&1
 runner=$?
 tail -3 "$OUT/runner_tests.txt"
-timeout 210 "$PY" -m cabinllm.benchmarks.gpu_check --out "$OUT"
+timeout 290 "$PY" -m cabinllm.benchmarks.gpu_check --out "$OUT"
 bench=$?
 
 printf '{"kernel_tests_rc": %d, "runner_tests_rc": %d, "gpu_check_rc": %d}\n' "$kernels" "$runner" "$bench" \

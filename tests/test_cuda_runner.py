@@ -263,3 +263,30 @@ def test_a_dialogue_on_the_runner_replies_as_the_reference(tiny_engine, tmp_path
         assert stats.reused_tokens > 0
         replies[name].append(stats.token_ids)
     assert replies["runner"] == replies["reference"]
+
+
+@pytest.mark.slow
+def test_a_long_dialogue_never_allocates_past_its_budget(tiny_engine):
+    """A dialogue at a fixed KV budget on the runner (60 turns on a GPU; 10 here, the kernels interpreted): the
+    sink-window policy keeps every turn going, the cache never holds more than its budget, and on a GPU no turn after
+    the first allocates more device memory than the first did."""
+    from cabinllm.runtime.dialogue.overflow import OverflowPolicy
+    from cabinllm.runtime.dialogue.session import DialogueSession
+    from cabinllm.runtime.generation.sampling import SamplingParams
+
+    engine = dataclasses.replace(tiny_engine, model=runner_of(tiny_engine), device=torch.device(DEVICE))
+    cache = engine.new_cache(KvCacheConfig("int8", 48 << 10, 4))  # about 120 tokens: a few turns
+    budget = cache.stats().bytes_reserved
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=engine.stop_token_ids())
+    session = DialogueSession(engine, cache, params, "Be brief.", OverflowPolicy("sink-window"))
+    peaks, evicted = [], 0
+    for turn in range(60 if ON_GPU else 10):
+        if ON_GPU:
+            torch.cuda.reset_peak_memory_stats()
+        stats = session.chat(f"Turn {turn}: set the cabin to {18 + turn % 8} degrees and play the next song.")
+        assert stats.finish_reason in ("stop", "length") and stats.kv_bytes_used <= budget
+        evicted += stats.evicted_tokens
+        if ON_GPU:
+            peaks.append(torch.cuda.max_memory_allocated())
+    assert evicted > 0  # the budget was reached and the policy made room
+    assert all(peak <= peaks[0] for peak in peaks[1:])
