@@ -168,6 +168,18 @@ def test_graph_buckets():
     assert [bucket(graph_sizes(5), n) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 5, None]
 
 
+def test_graph_buckets_follow_the_servers_sessions(tiny_engine):
+    """A core for 6 sessions sizes the runner's decode graphs up to 6 (nothing is captured before a step)."""
+    from cabinllm.runtime.engine.scheduler import SchedulerConfig
+    from cabinllm.runtime.model.cuda_graphs import DecodeGraphs
+
+    runner = runner_of(tiny_engine)
+    runner.graphs = DecodeGraphs(runner)
+    engine = dataclasses.replace(tiny_engine, model=runner, device=torch.device(DEVICE))
+    engine.new_core(engine.new_cache(KvCacheConfig("int8", 1 << 20, 4), 6), SchedulerConfig(max_sessions=6))
+    assert runner.graphs.sizes == (1, 2, 4, 6)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_refused_without_cuda(tiny_engine_dir):
     """--device cuda where torch has no CUDA: one clear line naming why and the fix; nothing loaded."""

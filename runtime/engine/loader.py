@@ -111,5 +111,8 @@ class Engine:
                             device=self.device)
 
     def new_core(self, cache: PagedKVCache | None = None, config: SchedulerConfig | None = None) -> EngineCore:
-        """An engine core running this engine's model over ``cache`` (default: ``new_cache()``)."""
+        """An engine core running this engine's model over ``cache`` (default: ``new_cache()``); on the CUDA runner
+        its decode graphs cover the core's sessions."""
+        if isinstance(self.model, CudaRunner) and config is not None:
+            self.model.size_graphs(config.max_sessions)
         return EngineCore(self.model, cache or self.new_cache(), self.tokenizer.decode_reply, config)

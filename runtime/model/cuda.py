@@ -167,6 +167,11 @@ class CudaRunner:
         out |= {key: DeviceLinear.of(layer[key], self.device, self.dtype) for key in ("dense", "fc_gate", "proj")}
         return out
 
+    def size_graphs(self, max_batch: int) -> None:
+        """Capture decode steps of up to ``max_batch`` sequences (a server's sessions), where graphs are on."""
+        if self.graphs is not None and self.graphs.sizes[-1] != max_batch:
+            self.graphs = DecodeGraphs(self, max_batch)
+
     @property
     def kv_layout(self) -> KVLayout:
         """Shape of this model's KV cache."""
