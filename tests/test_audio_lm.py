@@ -1,0 +1,148 @@
+"""Speech in the dialogue of an audio-language model: a tiny random Qwen2-Audio that
+cabinllm.benchmarks.random_audio_lm writes with transformers' own classes, built by cabin-build, fed real speech
+(espeak-ng). Its prompt ids, logits and greedy replies are transformers' own on the same weights (random weights
+prove mechanics only); a clip's KV is reused by the turns after it and by nothing that holds other audio."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_hf_folders import cabin_build
+
+from cabinllm.benchmarks.random_audio_lm import write_random_audio_lm
+from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.engine.loader import Engine
+from cabinllm.runtime.errors import AudioError
+from cabinllm.runtime.generation.sampling import SamplingParams
+from cabinllm.runtime.kv.blocks import Sequence
+from cabinllm.runtime.kv.cache import KvCacheConfig
+from cabinllm.runtime.model.media import EncodedRows
+from cabinllm.runtime.speech.audio import Clip, read_wav
+
+QUESTION = "what did I just ask the car to do?"
+FOLLOW_UP = "and is the seat heating on for the passenger too?"
+LOGIT_TOLERANCE = dict(atol=2e-4, rtol=1e-4)  # float32 engine and fp32 KV against transformers' float32 eager run
+
+pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not installed")
+
+
+def speech(folder: Path, text: str, name: str) -> Clip:
+    """``text`` spoken by espeak-ng, read as a clip."""
+    path = folder / name
+    subprocess.run(["espeak-ng", "-w", str(path), text], check=True, timeout=60, capture_output=True)
+    return read_wav(path.read_bytes(), name)
+
+
+@pytest.fixture(scope="module")
+def alm(tmp_path_factory) -> dict:
+    """The HF folder, its transformers model and processor, its engine (INT8 KV built, float32 weights) and two
+    spoken clips of the same length."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("qwen2_audio")
+    folder = write_random_audio_lm(root / "hf")
+    engine = Engine.load(cabin_build(folder, root / "engine", kv_cache="int8"))
+    model = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(folder).float().eval()
+    heat = speech(root, "Turn on the seat heating for the driver, please.", "heat.wav")
+    other = speech(root, "Navigate to the nearest charging station.", "route.wav")
+    pcm = np.resize(other.pcm, len(heat.pcm))  # other speech, the same number of samples: the same tokens
+    return {"folder": folder, "engine": engine, "model": model, "processor": engine.audio.processor,
+            "heat": heat, "other": Clip.from_pcm(pcm, "route.wav")}
+
+
+def session(engine: Engine, cache=None, kv_mode: str = "fp32", max_new_tokens: int = 6) -> DialogueSession:
+    """A greedy session (``cache`` shared with other sessions where given)."""
+    cache = cache or engine.new_cache(KvCacheConfig(kv_mode), max_sequences=4)
+    return DialogueSession(engine, cache, SamplingParams(max_new_tokens=max_new_tokens, temperature=0,
+                                                         stop_token_ids=engine.stop_token_ids()))
+
+
+def hf_parts(messages: list[dict]) -> list[dict]:
+    """Session messages as transformers' chat template takes them (an audio part per clip)."""
+    return [m if isinstance(m["content"], str) else
+            {**m, "content": [{"type": "audio", "audio_url": p["digest"]} if p["type"] == "audio" else p
+                              for p in m["content"]]} for m in messages]
+
+
+def hf_inputs(alm: dict, messages: list[dict], clips: list[Clip]) -> dict:
+    """transformers' processor inputs for the conversation."""
+    processor = alm["processor"]
+    text = processor.tokenizer.apply_chat_template(hf_parts(messages), add_generation_prompt=True, tokenize=False)
+    return processor(text=[text], audio=[c.pcm for c in clips], sampling_rate=16_000, return_tensors="pt",
+                     add_special_tokens=False)
+
+
+def hf_greedy(alm: dict, inputs: dict, max_new_tokens: int = 6) -> list[int]:
+    """transformers' greedy continuation (stopping at the end of turn)."""
+    with torch.no_grad():
+        out = alm["model"].generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_prompt_ids_and_logits_equal_transformers(alm):
+    engine, clip = alm["engine"], alm["heat"]
+    chat = session(engine)
+    message = chat._with_clips({"role": "user", "content": QUESTION}, [clip])
+    ids, media = chat.tokenizer.encode_prompt_media(chat.tokenizer.render([message]))
+    inputs = hf_inputs(alm, [message], [clip])
+    assert ids == inputs["input_ids"][0].tolist()
+    prepared = chat.clips[clip.digest.hex()]
+    assert prepared.tokens == int(inputs["feature_attention_mask"].sum() - 1) // 2 // 2 + 1  # ~25 a second
+    assert [(m.start, m.length, m.digest) for m in media] == [
+        (ids.index(engine.audio.audio_token_id), prepared.tokens, clip.digest)]
+    seq = Sequence()
+    chat.cache.allocate(seq, ids, media)
+    ours = engine.model.forward(ids, 0, chat.cache, seq, all_logits=True, media=EncodedRows(engine.audio, chat.clips))
+    with torch.no_grad():
+        theirs = alm["model"](**inputs).logits[0]
+    assert torch.allclose(ours, theirs, **LOGIT_TOLERANCE), float((ours - theirs).abs().max())
+
+
+def test_a_speech_turn_then_a_text_turn_reply_as_transformers_does(alm):
+    """Each reply equals transformers' uncached greedy decoding of the whole conversation; the second turn appends
+    onto the first, the clip's KV reused and its encoder not run again."""
+    clip, chat = alm["heat"], session(alm["engine"])
+    first = chat.chat(QUESTION, audio=[clip])
+    assert first.token_ids == hf_greedy(alm, hf_inputs(alm, chat.messages[:1], [clip]))
+    encoded = alm["engine"].audio.features.misses
+    second = chat.chat(FOLLOW_UP)
+    assert second.reused_tokens >= chat.seq.media[0].end
+    assert alm["engine"].audio.features.misses == encoded
+    assert second.token_ids == hf_greedy(alm, hf_inputs(alm, chat.messages[:3], [clip]))
+
+
+def test_other_audio_of_the_same_length_reuses_nothing_from_the_clip_on(alm):
+    """On one INT8 cache: the same conversation again reuses the clip's blocks; with other speech of the same length
+    (the same placeholder tokens) reuse stops at the block the clip starts in."""
+    engine = alm["engine"]
+    first = session(engine, kv_mode="int8")
+    first.chat(QUESTION, audio=[alm["heat"]])
+    span, tpb = first.seq.media[0], first.cache.tokens_per_block
+    again = session(engine, first.cache)
+    assert again.chat(QUESTION, audio=[alm["heat"]]).reused_tokens >= span.end
+    other = session(engine, first.cache)
+    turn = other.chat(QUESTION, audio=[alm["other"]])
+    assert other.seq.token_ids[:span.end] == first.seq.token_ids[:span.end]
+    assert turn.reused_tokens == span.start // tpb * tpb
+
+
+def test_a_session_file_keeps_the_clip_as_tokens_and_continues(alm, tmp_path):
+    engine = alm["engine"]
+    chat = session(engine)
+    chat.chat(QUESTION, audio=[alm["heat"]])
+    chat.save(tmp_path / "s.cabin")
+    restored = DialogueSession.restore(tmp_path / "s.cabin", engine)
+    assert restored.seq.media == chat.seq.media and restored.clips.keys() == chat.clips.keys()
+    assert restored.chat(FOLLOW_UP).token_ids == chat.chat(FOLLOW_UP).token_ids
+
+
+def test_a_clip_longer_than_the_encoder_hears_is_refused_before_anything_runs(alm):
+    chat = session(alm["engine"])
+    long = Clip.from_pcm(np.resize(alm["heat"].pcm, 31 * 16_000), "long.wav")
+    with pytest.raises(AudioError, match="30 s") as err:
+        chat.chat(QUESTION, audio=[long])
+    assert err.value.hints and chat.turns == 0 and not chat.seq
