@@ -4,6 +4,7 @@ cabinllm.benchmarks.random_audio_lm writes with transformers' own classes, built
 prove mechanics only); a clip's KV is reused by the turns after it and by nothing that holds other audio."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from test_hf_folders import cabin_build
 
 from cabinllm.benchmarks.random_audio_lm import write_random_audio_lm
+from cabinllm.cli import plan as plan_cli
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import AudioError
@@ -146,3 +148,19 @@ def test_a_clip_longer_than_the_encoder_hears_is_refused_before_anything_runs(al
     with pytest.raises(AudioError, match="30 s") as err:
         chat.chat(QUESTION, audio=[long])
     assert err.value.hints and chat.turns == 0 and not chat.seq
+
+
+def test_the_plan_counts_a_turns_speech_by_the_processor(alm, capsys):
+    """25 tokens a second of speech (Qwen2-Audio's processor), the turns with speech that a conversation holds, and
+    a prompt table of four 30 s clips (750 rows each) for TensorRT-LLM."""
+    plans = {}
+    for seconds in (8, 20):
+        assert plan_cli.main(["--model", str(alm["folder"]), "--target", "orin-nano-8gb", "--speech-seconds",
+                              str(seconds), "--json"]) == 0
+        plans[seconds] = json.loads(capsys.readouterr().out)
+    audio, turn = plans[8]["audio"], plans[8]["turn_tokens"]
+    assert (audio["tokens"], plans[20]["audio"]["tokens"]) == (200, 500)
+    for kv, seq in plans[8]["max_seq_len"].items():
+        assert audio["turns_with_speech"][kv] == (seq - turn["system"]) // (turn["per_turn"] + 200)
+        assert plans[20]["audio"]["turns_with_speech"][kv] < audio["turns_with_speech"][kv]
+        assert "--max_multimodal_len 3000" in " ".join(plans[8]["trtllm_build_args"][kv])

@@ -62,7 +62,7 @@ def export_encoder(source: Path, output: Path) -> dict:
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
-def vision_parameters(source: Path) -> int:
+def encoder_parameters(source: Path) -> int:
     """Parameters of the folder's vision (or audio) tower and projector, from the safetensors headers."""
     return sum(math.prod(handle.get_slice(name).get_shape()) for handle, name, _ in _vision_tensors(source,
                                                                                                    _family(source)))
