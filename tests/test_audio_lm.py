@@ -1,7 +1,9 @@
 """Speech in the dialogue of an audio-language model: a tiny random Qwen2-Audio that
 cabinllm.benchmarks.random_audio_lm writes with transformers' own classes, built by cabin-build, fed real speech
 (espeak-ng). Its prompt ids, logits and greedy replies are transformers' own on the same weights (random weights
-prove mechanics only); a clip's KV is reused by the turns after it and by nothing that holds other audio."""
+prove mechanics only); a clip's KV is reused by the turns after it and by nothing that holds other audio. Then the
+plan's speech tokens, and clips on the TensorRT-LLM backend as its examples/models/core/qwen2audio/run.py sends them
+(a fake ModelRunnerCpp, tests/test_trtllm_session.py)."""
 from __future__ import annotations
 
 import json
@@ -13,9 +15,13 @@ import numpy as np
 import pytest
 import torch
 from test_hf_folders import cabin_build
+from test_trtllm_session import REPLY, FakeRunner, install_fake
+from test_trtllm_vlm import write_trt_config
 
 from cabinllm.benchmarks.random_audio_lm import write_random_audio_lm
 from cabinllm.cli import plan as plan_cli
+from cabinllm.runtime.backends.select import SessionRequest, open_session
+from cabinllm.runtime.backends.trtllm import media_key
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import AudioError
@@ -23,6 +29,7 @@ from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.model.media import EncodedRows
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.speech.audio import Clip, read_wav
 
 QUESTION = "what did I just ask the car to do?"
@@ -52,7 +59,7 @@ def alm(tmp_path_factory) -> dict:
     heat = speech(root, "Turn on the seat heating for the driver, please.", "heat.wav")
     other = speech(root, "Navigate to the nearest charging station.", "route.wav")
     pcm = np.resize(other.pcm, len(heat.pcm))  # other speech, the same number of samples: the same tokens
-    return {"folder": folder, "engine": engine, "model": model, "processor": engine.audio.processor,
+    return {"folder": folder, "engine": engine, "engine_dir": root / "engine", "model": model, "processor": engine.audio.processor,
             "heat": heat, "other": Clip.from_pcm(pcm, "route.wav")}
 
 
@@ -164,3 +171,51 @@ def test_the_plan_counts_a_turns_speech_by_the_processor(alm, capsys):
         assert audio["turns_with_speech"][kv] == (seq - turn["system"]) // (turn["per_turn"] + 200)
         assert plans[20]["audio"]["turns_with_speech"][kv] < audio["turns_with_speech"][kv]
         assert "--max_multimodal_len 3000" in " ".join(plans[8]["trtllm_build_args"][kv])
+
+
+@pytest.fixture
+def trt(alm, tmp_path, monkeypatch) -> dict:
+    """A copy of the engine folder with a TensorRT engine's config (a prompt table of 4 x 750 rows, as cabin-plan
+    sizes it) and the fake ModelRunnerCpp as ``tensorrt_llm.runtime``."""
+    folder = tmp_path / "engine"
+    shutil.copytree(alm["engine_dir"], folder)
+    write_trt_config(folder, 3000)
+    runner = install_fake(monkeypatch, FakeRunner, ChatTokenizer(folder / "checkpoint"))
+    chat = open_session(SessionRequest(folder, KvCacheConfig("fp16", 8 << 20), backend="tensorrt-llm"))
+    return {"folder": folder, "runner": runner, "chat": chat}
+
+
+def test_clips_go_to_tensorrt_llm_as_a_prompt_table_with_extra_ids(alm, trt):
+    """As run.py's ``qwen_infer`` (at 06d09e93, L498-L528): each audio token a fake id from the vocabulary's end in
+    the order of the rows, the rows as the table ([1, rows, hidden], task "0"), the clip's id as the extra id of its
+    tokens and 0 for text; the next turn resends the history's clip with the same ids, and its blocks are reused."""
+    chat, runner, clip = trt["chat"], trt["runner"], alm["heat"]
+    first = chat.chat(QUESTION, audio=[clip])
+    assert first.error is None and first.reply == REPLY
+    call, (held,) = runner.calls[-1], chat.clips.values()
+    rows = chat.audio.encode(held).rows
+    assert torch.equal(rows, alm["engine"].audio.encode(held).rows)  # the reference engine's rows
+    assert call["prompt_tasks"] == "0" and call["prompt_table"].shape == (1, *rows.shape)
+    tok = ChatTokenizer(trt["folder"] / "checkpoint").with_audio(chat.clips, chat.audio.placeholder)
+    expected = tok.encode_prompt_media(tok.render(chat.messages[:1]))[0]
+    ids, vocab = call["input_ids"], chat.vocab_size
+    audio = [i for i, t in enumerate(expected) if t == chat.audio.audio_token_id]
+    assert [i for i, t in enumerate(ids) if t >= vocab] == audio and [ids[i] for i in audio] == [
+        vocab + row for row in range(len(rows))]
+    assert [t for i, t in enumerate(ids) if i not in audio] == [t for i, t in enumerate(expected) if i not in audio]
+    assert torch.equal(torch.stack([runner.embedded[-1][i] for i in audio]), rows.to(torch.float16))
+    (extra,) = call["input_token_extra_ids"]
+    assert [e for i, e in enumerate(extra) if i in audio] == [media_key(clip.digest)] * len(rows)
+    assert not any(e for i, e in enumerate(extra) if i not in audio)
+    second = chat.chat(FOLLOW_UP)
+    assert runner.calls[-1]["input_token_extra_ids"][0][:len(ids)] == extra
+    assert torch.equal(runner.calls[-1]["prompt_table"], call["prompt_table"]) and second.reused_tokens >= audio[-1]
+
+
+def test_other_speech_of_the_same_length_has_the_same_fake_ids_but_another_key(alm, trt):
+    trt["chat"].chat(QUESTION, audio=[alm["heat"]])
+    trt["chat"].reset()
+    trt["chat"].chat(QUESTION, audio=[alm["other"]])
+    a, b = trt["runner"].calls
+    assert a["input_ids"] == b["input_ids"]  # what TensorRT-LLM's block keys see without extra ids
+    assert a["input_token_extra_ids"] != b["input_token_extra_ids"]
