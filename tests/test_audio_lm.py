@@ -19,6 +19,9 @@ from test_trtllm_session import REPLY, FakeRunner, install_fake
 from test_trtllm_vlm import write_trt_config
 
 from cabinllm.benchmarks.random_audio_lm import write_random_audio_lm
+from cabinllm.calibration.calibrate import BY_KIND, CalibrationRequest, calibrate
+from cabinllm.calibration.selection import tokenize_dialogue
+from cabinllm.calibration.sources import open_source
 from cabinllm.cli import plan as plan_cli
 from cabinllm.runtime.backends.select import SessionRequest, open_session
 from cabinllm.runtime.backends.trtllm import media_key
@@ -29,7 +32,9 @@ from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.model.media import EncodedRows
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
+from cabinllm.runtime.sources.model_source import load_model
 from cabinllm.runtime.speech.audio import Clip, read_wav
 
 QUESTION = "what did I just ask the car to do?"
@@ -60,7 +65,7 @@ def alm(tmp_path_factory) -> dict:
     other = speech(root, "Navigate to the nearest charging station.", "route.wav")
     pcm = np.resize(other.pcm, len(heat.pcm))  # other speech, the same number of samples: the same tokens
     return {"folder": folder, "engine": engine, "engine_dir": root / "engine", "model": model, "processor": engine.audio.processor,
-            "heat": heat, "other": Clip.from_pcm(pcm, "route.wav")}
+            "heat": heat, "other": Clip.from_pcm(pcm, "route.wav"), "wavs": [root / "heat.wav", root / "route.wav"]}
 
 
 def session(engine: Engine, cache=None, kv_mode: str = "fp32", max_new_tokens: int = 6) -> DialogueSession:
@@ -219,3 +224,36 @@ def test_other_speech_of_the_same_length_has_the_same_fake_ids_but_another_key(a
     a, b = trt["runner"].calls
     assert a["input_ids"] == b["input_ids"]  # what TensorRT-LLM's block keys see without extra ids
     assert a["input_token_extra_ids"] != b["input_token_extra_ids"]
+
+
+def speech_dialogues(folder: Path, count: int, wavs: list[Path]) -> Path:
+    """The first ``count`` builtin dialogues as JSONL in ``folder``, the first user message of each holding one of
+    ``wavs`` (copied beside it)."""
+    lines = []
+    for i, dialogue in zip(range(count), open_source("builtin")[0]):
+        wav = folder / f"ask-{i}.wav"
+        shutil.copy(wavs[i % len(wavs)], wav)
+        first = next(j for j, m in enumerate(dialogue.messages) if m["role"] == "user")
+        messages = [{**m, "audio": [wav.name]} if j == first else m for j, m in enumerate(dialogue.messages)]
+        lines.append(json.dumps({"id": dialogue.id, "messages": messages}) + "\n")
+    (folder / "speech.jsonl").write_text("".join(lines), encoding="utf-8")
+    return folder / "speech.jsonl"
+
+
+def test_calibration_ranges_at_audio_positions_beside_text(alm, tmp_path):
+    """K/V calibration reads a dialogue's clips as the engine does and keeps the ranges at audio positions (those
+    that take a clip's encoder row) beside the text positions'."""
+    data = speech_dialogues(tmp_path, 8, alm["wavs"])
+    model = load_model(str(alm["engine_dir"]))
+    result = calibrate(model, CalibrationRequest(str(data), num_dialogues=3, max_tokens=1024, grade=False),
+                       progress=False)
+    kinds, clips = result.scales_file.data[BY_KIND], result.scales_file.data["clips"]
+    assert set(kinds) == {"text", "audio"} and kinds["audio"]["positions"] == clips["audio_positions"] > 0
+    chosen = [tokenize_dialogue(d, model.tokenizer, 1024, None, model.audio) for d in open_source(str(data))[0]
+              if d.id in result.scales_file.data["ids"]]
+    assert sum(len(d.audio_positions) for d in chosen) == clips["audio_positions"]
+    for layer in range(model.config.num_hidden_layers):
+        at_audio = [run_tokens(model.transformer(), d.token_ids, media=d.media).kv(layer)[0][d.audio_positions]
+                    for d in chosen]
+        assert kinds["audio"]["k_amax"][layer] == pytest.approx(float(max(k.abs().amax() for k in at_audio)),
+                                                                abs=1e-4)
