@@ -116,6 +116,7 @@ def test_prompt_ids_and_logits_equal_transformers(alm):
     assert torch.allclose(ours, theirs, **LOGIT_TOLERANCE), float((ours - theirs).abs().max())
 
 
+@pytest.mark.slow
 def test_a_speech_turn_then_a_text_turn_reply_as_transformers_does(alm):
     """Each reply equals transformers' uncached greedy decoding of the whole conversation; the second turn appends
     onto the first, the clip's KV reused and its encoder not run again."""
@@ -217,6 +218,7 @@ def test_clips_go_to_tensorrt_llm_as_a_prompt_table_with_extra_ids(alm, trt):
     assert torch.equal(runner.calls[-1]["prompt_table"], call["prompt_table"]) and second.reused_tokens >= audio[-1]
 
 
+@pytest.mark.slow
 def test_other_speech_of_the_same_length_has_the_same_fake_ids_but_another_key(alm, trt):
     trt["chat"].chat(QUESTION, audio=[alm["heat"]])
     trt["chat"].reset()
@@ -240,6 +242,7 @@ def speech_dialogues(folder: Path, count: int, wavs: list[Path]) -> Path:
     return folder / "speech.jsonl"
 
 
+@pytest.mark.slow
 def test_calibration_ranges_at_audio_positions_beside_text(alm, tmp_path):
     """K/V calibration reads a dialogue's clips as the engine does and keeps the ranges at audio positions (those
     that take a clip's encoder row) beside the text positions'."""
