@@ -84,7 +84,7 @@ class KVPlan:
     graphs: GraphPlan | None = None  # the cabin-export arguments on an ONNX target, where it fits
     max_beam_width: int = 1
     window_bytes: int = 0  # of the pool: the sliding-window layers' K/V, their window per sequence
-    max_multimodal_len: int = 0  # image or audio rows the engine's prompt table holds (a vision- or audio-language model)
+    max_multimodal_len: int = 0  # image or audio rows the engine's prompt table holds (a vision- or audio-language)
 
     def kv_cache_config(self) -> KvCacheConfig:
         """The runtime KV cache this plan sizes: the pool in blocks of the target's size, reuse where it works."""

@@ -64,7 +64,8 @@ def alm(tmp_path_factory) -> dict:
     heat = speech(root, "Turn on the seat heating for the driver, please.", "heat.wav")
     other = speech(root, "Navigate to the nearest charging station.", "route.wav")
     pcm = np.resize(other.pcm, len(heat.pcm))  # other speech, the same number of samples: the same tokens
-    return {"folder": folder, "engine": engine, "engine_dir": root / "engine", "model": model, "processor": engine.audio.processor,
+    return {"folder": folder, "engine": engine, "engine_dir": root / "engine", "model": model,
+            "processor": engine.audio.processor,
             "heat": heat, "other": Clip.from_pcm(pcm, "route.wav"), "wavs": [root / "heat.wav", root / "route.wav"]}
 
 

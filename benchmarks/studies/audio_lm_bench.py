@@ -132,7 +132,7 @@ def kv_cost() -> dict:
 def table(result: dict) -> str:
     """The figures as markdown."""
     m = result["machine"]
-    lines = [f"# Speech on a tiny random Qwen2-Audio (mechanics only)", "",
+    lines = ["# Speech on a tiny random Qwen2-Audio (mechanics only)", "",
              f"`{result['command']}`; {m['cpu']}, {m['cores']} cores, load {m['load_average_1m']:.2f}, "
              f"{m['torch_threads']} torch thread.", "",
              "| clip | seconds | tokens | tokens/s | prepare ms (processor, 80 mel) | features ms (128 mel) |",

@@ -4,7 +4,8 @@ engine core (TensorRT-LLM schedules, batches and holds the KV itself). It offers
 (imported only here, only when used).
 
 The KV cache config becomes the runner's KV arguments; overflow, stops, several replies (``n``, beams), pictures and
-audio clips (a prompt table) follow TensorRT-LLM's source as docs/trtllm-backend.md records it, with its lines and commits.
+audio clips (a prompt table) follow TensorRT-LLM's source as docs/trtllm-backend.md records it, with its lines and
+commits.
 Not yet run on hardware: tested against a fake module that copies those behaviours.
 """
 from __future__ import annotations

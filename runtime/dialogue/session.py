@@ -9,7 +9,8 @@ what to keep. Sessions are saved to and restored from session files (cabinllm.ru
 Pictures sent with a message (a vision-language engine) are decoded, checked against the engine's caps and expanded
 into their tokens before anything runs; their rows come from the engine's encoder (or its feature cache) only for
 the tokens not reused from the cache. Speech sent to an audio-language engine (Qwen2-Audio) goes the same way: each
-clip is a medium of the message (an audio part keyed by ``Clip.digest``), its tokens the processor's expansion. A session given ``tools`` shows them to the model and constrains each reply by ``tool_choice``
+clip is a medium of the message (an audio part keyed by ``Clip.digest``), its tokens the processor's expansion. A
+session given ``tools`` shows them to the model and constrains each reply by ``tool_choice``
 (cabinllm.runtime.generation.grammar) to one call or none; a reply that calls comes back as
 ``TurnStats.tool_calls`` and the next message answers it (role ``tool``).
 """
@@ -113,7 +114,7 @@ class DialogueSession:
         except GrammarError as err:  # the reply's grammar could not start (or fit its limit): the next turn rebuilds
             self._release()
             return self._stats("", [], 0, 0, 0.0, 0.0, "error", 0, err)
-        except (ImageError, AudioError):  # a medium's rows were not at hand: its sequence is gone, the next turn rebuilds
+        except (ImageError, AudioError):  # a medium's rows were not at hand: the sequence is gone; the next rebuilds
             self._release()
             self.turns -= 1
             raise

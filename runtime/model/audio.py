@@ -68,7 +68,8 @@ class AudioEncoder:
             config = transformers.AutoConfig.from_pretrained(folder)
             self.processor = transformers.AutoProcessor.from_pretrained(folder)
         except (OSError, ValueError) as err:
-            raise CheckpointError(f"{folder}: unreadable audio config or processor ({err}); rebuild the engine") from err
+            raise CheckpointError(f"{folder}: unreadable audio config or processor ({err}); rebuild the "
+                                  "engine") from err
         if config.model_type not in AUDIO_FAMILIES:
             raise CheckpointError(f"{folder}: audio family {config.model_type!r} is not supported; supported: "
                                   f"{', '.join(AUDIO_FAMILIES)}")

@@ -22,9 +22,9 @@ import torch
 
 from cabinllm.runtime.errors import CheckpointError, ImageError
 from cabinllm.runtime.model.families import VISION_FAMILIES
-from cabinllm.runtime.model.families.family import VisionFamily
 from cabinllm.runtime.model.interface import MediaRows
-from cabinllm.runtime.model.media import EncodedRows, FeatureCache, encoder_model  # noqa: F401 (EncodedRows: imported from here too)
+from cabinllm.runtime.model.media import EncodedRows as EncodedRows  # also imported from here (cabinllm.server)
+from cabinllm.runtime.model.media import FeatureCache, encoder_model
 
 VISION_FOLDER = "vision"
 VISION_WEIGHTS = "vision.safetensors"

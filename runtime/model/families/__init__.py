@@ -1,7 +1,8 @@
 """The model families, one file each: what a family differs in (``Family``: names, config map, norms, RoPE,
 windows, scales, biases, TensorRT-LLM lines, transformers reference), the vision hookup of the vision-language
-ones (``VisionLanguage``) and the audio hookup of the audio-language ones (``AudioLanguage``). Every reader of family facts looks them up here; importing this package registers each
-family's checkpoint architecture with cabinllm.runtime.formats.checkpoint.
+ones (``VisionLanguage``) and the audio hookup of the audio-language ones (``AudioLanguage``). Every reader of
+family facts looks them up here; importing this package registers each family's checkpoint architecture with
+cabinllm.runtime.formats.checkpoint.
 
 Adding a family: its file here (a ``FAMILIES`` tuple of ``Family``) and its name in ``_TEXT`` below.
 """
