@@ -261,3 +261,20 @@ def test_calibration_ranges_at_audio_positions_beside_text(alm, tmp_path):
                     for d in chosen]
         assert kinds["audio"]["k_amax"][layer] == pytest.approx(float(max(k.abs().amax() for k in at_audio)),
                                                                 abs=1e-4)
+
+
+@pytest.mark.slow
+def test_the_npu_graphs_take_clips_from_the_host_and_reply_as_the_reference(alm, tmp_path):
+    """cabin-export --profile npu keeps the audio part beside the graphs: the host encodes clips and feeds their
+    rows as inputs_embeds, and the greedy replies of a speech turn and a text turn are the reference engine's."""
+    from cabinllm.cli import export as export_cli
+
+    graphs = tmp_path / "graphs"
+    assert export_cli.main(["--engine", str(alm["engine_dir"]), "--output", str(graphs), "--profile", "npu",
+                            "--context", "512", "--chunk", "64", "--kv-cache", "fp32"]) == 0
+    replies = {}
+    for folder, backend, kv_mode in ((alm["engine_dir"], "reference", "fp32"), (graphs, "onnxruntime", None)):
+        chat = open_session(SessionRequest(folder, KvCacheConfig(kv_mode), backend=backend,
+                                           params=SamplingParams(max_new_tokens=6, temperature=0)))
+        replies[backend] = [chat.chat(QUESTION, audio=[alm["heat"]]).token_ids, chat.chat(FOLLOW_UP).token_ids]
+    assert replies["onnxruntime"] == replies["reference"]
