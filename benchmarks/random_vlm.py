@@ -165,10 +165,17 @@ def picture_dialogues(folder: Path, count: int, size: tuple[int, int] = (96, 72)
 def _tokenizer(family: str, tokenizer_json: Path | None = None):
     """The family's special tokens on a byte-level tokenizer (no merges: one token a byte), or on the tokenizer of
     ``tokenizer_json``, as transformers' fast tokenizer."""
+    spec = FAMILY[family]
+    return byte_tokenizer(spec["special"], spec["eos"], chat_template(spec["placeholder"], spec["eos"]),
+                          tokenizer_json)
+
+
+def byte_tokenizer(extra_special: list[str], eos: str, template: str, tokenizer_json: Path | None = None):
+    """``COMMON_SPECIAL`` and ``extra_special`` on a byte-level tokenizer (no merges: one token a byte), or on the
+    tokenizer of ``tokenizer_json``, as transformers' fast tokenizer with ``template`` as its chat template."""
     import transformers
 
-    spec = FAMILY[family]
-    special = COMMON_SPECIAL + spec["special"]
+    special = COMMON_SPECIAL + extra_special
     if tokenizer_json is None:
         vocab = {token: i for i, token in enumerate(special + sorted(pre_tokenizers.ByteLevel.alphabet()))}
         tokenizer = Tokenizer(models.BPE(vocab, merges=[]))
@@ -178,9 +185,8 @@ def _tokenizer(family: str, tokenizer_json: Path | None = None):
         tokenizer = Tokenizer.from_file(str(tokenizer_json))
     tokenizer.add_special_tokens(special)
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token=spec["eos"], pad_token="<pad>", bos_token=None, unk_token=None,
-        padding_side="left", model_max_length=MAX_POSITIONS,
-        chat_template=chat_template(spec["placeholder"], spec["eos"]))
+        tokenizer_object=tokenizer, eos_token=eos, pad_token="<pad>", bos_token=None, unk_token=None,
+        padding_side="left", model_max_length=MAX_POSITIONS, chat_template=template)
 
 
 def _write_processor(folder: Path, family: str, tokenizer, images_changes: dict, processor_changes: dict) -> None:

@@ -34,8 +34,9 @@ from cabinllm.runtime.formats.engine_folder import (CHECKPOINT_DIR, ENGINE_FORMA
                                                     TRT_ENGINE_DIR, TRTLLM_LOG_FILE, read_manifest)
 from cabinllm.runtime.formats.scales_file import model_fingerprint
 from cabinllm.runtime.sources.model_source import import_model, load_model_config, resolve_model
+from cabinllm.runtime.model.audio import AUDIO_FOLDER
 from cabinllm.runtime.model.vision import VISION_FOLDER, Vision
-from cabinllm.runtime.sources.hf_vision import export_vision, is_vision_folder
+from cabinllm.runtime.sources.hf_vision import export_encoder, is_audio_folder, is_vision_folder
 
 Log = Callable[[str], None]
 GRAPHS_SUFFIX = "-graphs"  # an ONNX target's graph folder: the engine folder's name and this
@@ -107,9 +108,9 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
     device = device_step(target, trtllm)
     quantize = needs_quantizing(fmt, source_config)
     head = request.head != "fp16"
-    vision = is_vision_folder(source)
+    vision, audio = is_vision_folder(source), is_audio_folder(source)
     vision_graph = vision and target.backend is not Backend.REFERENCE  # the board runs the encoder from ONNX
-    steps = Steps((5 if device.status == "run here" else 4) + quantize + head + vision + vision_graph, log)
+    steps = Steps((5 if device.status == "run here" else 4) + quantize + head + vision + audio + vision_graph, log)
     started = time.perf_counter()
     with staging_folder(request.output) as tmp:
         checkpoint = tmp / CHECKPOINT_DIR
@@ -120,7 +121,10 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
             fingerprint = model_fingerprint(config, weights)
         if vision:
             with steps.step(f"writing the vision tower, projector and processor -> {VISION_FOLDER}/"):
-                vision = export_vision(source, tmp / VISION_FOLDER)
+                vision = export_encoder(source, tmp / VISION_FOLDER)
+        if audio:
+            with steps.step(f"writing the audio encoder, projector and processor -> {AUDIO_FOLDER}/"):
+                audio = export_encoder(source, tmp / AUDIO_FOLDER)
         if vision_graph:
             with steps.step(f"exporting the vision encoder to ONNX for a {CAMERA_FRAME[0]}x{CAMERA_FRAME[1]} frame "
                             f"-> {VISION_FOLDER}/{VISION_ONNX}"):
@@ -162,6 +166,8 @@ def build_engine(request: BuildRequest, log: Log = print) -> Path:
             manifest["weights"] = weights_record(fmt, config, request.calibrate, quantize, linears, tables)
             if vision:
                 manifest["vision"] = {**vision, "folder": VISION_FOLDER}
+            if audio:
+                manifest["audio"] = {**audio, "folder": AUDIO_FOLDER}
             atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2))
     failed_log.unlink(missing_ok=True)  # a failed earlier attempt's log is stale now
     log(f"engine written to {request.output} ({manifest['backend']} backend; device step: {device.status})")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cabinllm.builders.dialogue_turns import TurnTokens
 from cabinllm.runtime.model.vision import FEATURE_CACHE_BYTES, VISION_FOLDER, Vision
-from cabinllm.runtime.sources.hf_vision import is_vision_folder, vision_parameters
+from cabinllm.runtime.sources.hf_vision import is_vision_folder, encoder_parameters
 
 CAMERA_FRAME = (1280, 720)  # a cabin camera's frame, width x height
 VISION_BYTES_PER_PARAMETER = 2  # the tower runs in fp16 on the board
@@ -62,5 +62,5 @@ def image_cost(model: str) -> ImageCost | None:
     (frame, name), vision = camera_frame(), Vision(folder)
     return ImageCost(CAMERA_FRAME, vision.prepare(frame, name).image_tokens,
                      vision.prepare(frame, name, "low").image_tokens,
-                     vision_parameters(folder) * VISION_BYTES_PER_PARAMETER, FEATURE_CACHE_BYTES,
+                     encoder_parameters(folder) * VISION_BYTES_PER_PARAMETER, FEATURE_CACHE_BYTES,
                      vision.limits.max_images * vision.limits.max_image_tokens)

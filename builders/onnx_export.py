@@ -53,6 +53,7 @@ from cabinllm.runtime.kv.quant import INT8_MAX
 from cabinllm.runtime.model.linear import (Int4AwqLinear, Int4G32Linear, Int8G32Table, Int8Linear, Linear, Stacked,
                                            unpack_g32, unpack_int4)
 from cabinllm.runtime.model.transformer import Transformer
+from cabinllm.runtime.model.audio import AUDIO_FOLDER
 from cabinllm.runtime.model.vision import VISION_FOLDER
 from cabinllm.runtime.sources.tokenizer_export import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
@@ -170,6 +171,9 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
             elif engine.vision is not None:  # the host encodes pictures and feeds their rows as inputs_embeds
                 shutil.copytree(engine.folder / VISION_FOLDER, tmp / VISION_FOLDER)
                 manifest["vision"] = engine.manifest["vision"]
+            if engine.audio is not None:  # the host encodes clips and feeds their rows as inputs_embeds
+                shutil.copytree(engine.folder / AUDIO_FOLDER, tmp / AUDIO_FOLDER)
+                manifest["audio"] = engine.manifest["audio"]
         # a quantized precision starts from float graphs with float K/V, quantized with the engine's scales
         float_kv = KvGraphType("float32") if chosen.quantized else kv
         weights, models = WeightsFile(tmp / WEIGHTS_FILE), {}

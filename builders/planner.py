@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from cabinllm.builders.audio_plan import SPEECH_SECONDS, AudioCost, audio_cost
 from cabinllm.builders.dialogue_turns import TYPICAL_TURN, TurnTokens
 from cabinllm.builders.graph_plan import GraphPlan, graph_limit, npu_weight_bytes, size_graphs, tokens_held
 from cabinllm.builders.image_plan import ImageCost, image_cost
@@ -57,6 +58,7 @@ class PlanRequest:
     kv_dtype: str | None = None  # one KV dtype; None = every dtype the target allows
     max_beam_width: int = 1  # beams the TensorRT engine searches (trtllm-build --max_beam_width)
     head: str = "fp16"  # embedding and lm_head storage (HEAD_FORMATS; int8 on the reference engine only)
+    speech_seconds: float = SPEECH_SECONDS  # of speech per turn (an audio-language model's)
 
 
 @dataclass
@@ -83,7 +85,7 @@ class KVPlan:
     graphs: GraphPlan | None = None  # the cabin-export arguments on an ONNX target, where it fits
     max_beam_width: int = 1
     window_bytes: int = 0  # of the pool: the sliding-window layers' K/V, their window per sequence
-    max_multimodal_len: int = 0  # image rows the engine's prompt table holds (a vision-language model)
+    max_multimodal_len: int = 0  # image or audio rows the engine's prompt table holds (a vision- or audio-language)
 
     def kv_cache_config(self) -> KvCacheConfig:
         """The runtime KV cache this plan sizes: the pool in blocks of the target's size, reuse where it works."""
@@ -109,6 +111,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     cannot_build: str | None = None  # why the target's TensorRT-LLM cannot build this model (no trtllm-build)
     images: ImageCost | None = None  # a vision-language model's pictures
+    audio: AudioCost | None = None  # an audio-language model's speech
 
     @property
     def target(self) -> Target:
@@ -120,7 +123,8 @@ class Plan:
         """Memory left for activations and the KV pool (negative when the weights do not fit)."""
         t = self.target
         fixed = int((t.memory_gib - t.os_reserve_gib - t.runtime_overhead_gib) * GIB) - self.co_resident_bytes
-        return fixed - self.weights_bytes - (self.images.memory_bytes if self.images else 0)
+        encoders = sum(part.memory_bytes for part in (self.images, self.audio) if part)
+        return fixed - self.weights_bytes - encoders
 
     def refusal(self) -> str | None:
         """Why this plan cannot work, or None."""
@@ -208,6 +212,12 @@ class Plan:
                                          for name, kv in self.kv.items()},
                 "turns_with_a_picture": {name: self.images.turns(kv.max_seq_len, self.turn)
                                          for name, kv in self.kv.items()}},
+            "audio": self.audio and {
+                **self.audio.to_dict(),
+                "kv_bytes_per_turn_of_speech": {name: self.audio.kv_bytes(kv.bytes_per_token)
+                                                for name, kv in self.kv.items()},
+                "turns_with_speech": {name: self.audio.turns(kv.max_seq_len, self.turn)
+                                      for name, kv in self.kv.items()}},
         }
         if t.backend is Backend.ONNX:
             plan["cabin_export"] = {name: kv.graphs.to_dict() if kv.graphs else None for name, kv in self.kv.items()}
@@ -233,9 +243,10 @@ def make_plan(request: PlanRequest, config: ModelConfig, turn: TurnTokens = TYPI
     t = request.target
     co_resident = int((t.co_resident_gib if request.reserve_gb is None else request.reserve_gb) * GIB)
     weights = weights_bytes(config, request.weights, t.weights_in_memory, request.head)
-    plan = Plan(request, config, turn, co_resident, weights, {}, images=image_cost(request.model))
+    plan = Plan(request, config, turn, co_resident, weights, {}, images=image_cost(request.model),
+                audio=audio_cost(request.model, request.speech_seconds))
     dtypes = [request.kv_dtype] if request.kv_dtype in t.kv_dtypes else list(t.kv_dtypes)
-    pictures = plan.images.request_tokens if plan.images else 0
+    pictures = sum(part.request_tokens for part in (plan.images, plan.audio) if part)
     plan.kv = {dtype: size_kv(config, t, dtype, plan.budget_bytes, turn, request.weights, request.max_beam_width,
                               pictures) for dtype in dtypes}
     plan.warnings = plan_warnings(plan)
@@ -289,7 +300,7 @@ def size_kv(config: ModelConfig, target: Target, kv_dtype: str, budget: int, tur
             weights: str = "fp16", beams: int = 1, pictures: int = 0) -> KVPlan:
     """Engine limits for one KV dtype within ``budget`` bytes for activations and the KV pool (``weights``: the
     weight format, which an ONNX target's NPU graphs hold; ``beams``: the TensorRT engine's max_beam_width;
-    ``pictures``: the most image rows one request may hold, a vision-language model's)."""
+    ``pictures``: the most image or audio rows one request may hold, a vision- or audio-language model's)."""
     if target.backend is Backend.ONNX:
         return size_onnx(config, target, kv_dtype, budget, turn, weights)
     tpb = target.tokens_per_block

@@ -20,7 +20,7 @@ from cabinllm.calibration.clips import (DEFAULT_PERCENTILE, METHODS, LayerClips,
                                         layer_ranges)
 from cabinllm.calibration.equalize import FIRST_TOKEN
 from cabinllm.calibration.evaluate import ModeResult, evaluate
-from cabinllm.calibration.selection import TokenizedDialogue, picture_summary, prepare_dialogues
+from cabinllm.calibration.selection import TokenizedDialogue, media_summary, prepare_dialogues
 from cabinllm.calibration.stats import KVStats, collect_stats
 from cabinllm.runtime.errors import ConfigError, DataError, Fix, Hint
 from cabinllm.runtime.formats.scales_file import ScalesFile, save_scales
@@ -31,7 +31,7 @@ NO_MIX = "none"
 BUILTIN = "builtin"
 VALIDATION_TOKENS = 1024  # per source: the validation and grading parts are cut to this many tokens
 GRADE_MODES = ("int8", "int8-eq", "int8-dynamic")
-BY_KIND = "by_kind"  # the data summary's K/V ranges at text and at image positions (clips.kind_ranges)
+BY_KIND = "by_kind"  # the data summary's K/V ranges at text and at image or audio positions (clips.kind_ranges)
 SHORT_COVERAGE = 0.25  # the report warns when the longest sequence covers less than this share of the context
 
 
@@ -80,7 +80,7 @@ class _Part:
 def _source_part(data: str, split: str, count: int, seed: int, model: Checkpoint, max_tokens: int,
                  min_tokens: int, sessions: bool, validation: int) -> _Part:
     dialogues, summary = prepare_dialogues(data, split, count + validation, seed, model.tokenizer, max_tokens,
-                                           min_tokens, sessions, model.vision)
+                                           min_tokens, sessions, model.vision, model.audio)
     held = [d.cut(VALIDATION_TOKENS) for d in dialogues[count:]]
     return _Part(dialogues[:count], held, summary)
 
@@ -117,10 +117,11 @@ def describe_mix(data: dict) -> str:
 def _data_summary(parts: list[_Part], context: int) -> dict:
     primary = parts[0].summary
     longest = max(len(d.token_ids) for p in parts for d in p.stats)
-    primary = {key: value for key, value in primary.items() if key != "pictures"}  # counted again without validation
+    primary = {key: value for key, value in primary.items() if key not in ("pictures", "clips")}  # counted again
+    # without validation
     summary = {**primary, "dialogues": len(parts[0].stats), "tokens": sum(len(d.token_ids) for d in parts[0].stats),
                "ids": [d.id for d in parts[0].stats], "positions": {"longest": longest, "context": context},
-               "validation_ids": [d.id for p in parts for d in p.validation], **picture_summary(parts[0].stats)}
+               "validation_ids": [d.id for p in parts for d in p.validation], **media_summary(parts[0].stats)}
     if len(parts) > 1:
         mixed = parts[1].summary
         summary["mixed"] = {"source": mixed["source"], "dialogues": len(parts[1].stats),

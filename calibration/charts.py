@@ -49,18 +49,18 @@ def plot_ranges(stats: KVStats, clips: LayerClips, path: Path) -> None:
 
 
 def plot_kind_ranges(kinds: dict, clips: LayerClips, path: Path) -> None:
-    """Per-layer K and V abs-max at text and at image positions (cabinllm.calibration.clips.kind_ranges) beside the
-    layer's clip."""
+    """Per-layer K and V abs-max at text and at image or audio positions (cabinllm.calibration.clips.kind_ranges)
+    beside the layer's clip."""
     layers = range(len(clips.k))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, name, clip in ((axes[0], "k", clips.k), (axes[1], "v", clips.v)):
-        for kind, style in (("text", "o-"), ("image", "s-")):
+        for kind, style in zip(kinds, ("o-", "s-", "^-")):
             ax.plot(layers, kinds[kind][f"{name}_amax"], style,
                     label=f"{name.upper()} abs-max at {kind} positions ({kinds[kind]['positions']})")
         ax.plot(layers, clip, "--", color="black", label=f"{name.upper()} clip")
         ax.set_yscale("log")
         ax.set_xlabel("layer")
-        ax.set_title(f"{name.upper()} at text and image positions", fontsize=10)
+        ax.set_title(f"{name.upper()} at {' and '.join(kinds)} positions", fontsize=10)
         ax.legend(fontsize=8)
     axes[0].set_ylabel("|x|")
     fig.tight_layout()

@@ -78,7 +78,7 @@ def score_clips(model: Checkpoint, stats: KVStats, clips: LayerClips, dialogues:
     for dialogue, reference in zip(dialogues, references):
         logits = run_logits(equalized, dialogue, kv_mode("int8"), scales)[:-1]
         token_kl.append(accumulate(totals, reference, logits, torch.tensor(dialogue.token_ids[1:]),
-                                   dialogue.image_mask()))
+                                   dialogue.kinds()))
     return totals, torch.cat(token_kl)
 
 

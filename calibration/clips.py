@@ -144,8 +144,9 @@ def layer_ranges(stats: KVStats, clips: LayerClips) -> list[LayerRanges]:
 
 
 def kind_ranges(stats: KVStats, clips: LayerClips) -> dict:
-    """Where the data shows pictures: per kind of position (text, image), the positions seen and per layer the K and
-    V abs-max and the share of values (%) beyond the layer's clip; JSON-ready, {} for text-only data."""
+    """Where the data shows pictures or holds clips: per kind of position (text, image, audio), the positions seen
+    and per layer the K and V abs-max and the share of values (%) beyond the layer's clip; JSON-ready, {} for
+    text-only data."""
     channels = stats.k.channel_amax[0].numel()
     ranges = {}
     for kind, (k, v) in stats.by_kind.items():

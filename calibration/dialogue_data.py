@@ -10,7 +10,7 @@ ROLES = ("system", "user", "assistant")
 @dataclass
 class Dialogue:
     """One conversation: an id unique within its source and chat messages ``{"role", "content"}`` (a user message
-    may add ``images``: paths of the pictures it shows).
+    may add ``images``: paths of the pictures it shows, or ``audio``: paths of the WAV clips it holds).
 
     Dialogues with the same ``group`` (e.g. parts of one long ShareGPT chat) always land in the same split.
     """

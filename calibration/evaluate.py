@@ -246,16 +246,17 @@ def _bucket_index(positions: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
-               image: torch.Tensor | None = None) -> torch.Tensor:
-    """Add one dialogue's NLL, KL and top-1 agreement over its positions that have a next token (``image``: which
-    of its positions, one more than the targets, take a picture's row); returns the KL of each of those positions."""
+               kinds: torch.Tensor | None = None) -> torch.Tensor:
+    """Add one dialogue's NLL, KL and top-1 agreement over its positions that have a next token (``kinds``: what
+    each of its positions, one more than the targets, takes, as POSITION_KINDS' index: a token, a picture's row, a
+    clip's); returns the KL of each of those positions."""
     buckets = len(POSITION_BUCKETS)
-    image = torch.zeros(len(targets) + 1, dtype=torch.bool) if image is None else image
+    kinds = torch.zeros(len(targets) + 1, dtype=torch.long) if kinds is None else kinds
     token_kl = []
     for start in range(0, len(targets), _CHUNK):
         rows = slice(start, start + _CHUNK)
         ref, logp = ref_logp[rows], logits[rows].log_softmax(-1)
-        text_target = ~image[start + 1:start + 1 + _CHUNK]
+        text_target = kinds[start + 1:start + 1 + _CHUNK] == 0
         totals.nll -= float(logp.gather(1, targets[rows, None]).squeeze(1)[text_target].sum())
         totals.nll_tokens += int(text_target.sum())
         kl = (ref.exp() * (ref - logp)).sum(-1).double()
@@ -267,7 +268,7 @@ def accumulate(totals: Totals, ref_logp: torch.Tensor, logits: torch.Tensor, tar
         totals.bucket_kl += torch.bincount(index, kl, minlength=buckets + 1)[:buckets]
         totals.bucket_agree += torch.bincount(index, agree, minlength=buckets + 1)[:buckets]
         totals.bucket_tokens += torch.bincount(index, minlength=buckets + 1)[:buckets].double()
-        kind = image[rows][:len(kl)].long()  # POSITION_KINDS' index: 0 text, 1 image
+        kind = kinds[rows][:len(kl)]
         totals.kind_kl += torch.bincount(kind, kl, minlength=len(POSITION_KINDS))
         totals.kind_agree += torch.bincount(kind, agree, minlength=len(POSITION_KINDS))
         totals.kind_tokens += torch.bincount(kind, minlength=len(POSITION_KINDS)).double()
@@ -294,14 +295,14 @@ def evaluate(model: Checkpoint, dialogues: list[TokenizedDialogue], modes: list[
     steps = len(dialogues) * (len(runners) + 1)
     with tqdm(total=steps, desc="evaluating KV modes", unit="run", file=sys.stderr, disable=not progress) as bar:
         for dialogue in dialogues:
-            targets, image = torch.tensor(dialogue.token_ids[1:]), dialogue.image_mask()
+            targets, kinds = torch.tensor(dialogue.token_ids[1:]), dialogue.kinds()
             ref_logp = run_logits(reference, dialogue, kv_mode(REFERENCE_MODE), None)[:-1].log_softmax(-1)
-            accumulate(ref_totals, ref_logp, ref_logp, targets, image)
+            accumulate(ref_totals, ref_logp, ref_logp, targets, kinds)
             bar.update()
             for mode, runner in runners.items():
                 bar.set_postfix_str(mode)
                 logits = run_logits(runner.model, dialogue, runner.kv_mode, runner.scales, where)[:-1, :vocab]
-                accumulate(totals[mode], ref_logp, logits, targets, image)
+                accumulate(totals[mode], ref_logp, logits, targets, kinds)
                 bar.update()
     ref_ppl = math.exp(ref_totals.nll / ref_totals.nll_tokens)
     reference_bytes = stored_bytes_per_token(reference.kv_layout, kv_mode(REFERENCE_MODE), 1)

@@ -1,5 +1,6 @@
 """OpenAI-style chat JSONL: one ``{"messages": [{"role", "content"}, ...]}`` object per line; a user message may
-show pictures, ``"images": ["cam.png", ...]``, paths from the file's folder (read by a vision-language model)."""
+show pictures, ``"images": ["cam.png", ...]``, or hold speech, ``"audio": ["ask.wav", ...]``, paths from the file's
+folder (read by a vision- or audio-language model)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,9 @@ from pathlib import Path
 from typing import Iterator
 
 from cabinllm.calibration.dialogue_data import Dialogue, LoadReport, check_messages
+
+
+MEDIA_KEYS = ("images", "audio")  # a user message's pictures and clips, by path
 
 
 def load_jsonl(path: Path, report: LoadReport) -> Iterator[Dialogue]:
@@ -30,17 +34,17 @@ def load_jsonl(path: Path, report: LoadReport) -> Iterator[Dialogue]:
             if reason:
                 report.skip(reason)
                 continue
-            if not all(_pictures_ok(m) for m in messages):
-                report.skip("images not a list of picture paths on a user message")
+            if not all(_paths_ok(m, key) for m in messages for key in MEDIA_KEYS):
+                report.skip("images or audio not a list of file paths on a user message")
                 continue
             messages = [{"role": m["role"], "content": m["content"]}
-                        | ({"images": [str(path.parent / i) for i in m["images"]]} if m.get("images") else {})
+                        | {key: [str(path.parent / i) for i in m[key]] for key in MEDIA_KEYS if m.get(key)}
                         for m in messages]
             yield Dialogue(str(record.get("id") or f"line-{number}"), messages)
 
 
-def _pictures_ok(message: dict) -> bool:
-    """Whether a message's ``images`` (if any) is a list of picture paths on a user message."""
-    images = message.get("images", [])
-    return isinstance(images, list) and all(isinstance(i, str) and i for i in images) \
-        and (not images or message["role"] == "user")
+def _paths_ok(message: dict, key: str) -> bool:
+    """Whether a message's ``images`` or ``audio`` (if any) is a list of file paths on a user message."""
+    paths = message.get(key, [])
+    return isinstance(paths, list) and all(isinstance(i, str) and i for i in paths) \
+        and (not paths or message["role"] == "user")

@@ -8,7 +8,7 @@ from cabinllm.calibration.charts import plot_kind_ranges, plot_ranges
 from cabinllm.runtime.formats.atomic import atomic_write_text
 
 RANGES_PNG = "ranges.png"
-KIND_RANGES_PNG = "ranges_by_kind.png"  # where the data shows pictures
+KIND_RANGES_PNG = "ranges_by_kind.png"  # where the data shows pictures or holds clips
 SUMMARY_MD = "summary.md"
 
 
@@ -57,15 +57,17 @@ def summary_markdown(model_name: str, result: CalibrationResult, command: str) -
 
 
 def _kind_lines(kinds: dict | None) -> list[str]:
-    """K/V ranges at image positions beside text positions, where the data shows pictures."""
+    """K/V ranges at image (or audio) positions beside text positions, where the data shows pictures (holds
+    clips)."""
     if not kinds:
         return []
-    text, image = kinds["text"], kinds["image"]
-    lines = [f"## K/V at image and text positions ({image['positions']} image, {text['positions']} text positions)",
-             "", "The scales cover both; a layer whose image K or V reaches past the clip loses those values.", "",
-             f"![K/V at text and image positions]({KIND_RANGES_PNG})", "",
-             "| layer | K abs-max text | K abs-max image | V abs-max text | V abs-max image "
-             "| K clipped % text / image | V clipped % text / image |", "|---|---|---|---|---|---|---|"]
+    kind = next(k for k in kinds if k != "text")
+    text, image = kinds["text"], kinds[kind]
+    lines = [f"## K/V at {kind} and text positions ({image['positions']} {kind}, {text['positions']} text positions)",
+             "", f"The scales cover both; a layer whose {kind} K or V reaches past the clip loses those values.", "",
+             f"![K/V at text and {kind} positions]({KIND_RANGES_PNG})", "",
+             f"| layer | K abs-max text | K abs-max {kind} | V abs-max text | V abs-max {kind} "
+             f"| K clipped % text / {kind} | V clipped % text / {kind} |", "|---|---|---|---|---|---|---|"]
     for i in range(len(text["k_amax"])):
         lines.append(f"| {i} | {text['k_amax'][i]:.3f} | {image['k_amax'][i]:.3f} | {text['v_amax'][i]:.3f} "
                      f"| {image['v_amax'][i]:.3f} | {text['k_clipped_pct'][i]:.4f} / {image['k_clipped_pct'][i]:.4f} "

@@ -16,11 +16,16 @@ import torch
 from cabinllm.calibration.dialogue_data import Dialogue, LoadReport
 from cabinllm.calibration.sources import open_source
 from cabinllm.calibration.stitch import conversation_order, stitch
-from cabinllm.runtime.errors import ConfigError, DataError, Fix, Hint, ImageError
+from pathlib import Path
+
+from cabinllm.runtime.errors import AudioError, ConfigError, DataError, Fix, Hint, ImageError
+from cabinllm.runtime.model.audio import AudioEncoder, PreparedClip
 from cabinllm.runtime.model.interface import MediaFeed
+from cabinllm.runtime.model.media import EncodedRows
 from cabinllm.runtime.kv.blocks import whole_media_prefix
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
-from cabinllm.runtime.model.vision import EncodedRows, PreparedImage, Vision, read_pictures
+from cabinllm.runtime.model.vision import PreparedImage, Vision, read_pictures
+from cabinllm.runtime.speech.audio import Clip, read_wav
 
 SPLITS = ("train", "heldout", "all")  # "all": every dialogue, whatever its split
 HELDOUT_PERCENT = 20
@@ -29,19 +34,23 @@ OVERSAMPLE = 8  # candidates kept per requested dialogue, for those that turn ou
 
 @dataclass
 class TokenizedDialogue:
-    """A dialogue rendered with the chat template and tokenized (cut to the token limit); ``media``: the pictures
-    among its tokens and their rows, ``image_positions``: the positions that take an encoder row."""
+    """A dialogue rendered with the chat template and tokenized (cut to the token limit); ``media``: the pictures or
+    clips among its tokens and their rows, ``image_positions`` / ``audio_positions``: the positions that take a
+    picture's or a clip's encoder row."""
 
     id: str
     token_ids: list[int]
     media: MediaFeed | None = None
     image_positions: list[int] = field(default_factory=list)
+    audio_positions: list[int] = field(default_factory=list)
 
-    def image_mask(self) -> torch.Tensor:
-        """Which positions take a picture's encoder row (bool, one per token)."""
-        mask = torch.zeros(len(self.token_ids), dtype=torch.bool)
-        mask[self.image_positions] = True
-        return mask
+    def kinds(self) -> torch.Tensor:
+        """What each position takes, as an index of cabinllm.calibration.stats.POSITION_KINDS: 0 a token's
+        embedding, 1 a picture's encoder row, 2 a clip's (long, one per token)."""
+        kinds = torch.zeros(len(self.token_ids), dtype=torch.long)
+        kinds[self.image_positions] = 1
+        kinds[self.audio_positions] = 2
+        return kinds
 
     def cut(self, tokens: int) -> "TokenizedDialogue":
         """The first ``tokens`` tokens at most, ending before a picture they would cut."""
@@ -50,7 +59,8 @@ class TokenizedDialogue:
         end = whole_media_prefix(tokens, self.media.spans)
         spans = [span for span in self.media.spans if span.end <= end]
         return TokenizedDialogue(self.id, self.token_ids[:end], MediaFeed(spans, self.media.rows) if spans else None,
-                                 [p for p in self.image_positions if p < end])
+                                 [p for p in self.image_positions if p < end],
+                                 [p for p in self.audio_positions if p < end])
 
 
 def split_of(key: str) -> str:
@@ -78,9 +88,12 @@ def select_dialogues(dialogues: Iterable[Dialogue], split: str, count: int | Non
 
 
 def tokenize_dialogue(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: int,
-                      vision: Vision | None = None) -> TokenizedDialogue:
-    """The whole rendered conversation (BOS first if the model wants it) cut to max_tokens, never inside a picture;
-    a message's pictures (``images``) are read and prepared by ``vision``, the model's vision part."""
+                      vision: Vision | None = None, audio: AudioEncoder | None = None) -> TokenizedDialogue:
+    """The whole rendered conversation (BOS first if the model wants it) cut to max_tokens, never inside a picture
+    or clip; a message's pictures (``images``) are read and prepared by ``vision``, the model's vision part, its
+    clips (``audio``: WAV files) by ``audio``, an audio-language model's audio part."""
+    if any(m.get("audio") for m in dialogue.messages):
+        return _tokenize_clips(dialogue, tokenizer, max_tokens, audio)
     if not any(m.get("images") for m in dialogue.messages):
         return TokenizedDialogue(dialogue.id, tokenizer.encode_prompt(
             tokenizer.render(dialogue.messages, add_generation_prompt=False))[:max_tokens])
@@ -100,8 +113,39 @@ def tokenize_dialogue(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: 
     return TokenizedDialogue(dialogue.id, ids, MediaFeed(spans, EncodedRows(vision, held)), positions).cut(max_tokens)
 
 
+def _tokenize_clips(dialogue: Dialogue, tokenizer: ChatTokenizer, max_tokens: int,
+                    audio: AudioEncoder | None) -> TokenizedDialogue:
+    """``tokenize_dialogue`` of a dialogue whose messages hold clips (``audio``: WAV paths)."""
+    if audio is None:
+        raise DataError(f"dialogue {dialogue.id} holds audio clips, and only KV calibration and cabin-eval of an "
+                        "audio-language model (Qwen2-Audio) read them; use such a model, or data without audio")
+    held: dict[str, PreparedClip] = {}
+    try:
+        messages = [audio.audio_message({"role": m["role"], "content": m["content"]}, _read_clips(m["audio"]), held)
+                    if m.get("audio") else m for m in dialogue.messages]
+    except AudioError as err:
+        raise DataError(f"dialogue {dialogue.id}: {err.message}", err.hints) from err
+    view = tokenizer.with_audio(held, audio.placeholder)
+    ids, spans = view.encode_prompt_media(view.render(messages, add_generation_prompt=False))
+    positions = [span.start + int(p) for span in spans for p in held[span.digest.hex()].offsets]
+    return TokenizedDialogue(dialogue.id, ids, MediaFeed(spans, EncodedRows(audio, held)),
+                             audio_positions=positions).cut(max_tokens)
+
+
+def _read_clips(paths: list[str]) -> list[Clip]:
+    """The clips of WAV files; AudioError naming one that cannot be read."""
+    clips = []
+    for path in map(Path, paths):
+        try:
+            clips.append(read_wav(path.read_bytes(), path.name))
+        except OSError as err:
+            raise AudioError(f"{path}: cannot read the clip ({err.strerror}); check the path") from err
+    return clips
+
+
 def stitch_sessions(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tokens: int, max_tokens: int,
-                    count: int, vision: Vision | None = None) -> list[TokenizedDialogue]:
+                    count: int, vision: Vision | None = None,
+                    audio: AudioEncoder | None = None) -> list[TokenizedDialogue]:
     """Up to ``count`` sessions of ``min_tokens``..``max_tokens`` tokens, each stitched from consecutive dialogues
     (parts of one conversation together); a dialogue long enough by itself is a session of one."""
     sessions: list[TokenizedDialogue] = []
@@ -109,10 +153,10 @@ def stitch_sessions(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tok
     estimate = 0
     for dialogue in conversation_order(dialogues):
         current.append(dialogue)
-        estimate += len(tokenize_dialogue(dialogue, tokenizer, max_tokens, vision).token_ids)
+        estimate += len(tokenize_dialogue(dialogue, tokenizer, max_tokens, vision, audio).token_ids)
         if estimate < min_tokens:
             continue
-        session = tokenize_dialogue(stitch(current), tokenizer, max_tokens, vision)
+        session = tokenize_dialogue(stitch(current), tokenizer, max_tokens, vision, audio)
         if len(session.token_ids) >= max(min_tokens, 2):  # else the dropped system prompts made it short: add another
             sessions.append(session)
             current, estimate = [], 0
@@ -123,18 +167,19 @@ def stitch_sessions(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tok
 
 def prepare_dialogues(data: str, split: str, count: int | None, seed: int, tokenizer: ChatTokenizer,
                       max_tokens: int, min_tokens: int = 0, sessions: bool = False,
-                      vision: Vision | None = None) -> tuple[list[TokenizedDialogue], dict]:
+                      vision: Vision | None = None,
+                      audio: AudioEncoder | None = None) -> tuple[list[TokenizedDialogue], dict]:
     """Load, split, select and tokenize ``count`` dialogues (None: every one) of ``min_tokens``..``max_tokens`` tokens.
 
     With ``sessions``, each is a session stitched from consecutive dialogues of the split until it has
     ``min_tokens`` (cabinllm.calibration.stitch), for positions no single dialogue reaches. Dialogues that show
-    pictures need ``vision``, the model's vision part.
+    pictures need ``vision``, the model's vision part; dialogues that hold clips ``audio``, its audio part.
     Returns them with a data summary (source, load report, split, seed, token counts).
     """
     if count is None and sessions:
         raise DataError("stitched sessions need a number of sessions", (Hint(Fix.NUM_DIALOGUES),))
     if count is None:
-        return _prepare_every_dialogue(data, split, seed, tokenizer, max_tokens, min_tokens, vision)
+        return _prepare_every_dialogue(data, split, seed, tokenizer, max_tokens, min_tokens, vision, audio)
     if count < 1 or max_tokens < 2 or min_tokens > max_tokens:
         raise DataError(f"need at least 1 dialogue, max_tokens >= 2 and min_tokens <= max_tokens "
                         f"(got {count}, {max_tokens}, {min_tokens})")
@@ -144,9 +189,9 @@ def prepare_dialogues(data: str, split: str, count: int | None, seed: int, token
         # A token is at least one UTF-8 byte and a character at most four, so shorter texts cannot qualify.
         candidates = select_dialogues(dialogues, split, pool, seed, min_chars=0 if sessions else min_tokens // 4)
         if sessions:
-            chosen = stitch_sessions(candidates, tokenizer, min_tokens, max_tokens, count, vision)
+            chosen = stitch_sessions(candidates, tokenizer, min_tokens, max_tokens, count, vision, audio)
         else:
-            chosen = _long_enough(candidates, tokenizer, min_tokens, max_tokens, count, vision)
+            chosen = _long_enough(candidates, tokenizer, min_tokens, max_tokens, count, vision, audio)
         if len(chosen) == count or len(candidates) < pool:
             break
         pool *= OVERSAMPLE  # too many candidates were short once tokenized: look further down the same order
@@ -161,11 +206,11 @@ def prepare_dialogues(data: str, split: str, count: int | None, seed: int, token
 
 
 def _long_enough(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tokens: int, max_tokens: int,
-                 count: int, vision: Vision | None) -> list[TokenizedDialogue]:
+                 count: int, vision: Vision | None, audio: AudioEncoder | None) -> list[TokenizedDialogue]:
     """The first ``count`` dialogues that have at least ``min_tokens`` tokens, cut to ``max_tokens``."""
     chosen = []
     for dialogue in dialogues:
-        tokenized = tokenize_dialogue(dialogue, tokenizer, max_tokens, vision)
+        tokenized = tokenize_dialogue(dialogue, tokenizer, max_tokens, vision, audio)
         if len(tokenized.token_ids) >= max(min_tokens, 2):
             chosen.append(tokenized)
             if len(chosen) == count:
@@ -174,13 +219,14 @@ def _long_enough(dialogues: list[Dialogue], tokenizer: ChatTokenizer, min_tokens
 
 
 def _prepare_every_dialogue(data: str, split: str, seed: int, tokenizer: ChatTokenizer, max_tokens: int,
-                            min_tokens: int, vision: Vision | None) -> tuple[list[TokenizedDialogue], dict]:
+                            min_tokens: int, vision: Vision | None,
+                            audio: AudioEncoder | None) -> tuple[list[TokenizedDialogue], dict]:
     if max_tokens < 2 or min_tokens > max_tokens:
         raise DataError(f"need max_tokens >= 2 and min_tokens <= max_tokens (got {max_tokens}, {min_tokens})")
     dialogues, report = open_source(data)
     chosen = []
     for dialogue in select_dialogues(dialogues, split, None, seed, min_chars=min_tokens // 4):
-        tokenized = tokenize_dialogue(dialogue, tokenizer, max_tokens, vision)
+        tokenized = tokenize_dialogue(dialogue, tokenizer, max_tokens, vision, audio)
         if len(tokenized.token_ids) >= max(min_tokens, 2):
             chosen.append(tokenized)
     if not chosen:
@@ -194,11 +240,15 @@ def _summary(report: LoadReport, split: str, seed: int, chosen: list[TokenizedDi
     summary = {**report.to_dict(), "split": split, "seed": seed, "dialogues": len(chosen),
                "tokens": sum(len(d.token_ids) for d in chosen), "max_tokens": max_tokens,
                "min_tokens": min_tokens, "ids": [d.id for d in chosen]}
-    return summary | picture_summary(chosen)
+    return summary | media_summary(chosen)
 
 
-def picture_summary(dialogues: list[TokenizedDialogue]) -> dict:
-    """``{"pictures": {"count", "image_positions"}}`` of dialogues that show pictures, else {}."""
-    count = sum(len(d.media.spans) for d in dialogues if d.media)
-    return {"pictures": {"count": count, "image_positions": sum(len(d.image_positions) for d in dialogues)}} \
-        if count else {}
+def media_summary(dialogues: list[TokenizedDialogue]) -> dict:
+    """``{"pictures": {"count", "image_positions"}}`` of dialogues that show pictures, ``{"clips": {"count",
+    "audio_positions"}}`` of dialogues that hold clips, else {}."""
+    summary = {}
+    for key, positions in (("pictures", "image_positions"), ("clips", "audio_positions")):
+        count = sum(len(d.media.spans) for d in dialogues if d.media and getattr(d, positions))
+        if count:
+            summary[key] = {"count": count, positions: sum(len(getattr(d, positions)) for d in dialogues)}
+    return summary

@@ -72,13 +72,15 @@ class RangeStats:
         self.channel_hist[layer] += counts.view(*x.shape[1:], HIST_BINS).double()
 
 
-POSITION_KINDS = ("text", "image")  # a position's input: a token's embedding, or a picture's encoder row
+# a position's input: a token's embedding, a picture's encoder row, or a clip's (TokenizedDialogue.kinds indexes these)
+POSITION_KINDS = ("text", "image", "audio")
 
 
 @dataclass
 class KVStats:
-    """K and V statistics of a model over some data; where the data shows pictures, also per layer at text and at
-    image positions (``by_kind``: kind -> (K, V), each of one channel: a layer's values pooled)."""
+    """K and V statistics of a model over some data; where the data shows pictures or holds clips, also per layer at
+    text and at image (audio) positions (``by_kind``: kind -> (K, V), each of one channel: a layer's values
+    pooled)."""
 
     k: RangeStats
     v: RangeStats
@@ -92,15 +94,16 @@ def collect_stats(model: Transformer, dialogues: list[TokenizedDialogue], progre
     layout = model.kv_layout
     stats = KVStats(RangeStats.empty(layout.num_layers, layout.num_kv_heads, layout.head_size),
                     RangeStats.empty(layout.num_layers, layout.num_kv_heads, layout.head_size))
-    if any(d.image_positions for d in dialogues):
+    seen = {int(i) for d in dialogues for i in d.kinds().unique()}
+    if seen - {0}:
         stats.by_kind = {kind: (RangeStats.empty(layout.num_layers, 1, 1), RangeStats.empty(layout.num_layers, 1, 1))
-                         for kind in POSITION_KINDS}
+                         for i, kind in enumerate(POSITION_KINDS) if i in seen | {0}}
     total = sum(len(d.token_ids) for d in dialogues)
     with tqdm(total=total, unit="tok", desc="collecting K/V stats", file=sys.stderr, disable=not progress) as bar:
         for dialogue in dialogues:
             ids = dialogue.token_ids
             run = run_tokens(model, ids, media=dialogue.media)
-            image = dialogue.image_mask()
+            kinds = dialogue.kinds()
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # short element-wise passes: a busy machine's thread pool costs 5x more
             try:
@@ -109,7 +112,7 @@ def collect_stats(model: Transformer, dialogues: list[TokenizedDialogue], progre
                     stats.k.update(layer, k)
                     stats.v.update(layer, v)
                     for kind, (kind_k, kind_v) in stats.by_kind.items():
-                        rows = image if kind == "image" else ~image
+                        rows = kinds == POSITION_KINDS.index(kind)
                         if rows.any():
                             kind_k.update(layer, k[rows].reshape(-1, 1, 1))
                             kind_v.update(layer, v[rows].reshape(-1, 1, 1))

@@ -214,8 +214,8 @@ CLI_WORDS: dict[Fix, str] = {
     Fix.ORT_PROVIDER: "choose --ort-provider {}",
     Fix.ONE_REPLY: "ask for one reply or a beam search (no --choices, or --beam-width N)",
     Fix.BUILD_BEAM_WIDTH: "rebuild it with cabin-build --max-beam-width {}",
-    Fix.BUILD_VISION: "build it again with cabin-build from the vision-language model's folder, which passes "
-                      "--max_multimodal_len",
+    Fix.BUILD_VISION: "build it again with cabin-build from the vision- or audio-language model's folder, which "
+                      "passes --max_multimodal_len",
     Fix.BUILD_WEIGHTS: "use --weights {}",
     Fix.BUILD_HEAD: "build the engine again with --head {}",
     Fix.BUILD_TARGET: "build for --target {}",

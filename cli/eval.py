@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                   "calibrated on; pass --scales or --split heldout for an unbiased figure", file=sys.stderr)
         count = args.num_dialogues or (DEFAULT_EVAL_DIALOGUES if split == "heldout" else None)
         dialogues, data = prepare_dialogues(args.data, split, count, args.seed, model.tokenizer,
-                                            args.max_tokens, args.min_tokens, args.sessions, model.vision)
+                                            args.max_tokens, args.min_tokens, args.sessions, model.vision,
+                                            model.audio)
         weights = quantized_weights(weight_names, model, args.model, args.data, args.seed)
         results = evaluate(model, dialogues, modes, scales, weights=weights, device=args.device)
     except CabinError as err:

@@ -6,13 +6,14 @@ import json
 import sys
 from typing import Callable
 
+from cabinllm.builders.audio_plan import SPEECH_SECONDS, AudioCost
 from cabinllm.builders.dialogue_turns import TurnTokens
 from cabinllm.builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER, GraphPlan
 from cabinllm.builders.image_plan import ImageCost
 from cabinllm.builders.planner import MIB, KVPlan, Plan, PlanRequest, weight_choices, working_plan
 from cabinllm.builders.targets import GIB, Backend, get_target
-from cabinllm.cli.args import (add_kv_cache, cli_message, entry_point, int_range, os_error_message, output_name,
-                               reserve_gib)
+from cabinllm.cli.args import (add_kv_cache, cli_message, entry_point, float_range, int_range, os_error_message,
+                               output_name, reserve_gib)
 from cabinllm.runtime.errors import CabinError, ConfigError, PlanRefused
 from cabinllm.runtime.formats.weight_formats import HEAD_FORMATS, WEIGHT_FORMATS
 from cabinllm.runtime.kv.blocks import cdiv
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="what runs the model on a GPU target: its TensorRT-LLM engine (tensorrt) or the CUDA "
                              "runner, torch with our Triton kernels (cuda: cabin-chat --device cuda); default: the "
                              "target's own")
+    parser.add_argument("--speech-seconds", type=float_range(0.1, 600.0), default=SPEECH_SECONDS, metavar="S",
+                        help="seconds of speech a user's turn holds, for an audio-language model (Qwen2-Audio: 25 "
+                             f"tokens a second; default {SPEECH_SECONDS:g})")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
     return parser.parse_args(argv)
 
@@ -59,7 +63,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     elif args.backend and args.backend != target.backend.value:
         raise ConfigError(f"--backend {args.backend}: {target.name} runs {target.backend.value}; leave --backend out")
     request = PlanRequest(args.model, target, args.weights, args.reserve_gb, args.kv_cache, args.max_beam_width,
-                          args.head)
+                          args.head, args.speech_seconds)
     return working_plan(request, config)
 
 
@@ -78,6 +82,7 @@ def format_table(plan: Plan) -> str:
         f"memory: {t.memory_gib:.2f} GiB - OS {t.os_reserve_gib:.2f} - co-resident {plan.co_resident_bytes / GIB:.2f}"
         f" - runtime {t.runtime_overhead_gib:.2f} - {plan.request.weights} weights{head}{held} {plan.weights_bytes / GIB:.2f}"
         f"{f' - vision {plan.images.memory_bytes / GIB:.2f}' if plan.images else ''}"
+        f"{f' - audio {plan.audio.memory_bytes / GIB:.2f}' if plan.audio else ''}"
         f" = {plan.budget_bytes / GIB:.2f} GiB for activations and KV",
         f"weight formats on {t.name} ({t.backend.value} runtime):",
         *(f"  {w['weights']:<9} {_mib(w['bytes']) if w['bytes'] else '-':>7} MiB  "
@@ -85,11 +90,14 @@ def format_table(plan: Plan) -> str:
         f"one turn = {turn.per_turn} tokens (user {turn.user} + assistant {turn.assistant}), system prompt "
         f"{turn.system}; measured on {turn.measured_on} with the {turn.tokenizer} tokenizer",
         *_picture_lines(plan),
+        *_speech_lines(plan),
         "",
     ]
     rows = GRAPH_ROWS if t.backend is Backend.ONNX else ENGINE_ROWS
     if plan.images:
         rows = rows + _picture_rows(plan.images, turn)
+    if plan.audio:
+        rows = rows + _speech_rows(plan.audio, turn)
     if not any(kv.window_bytes for kv in plan.kv.values()):
         rows = [row for row in rows if row[0] != WINDOW_ROW]
     width = max(len(name) for name, _ in rows) + 2
@@ -130,6 +138,22 @@ def _picture_rows(images: ImageCost, turn: TurnTokens) -> list[tuple[str, Callab
     """Table rows of a picture's KV and of the turns with a picture that one conversation holds."""
     return [("KV MiB per picture", lambda kv: f"{images.kv_bytes(kv.bytes_per_token) / MIB:,.2f}"),
             ("turns with a picture", lambda kv: f"{images.turns(kv.max_seq_len, turn):,}")]
+
+
+def _speech_lines(plan: Plan) -> list[str]:
+    """What an audio-language model's speech costs, in words (none for another model)."""
+    a = plan.audio
+    if a is None:
+        return []
+    return [f"speech: {a.seconds:g} s a turn takes {a.tokens} tokens, counted by the model's processor; audio encoder "
+            f"+ projector {_mib(a.encoder_weight_bytes)} MiB (fp16), encoder output cache "
+            f"{_mib(a.feature_cache_bytes)} MiB"]
+
+
+def _speech_rows(audio: AudioCost, turn: TurnTokens) -> list[tuple[str, Callable[[KVPlan], str]]]:
+    """Table rows of a turn's speech KV and of the turns with speech that one conversation holds."""
+    return [("KV MiB per turn of speech", lambda kv: f"{audio.kv_bytes(kv.bytes_per_token) / MIB:,.2f}"),
+            ("turns with speech", lambda kv: f"{audio.turns(kv.max_seq_len, turn):,}")]
 
 
 def _mib(value: int) -> str:

@@ -36,8 +36,8 @@ class Fix(Enum):
     ORT_PROVIDER = "choose SessionRequest.ort_provider {}"
     ONE_REPLY = "ask for one reply (n 1) or a beam search (BeamParams)"
     BUILD_BEAM_WIDTH = "build the engine again with BuildRequest.max_beam_width {}"
-    BUILD_VISION = ("build the engine again from the vision-language model's folder, which sizes its prompt table "
-                    "(BuildRequest.model)")
+    BUILD_VISION = ("build the engine again from the vision- or audio-language model's folder, which sizes its "
+                    "prompt table (BuildRequest.model)")
     BUILD_WEIGHTS = "build the engine again with BuildRequest.weights {}"
     BUILD_HEAD = "build the engine again with BuildRequest.head {}"
     BUILD_TARGET = "build for BuildRequest.target {}"

@@ -14,7 +14,7 @@ from test_vlm import png
 
 from cabinllm.benchmarks.random_vlm import image, write_random_vlm
 from cabinllm.runtime.backends.select import SessionRequest, open_session
-from cabinllm.runtime.backends.trtllm import picture_key
+from cabinllm.runtime.backends.trtllm import media_key
 from cabinllm.runtime.errors import ImageError
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.kv.cache import KvCacheConfig
@@ -93,7 +93,7 @@ def test_pictures_go_as_a_prompt_table_whose_rows_are_the_encoders(runner, vlm_f
     embedded = runner.embedded[-1]
     assert torch.equal(torch.stack([embedded[i] for i in placeholders]), rows.to(torch.float16))
     (extra,) = call["input_token_extra_ids"]
-    key = picture_key(held.digest)
+    key = media_key(held.digest)
     assert key > 0 and [e for i, e in enumerate(extra) if i in placeholders] == [key] * len(rows)
     assert not any(e for i, e in enumerate(extra) if i not in placeholders)
 

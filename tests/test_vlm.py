@@ -579,7 +579,7 @@ def test_calibration_data_with_pictures_names_what_cannot_be_read(vlm, tiny_engi
     (tmp_path / "bad.jsonl").write_text("".join(json.dumps(b) + "\n" for b in bad), encoding="utf-8")
     report = LoadReport("bad.jsonl")
     assert list(load_jsonl(tmp_path / "bad.jsonl", report)) == []
-    assert report.skip_reasons == {"images not a list of picture paths on a user message": 2}
+    assert report.skip_reasons == {"images or audio not a list of file paths on a user message": 2}
 
 
 def test_a_dialogue_cut_to_its_token_budget_never_ends_inside_a_picture(vlm, tmp_path):

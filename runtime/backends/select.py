@@ -23,6 +23,7 @@ from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import Tool
+from cabinllm.runtime.model.audio import AUDIO_FOLDER, AudioEncoder
 from cabinllm.runtime.model.vision import VISION_FOLDER, ImageLimits, Vision
 
 
@@ -112,10 +113,10 @@ def _open_trtllm(request: SessionRequest) -> TrtllmSession:
     tokenizer = ChatTokenizer(folder.checkpoint)
     config = kv_cache_config(folder.manifest(), request.kv_cache)
     params = dataclasses.replace(request.params, stop_token_ids=tokenizer.stop_token_ids)
-    vision, model_config = folder.path / VISION_FOLDER, folder.config()
+    vision, audio, model_config = folder.path / VISION_FOLDER, folder.path / AUDIO_FOLDER, folder.config()
     return TrtllmSession(folder.path, tokenizer, KVLayout.of(model_config), config, params, request.system,
                          request.overflow, Vision(vision, request.image_limits) if vision.is_dir() else None,
-                         model_config.vocab_size)
+                         model_config.vocab_size, AudioEncoder(audio) if audio.is_dir() else None)
 
 
 BACKENDS: dict[str, Callable[[SessionRequest], Session]] = {

@@ -3,8 +3,9 @@ engine core (TensorRT-LLM schedules, batches and holds the KV itself). It offers
 (cabinllm.runtime.dialogue.interface) on a built TensorRT engine through ``tensorrt_llm.runtime.ModelRunnerCpp``
 (imported only here, only when used).
 
-The KV cache config becomes the runner's KV arguments; overflow, stops, several replies (``n``, beams) and pictures
-(a prompt table) follow TensorRT-LLM's source as docs/trtllm-backend.md records it, with its lines and commits.
+The KV cache config becomes the runner's KV arguments; overflow, stops, several replies (``n``, beams), pictures and
+audio clips (a prompt table) follow TensorRT-LLM's source as docs/trtllm-backend.md records it, with its lines and
+commits.
 Not yet run on hardware: tested against a fake module that copies those behaviours.
 """
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 
 from cabinllm.runtime.dialogue.interface import TurnStats, error_parts
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_error, plan_turn
-from cabinllm.runtime.errors import (CabinError, CapacityError, CheckpointError, ConfigError, Fix, Hint, ImageError,
-                                     SessionFileError)
+from cabinllm.runtime.errors import (AudioError, CabinError, CapacityError, CheckpointError, ConfigError, Fix, Hint,
+                                     ImageError, SessionFileError)
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -32,7 +33,9 @@ from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import Tool
 from cabinllm.runtime.model.interface import MediaRows
+from cabinllm.runtime.model.audio import AudioEncoder, PreparedClip
 from cabinllm.runtime.model.vision import PreparedImage, Vision
+from cabinllm.runtime.speech.audio import Clip
 
 # Constrained decoding: docs/trtllm-backend.md, "Constrained decoding".
 # A ConfigError's message and hints: raise ConfigError(*TRTLLM_NO_GRAMMAR)
@@ -48,26 +51,29 @@ TRTLLM_EARLY_STOPPING = {True: 1, False: 0, NEVER: 2}
 
 @dataclass
 class PromptTable:
-    """A prompt's pictures as TensorRT-LLM takes them: the ids with a fake id (``vocab_size`` + row) at each token
-    that takes an encoder row, each token's extra id (0 for text, the picture's key for its fake ids) and the rows."""
+    """A prompt's pictures or clips as TensorRT-LLM takes them: the ids with a fake id (``vocab_size`` + row) at each
+    token that takes an encoder row, each token's extra id (0 for text, the medium's key for its fake ids) and the
+    rows."""
 
     ids: list[int]
     extra_ids: list[int]
-    rows: torch.Tensor | None  # (rows, hidden); None without pictures
+    rows: torch.Tensor | None  # (rows, hidden); None without media
 
 
-def picture_key(digest: bytes) -> int:
-    """A picture's extra id for KV block reuse: from the digest of its decoded pixels, > 0 and below 2**63."""
+def media_key(digest: bytes) -> int:
+    """A picture's or clip's extra id for KV block reuse: from the digest of its decoded pixels or samples, > 0 and
+    below 2**63."""
     return int.from_bytes(digest[:8], "big") >> 1 | 1
 
 
 def prompt_table(ids: list[int], media: list[MediaSpan], rows_of: Callable[[bytes], MediaRows],
                  vocab_size: int) -> PromptTable:
-    """The prompt table of ``ids`` whose pictures are ``media`` (``rows_of``: a picture's encoder rows by digest)."""
+    """The prompt table of ``ids`` whose pictures or clips are ``media`` (``rows_of``: one's encoder rows by
+    digest)."""
     ids, extra, tables = list(ids), [0] * len(ids), []
     for span in media:
         picture = rows_of(span.digest)
-        key, first = picture_key(span.digest), vocab_size + sum(len(t) for t in tables)
+        key, first = media_key(span.digest), vocab_size + sum(len(t) for t in tables)
         for row, offset in enumerate(picture.offsets.tolist()):
             ids[span.start + offset], extra[span.start + offset] = first + row, key
         tables.append(picture.rows)
@@ -209,14 +215,15 @@ class TrtllmSession:
     def __init__(self, engine_folder: str | Path, tokenizer: ChatTokenizer, layout: KVLayout, config: KvCacheConfig,
                  params: SamplingParams, system_prompt: str | None = None,
                  overflow: OverflowPolicy | None = None, vision: Vision | None = None,
-                 vocab_size: int = 0) -> None:
-        """``vision``: a vision-language engine's pictures (its ``vision/``), whose rows the engine's ``vocab_size``
-        fake ids point at."""
+                 vocab_size: int = 0, audio: AudioEncoder | None = None) -> None:
+        """``vision``: a vision-language engine's pictures (its ``vision/``), ``audio``: an audio-language engine's
+        clips (its ``audio/``), whose rows the engine's ``vocab_size`` fake ids point at."""
         from tensorrt_llm.runtime import ModelRunnerCpp
 
         self.tokenizer, self.params, self.config = tokenizer, params, config
-        self.vision, self.vocab_size = vision, vocab_size
+        self.vision, self.audio, self.vocab_size = vision, audio, vocab_size
         self.images: dict[str, PreparedImage] = {}  # the conversation's pictures by digest (hex)
+        self.clips: dict[str, PreparedClip] = {}  # its audio clips by digest (hex)
         self.extra_ids = takes_extra_ids(ModelRunnerCpp)
         self.overflow = overflow or OverflowPolicy("error")
         self.system_prompt = system_prompt
@@ -224,7 +231,7 @@ class TrtllmSession:
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.engine_dir = Path(engine_folder) / TRT_ENGINE_DIR
         self.settings = kv_settings(config, layout, engine_max_seq_len(self.engine_dir) if layout.windows else 0)
-        if vision is not None and not self.extra_ids:  # fake ids alone would let one picture's blocks serve another
+        if (vision is not None or audio is not None) and not self.extra_ids:  # fake ids alone mix media blocks up
             self.settings = replace(self.settings, kv_cache_enable_block_reuse=False)
         self.table_rows = _build_value(self.engine_dir, "max_prompt_embedding_table_size", 0)
         self.runner = ModelRunnerCpp.from_dir(engine_dir=str(self.engine_dir),
@@ -241,25 +248,29 @@ class TrtllmSession:
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None, n: int = 1,
-             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None) -> TurnStats:
+             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None,
+             audio: list[Clip] | None = None) -> TurnStats:
         """Answer one message (text: the user's), streaming the reply text to on_text; no tools here, so
         ``tool_choice`` changes nothing. ``n`` > 1 samples that many replies (num_return_sequences), ``beam`` runs
         TensorRT-LLM's beam search: the conversation goes on with the first reply (the best beam), the others are
         ``alternatives`` (neither streams its text). ``images``: (name, bytes) of pictures the message shows, sent as
-        a prompt table (docs/trtllm-backend.md); ImageError before anything changes where they cannot be taken."""
+        a prompt table (docs/trtllm-backend.md); ``audio``: clips of speech the message holds, sent the same way on an
+        audio-language engine; ImageError or AudioError before anything changes where they cannot be taken."""
         self._check_forks(n, beam)
         message = message if isinstance(message, dict) else {"role": "user", "content": message}
-        held = dict(self.images)
+        held, clips = dict(self.images), dict(self.clips)
         if images:
             message = self._with_images(message, images, held)
+        if audio:
+            message = self._with_clips(message, audio, clips)
         max_new_tokens = beam.max_new_tokens if beam else self.params.max_new_tokens
         try:
-            plan = self._plan(self.messages + [message], beam, held)
+            plan = self._plan(self.messages + [message], beam, held, clips)
         except CapacityError as err:
             self.turns += 1
             return self._stats("", [], 0, 0, 0.0, 0.0, "capacity", 0, self._capacity_error(err, beam))
-        table = self._prompt_table(plan, held)
-        self.images, ids = held, table.ids
+        table = self._prompt_table(plan, held, clips)
+        self.images, self.clips, ids = held, clips, table.ids
         self.turns += 1
         params = replace(self.params, max_new_tokens=max_new_tokens)
         replies = [ReplyStream(params, self.tokenizer.decode_reply, on_text if n == 1 and beam is None else None)
@@ -307,7 +318,7 @@ class TrtllmSession:
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""
         self.messages = self.messages[:1] if self.system_prompt else []
-        self.previous_keys, self.turns, self.images = [], 0, {}
+        self.previous_keys, self.turns, self.images, self.clips = [], 0, {}, {}
 
     def save(self, path: str | Path) -> int:
         """Not available: TensorRT-LLM keeps its KV blocks to itself."""
@@ -349,19 +360,37 @@ class TrtllmSession:
                              "(build_config.max_prompt_embedding_table_size 0)", (Hint(Fix.BUILD_VISION),))
         return self.vision.image_message(message, images, held)
 
-    def _prompt_table(self, plan: TurnPlan, held: dict[str, PreparedImage]) -> PromptTable:
-        """The plan's feed with its pictures' rows as a prompt table; ImageError where they need more rows than the
-        engine's table holds."""
+    def _with_clips(self, message: dict, clips: list[Clip], held: dict[str, PreparedClip]) -> dict:
+        """The message with its clips as audio parts, prepared into ``held``; AudioError where this engine cannot
+        take them."""
+        if self.audio is None:
+            raise AudioError(f"{self.engine_dir.parent} has no audio encoder; speech needs an engine built from an "
+                             "audio-language model (Qwen2-Audio) or the speech front end's transcript",
+                             (Hint(Fix.INSTALL_VOICE),))
+        if not self.table_rows:
+            raise AudioError(f"{self.engine_dir} was built without a prompt table for audio "
+                             "(build_config.max_prompt_embedding_table_size 0)", (Hint(Fix.BUILD_VISION),))
+        return self.audio.audio_message(message, clips, held)
+
+    def _prompt_table(self, plan: TurnPlan, held: dict[str, PreparedImage],
+                      clips: dict[str, PreparedClip]) -> PromptTable:
+        """The plan's feed with its pictures' and clips' rows as a prompt table; ImageError (AudioError where the
+        conversation holds clips) where they need more rows than the engine's table holds."""
         if not plan.media:
             return PromptTable(plan.feed, [0] * len(plan.feed), None)
-        needed = sum(len(held[span.digest.hex()].offsets) for span in plan.media)
+        needed = sum(len((held.get(span.digest.hex()) or clips[span.digest.hex()]).offsets) for span in plan.media)
         if needed > self.table_rows:
-            raise ImageError(f"the conversation's {len(plan.media)} pictures need {needed} rows of the prompt table, "
-                             f"over the {self.table_rows} the engine was built for "
-                             "(build_config.max_prompt_embedding_table_size); build the engine with a larger table",
-                             (Hint(Fix.NEW_CONVERSATION), Hint(Fix.SMALLER_PICTURES)))
-        return prompt_table(plan.feed, plan.media, lambda digest: self.vision.encode(held[digest.hex()]),
-                            self.vocab_size)
+            error, fix = (AudioError, Fix.SHORTER_AUDIO) if clips else (ImageError, Fix.SMALLER_PICTURES)
+            raise error(f"the conversation's {len(plan.media)} pictures or clips need {needed} rows of the prompt "
+                        f"table, over the {self.table_rows} the engine was built for "
+                        "(build_config.max_prompt_embedding_table_size); build the engine with a larger table",
+                        (Hint(Fix.NEW_CONVERSATION), Hint(fix)))
+
+        def rows_of(digest: bytes) -> MediaRows:
+            key = digest.hex()
+            return self.vision.encode(held[key]) if key in held else self.audio.encode(clips[key])
+
+        return prompt_table(plan.feed, plan.media, rows_of, self.vocab_size)
 
     def _table_kwargs(self, table: PromptTable) -> dict:
         """``generate``'s prompt-table arguments: MultimodalModelRunner's shape [batch, rows, hidden] and one task,
@@ -423,9 +452,10 @@ class TrtllmSession:
         return replies
 
     def _plan(self, messages: list[dict], beam: BeamParams | None = None,
-              images: dict[str, PreparedImage] | None = None) -> TurnPlan:
-        """The whole rendered history (with ``images``, the pictures its messages show), or what the overflow
-        policy keeps of it."""
+              images: dict[str, PreparedImage] | None = None,
+              clips: dict[str, PreparedClip] | None = None) -> TurnPlan:
+        """The whole rendered history (with ``images`` and ``clips``, the pictures and clips its messages hold), or
+        what the overflow policy keeps of it."""
         # sink-window truncates the stream here too: max_input_len and max_seq_len bound the prompt whatever
         # attention window the engine keeps
         if beam is None:
@@ -435,6 +465,7 @@ class TrtllmSession:
             room = Room(self._beam_prompt_limit(beam) + beam.max_new_tokens,
                         lambda n: self._beam_fits(n - beam.max_new_tokens, beam), appends_turns=False)
         tokenizer = self.tokenizer.with_images(images, self.vision.placeholder) if images else self.tokenizer
+        tokenizer = tokenizer.with_audio(clips, self.audio.placeholder) if clips else tokenizer
         return plan_turn(tokenizer, messages, room, self.overflow, self.config.sink_token_length,
                          beam.max_new_tokens if beam else self.params.max_new_tokens)
 

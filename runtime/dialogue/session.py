@@ -8,7 +8,9 @@ turn does not fit the budget, the session's overflow policy (cabinllm.runtime.di
 what to keep. Sessions are saved to and restored from session files (cabinllm.runtime.dialogue.session_file).
 Pictures sent with a message (a vision-language engine) are decoded, checked against the engine's caps and expanded
 into their tokens before anything runs; their rows come from the engine's encoder (or its feature cache) only for
-the tokens not reused from the cache. A session given ``tools`` shows them to the model and constrains each reply by ``tool_choice``
+the tokens not reused from the cache. Speech sent to an audio-language engine (Qwen2-Audio) goes the same way: each
+clip is a medium of the message (an audio part keyed by ``Clip.digest``), its tokens the processor's expansion. A
+session given ``tools`` shows them to the model and constrains each reply by ``tool_choice``
 (cabinllm.runtime.generation.grammar) to one call or none; a reply that calls comes back as
 ``TurnStats.tool_calls`` and the next message answers it (role ``tool``).
 """
@@ -26,17 +28,20 @@ from cabinllm.runtime.engine.core import EngineCore
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.engine.scheduler import SchedulerConfig
-from cabinllm.runtime.errors import (CabinError, CapacityError, ConfigError, Fix, GrammarError, Hint, ImageError,
-                                     OutOfBlocks, SessionFileError)
+from cabinllm.runtime.errors import (AudioError, CabinError, CapacityError, ConfigError, Fix, GrammarError, Hint,
+                                     ImageError, OutOfBlocks, SessionFileError)
 from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.grammar import reply_grammar
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
 from cabinllm.runtime.kv.blocks import MediaSpan, Sequence, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
+from cabinllm.runtime.model.audio import PreparedClip
 from cabinllm.runtime.model.interface import MediaFeed
+from cabinllm.runtime.model.media import EncodedRows
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import ContentStream, Tool, ToolCall, ToolFormat
-from cabinllm.runtime.model.vision import EncodedRows, PreparedImage
+from cabinllm.runtime.model.vision import PreparedImage
+from cabinllm.runtime.speech.audio import Clip
 
 
 class DialogueSession:
@@ -57,13 +62,16 @@ class DialogueSession:
         self.transcript = ""          # the conversation text the KV and pending token stand for
         self.turns = 0
         self.images: dict[str, PreparedImage] = {}  # the conversation's pictures by digest (hex)
+        self.clips: dict[str, PreparedClip] = {}  # its audio clips by digest (hex), on an audio-language engine
 
     @property
     def tokenizer(self) -> ChatTokenizer:
-        """The engine's tokenizer, rendering this session's tools (and pictures, on a vision-language engine)."""
+        """The engine's tokenizer, rendering this session's tools (and pictures, on a vision-language engine; clips,
+        on an audio-language one)."""
         tok = self.engine.tokenizer.with_tools(self.tools)
-        vision = self.engine.vision
-        return tok.with_images(self.images, vision.placeholder) if vision else tok
+        vision, audio = self.engine.vision, self.engine.audio
+        tok = tok.with_images(self.images, vision.placeholder) if vision else tok
+        return tok.with_audio(self.clips, audio.placeholder) if audio else tok
 
     @property
     def fed(self) -> list[int]:
@@ -72,17 +80,21 @@ class DialogueSession:
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None, n: int = 1,
-             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None) -> TurnStats:
+             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None,
+             audio: list[Clip] | None = None) -> TurnStats:
         """Answer one message (text: the user's; or a message dict, e.g. a tool's result); ``tool_choice`` for this
         reply only (None: the session's). ``n`` > 1: that many sampled replies from one prefill (seeds ``seed``,
         ``seed + 1``, ...); ``beam``: a beam search; the conversation goes on with the first reply (the best beam),
         the others are ``alternatives`` (neither streams). ``images``: (name, bytes) of pictures the user's message
-        shows, before its text. A turn that cannot fit ends with finish_reason 'capacity'; a picture that cannot be
-        taken raises ImageError before anything changes."""
+        shows, before its text; ``audio``: clips of speech the message holds, before its text (an audio-language engine
+        keeps each as a medium of the message). A turn that cannot fit ends with finish_reason 'capacity'; a picture
+        or clip that cannot be taken raises ImageError or AudioError before anything changes."""
         self._check_forks(n, beam)
         message = message if isinstance(message, dict) else {"role": "user", "content": message}
         if images:
             message = self._with_images(message, images)
+        if audio:
+            message = self._with_clips(message, audio)
         self.turns += 1
         messages = self.messages + [message]
         choice = tool_choice or self.tool_choice
@@ -102,7 +114,7 @@ class DialogueSession:
         except GrammarError as err:  # the reply's grammar could not start (or fit its limit): the next turn rebuilds
             self._release()
             return self._stats("", [], 0, 0, 0.0, 0.0, "error", 0, err)
-        except ImageError:  # a picture's rows were not at hand: its sequence is gone, the next turn rebuilds
+        except (ImageError, AudioError):  # a medium's rows were not at hand: the sequence is gone; the next rebuilds
             self._release()
             self.turns -= 1
             raise
@@ -173,6 +185,16 @@ class DialogueSession:
                              "the npu profile, not for Qwen2-VL)")
         return vision.image_message(message, images, self.images)
 
+    def _with_clips(self, message: dict, clips: list[Clip]) -> dict:
+        """The message with its clips as audio parts (prepared and kept by digest) on an audio-language engine;
+        AudioError naming the clip and the cap where one cannot be taken."""
+        encoder = self.engine.audio
+        if encoder is None:
+            raise AudioError(f"{self.engine.folder} has no audio encoder; speech needs an engine built from an "
+                             "audio-language model (Qwen2-Audio) or the speech front end's transcript",
+                             (Hint(Fix.INSTALL_VOICE),))
+        return encoder.audio_message(message, clips, self.clips)
+
     def _pictures_of(self, message: dict) -> list[tuple[str, int]]:
         """(name, tokens) of the pictures a message shows."""
         parts = message["content"] if isinstance(message.get("content"), list) else []
@@ -180,9 +202,11 @@ class DialogueSession:
                 if p.get("type") == "image"]
 
     def _media(self, plan: TurnPlan) -> MediaFeed | None:
-        """The pictures of a turn's feed, their rows encoded only when the forward pass reads them."""
+        """The pictures (or clips) of a turn's feed, their rows encoded only when the forward pass reads them."""
         if not plan.media:
             return None
+        if self.engine.audio is not None:
+            return MediaFeed(plan.media, EncodedRows(self.engine.audio, self.clips))
         return MediaFeed(plan.media, EncodedRows(self.engine.vision, self.images))
 
     def reset(self) -> None:
@@ -223,6 +247,7 @@ class DialogueSession:
             "tools": [tool.to_openai() for tool in self.tools],
             "tool_choice": self.tool_choice,
             "images": {digest: image.to_json() for digest, image in self.images.items()},
+            "clips": {digest: clip.to_json() for digest, clip in self.clips.items()},
             "media": [[span.start, span.length, span.digest.hex(), span.grid] for span in self.seq.media],
         }, tensors)
         return len(self.seq)
@@ -251,6 +276,7 @@ class DialogueSession:
                       OverflowPolicy(**header["overflow"]), tools, header.get("tool_choice", "auto"))
         fed = header["fed"]
         session.images = {d: PreparedImage.from_json(d, image) for d, image in header.get("images", {}).items()}
+        session.clips = {d: PreparedClip.from_json(d, clip) for d, clip in header.get("clips", {}).items()}
         media = [MediaSpan(start, length, bytes.fromhex(digest), tuple(grid) if grid else None)
                  for start, length, digest, grid in header.get("media", [])]
         if fed:

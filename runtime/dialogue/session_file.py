@@ -54,15 +54,20 @@ def _ids(value: object) -> bool:
 
 
 def _content(value: object) -> bool:
-    """A message's content: text, or parts of text and pictures (by digest)."""
+    """A message's content: text, or parts of text, pictures and audio clips (by digest; a clip's transcript where
+    it is known)."""
     return isinstance(value, str) or type(value) is list and all(
         type(p) is dict and (p.keys() == {"type", "text"} and p["type"] == "text" and isinstance(p["text"], str)
-                             or p.keys() == {"type", "digest"} and p["type"] == "image" and _digest(p["digest"]))
+                             or p.keys() == {"type", "digest"} and p["type"] == "image" and _digest(p["digest"])
+                             or {"type", "digest"} <= p.keys() <= {"type", "digest", "transcript"}
+                             and p["type"] == "audio" and _digest(p["digest"])
+                             and isinstance(p.get("transcript", ""), str))
         for p in value)
 
 
 def _digest(value: object) -> bool:
-    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+    """A picture's digest (16 bytes) or a clip's (32), in hex."""
+    return isinstance(value, str) and len(value) in (32, 64) and all(c in "0123456789abcdef" for c in value)
 
 
 def _messages(value: object) -> bool:
@@ -80,6 +85,13 @@ def _images(value: object) -> bool:
         for d, i in value.items())
 
 
+def _clips(value: object) -> bool:
+    return type(value) is dict and all(
+        _digest(d) and type(c) is dict and c.keys() == {"token_ids", "offsets", "seconds"}
+        and _ids(c["token_ids"]) and _ids(c["offsets"]) and all(o < len(c["token_ids"]) for o in c["offsets"])
+        and _number(c["seconds"]) and c["seconds"] >= 0 for d, c in value.items())
+
+
 def _media(value: object) -> bool:
     return type(value) is list and all(
         type(m) is list and len(m) == 4 and _count(m[0]) and _count(m[1], 1) and _digest(m[2])
@@ -94,7 +106,7 @@ def _tools(value: object) -> bool:
 
 
 MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}
-OPTIONAL = {"tools": [], "tool_choice": "auto", "images": {}, "media": []}  # fields older files may lack
+OPTIONAL = {"tools": [], "tool_choice": "auto", "images": {}, "clips": {}, "media": []}  # fields older files may lack
 
 
 STRING: Rule = ("a string", lambda v: isinstance(v, str))
@@ -133,7 +145,8 @@ HEADER: Spec = {  # the types; the ranges of kv_cache, overflow and params are t
     "tools": ("a list of OpenAI tool definitions", _tools),
     "tool_choice": STRING,
     "images": ("an object of pictures by digest: {token_ids, offsets, grid, size}", _images),
-    "media": ("a list of [start, length, digest, grid] picture spans", _media),
+    "clips": ("an object of audio clips by digest: {token_ids, offsets, seconds}", _clips),
+    "media": ("a list of [start, length, digest, grid] picture and clip spans", _media),
 }
 CLASSES = {"kv_cache": KvCacheConfig, "overflow": OverflowPolicy, "params": SamplingParams}
 
@@ -226,10 +239,11 @@ def check_fits(path: str | Path, header: dict, tensors: dict[str, torch.Tensor],
         raise SessionFileError(f"{path}: the session holds {tokens} tokens, more than this model's context of "
                                f"{context}; restore it with the engine it was saved from")
     for start, length, digest, _ in header["media"]:
-        image = header["images"].get(digest)
-        if start + length > len(header["fed"]) or image is None or len(image["token_ids"]) != length:
-            raise SessionFileError(f"{path}: picture span [{start}, {start + length}) of {digest[:12]} does not match "
-                                   "the tokens and pictures saved; the file is damaged, start a new session")
+        medium = header["images"].get(digest) or header["clips"].get(digest)
+        if start + length > len(header["fed"]) or medium is None or len(medium["token_ids"]) != length:
+            raise SessionFileError(f"{path}: picture or clip span [{start}, {start + length}) of {digest[:12]} does "
+                                   "not match the tokens, pictures and clips saved; the file is damaged, start a new "
+                                   "session")
     want = {name: (str(p.dtype), [p.shape[0], *p.shape[3:]]) for name, p in pools.items()}
     got = {name: (str(t.dtype), [t.shape[0], *t.shape[2:]]) for name, t in tensors.items()}
     if tensors and got != want:

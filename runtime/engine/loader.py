@@ -23,6 +23,7 @@ from cabinllm.runtime.kv.modes import KV_MODES, kv_mode_name
 from cabinllm.runtime.model.cuda import CudaRunner, check_device, check_kv_mode
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.transformer import Transformer
+from cabinllm.runtime.model.audio import AUDIO_FOLDER, AudioEncoder
 from cabinllm.runtime.model.vision import VISION_FOLDER, Vision
 
 
@@ -83,6 +84,12 @@ class Engine:
         """The engine's vision part (a vision-language engine's ``vision/`` folder, loaded on first use), or None."""
         folder = self.folder / VISION_FOLDER
         return Vision(folder) if folder.is_dir() else None
+
+    @cached_property
+    def audio(self) -> AudioEncoder | None:
+        """The engine's audio part (an audio-language engine's ``audio/`` folder, loaded on first use), or None."""
+        folder = self.folder / AUDIO_FOLDER
+        return AudioEncoder(folder) if folder.is_dir() else None
 
     @cached_property
     def vocabulary(self) -> Vocabulary:

@@ -10,9 +10,10 @@ that share all its blocks by reference count; the first write into a shared part
 last block gives the writer a copy of its own (copy-on-write: ``append`` returns
 the copies the storage must make).
 
-Images in a sequence (``MediaSpan``) enter the block keys: a block that holds part of an image is keyed by the
-digest of the image's decoded pixels and where the image starts relative to the block, so the same placeholder
-tokens of another image, or the same image at another offset, miss. A reused prefix never ends inside an image:
+Images and audio clips in a sequence (``MediaSpan``) enter the block keys: a block that holds part of one is keyed
+by the digest of its decoded pixels (or samples) and where it starts relative to the block, so the same
+placeholder tokens of another image or clip, or the same one at another offset, miss. A reused prefix never ends
+inside an image (or clip):
 the image's tokens are computed together again (the feature rows are at hand, not the KV of half an image).
 """
 from __future__ import annotations
@@ -45,8 +46,9 @@ class _Block:
 
 @dataclass(frozen=True)
 class MediaSpan:
-    """An image's tokens in a sequence: positions [start, start + length), keyed by ``digest`` (of its decoded
-    pixels); ``grid`` (t, h, w) lays its tokens out in M-RoPE positions where the model has them (Qwen2-VL)."""
+    """A picture's or clip's tokens in a sequence: positions [start, start + length), keyed by ``digest`` (of its
+    decoded pixels or samples); ``grid`` (t, h, w) lays its tokens out in M-RoPE positions where the model has them
+    (Qwen2-VL)."""
 
     start: int
     length: int

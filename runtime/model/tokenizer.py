@@ -7,7 +7,8 @@ structure produces control tokens, so a user cannot forge a system or assistant 
 
 A vision-language engine's view (``with_images``) renders image parts of a message where the template puts its
 placeholder, as a marker naming the picture's digest; ``encode`` writes each marker as the picture's own tokens
-(its processor's expansion), and ``encode_media`` also says where each picture's tokens are.
+(its processor's expansion), and ``encode_media`` also says where each picture's tokens are. An audio-language
+engine's view (``with_audio``) does the same for audio parts and clips.
 
 The template runs as transformers runs it (``tojson`` keeps key order and non-ASCII text, ``strftime_now``):
 transformers' ``utils/chat_template_utils.py`` ``_compile_jinja_template``. ``with_tools`` gives a view that
@@ -26,12 +27,14 @@ from cabinllm.runtime.kv.blocks import MediaSpan
 from cabinllm.runtime.model.tools import HERMES, Tool, ToolFormat, for_template, in_our_words, template_tool_format
 
 CONTENT_ESCAPE = "\u200b"  # zero-width space, put inside control-token strings found in message content
-IMAGE_OPEN, IMAGE_CLOSE = "\ue000", "\ue001"  # private-use characters around a picture's digest in a prompt
-_IMAGE_MARKER = re.compile(f"{IMAGE_OPEN}([0-9a-f]{{32}}){IMAGE_CLOSE}")
+IMAGE_OPEN, IMAGE_CLOSE = "\ue000", "\ue001"  # private-use characters around a medium's digest in a prompt
+# a picture's digest (16 bytes) or a clip's (Clip.digest: 32)
+_IMAGE_MARKER = re.compile(f"{IMAGE_OPEN}([0-9a-f]{{32}}(?:[0-9a-f]{{32}})?){IMAGE_CLOSE}")
 
 
 def image_marker(digest: bytes) -> str:
-    """How a rendered prompt names a picture (``with_images`` writes its tokens in its place)."""
+    """How a rendered prompt names a picture or clip (``with_images``, ``with_audio`` write its tokens in its
+    place)."""
     return f"{IMAGE_OPEN}{digest.hex()}{IMAGE_CLOSE}"
 
 
@@ -67,8 +70,9 @@ class ChatTokenizer:
         self._template = env.from_string(template)
         self._native_tools = template_tool_format(template)
         self.tools: list[Tool] = []
-        self.images: dict[str, object] = {}  # digest hex -> a PreparedImage (cabinllm.runtime.model.vision)
-        self.image_placeholder: str | None = None
+        # digest hex -> a PreparedImage (cabinllm.runtime.model.vision) or PreparedClip (cabinllm.runtime.model.audio)
+        self.images: dict[str, object] = {}
+        self.placeholders: dict[str, str] = {}  # a part's type ("image", "audio") -> what the template writes for it
 
     @property
     def vocab_size(self) -> int:
@@ -81,14 +85,14 @@ class ChatTokenizer:
         return self.encode_media(text)[0]
 
     def encode_media(self, text: str) -> tuple[list[int], list[MediaSpan]]:
-        """Token ids of text and where each picture's tokens are among them (positions from 0)."""
+        """Token ids of text and where each picture's (or clip's) tokens are among them (positions from 0)."""
         pieces = _IMAGE_MARKER.split(text) if IMAGE_OPEN in text else [text]
         ids, spans = self._tok.encode(pieces[0], add_special_tokens=False).ids, []
         for digest, after in zip(pieces[1::2], pieces[2::2]):
             image = self.images.get(digest)
             if image is None:
-                raise ConfigError(f"the prompt names picture {digest[:12]}, which this conversation does not hold; "
-                                  "send the picture again")
+                raise ConfigError(f"the prompt names picture or clip {digest[:12]}, which this conversation does not "
+                                  "hold; send it again")
             spans.append(MediaSpan(len(ids), len(image.token_ids), bytes.fromhex(digest), image.grid))
             ids += image.token_ids + self._tok.encode(after, add_special_tokens=False).ids
         return ids, spans
@@ -142,8 +146,16 @@ class ChatTokenizer:
     def with_images(self, images: dict[str, object], placeholder: str) -> "ChatTokenizer":
         """A view that renders a message's image parts (``{"type": "image", "digest": hex}``) as the pictures
         ``images`` holds by digest, where the template writes ``placeholder``."""
+        return self._with_media("image", images, placeholder)
+
+    def with_audio(self, clips: dict[str, object], placeholder: str) -> "ChatTokenizer":
+        """A view that renders a message's audio parts (``{"type": "audio", "digest": hex}``) as the clips ``clips``
+        holds by digest (PreparedClip), where the template writes ``placeholder``."""
+        return self._with_media("audio", clips, placeholder)
+
+    def _with_media(self, kind: str, items: dict[str, object], placeholder: str) -> "ChatTokenizer":
         view = copy.copy(self)
-        view.images, view.image_placeholder = images, placeholder
+        view.images, view.placeholders = {**self.images, **items}, {**self.placeholders, kind: placeholder}
         view._control_strings = sorted({*self._control_strings, IMAGE_OPEN}, key=len, reverse=True)
         return view
 
@@ -160,15 +172,24 @@ class ChatTokenizer:
         messages = [{**m, "content": self._escape_content(m["content"])} for m in messages]
         text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token, **extra)
+        for kind in ("image", "audio"):
+            text = self._media_markers(text, messages, kind)
+        return text
+
+    def _media_markers(self, text: str, messages: list[dict], kind: str) -> str:
+        """The rendered text with the placeholder of each part of ``kind`` replaced by its marker, in order."""
+        noun = {"image": "pictures", "audio": "audio clips"}[kind]
         digests = [part["digest"] for m in messages if isinstance(m["content"], list) for part in m["content"]
-                   if part.get("type") == "image"]
+                   if part.get("type") == kind]
         if not digests:
             return text
-        if self.image_placeholder is None or text.count(self.image_placeholder) != len(digests):
-            raise ConfigError(f"the messages hold {len(digests)} pictures and the chat template wrote "
-                              f"{text.count(self.image_placeholder or '') if self.image_placeholder else 0} image "
-                              "placeholders; send pictures to a vision-language engine only")
-        pieces = text.split(self.image_placeholder)
+        placeholder = self.placeholders.get(kind)
+        if placeholder is None or text.count(placeholder) != len(digests):
+            engine = "a vision-language" if kind == "image" else "an audio-language"
+            raise ConfigError(f"the messages hold {len(digests)} {noun} and the chat template wrote "
+                              f"{text.count(placeholder) if placeholder else 0} {kind} placeholders; send {noun} to "
+                              f"{engine} engine only")
+        pieces = text.split(placeholder)
         return pieces[0] + "".join(image_marker(bytes.fromhex(d)) + p for d, p in zip(digests, pieces[1:]))
 
     def frame_tokens(self, messages: list[dict], prompt: str) -> tuple[int, int]:

@@ -14,8 +14,6 @@ import hashlib
 import io
 import json
 import warnings
-from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -24,8 +22,9 @@ import torch
 
 from cabinllm.runtime.errors import CheckpointError, ImageError
 from cabinllm.runtime.model.families import VISION_FAMILIES
-from cabinllm.runtime.model.families.family import VisionFamily
 from cabinllm.runtime.model.interface import MediaRows
+from cabinllm.runtime.model.media import EncodedRows as EncodedRows  # also imported from here (cabinllm.server)
+from cabinllm.runtime.model.media import FeatureCache, encoder_model
 
 VISION_FOLDER = "vision"
 VISION_WEIGHTS = "vision.safetensors"
@@ -115,55 +114,6 @@ def read_pictures(paths: list[str | Path]) -> list[tuple[str, bytes]]:
     return pictures
 
 
-class FeatureCache:
-    """Encoded rows by image digest, least recently used dropped first beyond ``max_bytes``."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._rows: OrderedDict[bytes, MediaRows] = OrderedDict()
-        self.hits = self.misses = 0
-
-    @property
-    def bytes_used(self) -> int:
-        """Bytes of the rows held."""
-        return sum(r.rows.numel() * r.rows.element_size() for r in self._rows.values())
-
-    def get(self, digest: bytes) -> MediaRows | None:
-        """The rows of an image, or None (counted as a hit or a miss)."""
-        rows = self._rows.get(digest)
-        if rows is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._rows.move_to_end(digest)
-        return rows
-
-    def put(self, digest: bytes, rows: MediaRows) -> None:
-        """Keep an image's rows, dropping the oldest beyond the budget (rows larger than it are not kept)."""
-        self._rows[digest] = rows
-        while self._rows and self.bytes_used > self.max_bytes:
-            self._rows.popitem(last=False)
-
-
-class EncodedRows(Mapping):
-    """The input rows of a conversation's pictures by digest, each encoded when first read (``Vision.encode``)."""
-
-    def __init__(self, vision: "Vision", images: dict[str, PreparedImage]) -> None:
-        self.vision, self.images = vision, images
-
-    def __getitem__(self, digest: bytes) -> MediaRows:
-        image = self.images.get(digest.hex())
-        if image is None:
-            raise KeyError(digest)
-        return self.vision.encode(image)
-
-    def __iter__(self):
-        return (bytes.fromhex(d) for d in self.images)
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-
 class Vision:
     """A vision-language engine's images: preprocessing, placeholder expansion and the encoder."""
 
@@ -190,8 +140,11 @@ class Vision:
     def model(self) -> torch.nn.Module:
         """The vision tower and projector, loaded when a picture is first encoded (planning needs only the
         processor); normal tensors even when first asked for in inference mode (an export traces them)."""
+        import transformers
+
         with torch.inference_mode(False):
-            return _vision_model(self.config, self.folder / VISION_WEIGHTS, self.family)
+            return encoder_model(self.config, self.folder / VISION_WEIGHTS, self.family.prefixes,
+                                 lambda config: transformers.AutoModelForImageTextToText.from_config(config).model)
 
     def check_count(self, count: int, where: str) -> None:
         """ImageError where ``where`` (a message) shows more pictures than the cap."""
@@ -295,32 +248,3 @@ def _processor(folder: Path):
     images_only = type(name, (base,), {"check_argument_for_proper_class": check})
     return images_only(image_processor=transformers.AutoImageProcessor.from_pretrained(folder), tokenizer=tokenizer,
                        video_processor=None, chat_template=tokenizer.chat_template)
-
-
-def _vision_model(config, weights: Path, family: VisionFamily) -> torch.nn.Module:
-    """The family's transformers model with a one-layer stub for its text part and the vision tensors loaded."""
-    import transformers
-    from safetensors.torch import load_file
-
-    text = config.get_text_config()
-    stub = dict(num_hidden_layers=1, vocab_size=max(config_token_ids(config)) + 1, intermediate_size=8)
-    for key, value in stub.items():
-        setattr(text, key, value)
-    if hasattr(text, "layer_types"):
-        text.layer_types = text.layer_types[:1]
-    if not weights.is_file():
-        raise CheckpointError(f"{weights}: not found; rebuild the engine from the vision-language model's folder")
-    model = transformers.AutoModelForImageTextToText.from_config(config).model.eval()
-    tensors = load_file(str(weights))
-    missing, _ = model.load_state_dict(tensors, strict=False)
-    absent = [name for name in missing if name.startswith(family.prefixes)]
-    if absent:
-        raise CheckpointError(f"{weights}: {len(absent)} vision tensors are missing (first: {absent[0]}); rebuild the "
-                              "engine")
-    return model
-
-
-def config_token_ids(config) -> list[int]:
-    """The special token ids a vision-language config names (the stub's vocabulary must hold them)."""
-    keys = ("image_token_id", "image_token_index", "vision_start_token_id", "vision_end_token_id", "video_token_id")
-    return [getattr(config, k) for k in keys if isinstance(getattr(config, k, None), int)] or [0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cabinllm.runtime.errors import CheckpointError
 from cabinllm.runtime.formats.checkpoint import ARCHITECTURES, SOURCE_FIX, ModelConfig, default_head_size
-from cabinllm.runtime.model.families import FAMILIES, VISION_LANGUAGE, Family, family, hf_family, vision_text_types
+from cabinllm.runtime.model.families import FAMILIES, MEDIA_LANGUAGE, Family, family, hf_family, vision_text_types
 from cabinllm.runtime.model.families.family import SourceNames, hf_rope_parameters
 
 
@@ -33,10 +33,10 @@ def _rope(data: dict, params: dict) -> tuple[float, dict | None]:
 
 
 def _vlm_text(data: dict, source: str) -> dict:
-    """The text model's config of a vision-language folder (transformers 4's Qwen2-VL keeps it at the top level),
-    with the architecture it imports as."""
+    """The text model's config of a vision- or audio-language folder (transformers 4's Qwen2-VL keeps it at the top
+    level), with the architecture it imports as."""
     text = dict(data.get("text_config") or {k: v for k, v in data.items() if k != "vision_config"})
-    kind = text.get("model_type", VISION_LANGUAGE[data["architectures"][0]].default_text_type)
+    kind = text.get("model_type", MEDIA_LANGUAGE[data["architectures"][0]].default_text_type)
     types = vision_text_types()
     if kind not in types:
         raise CheckpointError(f"{source}: the text model is a {kind!r}; supported: {', '.join(types)}")
@@ -58,9 +58,9 @@ def _check_window(fam: Family, data: dict, source: str) -> None:
 
 def _text_config(data: dict, source: str) -> tuple[Family, dict]:
     """The family an HF config.json imports as and its config as the family reads it (a vision-language
-    folder's text model's)."""
+    folder's or an audio-language folder's text model's)."""
     architecture = (data.get("architectures") or [None])[0]
-    if architecture in VISION_LANGUAGE:
+    if architecture in MEDIA_LANGUAGE:
         data = _vlm_text(data, source)
         architecture = data["architectures"][0]
     fam = hf_family(architecture)

@@ -28,11 +28,12 @@ from cabinllm.runtime.formats.engine_folder import EngineFolder, read_manifest
 from cabinllm.runtime.formats.scales_file import model_fingerprint
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.transformer import Transformer
+from cabinllm.runtime.model.audio import AUDIO_FOLDER, AudioEncoder
 from cabinllm.runtime.model.vision import VISION_FOLDER, Vision
 from cabinllm.runtime.sources.gguf import config_from_gguf, open_gguf, read_gguf
 from cabinllm.runtime.sources.hf import open_hf_folder, read_json
 from cabinllm.runtime.sources.hf_names import config_from_hf
-from cabinllm.runtime.sources.hf_vision import export_vision, is_vision_folder
+from cabinllm.runtime.sources.hf_vision import export_encoder, is_audio_folder, is_vision_folder
 from cabinllm.runtime.sources.import_cache import cached_import, cached_import_folder, is_complete
 from cabinllm.runtime.sources.tokenizer_export import export_tokenizer
 from cabinllm.runtime.sources.weight_plan import SourceModel, all_finite, iter_weights
@@ -206,21 +207,28 @@ class Checkpoint:
     fingerprint: str
     scales_path: Path | None = None
     vision: Vision | None = None  # a vision-language model's pictures (cabinllm.runtime.model.vision)
+    audio: AudioEncoder | None = None  # an audio-language model's clips (cabinllm.runtime.model.audio)
 
     def transformer(self) -> Transformer:
         """The reference forward pass over these weights."""
         return Transformer(self.config, self.weights)
 
 
-def _from_checkpoint(name: str, folder: Path, scales_path: Path | None, vision: Vision | None = None) -> Checkpoint:
+def _from_checkpoint(name: str, folder: Path, scales_path: Path | None, vision: Vision | None = None,
+                     audio: AudioEncoder | None = None) -> Checkpoint:
     config, weights = load_checkpoint(folder)
     return Checkpoint(name, config, weights, ChatTokenizer(folder), model_fingerprint(config, weights),
-                       scales_path if scales_path and scales_path.is_file() else None, vision)
+                       scales_path if scales_path and scales_path.is_file() else None, vision, audio)
 
 
 def vision_of(folder: Path) -> Vision | None:
     """The vision part an engine or checkpoint folder keeps beside its text checkpoint, or None."""
     return Vision(folder / VISION_FOLDER) if (folder / VISION_FOLDER).is_dir() else None
+
+
+def audio_of(folder: Path) -> AudioEncoder | None:
+    """The audio part an engine or checkpoint folder keeps beside its text checkpoint, or None."""
+    return AudioEncoder(folder / AUDIO_FOLDER) if (folder / AUDIO_FOLDER).is_dir() else None
 
 
 def load_model(spec: str) -> Checkpoint:
@@ -232,18 +240,22 @@ def load_model(spec: str) -> Checkpoint:
         folder = EngineFolder(path)
         config, weights, fingerprint = folder.load_checkpoint()
         return Checkpoint(spec, config, weights, ChatTokenizer(folder.checkpoint), fingerprint,
-                           folder.scales if folder.scales.is_file() else None, vision_of(path))
+                           folder.scales if folder.scales.is_file() else None, vision_of(path), audio_of(path))
     if spec != DEFAULT_MODEL and (path / CONFIG_FILE).is_file() and (path / "tokenizer_config.json").is_file() \
             and (path / WEIGHTS_FILE).is_file():
-        return _from_checkpoint(spec, path, None, vision_of(path))
+        return _from_checkpoint(spec, path, None, vision_of(path), audio_of(path))
     source = resolve_model(spec)
     if not source.is_dir():
         return _from_checkpoint(spec, imported_gguf(source), None)
     with tempfile.TemporaryDirectory(prefix="cabin-import-") as tmp:
         import_model(source, Path(tmp), dtype="float32")
-        vision = None
+        vision = audio = None
         if is_vision_folder(source):
-            export_vision(source, Path(tmp) / VISION_FOLDER)
+            export_encoder(source, Path(tmp) / VISION_FOLDER)
             vision = vision_of(Path(tmp))
             _ = vision.model  # loaded now: the folder it was written to goes
-        return _from_checkpoint(spec, Path(tmp), None, vision)
+        if is_audio_folder(source):
+            export_encoder(source, Path(tmp) / AUDIO_FOLDER)
+            audio = audio_of(Path(tmp))
+            _ = audio.model  # loaded now: the folder it was written to goes
+        return _from_checkpoint(spec, Path(tmp), None, vision, audio)

@@ -1,5 +1,6 @@
 """What a model family differs in (``Family``), its HF tensor names (``SourceNames``), the vision hookup of a
-vision-language family (``VisionFamily``, ``VisionLanguage``), and the HF config readers the family files share.
+vision-language family (``VisionFamily``, ``VisionLanguage``), the audio hookup of an audio-language family
+(``AudioFamily``, ``AudioLanguage``), and the HF config readers the family files share.
 
 A family file (``llama.py``, ``qwen2.py``, ...) fills these in; ``cabinllm.runtime.model.families`` is the registry
 every importer, the checkpoint writer, the reference forward pass, the ONNX graph writer, the planner and
@@ -139,6 +140,30 @@ class VisionLanguage:
     architecture: str
     default_text_type: str
     vision: VisionFamily
+    text_aliases: dict[str, str] = field(default_factory=dict)  # text model_type -> a text family's model_type
+
+
+@dataclass(frozen=True)
+class AudioFamily:
+    """What one family's audio part differs in: the placeholder its processor expands (one per clip in the rendered
+    prompt, as many tokens as the clip's encoder rows), the processor outputs its encoder takes, its tensors'
+    prefixes in an HF folder, and the encoder rows a second of speech gives (the plan's unit)."""
+
+    model_type: str
+    placeholder_key: str  # the processor's attribute holding the placeholder text
+    feature_inputs: tuple[str, ...]
+    prefixes: tuple[str, ...]
+    tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class AudioLanguage:
+    """An audio-language family: its HF architecture, the model_type its text model has where its config does not
+    say, and its audio part."""
+
+    architecture: str
+    default_text_type: str
+    audio: AudioFamily
     text_aliases: dict[str, str] = field(default_factory=dict)  # text model_type -> a text family's model_type
 
 
