@@ -17,6 +17,7 @@ from cabinllm.cli.chat import format_stats
 from cabinllm.runtime.dialogue.overflow import (Compacted, OverflowPolicy, Room, answered_media, media_replacement,
                                                 plan_turn)
 from cabinllm.runtime.dialogue.session import DialogueSession
+from cabinllm.runtime.dialogue.session_file import read_session_file, write_session_file
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CapacityError, ConfigError
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -148,6 +149,13 @@ def test_a_restored_session_continues_as_the_compacted_one_does(engine, tmp_path
     restored = DialogueSession.restore(tmp_path / "s.cabin", engine)
     assert restored.messages == chat.messages and restored.images.keys() == chat.images.keys()
     assert [i.name for i in restored.images.values()] == [i.name for i in chat.images.values()]
+    header, tensors = read_session_file(tmp_path / "s.cabin")  # a file from before compaction: compaction is on
+    for key in ("format", "sha256", "image_names"):
+        header.pop(key)
+    header["overflow"].pop("compact_media")
+    write_session_file(tmp_path / "old.cabin", header, tensors)
+    old = DialogueSession.restore(tmp_path / "old.cabin", engine)
+    assert old.overflow == OverflowPolicy("drop-turns") and old.messages == chat.messages
     ours = picture_turns(chat, 10, lambda s: s.compacted)
     theirs = picture_turns(restored, 10, lambda s: s.compacted)
     assert [(s.token_ids, s.compacted) for s, _ in theirs] == [(s.token_ids, s.compacted) for s, _ in ours]
