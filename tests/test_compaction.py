@@ -178,8 +178,8 @@ class WordTokenizer:
     def _content(self, content: str | list[dict]) -> str:
         if isinstance(content, str):
             return content
-        return " ".join(p["text"] if p["type"] == "text" else " ".join(["<audio>"] * int(25 * self.seconds[p["digest"]]))
-                        for p in content)
+        return " ".join(p["text"] if p["type"] == "text" else
+                        " ".join(["<audio>"] * int(25 * self.seconds[p["digest"]])) for p in content)
 
     def encode_prompt(self, text: str) -> list[int]:
         return [len(word) for word in text.split()]
@@ -201,8 +201,8 @@ def test_an_audio_part_is_compacted_to_its_transcript():
                 {"role": "user", "content": [clip]}, {"role": "assistant", "content": "done"},
                 {"role": "user", "content": [{"type": "audio", "digest": "d" * 32, "transcript": "and warmer"}]}]
     whole = len(tokenizer.render(messages).split())
-    room = Room(whole, lambda n: n <= whole - 60, appends_turns=False)
-    room.capacity = whole - 60 + 8
+    capacity = whole - 60 + 8  # 60 tokens short of the conversation and its 8-token reply
+    room = Room(capacity, lambda n: n <= capacity, appends_turns=False)
     plan = plan_turn(tokenizer, messages, room, OverflowPolicy("error"), 0, 8)
     freed = 100 - len(f"[audio: {said}]".split())
     assert plan.compacted == [Compacted(f"audio {'c' * 12}", "audio", freed, "transcript")]

@@ -88,13 +88,16 @@ def frame(i: int) -> tuple[str, bytes]:
     return f"frame-{i:02d}.png", buffer.getvalue()
 
 
-def kind_of(stats, held: int) -> str:
-    """What a turn did to make room: appended, compacted (then dropped turns), dropped turns, or rebuilt."""
+def kind_of(stats, held: int, picture: bool) -> str:
+    """What a turn with or without a picture did to make room: appended, compacted (then dropped turns), dropped
+    turns, or rebuilt."""
     if stats.reused_tokens >= held:
-        return "appends"
-    if stats.compacted:
-        return "compacts, then drops turns" if stats.evicted_tokens else "compacts"
-    return "drops turns" if stats.evicted_tokens else "rebuilds"
+        kind = "appends"
+    elif stats.compacted:
+        kind = "compacts, then drops turns" if stats.evicted_tokens else "compacts"
+    else:
+        kind = "drops turns" if stats.evicted_tokens else "rebuilds"
+    return f"{kind}, {'picture' if picture else 'text'} turn"
 
 
 def run(engine: Engine, steps: str, commands: list[str], turns: int, every: int, budget: int) -> dict:
@@ -116,11 +119,11 @@ def run(engine: Engine, steps: str, commands: list[str], turns: int, every: int,
             raise RuntimeError(f"turn {turn + 1} ended {stats.finish_reason}: {stats.error}")
         asked = chat.messages[:-1]
         new = chat.tokenizer.frame_tokens(asked, chat.tokenizer.render(asked))[1]
-        kind = kind_of(stats, held)
+        kind = kind_of(stats, held, bool(pictures))
         rows.append({"turn": turn + 1, "picture": bool(pictures), "kind": kind,
                      "ttft_s": (first[0] if first else ended) - called, "engine_ttft_s": stats.ttft_s,
                      "prefill_tokens": stats.prefill_tokens, "reused_tokens": stats.reused_tokens,
-                     "re_prefilled_tokens": 0 if kind == "appends" else max(stats.prefill_tokens - new, 0),
+                     "re_prefilled_tokens": 0 if kind.startswith("appends") else max(stats.prefill_tokens - new, 0),
                      "evicted_tokens": stats.evicted_tokens, "kv_bytes_used": stats.kv_bytes_used,
                      "tokens_held": len(chat.seq), "compacted": [vars(c) for c in stats.compacted],
                      "turns_held": sum(m["role"] == "user" for m in chat.messages)})
@@ -196,7 +199,11 @@ def table(result: dict) -> str:
         "| run | turn | turns | median TTFT ms | median prefilled | median prefilled again |",
         "|---|---|---|---|---|---|",
         *(f"| {name} | {kind} | {k['turns']} | {k['median_ttft_ms']:,.0f} | {k['median_prefill_tokens']:,.0f} | "
-          f"{k['median_re_prefilled_tokens']:,.0f} |" for name, kind, k in kinds), ""])
+          f"{k['median_re_prefilled_tokens']:,.0f} |" for name, kind, k in kinds), "",
+        *(["A turn that rebuilds met a previous reply whose text does not render back to it (a random reply ending "
+           "inside a UTF-8 character): the session re-renders the conversation and prefills it again after the "
+           "cached prefix, a random-weight artefact.", ""]
+          if any(kind.startswith("rebuilds") for _, kind, _ in kinds) else [])])
 
 
 if __name__ == "__main__":
