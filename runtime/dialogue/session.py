@@ -255,9 +255,9 @@ class DialogueSession:
         session = cls(engine, cache, SamplingParams(**header["params"]), header["system_prompt"],
                       OverflowPolicy(**header["overflow"]), tools, header.get("tool_choice", "auto"))
         fed = header["fed"]
-        names = header["image_names"]
-        session.images = {d: replace(PreparedImage.from_json(d, image), **({"name": names[d]} if d in names else {}))
-                          for d, image in header["images"].items()}
+        names = header["image_names"]  # as the pictures were sent, for the markers that may replace them
+        images = {d: PreparedImage.from_json(d, image) for d, image in header["images"].items()}
+        session.images = {d: replace(image, name=names[d]) if d in names else image for d, image in images.items()}
         media = [MediaSpan(start, length, bytes.fromhex(digest), tuple(grid) if grid else None)
                  for start, length, digest, grid in header.get("media", [])]
         if fed:
