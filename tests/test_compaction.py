@@ -14,8 +14,8 @@ from test_hf_folders import cabin_build
 from cabinllm.benchmarks.random_vlm import image, write_random_vlm
 from cabinllm.cli.args import CLI_WORDS, overflow_steps
 from cabinllm.cli.chat import format_stats
-from cabinllm.runtime.dialogue.overflow import (Compacted, OverflowPolicy, Room, answered_media, media_replacement,
-                                                plan_turn)
+from cabinllm.runtime.dialogue.overflow import (Compacted, OverflowPolicy, Room, answered_media, compacted_steps,
+                                                media_replacement, plan_turn)
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.dialogue.session_file import read_session_file, write_session_file
 from cabinllm.runtime.engine.loader import Engine
@@ -210,6 +210,8 @@ def test_an_audio_part_is_compacted_to_its_transcript():
     assert plan.messages[3] == messages[3] and len(plan.feed) == whole - freed
     with pytest.raises(CapacityError):  # the policy alone refuses
         plan_turn(tokenizer, messages, room, OverflowPolicy("error", compact_media=False), 0, 8)
+    tokenizer.seconds["c" * 32] = 0.2  # 5 tokens: its transcript would take more, so it stays
+    assert list(compacted_steps(tokenizer, messages, tokenizer.render(messages))) == []
 
 
 def test_overflow_steps_name_compaction_then_one_policy():
