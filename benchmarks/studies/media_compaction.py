@@ -9,7 +9,7 @@ preprocessing, planning and compaction, the encoder, the prefill). One thread.
 
 The model and its engine are written into ``--work`` once (kept, and reused by the next run). The budget's default,
 5 MiB at fp16 (2,048 bytes a token: 2,560 tokens), holds four turns with a picture: the dialogue overflows from its
-fifth turn on, and the words of all 30 turns (about 1,300 tokens) still fit beside a picture, so compaction can keep
+fifth turn on, and the words of all 30 turns (about 1,400 tokens) still fit beside a picture, so compaction can keep
 every word where drop-turns alone keeps the last turn or two.
 """
 from __future__ import annotations
