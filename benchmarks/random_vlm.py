@@ -124,7 +124,8 @@ def chat_template(placeholder: str, end_of_turn: str) -> str:
     )
 
 
-# a real model's shape: (family, its config's changes, its image processor's, its processor's)
+# a real model's shape, or a picture size a study needs: (family, its config's changes, its image processor's, its
+# processor's)
 SHAPES = {
     "smolvlm-256m": ("idefics3", {
         "scale_factor": 4,
@@ -135,6 +136,17 @@ SHAPES = {
                           "num_attention_heads": 12, "intermediate_size": 3072}},
         # tiles of 512 px up to a 1024 px longest edge (SmolVLM's processor takes N x 512; the Hub's default N is 4)
         {"size": {"longest_edge": 1024}, "max_image_size": {"longest_edge": 512}}, {"image_seq_len": 64}),
+    # tiny LLaVA whose pictures (64 px, 64 tokens) are several times a short text marker: media compaction's tests
+    "llava-64": ("llava", {"image_seq_length": 64, "vision_config": {"image_size": 64}},
+                 {"size": {"shortest_edge": 64}, "crop_size": {"height": 64, "width": 64}}, {}),
+    # LLaVA-1.5's pictures (336 px, patch 14: 576 tokens) on a small text model (4 layers of 256, 2 KV heads of 64)
+    # and a tiny tower: the media compaction study
+    "llava-576": ("llava", {
+        "image_seq_length": 576,
+        "text_config": {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
+                        "num_attention_heads": 4, "num_key_value_heads": 2},
+        "vision_config": {"image_size": 336, "patch_size": 14}},
+        {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}}, {"patch_size": 14}),
 }
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable, TextIO
 
-from cabinllm.runtime.dialogue.overflow import OVERFLOW_POLICIES, OverflowPolicy
+from cabinllm.runtime.dialogue.overflow import COMPACT_MEDIA, OverflowPolicy
 from cabinllm.runtime.errors import CabinError, ConfigError, Fix
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
 from cabinllm.runtime.kv.cache import DEFAULT_KV_BYTES, KvCacheConfig
@@ -116,8 +116,22 @@ def add_cache_flags(parser: argparse.ArgumentParser, shared_by: str = "") -> Non
                         help=f"{help_of(KvCacheConfig, 'max_bytes')} in MiB{shared_by} (default {mib:g})")
     parser.add_argument("--tokens-per-block", type=positive_int,
                         help=f"{help_of(KvCacheConfig, 'tokens_per_block')} (default: the engine's target's)")
-    parser.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=OverflowPolicy.name,
-                        help=f"{help_of(OverflowPolicy, 'name')} (default {OverflowPolicy.name})")
+    default = OverflowPolicy().steps
+    parser.add_argument("--overflow", type=overflow_steps, default=OverflowPolicy(),
+                        metavar=f"[{COMPACT_MEDIA},]POLICY",
+                        help=f"{help_of(OverflowPolicy, 'name')}; before that policy, {COMPACT_MEDIA} (named "
+                             "first) replaces the pictures and audio of answered turns, oldest first, by a text "
+                             "marker ([picture: NAME]) or their transcript until the turn fits, every word kept: their "
+                             "KV blocks are freed and what follows them is prefilled again. A policy alone leaves "
+                             f"pictures and audio as they are (default {default})")
+
+
+def overflow_steps(text: str) -> OverflowPolicy:
+    """An argparse type: the OverflowPolicy of a list of steps (``compact-media,drop-turns``, ``error``)."""
+    try:
+        return OverflowPolicy.from_steps(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(err.message) from None
 
 
 def kv_cache_config(args: argparse.Namespace) -> KvCacheConfig:
@@ -206,7 +220,7 @@ CLI_WORDS: dict[Fix, str] = {
     Fix.NEW_CONVERSATION: "start a new conversation (/reset)",
     Fix.RAISE_KV_BUDGET: "raise --kv-budget-mb",
     Fix.LOWER_KV_BUDGET: "give a smaller --kv-budget-mb",
-    Fix.OTHER_OVERFLOW: "choose --overflow sink-window|drop-turns",
+    Fix.OTHER_OVERFLOW: "choose --overflow compact-media,sink-window or compact-media,drop-turns",
     Fix.SMALLER_PICTURES: 'send fewer or smaller pictures (detail "low"), or lower --max-image-tokens',
     Fix.PER_TOKEN_KV_MODE: "choose another --kv-cache",
     Fix.BACKEND: "chat with --backend {}",

@@ -15,7 +15,6 @@ from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.backends.select import BACKENDS, SessionRequest, open_session
 from cabinllm.runtime.dialogue.interface import Session, TurnStats
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.errors import CabinError, ConfigError, ImageError, SessionFileError
 from cabinllm.runtime.formats.chat_script import read_script, text_problem
 from cabinllm.runtime.formats.engine_folder import EngineFolder
@@ -114,7 +113,7 @@ def chat_tools(args: argparse.Namespace) -> tuple[Tool, ...]:
 def session_request(args: argparse.Namespace, system: str | None) -> SessionRequest:
     """The session cabin-chat's flags ask for."""
     return SessionRequest(args.engine, kv_cache_config(args), sampling_params(args), system,
-                          OverflowPolicy(args.overflow), args.backend, args.ort_provider, args.htp_arch, args.restore,
+                          args.overflow, args.backend, args.ort_provider, args.htp_arch, args.restore,
                           chat_tools(args), args.tool_choice, max(args.choices, args.beam_width), image_limits(args),
                           args.device)
 
@@ -133,7 +132,16 @@ def format_stats(stats: TurnStats) -> str:
     return (f"[{stats.finish_reason}] prefill {stats.prefill_tokens} tok, reused {stats.reused_tokens} tok, "
             f"TTFT {stats.ttft_s * 1000:.0f} ms, {stats.decode_tok_s:.1f} tok/s, "
             f"KV {stats.kv_mode} {stats.kv_bytes_used / 2**20:.2f}/{stats.kv_bytes_budget / 2**20:.2f} MiB "
-            f"({stats.kv_bytes_per_token} B/token)")
+            f"({stats.kv_bytes_per_token} B/token){format_compacted(stats)}")
+
+
+def format_compacted(stats: TurnStats) -> str:
+    """The media a turn compacted, on a line of their own (none: empty)."""
+    if not stats.compacted:
+        return ""
+    words = {"marker": "a marker", "transcript": "its transcript"}
+    return "\n  compacted " + ", ".join(f"{c.name} ({c.tokens} tokens) to {words[c.replacement]}"
+                                       for c in stats.compacted)
 
 
 def format_calls(stats: TurnStats) -> str:

@@ -14,7 +14,6 @@ from fastapi import FastAPI
 from cabinllm.cli.args import (add_cache_flags, add_device_flag, add_image_flags, add_thread_flag, cli_message,
                                entry_point, help_of, image_limits, int_range, kv_cache_config, positive_float,
                                positive_int, use_threads)
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.generation.grammar import MAX_TOOL_CALLS
@@ -107,7 +106,7 @@ def build(args: argparse.Namespace) -> FastAPI:
     cache = engine.new_cache(kv_cache, args.max_sessions)
     core = engine.new_core(cache, SchedulerConfig(args.max_sessions, args.max_queue, args.prefill_chunk,
                                                   args.queue_timeout))
-    config = ServeConfig(args.model_name or Path(args.engine).resolve().name, OverflowPolicy(args.overflow),
+    config = ServeConfig(args.model_name or Path(args.engine).resolve().name, args.overflow,
                          args.max_tokens, args.max_n, args.max_tool_calls)
     return create_app(engine, core, config, limits(args), key)
 

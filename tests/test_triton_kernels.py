@@ -197,10 +197,12 @@ def test_a_wrong_scale_or_block_is_caught():
 def test_int4_kernels_equal_the_dequantized_product(tokens):
     """The int4 linears (a decode step's one token, a prefill's 20) equal x @ W.T with W dequantized as the reference
     does, on output counts that are not a multiple of the tile."""
+    from cabinllm.runtime.formats.weight_formats import GGUF_GROUP
     from cabinllm.runtime.kernels.triton import INT4_MODULE, load
     from cabinllm.runtime.model.linear import Int4AwqLinear, Int4G32Linear, pack_g32, pack_int4
 
     int4 = load(INT4_MODULE)
+    assert int4.G32_GROUP == GGUF_GROUP
     gen = torch.Generator().manual_seed(tokens)
     out, inputs = 70, 128
     g32 = Int4G32Linear(pack_g32(torch.randint(0, 16, (out, inputs), generator=gen)),

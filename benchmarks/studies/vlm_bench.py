@@ -142,7 +142,8 @@ def capacity(engine: Engine, data: bytes) -> dict:
     turn: encoded once, its KV computed at each turn's place; the overflow policy "error" ends the run)."""
     out = {}
     for mode in ("fp16", "int8"):
-        session = new_session(engine, mode, reply_tokens=REPLY_TOKENS, overflow=OverflowPolicy("error"))
+        session = new_session(engine, mode, reply_tokens=REPLY_TOKENS,
+                              overflow=OverflowPolicy("error", compact_media=False))
         turns = 0
         while session.chat(LATER, images=[("cam.png", data)]).finish_reason != "capacity":
             turns += 1

@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 
 from cabinllm.runtime.dialogue.interface import TurnStats, error_parts
-from cabinllm.runtime.dialogue.overflow import OverflowPolicy, Room, TurnPlan, capacity_error, plan_turn
+from cabinllm.runtime.dialogue.overflow import (Compacted, OverflowPolicy, Room, TurnPlan, capacity_error, plan_turn,
+                                                shown_images)
 from cabinllm.runtime.errors import (AudioError, CabinError, CapacityError, CheckpointError, ConfigError, Fix, Hint,
                                      ImageError, SessionFileError)
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
@@ -311,9 +312,10 @@ class TrtllmSession:
         # a beam search's prompt blocks are the ones known to be kept for reuse (BlockManager::storeContextBlocks)
         self.previous_keys = keys if beam is not None else keys + [(t, 0) for t in generated]
         self.messages = plan.messages + [{"role": "assistant", "content": reply.text}]
+        self.images = shown_images(self.messages, self.images)
         tok_s = (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0
         return self._stats(reply.text, generated, len(ids) - reused, reused, ttft, tok_s, reply.finish_reason,
-                           plan.evicted, alternatives=[other.text for other in replies[1:]])
+                           plan.evicted, alternatives=[other.text for other in replies[1:]], compacted=plan.compacted)
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""
@@ -516,10 +518,10 @@ class TrtllmSession:
 
     def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
                finish: str, evicted: int, error: str | CabinError | None = None,
-               alternatives: list[str] | None = None) -> TurnStats:
+               alternatives: list[str] | None = None, compacted: list[Compacted] | None = None) -> TurnStats:
         held = min(len(self.previous_keys), self.settings.max_tokens_in_paged_kv_cache)
         budget = self.settings.max_tokens_in_paged_kv_cache * self.bytes_per_token
         message, hints = error_parts(error)
         return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, held * self.bytes_per_token, budget,
                          self.bytes_per_token, self.config.kv_mode, finish, evicted, self.overflow.name, message,
-                         alternatives=alternatives or [], hints=hints)
+                         alternatives=alternatives or [], hints=hints, compacted=compacted or [])

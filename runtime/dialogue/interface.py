@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable, Protocol
 
+from cabinllm.runtime.dialogue.overflow import Compacted
 from cabinllm.runtime.errors import CabinError, Fix, Hint
 from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -40,6 +41,7 @@ class TurnStats:
     alternatives: list[str] = field(default_factory=list)  # with n > 1 or a beam search: the other replies
     hints: tuple[Hint, ...] = ()  # what the user can change about ``error``; front ends word them
     call_confidence: list[float] = field(default_factory=list)  # per call: the probability of its function's name
+    compacted: list[Compacted] = field(default_factory=list)  # media of answered turns replaced by text this turn
 
     def error_words(self, phrases: Mapping[Fix, str | None] | None = None) -> str | None:
         """The error with its hints in a front end's ``phrases`` (the library's words by default)."""

@@ -16,33 +16,71 @@ ends with a clear error. ``plan_turn`` is how every backend plans a turn: what i
 (``Held``) where that fits after it, else the whole rendered
 conversation when it fits the backend's ``Room``, else what the policy keeps. A picture goes as a unit:
 sink-window never keeps part of one, drop-turns drops it with its turn.
+
+Before any policy, media compaction (``OverflowPolicy.compact_media``, on by default): the pictures and audio clips
+of turns the assistant already answered are replaced one by one, oldest first, by text (a picture by a marker
+naming it, ``[picture: dashboard.jpg]``; an audio part ``{"type": "audio", "digest", "transcript"}`` by its
+transcript) until the turn fits, every word kept; only if that cannot make room does the policy run, over the
+compacted conversation. The prefix before the first compacted medium stays cached (its blocks are found by hash);
+what follows it is prefilled again. A replacement that would not free tokens is not made; the current message's
+media are never touched.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, TypeVar
 
 from cabinllm.runtime.errors import CapacityError, ConfigError, Fix, Hint
 from cabinllm.runtime.kv.blocks import MediaSpan, whole_media_prefix
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
+T = TypeVar("T")
 OVERFLOW_POLICIES = ("sink-window", "drop-turns", "error")
+COMPACT_MEDIA = "compact-media"  # the compaction step's name in a list of steps ("compact-media,drop-turns")
+# a media part's type -> what a turn's answered medium of that type becomes: the text (from the part and its name),
+# what that text is, and what the medium is called
+MEDIA_REPLACEMENTS = {
+    "image": ("[picture: {name}]", "marker", "picture"),
+    "audio": ("[audio: {transcript}]", "transcript", "audio"),
+}
 
 
 @dataclass
 class OverflowPolicy:
-    """Which policy, and how full the budget is after evicting on a backend that appends turns."""
+    """Which policy, whether answered media are compacted first, and how full the budget is after evicting on a
+    backend that appends turns."""
 
     name: str = field(default="sink-window", metadata={
         "help": "when a turn does not fit the budget: keep the system prompt and the most recent tokens "
                 "(sink-window), drop the oldest turns (drop-turns), or refuse the turn (error)"})
     keep_fraction: float = 0.5
+    compact_media: bool = field(default=True, metadata={
+        "help": "before the policy, replace the pictures and audio of answered turns, oldest first, by a text "
+                "marker or their transcript until the turn fits (every word kept)"})
 
     def __post_init__(self) -> None:
         if self.name not in OVERFLOW_POLICIES:
             raise ConfigError(f"unknown overflow policy {self.name!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
         if not 0 < self.keep_fraction <= 1:
             raise ConfigError("need 0 < keep_fraction <= 1")
+        if type(self.compact_media) is not bool:
+            raise ConfigError(f"compact_media is true or false, got {self.compact_media!r}")
+
+    @classmethod
+    def from_steps(cls, text: str) -> "OverflowPolicy":
+        """The policy a list of steps names, tried in order: ``compact-media,drop-turns`` compacts, then drops
+        turns; a policy alone (``drop-turns``) does not compact. ConfigError for any other list."""
+        steps = [step.strip() for step in text.split(",")]
+        *first, name = steps
+        if first not in ([], [COMPACT_MEDIA]) or name not in OVERFLOW_POLICIES:
+            raise ConfigError(f"overflow steps {text!r}: give one policy of {', '.join(OVERFLOW_POLICIES)}, "
+                              f"optionally after {COMPACT_MEDIA} (e.g. {COMPACT_MEDIA},drop-turns)")
+        return cls(name, compact_media=bool(first))
+
+    @property
+    def steps(self) -> str:
+        """The policy as its list of steps (``from_steps`` reads it back)."""
+        return f"{COMPACT_MEDIA},{self.name}" if self.compact_media else self.name
 
 
 @dataclass
@@ -68,9 +106,20 @@ class Held:
 
 
 @dataclass
+class Compacted:
+    """One medium of an answered turn replaced by text: its name, what it is (picture, audio), the tokens that
+    freed, and what replaced it (marker, transcript)."""
+
+    name: str
+    kind: str
+    tokens: int
+    replacement: str
+
+
+@dataclass
 class TurnPlan:
     """What a turn feeds: tokens to prefill, the messages and prompt they stand for, whether the
-    backend's sequence is rebuilt first, and how many tokens of the stream were left out."""
+    backend's sequence is rebuilt first, how many tokens of the stream were left out, and the media compacted."""
 
     feed: list[int]
     messages: list[dict]
@@ -78,6 +127,17 @@ class TurnPlan:
     rebuild: bool = True
     evicted: int = 0
     media: list[MediaSpan] = field(default_factory=list)  # the pictures among the feed's tokens
+    compacted: list[Compacted] = field(default_factory=list)
+
+
+@dataclass
+class _Rendering:
+    """Messages with what they render to: the prompt, its tokens and the pictures among them."""
+
+    messages: list[dict]
+    prompt: str
+    ids: list[int]
+    media: list[MediaSpan]
 
 
 def sink_window(tokens: list[int], sink: int, limit: int,
@@ -106,6 +166,52 @@ def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) 
         while body and body[0]["role"] != "user":  # a turn starts with the user
             body = body[1:]
     return None
+
+
+def answered_media(messages: list[dict]) -> list[tuple[int, int]]:
+    """(message, part) indexes of the media parts (types of ``MEDIA_REPLACEMENTS``) in the messages before the last
+    assistant reply, oldest first: the media the assistant has answered."""
+    answered = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
+    return [(i, j) for i, m in enumerate(messages[:answered]) if isinstance(m["content"], list)
+            for j, part in enumerate(m["content"]) if part.get("type") in MEDIA_REPLACEMENTS]
+
+
+def media_replacement(part: dict, name: str) -> tuple[dict, Compacted]:
+    """The text part that takes a media part's place (``name``: the medium's, as the user named it) and the record
+    of it (its tokens freed not yet known: 0)."""
+    text, replacement, kind = MEDIA_REPLACEMENTS[part["type"]]
+    return ({"type": "text", "text": text.format(name=name, transcript=part.get("transcript", ""))},
+            Compacted(name, kind, 0, replacement))
+
+
+def compacted_steps(tokenizer: ChatTokenizer, messages: list[dict],
+                    prompt: str) -> Iterator[tuple[_Rendering, list[Compacted]]]:
+    """The conversation (``messages``, rendered as ``prompt``) after each answered medium, oldest first, is replaced
+    by text (``media_replacement``), with the media compacted so far. A replacement that frees no token is skipped."""
+    compacted: list[Compacted] = []
+    tokens = len(tokenizer.encode_prompt(prompt))
+    for i, j in answered_media(messages):
+        content = messages[i]["content"]
+        part = content[j]
+        image = tokenizer.images.get(part["digest"]) if part["type"] == "image" else None
+        name = getattr(image, "name", "") or f"{MEDIA_REPLACEMENTS[part['type']][2]} {part['digest'][:12]}"
+        text_part, record = media_replacement(part, name)
+        candidate = [*messages[:i], {**messages[i], "content": [*content[:j], text_part, *content[j + 1:]]},
+                     *messages[i + 1:]]
+        prompt = tokenizer.render(candidate)
+        ids, media = tokenizer.encode_prompt_media(prompt)
+        if len(ids) >= tokens:
+            continue
+        compacted.append(replace(record, tokens=tokens - len(ids)))
+        messages, tokens = candidate, len(ids)
+        yield _Rendering(messages, prompt, ids, media), list(compacted)
+
+
+def shown_images(messages: list[dict], images: dict[str, T]) -> dict[str, T]:
+    """The pictures of ``images`` (by digest) that the messages still show: those compacted or dropped let go."""
+    shown = {part.get("digest") for m in messages if isinstance(m["content"], list) for part in m["content"]
+             if part.get("type") == "image"}
+    return {digest: image for digest, image in images.items() if digest in shown}
 
 
 def capacity_error(err: CapacityError, policy: OverflowPolicy, max_new_tokens: int, capacity: int,
@@ -155,11 +261,13 @@ def plan_turn(tokenizer: ChatTokenizer, messages: list[dict], room: Room, policy
 def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict], prompt: str, stream: list[int],
                   room: Room, tokenizer: ChatTokenizer, max_new_tokens: int, frame: tuple[int, int],
                   media: list[MediaSpan] = ()) -> TurnPlan:
-    """Apply the policy to a turn whose token stream (whole history plus the new message) does not fit; ``frame``:
-    the tokens of its system prompt and of its new message with its headers (``ChatTokenizer.frame_tokens``).
+    """Make room for a turn whose token stream (whole history plus the new message) does not fit: compact answered
+    media first where the policy says so (``compacted_steps``), then apply the policy; ``frame``: the tokens of its
+    system prompt and of its new message with its headers (``ChatTokenizer.frame_tokens``).
 
-    Whatever the policy keeps, it keeps the system prompt and the whole current message with its
-    template headers; when even those and the reply do not fit, CapacityError says so.
+    Compaction, as the policies, aims at ``keep_fraction`` of the budget on a backend that appends turns, else
+    compacts just enough for this turn. Whatever the policy keeps, it keeps the system prompt and the whole current
+    message with its template headers; when even those and the reply do not fit, CapacityError says so.
     """
     capacity = room.capacity
     most = capacity - max_new_tokens  # prompt tokens the budget takes at all
@@ -169,6 +277,31 @@ def plan_overflow(policy: OverflowPolicy, sink_tokens: int, messages: list[dict]
         raise CapacityError(f"the message is {message} tokens with its template headers, the system prompt {system} "
                             f"and the reply may take {max_new_tokens} more: {system + message + max_new_tokens} "
                             f"tokens, but the KV budget holds {capacity}; shorten the message")
+    compacted: list[Compacted] = []
+    if policy.compact_media:
+        fitting = None  # the first compaction that fits this turn, where none leaves room for the next ones
+        for rendering, compacted in compacted_steps(tokenizer, messages, prompt):
+            if len(rendering.ids) <= target:
+                fitting = (rendering, compacted)
+                break
+            if fitting is None and len(rendering.ids) <= most:
+                fitting = (rendering, compacted)
+        if fitting:
+            rendering, compacted = fitting
+            return TurnPlan(rendering.ids, rendering.messages, rendering.prompt, media=rendering.media,
+                            compacted=compacted)
+        if compacted:  # every answered medium compacted and still too long: the policy goes on from there
+            messages, prompt, stream, media = rendering.messages, rendering.prompt, rendering.ids, rendering.media
+    plan = _apply_policy(policy, sink_tokens, messages, prompt, stream, room, tokenizer, max_new_tokens, system,
+                         message, target, most, media)
+    return replace(plan, compacted=compacted)
+
+
+def _apply_policy(policy: OverflowPolicy, sink_tokens: int, messages: list[dict], prompt: str, stream: list[int],
+                  room: Room, tokenizer: ChatTokenizer, max_new_tokens: int, system: int, message: int, target: int,
+                  most: int, media: list[MediaSpan]) -> TurnPlan:
+    """What the policy keeps of a turn that does not fit (``plan_overflow``'s limits: ``target``, ``most``)."""
+    capacity = room.capacity
     if policy.name == "sink-window":
         window = max(target, system + message)
         head = min(system + sink_tokens, window - message)  # the system prompt always, the sink tokens if room

@@ -5,7 +5,9 @@ continues the session's sequence, so it prefills only what is new since the last
 the cache. A shared prefix (the system prompt) is found again through the cache's
 block hashes, so a second session starting the same way reuses its blocks. When a
 turn does not fit the budget, the session's overflow policy (cabinllm.runtime.dialogue.overflow) decides
-what to keep. Sessions are saved to and restored from session files (cabinllm.runtime.dialogue.session_file).
+what to keep: first the pictures of answered turns become text markers (their blocks freed, the prefix before the
+first of them still cached), then the policy; a picture no message shows any more is let go. Sessions are saved
+to and restored from session files (cabinllm.runtime.dialogue.session_file).
 Pictures sent with a message (a vision-language engine) are decoded, checked against the engine's caps and expanded
 into their tokens before anything runs; their rows come from the engine's encoder (or its feature cache) only for
 the tokens not reused from the cache. Speech sent to an audio-language engine (Qwen2-Audio) goes the same way: each
@@ -22,7 +24,8 @@ from pathlib import Path
 from typing import Callable
 
 from cabinllm.runtime.dialogue.interface import TurnStats, error_parts
-from cabinllm.runtime.dialogue.overflow import Held, OverflowPolicy, Room, TurnPlan, capacity_error, plan_turn
+from cabinllm.runtime.dialogue.overflow import (Compacted, Held, OverflowPolicy, Room, TurnPlan, capacity_error,
+                                                plan_turn, shown_images)
 from cabinllm.runtime.dialogue.session_file import check_fits, read_session_file, within_memory, write_session_file
 from cabinllm.runtime.engine.core import EngineCore
 from cabinllm.runtime.engine.loader import Engine
@@ -131,6 +134,7 @@ class DialogueSession:
         if calls:
             reply["tool_calls"] = [call.to_openai() for call in calls]
         self.messages = plan.messages + [reply]
+        self.images = shown_images(self.messages, self.images)
         self.pending = request.token_ids[-1:]
         self.transcript = plan.prompt + self.engine.tokenizer.decode(request.token_ids)
         finish = "tool_calls" if calls and request.finish_reason == "stop" else request.finish_reason
@@ -140,7 +144,7 @@ class DialogueSession:
         return self._stats(reply["content"], request.token_ids, len(plan.feed) - request.cached_tokens,
                            held + request.cached_tokens, ttft, request.decode_tok_s, finish, plan.evicted,
                            tool_calls=reply.get("tool_calls"), alternatives=[decode(ids) for ids in others],
-                           call_confidence=confidence)
+                           call_confidence=confidence, compacted=plan.compacted)
 
     def _request(self, plan: TurnPlan, n: int, beam: BeamParams | None, grammar: str | None,
                  tool_format: ToolFormat | None, on_text: Callable[[str], None] | None) -> Request:
@@ -248,6 +252,7 @@ class DialogueSession:
             "tool_choice": self.tool_choice,
             "images": {digest: image.to_json() for digest, image in self.images.items()},
             "clips": {digest: clip.to_json() for digest, clip in self.clips.items()},
+            "image_names": {digest: image.name for digest, image in self.images.items()},
             "media": [[span.start, span.length, span.digest.hex(), span.grid] for span in self.seq.media],
         }, tensors)
         return len(self.seq)
@@ -275,8 +280,10 @@ class DialogueSession:
         session = cls(engine, cache, SamplingParams(**header["params"]), header["system_prompt"],
                       OverflowPolicy(**header["overflow"]), tools, header.get("tool_choice", "auto"))
         fed = header["fed"]
-        session.images = {d: PreparedImage.from_json(d, image) for d, image in header.get("images", {}).items()}
-        session.clips = {d: PreparedClip.from_json(d, clip) for d, clip in header.get("clips", {}).items()}
+        names = header["image_names"]  # as the pictures were sent, for the markers that may replace them
+        images = {d: PreparedImage.from_json(d, image) for d, image in header["images"].items()}
+        session.images = {d: replace(image, name=names[d]) if d in names else image for d, image in images.items()}
+        session.clips = {d: PreparedClip.from_json(d, clip) for d, clip in header["clips"].items()}
         media = [MediaSpan(start, length, bytes.fromhex(digest), tuple(grid) if grid else None)
                  for start, length, digest, grid in header.get("media", [])]
         if fed:
@@ -336,9 +343,9 @@ class DialogueSession:
     def _stats(self, reply: str, ids: list[int], prefill: int, reused: int, ttft: float, tok_s: float,
                finish: str, evicted: int, error: str | CabinError | None = None,
                tool_calls: list[dict] | None = None, alternatives: list[str] | None = None,
-               call_confidence: list[float] | None = None) -> TurnStats:
+               call_confidence: list[float] | None = None, compacted: list[Compacted] | None = None) -> TurnStats:
         s = self.cache.stats()
         message, hints = error_parts(error)
         return TurnStats(self.turns, reply, ids, prefill, reused, ttft, tok_s, s.bytes_used, s.bytes_reserved,
                          s.bytes_per_token, s.mode, finish, evicted, self.overflow.name, message, tool_calls or [],
-                         alternatives or [], hints, call_confidence or [])
+                         alternatives or [], hints, call_confidence or [], compacted or [])

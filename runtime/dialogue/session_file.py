@@ -106,7 +106,8 @@ def _tools(value: object) -> bool:
 
 
 MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}
-OPTIONAL = {"tools": [], "tool_choice": "auto", "images": {}, "clips": {}, "media": []}  # fields older files may lack
+OPTIONAL = {"tools": [], "tool_choice": "auto", "images": {}, "image_names": {}, "clips": {},
+            "media": []}  # fields older files may lack
 
 
 STRING: Rule = ("a string", lambda v: isinstance(v, str))
@@ -132,7 +133,8 @@ HEADER: Spec = {  # the types; the ranges of kv_cache, overflow and params are t
     "pending": ("a list of at most one token id", lambda v: _ids(v) and len(v) <= 1),
     "transcript": STRING,
     "turns": ("an integer >= 0", _count),
-    "overflow": {"name": STRING, "keep_fraction": NUMBER},
+    "overflow": {"name": STRING, "keep_fraction": NUMBER,
+                 "compact_media": ("true or false", lambda v: type(v) is bool)},
     "params": {
         "max_new_tokens": INTEGER,
         "temperature": NUMBER,
@@ -145,6 +147,8 @@ HEADER: Spec = {  # the types; the ranges of kv_cache, overflow and params are t
     "tools": ("a list of OpenAI tool definitions", _tools),
     "tool_choice": STRING,
     "images": ("an object of pictures by digest: {token_ids, offsets, grid, size}", _images),
+    "image_names": ("an object of picture names by digest",
+                    lambda v: type(v) is dict and all(_digest(d) and isinstance(n, str) for d, n in v.items())),
     "clips": ("an object of audio clips by digest: {token_ids, offsets, seconds}", _clips),
     "media": ("a list of [start, length, digest, grid] picture and clip spans", _media),
 }
@@ -203,6 +207,8 @@ def check_header(header: dict, tensors: dict[str, torch.Tensor]) -> None:
     system prompt, or K/V for another number of tokens than ``fed``."""
     for key, default in OPTIONAL.items():
         header.setdefault(key, default)
+    if type(header.get("overflow")) is dict:  # files from before media compaction: the default
+        header["overflow"].setdefault("compact_media", OverflowPolicy.compact_media)
     _check_object(header, HEADER, "")
     for field, kind in CLASSES.items():
         try:

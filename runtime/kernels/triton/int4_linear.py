@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cabinllm.runtime.formats.weight_formats import GGUF_GROUP
-
+G32_GROUP = 32  # int4-g32's inputs per block (formats.weight_formats.GGUF_GROUP; kernels sit below formats)
 BLOCK_M = 16  # token rows of a tile (the least a tl.dot takes)
 BLOCK_N = 64  # output rows of a tile
 AWQ_BLOCK_K = 32  # inputs of a W4A16-AWQ tile: a divisor of every AWQ group size (64, 128)
@@ -83,7 +82,7 @@ def int4_g32_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, m
     grid = (triton.cdiv(flat.shape[0], BLOCK_M), triton.cdiv(n, BLOCK_N))
     _g32_kernel[grid](flat, codes, scale, minimum, out, flat.shape[0], n, flat.shape[1],
                       flat.stride(0), codes.stride(0), scale.stride(0), out.stride(0),
-                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HALF=GGUF_GROUP // 2, PRECISION=_precision(x.dtype))
+                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HALF=G32_GROUP // 2, PRECISION=_precision(x.dtype))
     return out.reshape(*x.shape[:-1], n)
 
 
