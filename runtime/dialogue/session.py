@@ -104,10 +104,11 @@ class DialogueSession:
         grammar = reply_grammar(self.tokenizer.tool_format, self.tools, choice, parallel=False)
         tool_format = self.tokenizer.tool_format if self.tools and choice != "none" else None  # of calls it may write
         try:
+            t0 = time.perf_counter()  # the first token's time counts the turn's planning (and any compaction)
             plan = self._plan(messages)
             if plan.rebuild:
                 self._release()
-            held, t0 = len(self.seq), time.perf_counter()
+            held = len(self.seq)
             request = self._request(plan, n, beam, grammar, tool_format, on_text)
             self._core(request).generate(request, should_stop)
         except CapacityError as err:
