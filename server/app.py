@@ -180,7 +180,7 @@ def create_app(engine: Engine, core: EngineCore, config: ServeConfig, limits: Se
     shutdown = Shutdown()
     registry = CollectorRegistry()  # the app's own, so several apps in one process do not clash
     registry.register(EngineMetrics(core))
-    speech = SpeechIn(config.asr, config.audio, limits.max_request_audio_s, registry)
+    speech = SpeechIn(config.asr, config.audio, limits.max_request_audio_s, core.config.max_queue, registry)
     requests = Counter("cabin_http_requests", "HTTP requests answered, by status", ["status"], registry=registry)
 
     @asynccontextmanager
@@ -196,7 +196,7 @@ def create_app(engine: Engine, core: EngineCore, config: ServeConfig, limits: Se
         log.info("stopped: %d of %d KV blocks in use", cache.blocks_in_use, cache.blocks_total)
 
     app = FastAPI(title="cabin-serve", lifespan=lifespan)
-    app.state.shutdown = shutdown
+    app.state.shutdown, app.state.speech = shutdown, speech
     app.add_middleware(Edge, limits=limits, api_key=api_key, requests=requests)
 
     @app.exception_handler(ApiError)
@@ -298,6 +298,8 @@ def create_app(engine: Engine, core: EngineCore, config: ServeConfig, limits: Se
             heard, = await speech.hear([AudioPart(file.filename or "file", await file.read(), "wav")])
         except AudioError as err:
             raise ApiError(400, err.words(SERVER_WORDS), param="file") from err
+        except QueueFull as err:
+            raise _too_many(err) from err
         answer = transcription(heard, response_format)
         if isinstance(answer, str):
             return PlainTextResponse(answer)
@@ -327,6 +329,8 @@ async def _transcripts(speech: SpeechIn, chat: ChatCompletionRequest) -> dict[Au
         heard = await speech.hear([replace(part, name=f"messages[{index}] {part.name}") for index, part in sent])
     except AudioError as err:
         raise ApiError(400, err.words(SERVER_WORDS), param="messages") from err
+    except QueueFull as err:
+        raise _too_many(err) from err
     said = {part: transcript.text for (_, part), transcript in zip(sent, heard)}
     for index, message in enumerate(chat.messages):
         if message.clips and not message.images and not message.to_message(heard=said.__getitem__)["content"].strip():
@@ -418,9 +422,14 @@ def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCom
         field = "max_completion_tokens" if chat.max_completion_tokens is not None else "max_tokens"
         raise ApiError(400, f"{field} {max_tokens} is too small: {err.words(SERVER_WORDS)}", param=field) from err
     except QueueFull as err:
-        raise ApiError(429, f"too many requests: {err.words(SERVER_WORDS)}; retry in {RETRY_AFTER_S} s",
-                       kind="rate_limit_error", code="rate_limit_exceeded", retry_after_s=RETRY_AFTER_S) from err
+        raise _too_many(err) from err
     return choices, outputs
+
+
+def _too_many(err: QueueFull) -> ApiError:
+    """The 429 of a full queue, the engine's or the speech thread's."""
+    return ApiError(429, f"too many requests: {err.words(SERVER_WORDS)}; retry in {RETRY_AFTER_S} s",
+                    kind="rate_limit_error", code="rate_limit_exceeded", retry_after_s=RETRY_AFTER_S)
 
 
 async def _first_output(choices: list[Request], outputs: asyncio.Queue, http: HttpRequest) -> Output | None:

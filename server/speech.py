@@ -4,7 +4,8 @@ checked and transcribed by the speech front end (cabinllm.runtime.speech).
 The work runs in one thread of its own, never on the event loop nor in the engine's stepping thread, so a clip being
 transcribed holds up neither other requests' HTTP nor the batch decoding. The API is stateless: a conversation
 re-sends its earlier clips every turn, so the transcripts heard are kept by the clip's digest (the decoded samples',
-so the same speech in another WAV header is the same clip) and a clip is heard once. Counters for ``/metrics``:
+so the same speech in another WAV header is the same clip) and a clip is heard once. As many requests may wait
+for the speech thread as for the engine (``--max-queue``); one more is told to retry. Counters for ``/metrics``:
 seconds of ASR and of audio (their ratio is the real-time factor), clips transcribed, reused and refused.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter
 
-from cabinllm.runtime.errors import AudioError
+from cabinllm.runtime.errors import AudioError, Fix, Hint, QueueFull
 from cabinllm.runtime.speech.asr import AsrConfig, Transcript, front_end
 from cabinllm.runtime.speech.audio import AudioLimits, Clip, read_wav
 from cabinllm.server.openai_api import AudioPart
@@ -35,9 +36,10 @@ class SpeechIn:
     """The server's ears: ``hear`` transcribes a request's clips off the event loop (AudioError for one it cannot
     take), keeping what it heard; the counters live in the app's ``registry``."""
 
-    def __init__(self, asr: AsrConfig, limits: AudioLimits, max_request_s: float,
+    def __init__(self, asr: AsrConfig, limits: AudioLimits, max_request_s: float, max_waiting: int,
                  registry: CollectorRegistry) -> None:
-        self.asr, self.limits, self.max_request_s = asr, limits, max_request_s
+        self.asr, self.limits, self.max_request_s, self.max_waiting = asr, limits, max_request_s, max_waiting
+        self.waiting = 0  # requests handed to the speech thread and not answered yet (changed on the event loop only)
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="cabin-serve-asr")  # one model, one clip at a time
         self.kept: OrderedDict[bytes, Transcript] = OrderedDict()
         self.asr_s = Counter("cabin_asr_seconds", "seconds the speech front end spent transcribing",
@@ -51,8 +53,16 @@ class SpeechIn:
                                "or long, over a cap, or no speech front end", registry=registry)
 
     async def hear(self, clips: list[AudioPart]) -> list[Transcript]:
-        """The transcripts of ``clips``, in order; AudioError naming the clip at fault (counted as refused)."""
-        return await asyncio.get_running_loop().run_in_executor(self.thread, self._hear, clips)
+        """The transcripts of ``clips``, in order; AudioError naming the clip at fault (counted as refused),
+        QueueFull where ``max_waiting`` requests wait for the speech thread already."""
+        if self.waiting >= self.max_waiting:
+            raise QueueFull(f"{self.waiting} requests are waiting for the speech front end already",
+                            (Hint(Fix.RAISE_MAX_QUEUE, str(self.max_waiting)),))
+        self.waiting += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.thread, self._hear, clips)
+        finally:
+            self.waiting -= 1
 
     def check_count(self, count: int, where: str) -> None:
         """AudioError (counted as refused) where one message sends more clips than ``limits.max_clips``."""

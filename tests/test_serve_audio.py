@@ -2,7 +2,8 @@
 ``/v1/audio/transcriptions`` through the real openai client, over the real speech front end (Whisper tiny.en) and
 speech that espeak-ng makes. On the tiny random engine with a tokenizer of every byte the replies prove mechanics
 only: a spoken command and its transcript typed are the same prompt (the same tokens, the same greedy reply or
-tool call). Every clip the server cannot take is a 400 naming it, counted in /metrics; no fuzzed body gets a 5xx.
+tool call). Every clip the server cannot take is a 400 naming it, counted in /metrics; a request over the speech
+thread's queue is a 429; no fuzzed body gets a 5xx.
 The default 135M model turning the spoken command into the right tool call is the slow test at the end."""
 from __future__ import annotations
 
@@ -21,16 +22,21 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cabinllm.cli.args import asr_config, audio_limits
 from cabinllm.cli.chat import BUILTIN_TOOLS
 from cabinllm.cli.serve import parse_args
-from cabinllm.cli.args import asr_config, audio_limits
+from cabinllm.runtime.dialogue.overflow import OverflowPolicy
+from cabinllm.runtime.engine.scheduler import SchedulerConfig
 from cabinllm.runtime.errors import ConfigError
+from cabinllm.runtime.kv.cache import KvCacheConfig
 from cabinllm.runtime.speech.asr import AsrConfig, SpeechFrontEnd
 from cabinllm.runtime.speech.audio import AudioLimits
 from cabinllm.server import speech as speech_module
+from cabinllm.server.app import ServeConfig, create_app
 
 from serve_helpers import metrics, running_server
 
@@ -260,6 +266,21 @@ FMT_CHUNKS = st.builds(  # a WAV's fmt and data chunks with any fields: too few 
         + data),
     st.sampled_from([1, 3, 0xFFFE]), st.integers(0, 300), st.integers(0, 8), st.integers(0, 2 ** 32 - 1),
     st.binary(max_size=64), st.sampled_from([lambda n: n, lambda n: n + 9, lambda n: 0, lambda n: 2 ** 32 - 1]))
+
+
+def test_a_request_over_the_speech_thread_s_queue_is_told_to_retry(tiny_engine):
+    app = create_app(tiny_engine, tiny_engine.new_core(tiny_engine.new_cache(KvCacheConfig("int8", 1 << 20)),
+                                                       SchedulerConfig(max_queue=2)),
+                     ServeConfig("tiny", OverflowPolicy("error")))
+    app.state.speech.waiting = 2  # two requests wait for the speech thread (no engine thread: nothing runs here)
+    client = TestClient(app)
+    clip = tone(0.5)
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [audio_part(clip)]}]})
+    file = client.post("/v1/audio/transcriptions", data={"model": ASR_MODEL}, files={"file": ("t.wav", clip)})
+    for response in (chat, file):
+        assert response.status_code == 429 and response.headers["retry-after"] == "1"
+        assert "waiting for the speech front end" in response.json()["error"]["message"]
+        assert "--max-queue 2" in response.json()["error"]["message"]
 
 
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
