@@ -25,6 +25,8 @@ from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES, kv_mode_name
 from cabinllm.runtime.model.cuda import DEVICES
 from cabinllm.runtime.model.threads import AUTO, CPU_THREADS, parse_threads
 from cabinllm.runtime.model.vision import ImageLimits
+from cabinllm.runtime.speech.asr import AsrConfig
+from cabinllm.runtime.speech.audio import AudioLimits
 
 
 def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -82,6 +84,35 @@ def add_image_flags(parser: argparse.ArgumentParser) -> None:
 def image_limits(args: argparse.Namespace) -> ImageLimits:
     """The picture caps of the flags."""
     return ImageLimits(**{cap.name: getattr(args, cap.name) for cap in dataclasses.fields(ImageLimits)})
+
+
+def add_speech_flags(parser: argparse.ArgumentParser) -> None:
+    """The speech front end (``--asr-*``: AsrConfig's fields with a help) and the caps on the clips a message may send
+    (``--audio-*``: AudioLimits' fields)."""
+    for option in dataclasses.fields(AsrConfig):
+        if "help" in option.metadata:
+            number = option.type == "int"
+            parser.add_argument("--asr-" + option.name, dest="asr_" + option.name, type=positive_int if number else str,
+                                default=option.default, help=help_of(AsrConfig, option.name)
+                                + (f" (default {option.default:,})" if number else ""))
+    for cap in dataclasses.fields(AudioLimits):
+        parser.add_argument("--audio-" + cap.name.replace("_", "-"), dest="audio_" + cap.name,
+                            type=positive_float if cap.type == "float" else positive_int, default=cap.default,
+                            help=f"{help_of(AudioLimits, cap.name)} (default {cap.default:g})")
+
+
+def asr_config(args: argparse.Namespace) -> AsrConfig:
+    """The speech front end of the flags; ConfigError for a model folder that is not one."""
+    options = {f.name: getattr(args, "asr_" + f.name) for f in dataclasses.fields(AsrConfig) if "help" in f.metadata}
+    if options["model"] and not (Path(options["model"]) / "model.bin").is_file():
+        raise ConfigError(f"--asr-model {options['model']}: no CTranslate2 Whisper model there (model.bin); give the "
+                          "folder of a converted Whisper model, or leave it out for Whisper tiny.en")
+    return AsrConfig(**options)
+
+
+def audio_limits(args: argparse.Namespace) -> AudioLimits:
+    """The clip caps of the flags."""
+    return AudioLimits(**{cap.name: getattr(args, "audio_" + cap.name) for cap in dataclasses.fields(AudioLimits)})
 
 
 def kv_mode_choice(modes: Sequence[str]) -> Callable[[str], str]:
@@ -250,6 +281,8 @@ CLI_WORDS: dict[Fix, str] = {
     Fix.RAISE_MAX_QUEUE: "raise cabin-serve's --max-queue (now {})",
     Fix.DEVICE: "run with --device {}",
     Fix.KV_MODE: "choose --kv-cache {}",
+    Fix.SHORTER_AUDIO: "send clips of {} at most (--audio-max-seconds)",
+    Fix.INSTALL_VOICE: "install the speech front end: pip install 'cabinllm[voice]'",
 }
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from cabinllm.cli.args import (add_cache_flags, add_device_flag, add_image_flags, add_thread_flag, cli_message,
-                               entry_point, help_of, image_limits, int_range, kv_cache_config, positive_float,
-                               positive_int, use_threads)
+from cabinllm.cli.args import (add_cache_flags, add_device_flag, add_image_flags, add_speech_flags, add_thread_flag,
+                               asr_config, audio_limits, cli_message, entry_point, help_of, image_limits, int_range,
+                               kv_cache_config, positive_float, positive_int, use_threads)
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.generation.grammar import MAX_TOOL_CALLS
@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="serve a non-loopback --host without an API key (anyone who reaches it may use it)")
     add_cache_flags(parser, ", shared by every conversation")
     add_image_flags(parser)
+    add_speech_flags(parser)
     parser.add_argument("--max-sessions", type=positive_int, default=4, help="requests decoding together (default 4)")
     parser.add_argument("--max-queue", type=positive_int, default=16,
                         help="requests waiting for a session or KV blocks before new ones get 429 (default 16)")
@@ -99,6 +100,7 @@ def build(args: argparse.Namespace) -> FastAPI:
     """The engine, its core and the app for these options; CabinError and OSError on bad ones."""
     key = api_key(args)
     kv_cache = kv_cache_config(args)
+    asr = asr_config(args)
     use_threads(args)
     engine = Engine.load(args.engine, args.device)
     if engine.vision is not None:
@@ -107,7 +109,7 @@ def build(args: argparse.Namespace) -> FastAPI:
     core = engine.new_core(cache, SchedulerConfig(args.max_sessions, args.max_queue, args.prefill_chunk,
                                                   args.queue_timeout))
     config = ServeConfig(args.model_name or Path(args.engine).resolve().name, args.overflow,
-                         args.max_tokens, args.max_n, args.max_tool_calls)
+                         args.max_tokens, args.max_n, args.max_tool_calls, asr, audio_limits(args))
     return create_app(engine, core, config, limits(args), key)
 
 
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     logging.basicConfig(format="cabin-serve: %(message)s", level=logging.INFO)
+    logging.getLogger("faster_whisper").setLevel(logging.WARNING)  # not a line per clip heard
     try:
         app = build(args)
     except (CabinError, OSError) as err:

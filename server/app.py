@@ -1,9 +1,11 @@
-"""The HTTP face of the engine core: OpenAI's chat completions, models, health and Prometheus metrics.
+"""The HTTP face of the engine core: OpenAI's chat completions and audio transcriptions, models, health and
+Prometheus metrics.
 
 Each request renders and plans its prompt (cabinllm.server.conversation), queues on the engine core and waits for
-its output; the core steps in one engine thread started with the app. A client that disconnects
-cancels its request, which frees its KV blocks at the next step. ``/openapi.json`` and ``/docs`` describe the
-API, from the models of cabinllm.server.openai_api.
+its output; the core steps in one engine thread started with the app. Spoken parts (``input_audio``) are heard
+first, in the speech thread (cabinllm.server.speech), and read by a text engine as their transcripts. A client that
+disconnects cancels its request, which frees its KV blocks at the next step. ``/openapi.json`` and ``/docs``
+describe the API, from the models of cabinllm.server.openai_api.
 """
 from __future__ import annotations
 
@@ -14,13 +16,13 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, File, Form, UploadFile
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,7 +30,7 @@ from prometheus_client.registry import Collector
 
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy, capacity_error
 from cabinllm.runtime.engine.loader import Engine
-from cabinllm.runtime.errors import CapacityError, Fix, GrammarError, ImageError, QueueFull
+from cabinllm.runtime.errors import AudioError, CapacityError, Fix, GrammarError, ImageError, QueueFull
 from cabinllm.runtime.generation.grammar import (MAX_TOOL_CALLS, GrammarState, choice_grammar, json_schema_grammar,
                                                  regex_grammar, reply_grammar)
 from cabinllm.runtime.generation.sampling import TokenLogprob
@@ -37,11 +39,16 @@ from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.model.interface import MediaFeed
 from cabinllm.runtime.model.vision import EncodedRows, PreparedImage
 from cabinllm.runtime.model.tools import ContentStream, Tool, ToolCall, ToolFormat
+from cabinllm.runtime.speech.asr import AsrConfig
+from cabinllm.runtime.speech.audio import AudioLimits
 from cabinllm.server.conversation import plan_prompt
 from cabinllm.server.edge import Edge, ServeLimits, Shutdown
-from cabinllm.server.openai_api import (ApiError, ImagePart, ChatCompletion, ChatCompletionRequest, Choice, ChoiceDelta,
-                                        ChoiceLogprobs, ErrorResponse, Usage, call_deltas, check_body, choice_logprobs,
-                                        chunk, completion, is_json, reply_message, request_error, usage, usage_chunk)
+from cabinllm.server.openai_api import (ApiError, AudioPart, ImagePart, ChatCompletion, ChatCompletionRequest, Choice,
+                                        ChoiceDelta, ChoiceLogprobs, ErrorResponse, Transcription, TranscriptionFormat,
+                                        TranscriptionVerbose, Usage, call_deltas, check_body, choice_logprobs, chunk,
+                                        completion, is_json, reply_message, request_error, transcription,
+                                        transcription_refusal, usage, usage_chunk)
+from cabinllm.server.speech import DEFAULT_ASR_MODEL, SpeechIn, asr_model_name
 
 log = logging.getLogger("cabinllm.server")
 RETRY_AFTER_S = 1  # what a client told to come back later waits
@@ -54,6 +61,9 @@ ERROR_ANSWERS: dict[int | str, dict[str, Any]] = {  # "4XX" also keeps FastAPI f
                                         "too large; 429: the queue is full, retry after Retry-After seconds"),
                                 (500, "the model step failed, or the server failed on this request"),
                                 (503, "the server stayed full or is stopping; retry after Retry-After seconds")]}
+TRANSCRIPTION_ANSWER = {"description": "the transcript: an object for response_format json and verbose_json, text "
+                                       "for text, srt and vtt",
+                        "content": {"text/plain": {"schema": {"type": "string"}}}}
 STREAM_ANSWER = {"description": "a chat.completion, or with stream true server-sent events of "
                                 "chat.completion.chunk objects ending with data: [DONE]",
                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}
@@ -64,11 +74,14 @@ SERVER_WORDS: dict[Fix, str] = {
     Fix.RAISE_MAX_NEW_TOKENS: "raise max_tokens to {} at least",
     Fix.NEW_CONVERSATION: "start a new conversation",
     Fix.RAISE_KV_BUDGET: "ask the server's operator to raise --kv-budget-mb",
-    Fix.OTHER_OVERFLOW: "ask the server's operator to choose --overflow sink-window|drop-turns",
+    Fix.OTHER_OVERFLOW: "ask the server's operator to choose --overflow compact-media,sink-window or "
+                        "compact-media,drop-turns",
     Fix.SMALLER_PICTURES: 'send fewer or smaller pictures (detail "low")',
     Fix.ONE_REPLY: "ask for n 1 or a beam search (beam_width)",
     Fix.RAISE_MAX_QUEUE: "ask the server's operator for more than --max-queue {}",
     Fix.DEVICE: "ask the server's operator to run it with --device {}",
+    Fix.SHORTER_AUDIO: "send clips of {} at most",
+    Fix.INSTALL_VOICE: "ask the server's operator to install the speech front end (pip install 'cabinllm[voice]')",
 }
 
 
@@ -81,6 +94,8 @@ class ServeConfig:
     max_tokens: int = 256  # reply limit of a request that gives none (at most half of what a sequence holds)
     max_n: int = 4  # most choices of one request (each one sequence of --max-sessions)
     max_tool_calls: int = MAX_TOOL_CALLS  # most calls of one reply (parallel_tool_calls false: one)
+    asr: AsrConfig = AsrConfig()  # the speech front end that hears input_audio parts and transcriptions
+    audio: AudioLimits = field(default_factory=AudioLimits)  # caps on each clip and each message's clips
 
 
 def json_body_route(limits: ServeLimits) -> type[APIRoute]:
@@ -166,6 +181,7 @@ def create_app(engine: Engine, core: EngineCore, config: ServeConfig, limits: Se
     shutdown = Shutdown()
     registry = CollectorRegistry()  # the app's own, so several apps in one process do not clash
     registry.register(EngineMetrics(core))
+    speech = SpeechIn(config.asr, config.audio, limits.max_request_audio_s, core.config.max_queue, registry)
     requests = Counter("cabin_http_requests", "HTTP requests answered, by status", ["status"], registry=registry)
 
     @asynccontextmanager
@@ -176,11 +192,12 @@ def create_app(engine: Engine, core: EngineCore, config: ServeConfig, limits: Se
         yield
         shutdown.stop.set()
         thread.join()
+        speech.close()
         _, cache = core.stats()
         log.info("stopped: %d of %d KV blocks in use", cache.blocks_in_use, cache.blocks_total)
 
     app = FastAPI(title="cabin-serve", lifespan=lifespan)
-    app.state.shutdown = shutdown
+    app.state.shutdown, app.state.speech = shutdown, speech
     app.add_middleware(Edge, limits=limits, api_key=api_key, requests=requests)
 
     @app.exception_handler(ApiError)
@@ -216,7 +233,8 @@ def create_app(engine: Engine, core: EngineCore, config: ServeConfig, limits: Se
         if chat.model is not None and chat.model != config.model_name:
             raise ApiError(404, f"model {chat.model!r} is not served here; GET /v1/models lists "
                                 f"{config.model_name!r}", param="model", code="model_not_found")
-        choices, outputs = _submit(engine, core, config, chat, asyncio.get_running_loop())
+        heard = await _transcripts(speech, chat)
+        choices, outputs = _submit(engine, core, config, chat, asyncio.get_running_loop(), heard)
         request = choices[0]  # the group's leader: admitted, expired or stopped with every choice
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         first = await _first_output(choices, outputs, http)
@@ -251,6 +269,43 @@ def create_app(engine: Engine, core: EngineCore, config: ServeConfig, limits: Se
                           _usage(choices))
 
     app.include_router(chat_routes)
+
+    @app.post("/v1/audio/transcriptions", response_model=Transcription | TranscriptionVerbose,
+              responses={200: TRANSCRIPTION_ANSWER, **ERROR_ANSWERS})
+    async def transcriptions(
+            file: Annotated[UploadFile, File(description="the clip: a 16-bit PCM WAV file")],
+            model: Annotated[str, Form(description="the speech model's id: whisper-tiny.en, or the name of the "
+                                                   "server's --asr-model folder", examples=[DEFAULT_ASR_MODEL])],
+            response_format: Annotated[TranscriptionFormat, Form()] = "json",
+            language: Annotated[str | None, Form(description="en, or left out: the model hears English")] = None,
+            prompt: Annotated[str | None, Form(description="not taken: leave it out")] = None,
+            temperature: Annotated[float, Form(description="0 only (greedy, with Whisper's fallback)")] = 0.0,
+            timestamp_granularities: Annotated[list[str] | None, Form(alias="timestamp_granularities[]")] = None,
+            include: Annotated[list[str] | None, Form(alias="include[]")] = None,
+            stream: Annotated[bool, Form()] = False,
+            chunking_strategy: Annotated[str | None, Form()] = None) -> Response:
+        """OpenAI's transcription endpoint (multipart form) over the speech front end."""
+        if shutdown.draining.is_set():
+            raise _stopping()
+        if model != asr_model_name(config.asr):
+            raise ApiError(404, f"model {model!r} does not transcribe here; send model "
+                                f"{asr_model_name(config.asr)!r}, the server's speech model", param="model",
+                           code="model_not_found")
+        refusal = transcription_refusal(language, prompt, temperature, timestamp_granularities, include, stream,
+                                        chunking_strategy)
+        if refusal is not None:
+            raise refusal
+        try:
+            heard, = await speech.hear([AudioPart(file.filename or "file", await file.read(), "wav")])
+        except AudioError as err:
+            raise ApiError(400, err.words(SERVER_WORDS), param="file") from err
+        except QueueFull as err:
+            raise _too_many(err) from err
+        answer = transcription(heard, response_format)
+        if isinstance(answer, str):
+            return PlainTextResponse(answer)
+        return JSONResponse(answer.model_dump())
+
     return app
 
 
@@ -263,12 +318,35 @@ class Output:
     finished: bool
 
 
-def _messages_with_images(engine: Engine, chat: ChatCompletionRequest, images: dict[str, PreparedImage]) -> list[dict]:
-    """The request's messages as the template takes them, each picture decoded, checked and prepared into
-    ``images`` (by digest); ApiError 400 naming the picture where one cannot be taken."""
+async def _transcripts(speech: SpeechIn, chat: ChatCompletionRequest) -> dict[AudioPart, str]:
+    """What the request's spoken parts say, heard in the speech thread; ApiError 400 naming the clip where one cannot
+    be taken, or the message where nothing was heard."""
+    sent = [(index, part) for index, message in enumerate(chat.messages) for part in message.clips]
+    if not sent:
+        return {}
+    try:
+        for index, message in enumerate(chat.messages):
+            speech.check_count(len(message.clips), f"messages[{index}]")
+        heard = await speech.hear([replace(part, name=f"messages[{index}] {part.name}") for index, part in sent])
+    except AudioError as err:
+        raise ApiError(400, err.words(SERVER_WORDS), param="messages") from err
+    except QueueFull as err:
+        raise _too_many(err) from err
+    said = {part: transcript.text for (_, part), transcript in zip(sent, heard)}
+    for index, message in enumerate(chat.messages):
+        if message.clips and not message.images and not message.to_message(heard=said.__getitem__)["content"].strip():
+            raise ApiError(400, f"messages[{index}].content: no speech was heard in its audio; send a clip with "
+                                "speech, or text", param=f"messages[{index}].content")
+    return said
+
+
+def _messages_with_media(engine: Engine, chat: ChatCompletionRequest, images: dict[str, PreparedImage],
+                         heard: dict[AudioPart, str]) -> list[dict]:
+    """The request's messages as the template takes them: each picture decoded, checked and prepared into ``images``
+    (by digest), each clip as what was ``heard`` in it; ApiError 400 naming the picture where one cannot be taken."""
     sent = [message.images for message in chat.messages]
     if not any(sent):
-        return [message.to_message() for message in chat.messages]
+        return [message.to_message(heard=heard.__getitem__) for message in chat.messages]
     vision = engine.vision
     if vision is None:
         raise ApiError(400, "this engine is text-only: image_url parts need an engine built from a vision-language "
@@ -283,14 +361,15 @@ def _messages_with_images(engine: Engine, chat: ChatCompletionRequest, images: d
     try:
         for index, parts in enumerate(sent):
             vision.check_count(len(parts), f"messages[{index}]")
-        return [message.to_message(digest(i)) for i, message in enumerate(chat.messages)]
+        return [message.to_message(digest(i), heard.__getitem__) for i, message in enumerate(chat.messages)]
     except ImageError as err:
         raise ApiError(400, err.words(SERVER_WORDS), param="messages") from err
 
 
 def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCompletionRequest,
-            loop: asyncio.AbstractEventLoop) -> tuple[list[Request], asyncio.Queue]:
-    """Plan the prompt and queue its ``n`` choices (one prefill); their outputs arrive on the returned queue."""
+            loop: asyncio.AbstractEventLoop, heard: dict[AudioPart, str]) -> tuple[list[Request], asyncio.Queue]:
+    """Plan the prompt (its spoken parts as ``heard``) and queue its ``n`` choices (one prefill); their outputs
+    arrive on the returned queue."""
     capacity = core.capacity_tokens()
     max_tokens = chat.reply_limit or min(config.max_tokens, capacity // 2)  # a small budget keeps room for the prompt
     if max_tokens >= capacity:
@@ -301,7 +380,7 @@ def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCom
         raise ApiError(400, f"n must be at most {most} here (--max-n {config.max_n}, --max-sessions "
                             f"{core.config.max_sessions}), got {chat.n}; ask for fewer choices", param="n")
     images: dict[str, PreparedImage] = {}
-    messages = _messages_with_images(engine, chat, images)
+    messages = _messages_with_media(engine, chat, images, heard)
     tools = [tool.to_tool() for tool in chat.tools or []]
     grammars = [_grammar(engine, chat, tools, config.max_tool_calls)  # each choice follows its grammar alone
                 for _ in range(chat.n)]
@@ -344,9 +423,14 @@ def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCom
         field = "max_completion_tokens" if chat.max_completion_tokens is not None else "max_tokens"
         raise ApiError(400, f"{field} {max_tokens} is too small: {err.words(SERVER_WORDS)}", param=field) from err
     except QueueFull as err:
-        raise ApiError(429, f"too many requests: {err.words(SERVER_WORDS)}; retry in {RETRY_AFTER_S} s",
-                       kind="rate_limit_error", code="rate_limit_exceeded", retry_after_s=RETRY_AFTER_S) from err
+        raise _too_many(err) from err
     return choices, outputs
+
+
+def _too_many(err: QueueFull) -> ApiError:
+    """The 429 of a full queue, the engine's or the speech thread's."""
+    return ApiError(429, f"too many requests: {err.words(SERVER_WORDS)}; retry in {RETRY_AFTER_S} s",
+                    kind="rate_limit_error", code="rate_limit_exceeded", retry_after_s=RETRY_AFTER_S)
 
 
 async def _first_output(choices: list[Request], outputs: asyncio.Queue, http: HttpRequest) -> Output | None:

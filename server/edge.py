@@ -53,6 +53,8 @@ class ServeLimits:
     max_body_bytes: int = field(default=4 << 20, metadata={"help": "largest request body in bytes"})
     max_json_depth: int = field(default=32, metadata={"help": "deepest nesting of arrays and objects in a body"})
     max_messages: int = field(default=1024, metadata={"help": "most messages in one request"})
+    max_request_audio_s: float = field(default=300.0, metadata={"help": "seconds of audio one request may send, all "
+                                                                       "its clips together"})
     read_timeout_s: float = field(default=30.0, metadata={"help": "seconds a client has to send a request's head, "
                                                                  "and again its body"})
     keep_alive_s: float = field(default=5.0, metadata={"help": "seconds an idle keep-alive connection stays open"})

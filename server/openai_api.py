@@ -1,4 +1,5 @@
-"""OpenAI's chat completion API as this server speaks it: request and response models, error shape.
+"""OpenAI's chat completion and transcription APIs as this server speaks them: request and response models, error
+shape.
 
 The models mirror OpenAI's (``openai.types.chat``); FastAPI validates each request against
 ChatCompletionRequest and ``/openapi.json`` describes it. Every field's check words its own problem, so a bad
@@ -7,7 +8,9 @@ request gets one 400 in OpenAI's error shape that names the first bad field and 
 the reply by a grammar; ``n`` choices share one prefill; ``logprobs`` / ``top_logprobs`` report each token's
 log-probability. A field of the API this server does not act on and that would change the reply
 (``logit_bias``, a non-zero penalty, the old ``functions``, ...) is refused unless it has its neutral value;
-``user`` and unknown keys are ignored.
+``user`` and unknown keys are ignored. A user message's ``input_audio`` parts are clips (``AudioPart``) that a text
+engine reads as their transcripts; ``/v1/audio/transcriptions`` refuses by name each form field that would change
+the transcript and is not acted on (``transcription_refusal``).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from pydantic_core import PydanticCustomError
 from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams, TokenLogprob
 from cabinllm.runtime.model.tools import NAME_PATTERN, Tool, ToolCall, schema_problem
+from cabinllm.runtime.speech.asr import Segment, Transcript
 
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES = get_args(Role)
@@ -253,19 +257,42 @@ def _image_part(part: dict, index: int) -> ImagePart:
     return ImagePart(f"picture {index}", data, detail)
 
 
+AudioFormat = Literal["wav", "mp3"]  # OpenAI's enum of input_audio.format; the server reads wav (server.speech)
+AUDIO_FORMATS = get_args(AudioFormat)
+
+
+def _audio_part(part: dict, index: int) -> AudioPart:
+    """An ``input_audio`` part's clip: its bytes decoded from base64 and the format it names."""
+    audio = part.get("input_audio")
+    if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
+        raise _refuse(f"part {index}: input_audio must be {{\"data\": \"<base64>\", \"format\": \"wav\"}}")
+    if audio.get("format") not in AUDIO_FORMATS:
+        raise _refuse(f"part {index}: input_audio.format must be one of {', '.join(AUDIO_FORMATS)}, got "
+                      f"{_shown(audio.get('format'))}")
+    try:
+        data = base64.b64decode(audio["data"], validate=True)
+    except binascii.Error as err:
+        raise _refuse(f"part {index}: input_audio.data holds invalid base64 ({err}); encode the clip again") from err
+    return AudioPart(f"audio {index}", data, audio["format"])
+
+
+MEDIA_PARTS = {"image_url": _image_part, "input_audio": _audio_part}
+
+
 def _text(value: Any) -> str | list:
-    """Message content: a string, or a list of {type: text, text} parts joined; with ``image_url`` parts, the text
-    and ``ImagePart``s in order."""
+    """Message content: a string, or a list of {type: text, text} parts joined; with ``image_url`` or
+    ``input_audio`` parts, the text, ``ImagePart``s and ``AudioPart``s in order."""
     if isinstance(value, list):
         if not all(isinstance(part, dict) and (part.get("type") == "text" and isinstance(part.get("text"), str)
-                                               or part.get("type") == "image_url") for part in value):
-            raise _refuse("parts must be {\"type\": \"text\", \"text\": ...} or {\"type\": \"image_url\", "
-                          "\"image_url\": {\"url\": ...}}")
-        if any(part["type"] == "image_url" for part in value):
+                                               or str(part.get("type")) in MEDIA_PARTS) for part in value):
+            raise _refuse("parts must be {\"type\": \"text\", \"text\": ...}, {\"type\": \"image_url\", "
+                          "\"image_url\": {\"url\": ...}} or {\"type\": \"input_audio\", \"input_audio\": "
+                          "{\"data\": ..., \"format\": \"wav\"}}")
+        if any(part["type"] in MEDIA_PARTS for part in value):
             for part in value:
                 if part["type"] == "text":
                     _text(part["text"])
-            return [_image_part(part, i) if part["type"] == "image_url" else part["text"]
+            return [MEDIA_PARTS[part["type"]](part, i) if part["type"] in MEDIA_PARTS else part["text"]
                     for i, part in enumerate(value)]
         value = "".join(part["text"] for part in value)
     if not isinstance(value, str):
@@ -285,6 +312,15 @@ class ImagePart:
     name: str
     data: bytes
     detail: str
+
+
+@dataclass(frozen=True)
+class AudioPart:
+    """A clip of a message, as sent: its bytes and the format the client named."""
+
+    name: str
+    data: bytes
+    format: str
 
 
 class _RequestObject(BaseModel):
@@ -326,6 +362,20 @@ class ImageContentPart(BaseModel):
     image_url: ImageUrl
 
 
+class InputAudio(BaseModel):
+    """A clip as base64 and its format (wav is read; mp3, in OpenAI's enum, is refused by name)."""
+
+    data: str
+    format: AudioFormat
+
+
+class AudioContentPart(BaseModel):
+    """A spoken part of a user message: a text engine reads its transcript in its place."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
 def _function_name(value: Any) -> str:
     if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
         raise _refuse(f"must be 1 to 64 letters, digits, _ or -, got {_shown(value)}")
@@ -363,8 +413,8 @@ class ChatMessage(_RequestObject):
 
     role: Annotated[Role, BeforeValidator(_role)]
     content: Annotated[str | list, BeforeValidator(
-        _text, json_schema_input_type=str | list[TextContentPart | ImageContentPart])] = Field(default="",
-                                                                                               validate_default=True)
+        _text, json_schema_input_type=str | list[TextContentPart | ImageContentPart | AudioContentPart])] = Field(
+        default="", validate_default=True)
     tool_calls: list[ToolCallMessagePart] | None = None
     tool_call_id: Annotated[str, _kind(str)] | None = Field(default=None, validate_default=True)
 
@@ -377,7 +427,7 @@ class ChatMessage(_RequestObject):
     def _has_text(cls, content: str | list, info: ValidationInfo) -> str | list:
         if isinstance(content, list):
             if info.data.get("role") != "user":
-                raise _refuse("may hold image_url parts in user messages only")
+                raise _refuse("may hold image_url and input_audio parts in user messages only")
             return content
         if info.data.get("role") in ("system", "user", "tool") and not content.strip():
             raise _refuse("is empty; send some text")
@@ -387,6 +437,11 @@ class ChatMessage(_RequestObject):
     def images(self) -> list[ImagePart]:
         """The message's pictures, in order."""
         return [part for part in self.content if isinstance(part, ImagePart)] if isinstance(self.content, list) else []
+
+    @property
+    def clips(self) -> list[AudioPart]:
+        """The message's clips, in order."""
+        return [part for part in self.content if isinstance(part, AudioPart)] if isinstance(self.content, list) else []
 
     @field_validator("tool_calls")
     @classmethod
@@ -402,18 +457,36 @@ class ChatMessage(_RequestObject):
             raise _refuse("is missing; a tool message names the call it answers")
         return call_id
 
-    def to_message(self, digests: Callable[[ImagePart], str] | None = None) -> dict:
-        """The message as the chat template takes it; its pictures as image parts by ``digests`` (hex)."""
+    def to_message(self, digests: Callable[[ImagePart], str] | None = None,
+                   heard: Callable[[AudioPart], str] | None = None) -> dict:
+        """The message as the chat template takes it; its pictures as image parts by ``digests`` (hex), its clips as
+        the text ``heard`` gives (their transcripts) in their place."""
         content = self.content
         if isinstance(content, list):
-            content = [{"type": "text", "text": part} if isinstance(part, str) else
-                       {"type": "image", "digest": digests(part)} for part in content]
+            if not self.images:  # text only: one string, as a text model's template takes it
+                content = spoken_text([(heard(part), True) if isinstance(part, AudioPart) else (part, False)
+                                       for part in content])
+            else:
+                content = [{"type": "image", "digest": digests(part)} if isinstance(part, ImagePart) else
+                           {"type": "text", "text": heard(part) if isinstance(part, AudioPart) else part}
+                           for part in content]
         message: dict = {"role": self.role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id:
             message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def spoken_text(pieces: list[tuple[str, bool]]) -> str:
+    """Text parts and transcripts (``(text, is_transcript)``) as one text: text parts joined as they are (as without
+    audio), a space between a transcript and a part it would run into."""
+    text, last_heard = "", False
+    for piece, is_heard in pieces:
+        runs_together = text and piece and not text[-1].isspace() and not piece[0].isspace()
+        text += (" " if runs_together and (is_heard or last_heard) else "") + piece
+        last_heard = is_heard
+    return text
 
 
 class FunctionDefinition(_RequestObject):
@@ -846,3 +919,95 @@ def usage_chunk(request_id: str, model: str, usage_block: Usage) -> str:
 
 def _event(body: ChatCompletionChunk) -> str:
     return f"data: {body.model_dump_json()}\n\n"
+
+
+
+# ---------------------------------------------------------------- transcriptions (/v1/audio/transcriptions)
+
+
+TranscriptionFormat = Literal["json", "text", "verbose_json", "srt", "vtt"]
+
+
+def transcription_refusal(language: str | None, prompt: str | None, temperature: float,
+                          timestamp_granularities: list[str] | None, include: list[str] | None, stream: bool,
+                          chunking_strategy: str | None) -> ApiError | None:
+    """The 400 for the first form field this server does not act on that would change the transcript (None: all
+    neutral): the front end hears English, unprompted, greedy with Whisper's temperature fallback (OpenAI's 0),
+    in segments, split where its VAD hears silence, in one answer."""
+    refused = [("language", language not in (None, "", "en"), f"{_shown(language)}: this server's speech model "
+                "hears English only; send en or leave it out"),
+               ("prompt", bool(prompt), "asks for a prompted transcript, which this server does not do; leave it out"),
+               ("temperature", temperature != 0, f"{temperature:g} asks for sampled decoding, which this server does "
+                "not do; send 0 (greedy, falling back to higher temperatures where decoding fails, as OpenAI's 0) "
+                "or leave it out"),
+               ("timestamp_granularities[]", any(g != "segment" for g in timestamp_granularities or []),
+                f"{_shown(timestamp_granularities)} asks for timings this server does not give; it times "
+                "segments only"),
+               ("include[]", bool(include), f"{_shown(include)} asks for log-probabilities, which this server does "
+                "not give; leave it out"),
+               ("stream", stream, "true asks for a streamed transcript, which this server does not do; leave it out"),
+               ("chunking_strategy", chunking_strategy not in (None, "", "auto"),
+                f"{_shown(chunking_strategy)} asks for chunking this server does not do; it splits where its VAD "
+                "hears silence (auto): leave it out")]
+    name, _, problem = next((field for field in refused if field[1]), (None, False, ""))
+    return ApiError(400, f"{name} {problem}", param=name) if name else None
+
+
+class TranscriptionUsage(BaseModel):
+    """What a transcription cost: seconds of audio."""
+
+    type: Literal["duration"] = "duration"
+    seconds: float
+
+
+class Transcription(BaseModel):
+    """A transcript (``response_format`` json)."""
+
+    text: str
+    usage: TranscriptionUsage
+
+
+class TranscriptionSegment(BaseModel):
+    """A stretch of speech: seconds from the clip's start, and its words."""
+
+    id: int
+    start: float
+    end: float
+    text: str
+
+
+class TranscriptionVerbose(BaseModel):
+    """A transcript with its segments (``response_format`` verbose_json)."""
+
+    task: Literal["transcribe"] = "transcribe"
+    language: str = "english"
+    duration: float
+    text: str
+    segments: list[TranscriptionSegment]
+    usage: TranscriptionUsage
+
+
+def transcription(heard: Transcript, response_format: str) -> Transcription | TranscriptionVerbose | str:
+    """The transcript as ``response_format`` asks: an object for the JSON formats, text for the others."""
+    usage_block = TranscriptionUsage(seconds=round(heard.audio_s, 3))
+    if response_format == "json":
+        return Transcription(text=heard.text, usage=usage_block)
+    if response_format == "verbose_json":
+        return TranscriptionVerbose(duration=round(heard.audio_s, 3), text=heard.text, usage=usage_block, segments=[
+            TranscriptionSegment(id=i, start=s.start, end=s.end, text=s.text) for i, s in enumerate(heard.segments)])
+    if response_format == "text":
+        return heard.text + "\n"
+    return subtitles(heard.segments, response_format)
+
+
+def subtitles(segments: list[Segment], kind: str) -> str:
+    """Segments as SubRip (``srt``) or WebVTT (``vtt``) cues."""
+    def stamp(seconds: float) -> str:
+        ms = round(seconds * 1000)
+        clock = f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}"
+        return f"{clock},{ms % 1000:03d}" if kind == "srt" else f"{clock}.{ms % 1000:03d}"
+
+    cues = [f"{stamp(s.start)} --> {stamp(s.end)}\n{s.text}\n" for s in segments]
+    if kind == "srt":
+        return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
+    return "WEBVTT\n\n" + "\n".join(cues)

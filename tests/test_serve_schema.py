@@ -18,6 +18,9 @@ METRIC_NAMES = {
     "cabin_generated_tokens_per_second", "cabin_queue_length", "cabin_active_sequences",
     *(f"{histogram}_{part}" for histogram in ("cabin_time_to_first_token_seconds", "cabin_inter_token_latency_seconds")
       for part in ("bucket", "count", "sum", "created")),
+    *(f"cabin_{counter}_{part}" for counter in ("asr_seconds", "audio_seconds", "audio_clips_transcribed",
+                                                "audio_clips_reused", "audio_clips_refused")
+      for part in ("total", "created")),
 }
 HTTP_NAMES = {"cabin_http_requests_total", "cabin_http_requests_created"}  # once a request was answered
 PLAY = [{"role": "user", "content": "play"}]
@@ -72,8 +75,8 @@ BAD = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
      'messages[0].content part 0: image_url must be {"url": "data:image/...;base64,..."}'),
     ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content",
-     'messages[0].content parts must be {"type": "text", "text": ...} or {"type": "image_url", "image_url": '
-     '{"url": ...}}'),
+     'messages[0].content parts must be {"type": "text", "text": ...}, {"type": "image_url", "image_url": '
+     '{"url": ...}} or {"type": "input_audio", "input_audio": {"data": ..., "format": "wav"}}'),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "https://example.com/cam.png"}}]}]}, "messages[0].content",
      "messages[0].content part 0: image_url.url must be a data: URL (data:image/png;base64,...); this server "

@@ -19,6 +19,7 @@ from cabinllm.runtime.errors import AudioError, Fix, Hint
 
 SAMPLE_RATE = 16_000
 MIN_SECONDS = 0.1
+RATES = (1_000, 192_000)  # sample rates read: resampling an odd rate far beyond these would take gigabytes
 
 
 @dataclass
@@ -61,9 +62,14 @@ def check_length(clip: Clip, limits: AudioLimits) -> Clip:
         raise AudioError(f"{clip.name}: {clip.seconds:.2f} s of audio holds no speech; send at least "
                          f"{MIN_SECONDS} s")
     if clip.seconds > limits.max_seconds:
-        raise AudioError(f"{clip.name}: {clip.seconds:.1f} s of audio is over the {limits.max_seconds:g} s a clip "
-                         "may take; cut it into shorter clips", (Hint(Fix.SHORTER_AUDIO, f"{limits.max_seconds:g} s"),))
+        raise too_long(clip.name, clip.seconds, limits)
     return clip
+
+
+def too_long(name: str, seconds: float, limits: AudioLimits) -> AudioError:
+    """The error of a clip of ``seconds`` over ``limits.max_seconds``."""
+    return AudioError(f"{name}: {seconds:.1f} s of audio is over the {limits.max_seconds:g} s a clip may take; cut it "
+                      "into shorter clips", (Hint(Fix.SHORTER_AUDIO, f"{limits.max_seconds:g} s"),))
 
 
 def read_pcm(data: bytes, name: str, limits: AudioLimits | None = None) -> Clip:
@@ -87,11 +93,14 @@ def read_wav(data: bytes, name: str, limits: AudioLimits | None = None) -> Clip:
             channels, width, rate, frames = (wav.getnchannels(), wav.getsampwidth(), wav.getframerate(),
                                              wav.getnframes())
             raw = wav.readframes(frames)
-    except (wave.Error, EOFError) as err:
+    except (wave.Error, EOFError, RuntimeError) as err:  # RuntimeError: a chunk that claims more bytes than follow
         raise AudioError(f"{name}: not a readable PCM WAV ({err}); send 16-bit PCM WAV (e.g. `sox {name} -r 16000 "
                          "-c 1 -b 16 out.wav`)") from err
     if width not in (1, 2, 4) or not channels or not rate:
         raise AudioError(f"{name}: {8 * width}-bit WAV samples are not read; send 16-bit PCM WAV")
+    if not RATES[0] <= rate <= RATES[1]:
+        raise AudioError(f"{name}: a sample rate of {rate:,} Hz is not read; send 16-bit PCM WAV at 16 kHz (any rate "
+                         f"from {RATES[0]:,} to {RATES[1]:,} Hz is resampled)")
     usable = len(raw) // (width * channels) * width * channels
     if usable < frames * width * channels:
         raise AudioError(f"{name}: the WAV file is cut short ({len(raw)} of {frames * width * channels} bytes of "
@@ -99,8 +108,8 @@ def read_wav(data: bytes, name: str, limits: AudioLimits | None = None) -> Clip:
     samples = np.frombuffer(raw[:usable], dtype={1: np.uint8, 2: "<i2", 4: "<i4"}[width]).astype(np.float32)
     samples = (samples - 128.0) / 128.0 if width == 1 else samples / float(2 ** (8 * width - 1))
     pcm = samples.reshape(-1, channels).mean(axis=1)
-    if rate * limits.max_seconds < len(pcm):  # refuse before resampling a long clip
-        check_length(Clip(pcm[: int(rate * limits.max_seconds) + rate], b"", name), limits)
+    if len(pcm) > rate * limits.max_seconds:  # refuse before resampling a long clip
+        raise too_long(name, len(pcm) / rate, limits)
     return check_length(Clip.from_pcm(resample(pcm, rate), name), limits)
 
 
