@@ -20,7 +20,7 @@ sink-window never keeps part of one, drop-turns drops it with its turn.
 Before any policy, media compaction (``OverflowPolicy.compact_media``, on by default): the pictures and audio clips
 of turns the assistant already answered are replaced one by one, oldest first, by text (a picture by a marker
 naming it, ``[picture: dashboard.jpg]``; an audio part ``{"type": "audio", "digest", "transcript"}`` by its
-transcript) until the turn fits, every word kept; only if that cannot make room does the policy run, over the
+transcript, or by a marker naming the clip where it has none) until the turn fits, every word kept; only if that cannot make room does the policy run, over the
 compacted conversation. The prefix before the first compacted medium stays cached (its blocks are found by hash);
 what follows it is prefilled again. A replacement that would not free tokens is not made; the current message's
 media are never touched.
@@ -37,10 +37,11 @@ from cabinllm.runtime.model.tokenizer import ChatTokenizer
 T = TypeVar("T")
 OVERFLOW_POLICIES = ("sink-window", "drop-turns", "error")
 COMPACT_MEDIA = "compact-media"  # the compaction step's name in a list of steps ("compact-media,drop-turns")
+MARKER = "[{kind}: {name}]"  # what an answered medium becomes where nothing more is known of it: its kind and name
 # a media part's type -> what a turn's answered medium of that type becomes: the text (from the part and its name),
-# what that text is, and what the medium is called
+# what that text is, and what the medium is called; an audio part without a transcript becomes the MARKER
 MEDIA_REPLACEMENTS = {
-    "image": ("[picture: {name}]", "marker", "picture"),
+    "image": (MARKER, "marker", "picture"),
     "audio": ("[audio: {transcript}]", "transcript", "audio"),
 }
 
@@ -178,9 +179,12 @@ def answered_media(messages: list[dict]) -> list[tuple[int, int]]:
 
 def media_replacement(part: dict, name: str) -> tuple[dict, Compacted]:
     """The text part that takes a media part's place (``name``: the medium's, as the user named it) and the record
-    of it (its tokens freed not yet known: 0)."""
+    of it (its tokens freed not yet known: 0); a part whose transcript is missing or empty becomes the ``MARKER``."""
     text, replacement, kind = MEDIA_REPLACEMENTS[part["type"]]
-    return ({"type": "text", "text": text.format(name=name, transcript=part.get("transcript", ""))},
+    transcript = part.get("transcript", "").strip()
+    if replacement == "transcript" and not transcript:
+        text, replacement = MARKER, "marker"
+    return ({"type": "text", "text": text.format(kind=kind, name=name, transcript=transcript)},
             Compacted(name, kind, 0, replacement))
 
 
@@ -193,8 +197,8 @@ def compacted_steps(tokenizer: ChatTokenizer, messages: list[dict],
     for i, j in answered_media(messages):
         content = messages[i]["content"]
         part = content[j]
-        image = tokenizer.images.get(part["digest"]) if part["type"] == "image" else None
-        name = getattr(image, "name", "") or f"{MEDIA_REPLACEMENTS[part['type']][2]} {part['digest'][:12]}"
+        medium = tokenizer.images.get(part["digest"])  # the tokenizer's view holds pictures and clips by digest
+        name = getattr(medium, "name", "") or f"{MEDIA_REPLACEMENTS[part['type']][2]} {part['digest'][:12]}"
         text_part, record = media_replacement(part, name)
         candidate = [*messages[:i], {**messages[i], "content": [*content[:j], text_part, *content[j + 1:]]},
                      *messages[i + 1:]]
