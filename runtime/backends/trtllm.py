@@ -22,6 +22,7 @@ import torch
 from cabinllm.runtime.dialogue.interface import TurnStats, error_parts
 from cabinllm.runtime.dialogue.overflow import (Compacted, OverflowPolicy, Room, TurnPlan, capacity_error, plan_turn,
                                                 shown_images)
+from cabinllm.runtime.dialogue.session import with_transcripts
 from cabinllm.runtime.errors import (AudioError, CabinError, CapacityError, CheckpointError, ConfigError, Fix, Hint,
                                      ImageError, SessionFileError)
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
@@ -372,7 +373,7 @@ class TrtllmSession:
         if not self.table_rows:
             raise AudioError(f"{self.engine_dir} was built without a prompt table for audio "
                              "(build_config.max_prompt_embedding_table_size 0)", (Hint(Fix.BUILD_VISION),))
-        return self.audio.audio_message(message, clips, held)
+        return with_transcripts(self.audio.audio_message(message, clips, held), clips, self.audio.transcripts)
 
     def _prompt_table(self, plan: TurnPlan, held: dict[str, PreparedImage],
                       clips: dict[str, PreparedClip]) -> PromptTable:

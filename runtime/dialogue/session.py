@@ -11,7 +11,8 @@ to and restored from session files (cabinllm.runtime.dialogue.session_file).
 Pictures sent with a message (a vision-language engine) are decoded, checked against the engine's caps and expanded
 into their tokens before anything runs; their rows come from the engine's encoder (or its feature cache) only for
 the tokens not reused from the cache. Speech sent to an audio-language engine (Qwen2-Audio) goes the same way: each
-clip is a medium of the message (an audio part keyed by ``Clip.digest``), its tokens the processor's expansion. A
+clip is a medium of the message (an audio part keyed by ``Clip.digest``, with the speech front end's transcript where
+it is installed: what compaction replaces the clip by), its tokens the processor's expansion. A
 session given ``tools`` shows them to the model and constrains each reply by ``tool_choice``
 (cabinllm.runtime.generation.grammar) to one call or none; a reply that calls comes back as
 ``TurnStats.tool_calls`` and the next message answers it (role ``tool``).
@@ -19,6 +20,7 @@ session given ``tools`` shows them to the model and constrains each reply by ``t
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -38,13 +40,35 @@ from cabinllm.runtime.generation.grammar import reply_grammar
 from cabinllm.runtime.generation.sampling import MAX_SEED, SamplingParams
 from cabinllm.runtime.kv.blocks import MediaSpan, Sequence, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
-from cabinllm.runtime.model.audio import PreparedClip
+from cabinllm.runtime.model.audio import TRANSCRIPTS_KEPT, PreparedClip
 from cabinllm.runtime.model.interface import MediaFeed
 from cabinllm.runtime.model.media import EncodedRows
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import ContentStream, Tool, ToolCall, ToolFormat
 from cabinllm.runtime.model.vision import PreparedImage
+from cabinllm.runtime.speech.asr import front_end
 from cabinllm.runtime.speech.audio import Clip
+
+
+def with_transcripts(message: dict, clips: list[Clip], heard: OrderedDict[bytes, str]) -> dict:
+    """The message with each audio part's transcript (``"transcript"``: the speech front end's words for its clip)
+    where the front end is installed and hears words; as it is without one (compaction then names the clip).
+    ``heard``: transcripts by clip digest (an engine's), taken from there and kept there, the oldest let go."""
+    new = {clip.digest: clip for clip in clips if clip.digest not in heard}
+    if new:
+        try:
+            asr = front_end()
+        except AudioError:
+            return message
+        heard.update({digest: asr.transcribe(clip).text for digest, clip in new.items()})
+    for clip in clips:
+        heard.move_to_end(clip.digest)
+    while len(heard) > TRANSCRIPTS_KEPT:
+        heard.popitem(last=False)
+    said = {clip.digest.hex(): heard[clip.digest] for clip in clips}
+    return {**message, "content": [{**part, "transcript": said[part["digest"]]}
+                                   if part.get("type") == "audio" and said.get(part["digest"]) else part
+                                   for part in message["content"]]}
 
 
 class DialogueSession:
@@ -198,7 +222,7 @@ class DialogueSession:
             raise AudioError(f"{self.engine.folder} has no audio encoder; speech needs an engine built from an "
                              "audio-language model (Qwen2-Audio) or the speech front end's transcript",
                              (Hint(Fix.INSTALL_VOICE),))
-        return encoder.audio_message(message, clips, self.clips)
+        return with_transcripts(encoder.audio_message(message, clips, self.clips), clips, encoder.transcripts)
 
     def _pictures_of(self, message: dict) -> list[tuple[str, int]]:
         """(name, tokens) of the pictures a message shows."""

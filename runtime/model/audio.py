@@ -10,6 +10,7 @@ the engine's ``FeatureCache``, so the same speech sent again skips the encoder.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -25,6 +26,7 @@ from cabinllm.runtime.speech.audio import SAMPLE_RATE, AudioLimits, Clip
 AUDIO_FOLDER = "audio"
 AUDIO_WEIGHTS = "audio.safetensors"
 FEATURE_CACHE_BYTES = 16 << 20  # encoded rows kept per engine: 8 MiB is 30 s of rows at a 3584 hidden size
+TRANSCRIPTS_KEPT = 256  # transcripts kept per engine by clip digest, so that speech sent again is heard once
 
 
 @dataclass
@@ -79,6 +81,7 @@ class AudioEncoder:
         extractor = self.processor.feature_extractor
         self.window_seconds = extractor.n_samples / extractor.sampling_rate  # what one encoder pass hears
         self.features = FeatureCache(cache_bytes)
+        self.transcripts: OrderedDict[bytes, str] = OrderedDict()  # by clip digest, as sessions had them heard
 
     @cached_property
     def model(self) -> torch.nn.Module:
