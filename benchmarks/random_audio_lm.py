@@ -12,7 +12,8 @@ The shape follows transformers' own test (tests/models/qwen2_audio/test_modeling
 2 layers; audio d_model 16, 2 layers, 80 mel bins; adjusted where a test needs it: a SwiGLU text MLP whose
 intermediate size is a multiple of 32 (grouped quantization), a context of 4096 positions, and the encoder's 1500
 source positions of the real model (the feature extractor pads every clip to 30 s = 3000 mel frames, which conv
-stride 2 makes 1500 positions and the pool 750: 25 tokens a second of speech).
+stride 2 makes 1500 positions and the pool 750: 25 tokens a second of speech). ``TEXT_SHAPES`` are larger text
+models for the benchmarks, on the default model's tokenizer (``tokenizer_json``).
 """
 from __future__ import annotations
 
@@ -35,17 +36,26 @@ CONFIG = {
                      "max_source_positions": 1500},
     "tie_word_embeddings": False,
 }
+TEXT_SHAPES = {
+    # the KV shape of Qwen2-1.5B (28 layers, 2 KV heads of 128: 28 KiB a token at fp16) on a narrow residual stream
+    # (256) so that a CPU runs it: the media compaction study, where 64 MiB hold 2,340 tokens, about 9 spoken turns
+    "qwen2-1.5b-kv": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 28,
+                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128},
+}
 
 
-def write_random_audio_lm(folder: Path, seed: int = 0) -> Path:
-    """Write a tiny random Qwen2-Audio into ``folder`` as an HF folder (weights, tokenizer, processor); returns it."""
+def write_random_audio_lm(folder: Path, seed: int = 0, text_shape: str = "",
+                          tokenizer_json: Path | None = None) -> Path:
+    """Write a random Qwen2-Audio into ``folder`` as an HF folder (weights, tokenizer, processor); returns it. Its text
+    model is the tiny one, or ``TEXT_SHAPES[text_shape]``; its tokenizer bytes, or that of ``tokenizer_json``."""
     import transformers
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     template = transformers.Qwen2AudioProcessor.default_chat_template.fget(None)
-    tokenizer = byte_tokenizer(SPECIAL, EOS, template)
+    tokenizer = byte_tokenizer(SPECIAL, EOS, template, tokenizer_json)
     data = json.loads(json.dumps(CONFIG))
+    data["text_config"].update(TEXT_SHAPES[text_shape] if text_shape else {})
     data["text_config"].update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
                                eos_token_id=tokenizer.eos_token_id)
     config = transformers.Qwen2AudioConfig(**data, audio_token_index=tokenizer.convert_tokens_to_ids("<|AUDIO|>"))

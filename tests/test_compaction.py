@@ -1,17 +1,19 @@
 """Media compaction: when a turn does not fit the KV budget, the pictures (and audio clips) of answered turns become
 text, oldest first, before the overflow policy drops any word. On a tiny random LLaVA whose pictures take 64 tokens
-(random weights prove mechanics only), and on a word tokenizer for audio-shaped parts."""
+(random weights prove mechanics only), on a word tokenizer for audio-shaped parts, and the study's spoken dialogue."""
 from __future__ import annotations
 
 import argparse
 import io
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
 from test_hf_folders import cabin_build
 
 from cabinllm.benchmarks.random_vlm import image, write_random_vlm
+from cabinllm.benchmarks.studies import media_compaction
 from cabinllm.cli.args import CLI_WORDS, overflow_steps
 from cabinllm.cli.chat import format_stats
 from cabinllm.runtime.dialogue.overflow import (Compacted, OverflowPolicy, Room, answered_media, compacted_steps,
@@ -19,10 +21,11 @@ from cabinllm.runtime.dialogue.overflow import (Compacted, OverflowPolicy, Room,
 from cabinllm.runtime.dialogue.session import DialogueSession
 from cabinllm.runtime.dialogue.session_file import read_session_file, write_session_file
 from cabinllm.runtime.engine.loader import Engine
-from cabinllm.runtime.errors import CapacityError, ConfigError
+from cabinllm.runtime.errors import AudioError, CapacityError, ConfigError
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig
+from cabinllm.runtime.speech.asr import front_end
 
 SYSTEM = "You are the car's assistant."
 FIRST = "hello, can you watch the cameras for me while I drive?"
@@ -214,6 +217,22 @@ def test_an_audio_part_is_compacted_to_its_transcript():
     assert list(compacted_steps(tokenizer, messages, tokenizer.render(messages))) == []
 
 
+def test_an_audio_part_without_a_transcript_compacts_to_a_marker_naming_its_clip():
+    """No speech front end (no transcript) or no words heard: the clip becomes ``[audio: <its name>]``, never an
+    empty ``[audio: ]``."""
+    for part in ({"type": "audio", "digest": "c" * 32}, {"type": "audio", "digest": "c" * 32, "transcript": " "}):
+        assert media_replacement(part, "heat.wav") == ({"type": "text", "text": "[audio: heat.wav]"},
+                                                       Compacted("heat.wav", "audio", 0, "marker"))
+    tokenizer = WordTokenizer({"c" * 32: 4.0, "d" * 32: 4.0})
+    tokenizer.images = {"c" * 32: argparse.Namespace(name="heat.wav")}  # the clips the session holds, by digest
+    messages = [{"role": "user", "content": [{"type": "audio", "digest": "c" * 32}]},
+                {"role": "assistant", "content": "done"},
+                {"role": "user", "content": [{"type": "audio", "digest": "d" * 32}]}]
+    (rendering, compacted), = compacted_steps(tokenizer, messages, tokenizer.render(messages))
+    assert rendering.messages[0]["content"] == [{"type": "text", "text": "[audio: heat.wav]"}]
+    assert compacted == [Compacted("heat.wav", "audio", 100 - 2, "marker")]
+
+
 def test_overflow_steps_name_compaction_then_one_policy():
     assert OverflowPolicy.from_steps("compact-media,drop-turns") == OverflowPolicy("drop-turns")
     assert OverflowPolicy.from_steps("error") == OverflowPolicy("error", compact_media=False)
@@ -241,3 +260,24 @@ def test_cabin_chat_prints_and_reports_what_it_compacted(engine, tmp_path, capsy
     assert main(argv + ["--json"]) == 0
     turns = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [c["name"] for t in turns for c in t["compacted"]][:1] == ["cam0.png"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not installed")
+def test_the_audio_study_keeps_every_spoken_turn_where_drop_turns_alone_keeps_one(tmp_path):
+    """The study's audio path, 3 spoken turns in 12 MiB (438 tokens: one spoken turn of about 245): compaction turns
+    the answered clips into their transcripts and keeps all three; drop-turns alone keeps the last."""
+    assert media_compaction.main(["--media", "audio", "--turns", "3", "--kv-budget-mb", "12", "--work",
+                                  str(tmp_path / "work"), "--output", str(tmp_path / "audio")]) == 0
+    result = json.loads((tmp_path / "audio.json").read_text(encoding="utf-8"))
+    on, off = result["summary"]["compaction on"], result["summary"]["compaction off"]
+    assert on["turns_held_at_end"] == 3 and on["media_compacted"] == 2 and on["tokens_evicted"] == 0
+    assert off["turns_held_at_end"] == 1 and off["media_compacted"] == 0 and off["tokens_evicted"] > 0
+    assert max(on["peak_kv_bytes"], off["peak_kv_bytes"]) <= result["budget_bytes"]
+    try:
+        front_end()
+    except AudioError:  # no front end: the clips compacted to markers naming them
+        assert on["to_transcripts"] == 0
+    else:
+        assert on["to_transcripts"] == 2
+    assert "| compaction on | compacts, spoken turn | 2 |" in (tmp_path / "audio.md").read_text(encoding="utf-8")
