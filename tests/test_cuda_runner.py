@@ -121,6 +121,7 @@ def quantized_copy(engine: Engine) -> Engine:
     return dataclasses.replace(engine, model=model)
 
 
+@pytest.mark.slow
 def test_runner_multiplies_4bit_weights_as_stored(tiny_engine):
     """int4-g32 (also on int8 activations) and W4A16-AWQ linears stay packed on the device, multiplied by the int4
     kernels, and give the reference's logits with the same weights."""
