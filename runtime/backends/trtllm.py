@@ -33,6 +33,8 @@ from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import Tool
 from cabinllm.runtime.model.interface import MediaRows
 from cabinllm.runtime.model.vision import PreparedImage, Vision
+from cabinllm.runtime.speech.asr import AsrConfig, spoken_message
+from cabinllm.runtime.speech.audio import AudioLimits, Clip
 
 # Constrained decoding: docs/trtllm-backend.md, "Constrained decoding".
 # A ConfigError's message and hints: raise ConfigError(*TRTLLM_NO_GRAMMAR)
@@ -209,12 +211,13 @@ class TrtllmSession:
     def __init__(self, engine_folder: str | Path, tokenizer: ChatTokenizer, layout: KVLayout, config: KvCacheConfig,
                  params: SamplingParams, system_prompt: str | None = None,
                  overflow: OverflowPolicy | None = None, vision: Vision | None = None,
-                 vocab_size: int = 0) -> None:
+                 vocab_size: int = 0, asr: AsrConfig | None = None, audio_limits: AudioLimits | None = None) -> None:
         """``vision``: a vision-language engine's pictures (its ``vision/``), whose rows the engine's ``vocab_size``
-        fake ids point at."""
+        fake ids point at; ``asr``: the speech front end that hears the user's clips, ``audio_limits`` their caps."""
         from tensorrt_llm.runtime import ModelRunnerCpp
 
         self.tokenizer, self.params, self.config = tokenizer, params, config
+        self.asr, self.audio_limits = asr or AsrConfig(), audio_limits or AudioLimits()
         self.vision, self.vocab_size = vision, vocab_size
         self.images: dict[str, PreparedImage] = {}  # the conversation's pictures by digest (hex)
         self.extra_ids = takes_extra_ids(ModelRunnerCpp)
@@ -241,14 +244,27 @@ class TrtllmSession:
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None, n: int = 1,
-             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None) -> TurnStats:
+             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None,
+             audio: list[Clip] | None = None) -> TurnStats:
         """Answer one message (text: the user's), streaming the reply text to on_text; no tools here, so
         ``tool_choice`` changes nothing. ``n`` > 1 samples that many replies (num_return_sequences), ``beam`` runs
         TensorRT-LLM's beam search: the conversation goes on with the first reply (the best beam), the others are
         ``alternatives`` (neither streams its text). ``images``: (name, bytes) of pictures the message shows, sent as
-        a prompt table (docs/trtllm-backend.md); ImageError before anything changes where they cannot be taken."""
+        a prompt table (docs/trtllm-backend.md); ImageError before anything changes where they cannot be taken.
+        ``audio``: clips the user spoke (``_with_audio``; AudioError before anything changes), what was heard in
+        ``TurnStats.heard``."""
         self._check_forks(n, beam)
         message = message if isinstance(message, dict) else {"role": "user", "content": message}
+        heard: list[dict] = []
+        if audio:
+            message, heard = self._with_audio(message, audio)
+        stats = self._answer(message, on_text, should_stop, n, beam, images)
+        stats.heard = heard
+        return stats
+
+    def _answer(self, message: dict, on_text: Callable[[str], None] | None, should_stop: Callable[[], bool] | None,
+                n: int, beam: BeamParams | None, images: list[tuple[str, bytes]] | None) -> TurnStats:
+        """The turn of ``chat`` once its message is text (and pictures)."""
         held = dict(self.images)
         if images:
             message = self._with_images(message, images, held)
@@ -334,6 +350,11 @@ class TrtllmSession:
         if beam.length_penalty < 0:
             raise ConfigError(f"TensorRT-LLM takes length_penalty >= 0 (its SamplingConfig refuses "
                               f"{beam.length_penalty}); ask for one >= 0", (Hint(Fix.BACKEND, "reference"),))
+
+    def _with_audio(self, message: dict, audio: list[Clip]) -> tuple[dict, list[dict]]:
+        """The message as its clips' transcripts, then its text, and what was heard (the speech front end runs on the
+        CPU beside the engine); AudioError where a clip cannot be taken."""
+        return spoken_message(message, audio, self.asr, self.audio_limits)
 
     def _with_images(self, message: dict, images: list[tuple[str, bytes]], held: dict[str, PreparedImage]) -> dict:
         """The message with its pictures as image parts, prepared into ``held``; ImageError where this engine and

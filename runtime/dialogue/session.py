@@ -37,6 +37,8 @@ from cabinllm.runtime.model.interface import MediaFeed
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import ContentStream, Tool, ToolCall, ToolFormat
 from cabinllm.runtime.model.vision import EncodedRows, PreparedImage
+from cabinllm.runtime.speech.asr import AsrConfig, spoken_message
+from cabinllm.runtime.speech.audio import AudioLimits, Clip
 
 
 class DialogueSession:
@@ -44,9 +46,12 @@ class DialogueSession:
 
     def __init__(self, engine: Engine, cache: PagedKVCache, params: SamplingParams | None = None,
                  system_prompt: str | None = None, overflow: OverflowPolicy | None = None,
-                 tools: list[Tool] | None = None, tool_choice: str = "auto") -> None:
-        """``tools`` the replies may call as ``tool_choice`` allows ("auto", "required", "none" or a tool's name)."""
+                 tools: list[Tool] | None = None, tool_choice: str = "auto", asr: AsrConfig | None = None,
+                 audio_limits: AudioLimits | None = None) -> None:
+        """``tools`` the replies may call as ``tool_choice`` allows ("auto", "required", "none" or a tool's name);
+        ``asr``: the speech front end that hears the user's clips, ``audio_limits`` their caps."""
         self.engine, self.cache = engine, cache
+        self.asr, self.audio_limits = asr or AsrConfig(), audio_limits or AudioLimits()
         self.tools, self.tool_choice = list(tools or []), tool_choice
         self.params = params or SamplingParams(stop_token_ids=engine.stop_token_ids())
         self.overflow = overflow or OverflowPolicy("error")
@@ -72,15 +77,28 @@ class DialogueSession:
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None, n: int = 1,
-             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None) -> TurnStats:
+             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None,
+             audio: list[Clip] | None = None) -> TurnStats:
         """Answer one message (text: the user's; or a message dict, e.g. a tool's result); ``tool_choice`` for this
         reply only (None: the session's). ``n`` > 1: that many sampled replies from one prefill (seeds ``seed``,
         ``seed + 1``, ...); ``beam``: a beam search; the conversation goes on with the first reply (the best beam),
         the others are ``alternatives`` (neither streams). ``images``: (name, bytes) of pictures the user's message
-        shows, before its text. A turn that cannot fit ends with finish_reason 'capacity'; a picture that cannot be
-        taken raises ImageError before anything changes."""
+        shows, before its text. ``audio``: clips the user spoke (``_with_audio``), what was heard in
+        ``TurnStats.heard``. A turn that cannot fit ends with finish_reason 'capacity'; a picture or clip that cannot
+        be taken raises ImageError or AudioError before anything changes."""
         self._check_forks(n, beam)
         message = message if isinstance(message, dict) else {"role": "user", "content": message}
+        heard: list[dict] = []
+        if audio:
+            message, heard = self._with_audio(message, audio)
+        stats = self._answer(message, on_text, should_stop, tool_choice, n, beam, images)
+        stats.heard = heard
+        return stats
+
+    def _answer(self, message: dict, on_text: Callable[[str], None] | None, should_stop: Callable[[], bool] | None,
+                tool_choice: str | None, n: int, beam: BeamParams | None,
+                images: list[tuple[str, bytes]] | None) -> TurnStats:
+        """The turn of ``chat`` once its message is text (and pictures)."""
         if images:
             message = self._with_images(message, images)
         self.turns += 1
@@ -173,6 +191,11 @@ class DialogueSession:
                              "the npu profile, not for Qwen2-VL)")
         return vision.image_message(message, images, self.images)
 
+    def _with_audio(self, message: dict, audio: list[Clip]) -> tuple[dict, list[dict]]:
+        """The message as its clips' transcripts, then its text, and what was heard (a text engine hears through the
+        speech front end); AudioError where a clip cannot be taken."""
+        return spoken_message(message, audio, self.asr, self.audio_limits)
+
     def _pictures_of(self, message: dict) -> list[tuple[str, int]]:
         """(name, tokens) of the pictures a message shows."""
         parts = message["content"] if isinstance(message.get("content"), list) else []
@@ -228,9 +251,10 @@ class DialogueSession:
         return len(self.seq)
 
     @classmethod
-    def restore(cls, path: str | Path, engine: Engine, cache: PagedKVCache | None = None) -> "DialogueSession":
+    def restore(cls, path: str | Path, engine: Engine, cache: PagedKVCache | None = None, asr: AsrConfig | None = None,
+                audio_limits: AudioLimits | None = None) -> "DialogueSession":
         """Continue a saved session on an engine of the same model and scales, without re-prefill
-        (in a new cache like the saved one if none is given)."""
+        (in a new cache like the saved one if none is given; ``asr``, ``audio_limits``: as the constructor's)."""
         header, tensors = read_session_file(path)
         if header["model_fingerprint"] != engine.fingerprint:
             raise SessionFileError(f"{path}: saved with model {header['model_fingerprint']}, this engine runs "
@@ -248,7 +272,7 @@ class DialogueSession:
                    engine.config.max_position_embeddings)
         tools = [Tool.from_openai(tool) for tool in header.get("tools", [])]
         session = cls(engine, cache, SamplingParams(**header["params"]), header["system_prompt"],
-                      OverflowPolicy(**header["overflow"]), tools, header.get("tool_choice", "auto"))
+                      OverflowPolicy(**header["overflow"]), tools, header.get("tool_choice", "auto"), asr, audio_limits)
         fed = header["fed"]
         session.images = {d: PreparedImage.from_json(d, image) for d, image in header.get("images", {}).items()}
         media = [MediaSpan(start, length, bytes.fromhex(digest), tuple(grid) if grid else None)

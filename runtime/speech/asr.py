@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from cabinllm.runtime.errors import AudioError, Fix, Hint
-from cabinllm.runtime.speech.audio import Clip
+from cabinllm.runtime.speech.audio import AudioLimits, Clip, check_length
 
 
 @dataclass(frozen=True)
@@ -97,3 +97,25 @@ def default_model_path() -> str:
 def front_end(config: AsrConfig = AsrConfig()) -> SpeechFrontEnd:
     """One loaded front end per configuration, shared by every session in the process."""
     return SpeechFrontEnd(config)
+
+
+def spoken_message(message: dict, clips: list[Clip], config: AsrConfig, limits: AudioLimits) -> tuple[dict, list[dict]]:
+    """A user's message as a text engine takes it: the transcripts of its clips, then its typed text (if any); and
+    what was heard, each clip's name with ``Transcript.to_dict()``. AudioError, before any turn runs, where a clip is
+    over ``limits``, the front end is not installed or nothing was heard."""
+    if message.get("role") != "user":
+        raise AudioError(f"audio comes with a user's message, not a {message.get('role')!r} one")
+    if len(clips) > limits.max_clips:
+        raise AudioError(f"{len(clips)} clips in one message, over the {limits.max_clips} a message may send; send "
+                         "fewer")
+    for clip in clips:
+        check_length(clip, limits)
+    asr = front_end(config)
+    heard = [(clip.name, asr.transcribe(clip)) for clip in clips]
+    spoken = " ".join(transcript.text for _, transcript in heard if transcript.text)
+    typed = message.get("content") or ""
+    if not spoken and not typed:
+        raise AudioError(f"{', '.join(name for name, _ in heard)}: no words heard; speak closer to the microphone "
+                         "or type the message")
+    text = "\n".join(part for part in (spoken, typed) if part)
+    return {**message, "content": text}, [{"clip": name, **transcript.to_dict()} for name, transcript in heard]

@@ -12,6 +12,7 @@ import io
 import wave
 from dataclasses import dataclass, field
 from math import gcd
+from pathlib import Path
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from cabinllm.runtime.errors import AudioError, Fix, Hint
 
 SAMPLE_RATE = 16_000
 MIN_SECONDS = 0.1
+RAW_SUFFIXES = (".raw", ".pcm")  # files read as raw 16-bit little-endian 16 kHz mono PCM
 
 
 @dataclass
@@ -102,6 +104,20 @@ def read_wav(data: bytes, name: str, limits: AudioLimits | None = None) -> Clip:
     if rate * limits.max_seconds < len(pcm):  # refuse before resampling a long clip
         check_length(Clip(pcm[: int(rate * limits.max_seconds) + rate], b"", name), limits)
     return check_length(Clip.from_pcm(resample(pcm, rate), name), limits)
+
+
+def read_clips(paths: list[str | Path], limits: AudioLimits | None = None) -> list[Clip]:
+    """Clips of audio files (WAV; ``.raw`` / ``.pcm``: raw 16-bit 16 kHz mono PCM), named by their file names;
+    AudioError naming one that cannot be read or taken."""
+    clips = []
+    for path in map(Path, paths):
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise AudioError(f"{path}: cannot read the audio ({err.strerror}); check the path") from err
+        read = read_pcm if path.suffix.lower() in RAW_SUFFIXES else read_wav
+        clips.append(read(data, path.name, limits))
+    return clips
 
 
 def resample(pcm: np.ndarray, rate: int) -> np.ndarray:
