@@ -117,7 +117,7 @@ class Segmenter:
             self.silent += WINDOW
         if self.silent >= config.silence_s * SAMPLE_RATE:
             return self._end(self.last_voice + self.pad)
-        if self.position - self.start >= config.max_utterance_s * SAMPLE_RATE:
+        if self.position + WINDOW - self.start > config.max_utterance_s * SAMPLE_RATE:  # the next would be over
             clip = self._end(self.position, cut=True)
             self.parts, self.start, self.first_voice = [np.zeros(0, dtype=np.float32)], self.position, self.position
             self.last_voice = self.position
