@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_listen(session, source, listen_config, args.json, options)
         else:
             run_interactive(session, options, args.confirm_below, audio_limits)
-    except ConfigError as err:  # the backend cannot run the turns as asked (several replies)
+    except (ConfigError, AudioError) as err:  # the backend cannot run the turns as asked; the stream failed
         print(f"cabin-chat: error: {cli_message(err)}", file=sys.stderr)
         return 2
     except OSError as err:  # the output: a full disk under --json > FILE

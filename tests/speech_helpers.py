@@ -28,23 +28,25 @@ def wav_bytes(samples: np.ndarray, rate: int, channels: int = 1) -> bytes:
     return out.getvalue()
 
 
-def speak_wav(text: str, path: Path, voice: str = "en-us") -> Path:
+def speak_wav(text: str, path: Path, voice: str = "en-us", words_per_minute: int = 175) -> Path:
     """``text`` spoken by espeak-ng into the WAV file ``path`` (22.05 kHz, as espeak-ng writes it)."""
-    subprocess.run(["espeak-ng", "-v", voice, "-w", str(path), text], check=True, timeout=60)
+    subprocess.run(["espeak-ng", "-v", voice, "-s", str(words_per_minute), "-w", str(path), text], check=True,
+                   timeout=60)
     return path
 
 
-def spoken(text: str, folder: Path, voice: str = "en-us") -> Clip:
+def spoken(text: str, folder: Path, voice: str = "en-us", words_per_minute: int = 175) -> Clip:
     """``text`` spoken by espeak-ng as a 16 kHz clip."""
-    return read_wav(speak_wav(text, folder / "spoken.wav", voice).read_bytes(), text)
+    return read_wav(speak_wav(text, folder / "spoken.wav", voice, words_per_minute).read_bytes(), text)
 
 
-def command_stream(texts: list[str], silences: list[float], folder: Path) -> tuple[bytes, list[tuple[float, float]]]:
+def command_stream(texts: list[str], silences: list[float], folder: Path,
+                   words_per_minute: int = 175) -> tuple[bytes, list[tuple[float, float]]]:
     """Raw 16-bit 16 kHz mono PCM of ``texts`` spoken one after another, silence ``silences[i]`` seconds after the
     i-th (and 0.5 s before the first); and the (start, end) seconds of each command's clip in the stream."""
     parts, spans, at = [np.zeros(SAMPLE_RATE // 2, dtype=np.float32)], [], 0.5
     for text, silence in zip(texts, silences):
-        clip = spoken(text, folder)
+        clip = spoken(text, folder, words_per_minute=words_per_minute)
         parts += [clip.pcm, np.zeros(int(silence * SAMPLE_RATE), dtype=np.float32)]
         spans.append((at, at + clip.seconds))
         at += clip.seconds + int(silence * SAMPLE_RATE) / SAMPLE_RATE

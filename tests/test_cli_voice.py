@@ -113,6 +113,7 @@ def test_listen_with_a_script_a_confirmation_or_a_terminal_is_one_line(tiny_engi
     monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(isatty=lambda: True))
     assert main([*engine, "--listen", "-"]) == 2
     assert main([*engine, "--listen-max-utterance-s", "90"]) == 2
+    assert main([*engine, "--listen", str(tmp_path / "missing.raw")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == ["cabin-chat: error: --listen and --script are two sources of messages; give one of them",
                    "cabin-chat: error: --confirm-below asks on the terminal, which --listen leaves to the audio; "
@@ -120,4 +121,5 @@ def test_listen_with_a_script_a_confirmation_or_a_terminal_is_one_line(tiny_engi
                    "cabin-chat: error: --listen - reads raw PCM from standard input, which is a terminal here; pipe a "
                    "recorder into it (arecord -f S16_LE -r 16000 -c 1 | cabin-chat ... --listen -)",
                    "cabin-chat: error: --listen-max-utterance-s 90 is longer than the 60 s a clip may take "
-                   "(--audio-max-seconds); lower it"]
+                   "(--audio-max-seconds); lower it",
+                   f"cabin-chat: error: {tmp_path / 'missing.raw'}: No such file or directory"]
