@@ -87,12 +87,14 @@ def add_speech_flags(parser: argparse.ArgumentParser) -> None:
     (AudioLimits', as --audio-*) and where --listen cuts a stream (ListenConfig's, as --listen-*)."""
     kinds = {int: positive_int, float: positive_float, str: str}
     for config, prefix in ((AsrConfig, "asr"), (AudioLimits, "audio"), (ListenConfig, "listen")):
-        for option in dataclasses.fields(config):
-            if "help" in option.metadata:
-                kind = float_range(0, 1) if option.name == "threshold" else kinds[type(option.default)]
-                shown = f"{option.default:g}" if isinstance(option.default, float) else option.default
-                parser.add_argument(f"--{prefix}-{option.name.replace('_', '-')}", type=kind, default=option.default,
-                                    help=help_of(config, option.name) + (f" (default {shown})" if shown else ""))
+        for option in (option for option in dataclasses.fields(config) if "help" in option.metadata):
+            kind = float_range(0, 1) if option.name == "threshold" else kinds[type(option.default)]
+            words = option.metadata["help"]
+            if "default" not in words:  # else the help says what the default means
+                words += f" (default {option.default:g})" if isinstance(option.default, float) else \
+                    f" (default {option.default})"
+            parser.add_argument(f"--{prefix}-{option.name.replace('_', '-')}", type=kind, default=option.default,
+                                help=words)
 
 
 def speech_settings(args: argparse.Namespace) -> tuple[AsrConfig, AudioLimits, ListenConfig]:

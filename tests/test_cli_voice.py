@@ -36,7 +36,7 @@ def test_a_script_speaks_and_each_bad_clip_is_one_line(engine_dir, tmp_path, cap
     speak_wav("turn the temperature up to twenty two degrees", tmp_path / "cmd.wav")  # 22.05 kHz: resampled
     refused = bad_clips(tmp_path)
     lines = [{"role": "user", "audio": "cmd.wav"}, *({"role": "user", "audio": name} for name in refused),
-             {"role": "user", "audio": ["cmd.wav"], "content": "and the passenger side"}]
+             {"role": "user", "content": "and the passenger side"}]
     code = main(["--engine", str(engine_dir), "--script", str(write_script(tmp_path / "s.jsonl", lines)), "--json",
                  *FLAGS])
     assert code == 0
@@ -45,7 +45,7 @@ def test_a_script_speaks_and_each_bad_clip_is_one_line(engine_dir, tmp_path, cap
     assert [t["turn"] for t in turns] == [1, 2]
     heard = turns[0]["heard"][0]
     assert heard["clip"] == "cmd.wav" and "22 degrees" in heard["text"] and 0 < heard["rtf"] < 1
-    assert turns[1]["heard"][0]["text"] == heard["text"]
+    assert turns[1]["heard"] == []
     errors = err.strip().splitlines()
     assert len(errors) == len(refused)
     for number, (line, (name, problem)) in enumerate(zip(errors, refused.items()), start=2):
@@ -58,12 +58,11 @@ def test_a_script_speaks_and_each_bad_clip_is_one_line(engine_dir, tmp_path, cap
 def test_audio_command_says_a_clip_and_a_bad_one_keeps_the_chat(tiny_engine_dir, tmp_path, monkeypatch, capsys):
     speak_wav("turn the temperature up to twenty two degrees", tmp_path / "cmd.wav")
     bad_clips(tmp_path)
-    typed = iter([f"/audio {tmp_path / 'cmd.wav'}", f"/audio {tmp_path / 'cmd.mp3'}", "/audio",
-                  f"/audio {tmp_path / 'cmd.wav'}", "/quit"])
+    typed = iter([f"/audio {tmp_path / 'cmd.mp3'}", "/audio", f"/audio {tmp_path / 'cmd.wav'}", "hello", "/quit"])
     monkeypatch.setattr(builtins, "input", lambda prompt="": next(typed))
     assert main(["--engine", str(tiny_engine_dir), *FLAGS]) == 0
     out = capsys.readouterr().out
-    assert out.count("heard cmd.wav: 'Turn the temperature up to 22 degrees.'") == 2
+    assert out.count("heard cmd.wav: 'Turn the temperature up to 22 degrees.'") == 1
     assert "error: cmd.mp3: MP3 audio is not a WAV file" in out and "(the conversation is kept)" in out
     assert "usage: /audio PATH" in out and out.count(" prefill ") == 2
 

@@ -54,13 +54,13 @@ def span_of(clip: Clip) -> tuple[float, float]:
 
 
 def test_a_44k_stereo_wav_is_resampled_to_16k_mono():
-    t = np.arange(44_100) / 44_100
+    t = np.arange(22_050) / 44_100  # half a second
     tone = 0.5 * np.sin(2 * np.pi * 440 * t)
     clip = read_wav(wav_bytes(np.stack([tone, tone], axis=1), 44_100, channels=2), "tone.wav")
-    assert len(clip.pcm) == SAMPLE_RATE
+    assert len(clip.pcm) == SAMPLE_RATE // 2
     spectrum = np.abs(np.fft.rfft(clip.pcm))
-    assert abs(np.argmax(spectrum) * SAMPLE_RATE / len(clip.pcm) - 440) <= 1
-    samples = np.round(tone[:SAMPLE_RATE] * 32767) / 32767  # the same samples as a WAV and as raw PCM: one clip
+    assert abs(np.argmax(spectrum) * SAMPLE_RATE / len(clip.pcm) - 440) <= 2
+    samples = np.round(tone * 32767) / 32767  # the same samples as a WAV and as raw PCM: one clip
     assert read_wav(wav_bytes(samples, SAMPLE_RATE), "a.wav").digest == read_pcm(to_s16le(samples), "a.raw").digest
 
 
