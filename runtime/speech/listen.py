@@ -129,6 +129,8 @@ class Segmenter:
         next."""
         pcm = np.concatenate(self.parts)[: end - self.start]
         voiced = self.last_voice - self.first_voice
+        if not cut:  # the silence heard last is the next utterance's audio before its speech
+            self.before.extend(self.parts[-self.before.maxlen:])
         self.parts, self.silent = [], 0
         if not cut and voiced < self.config.min_speech_s * SAMPLE_RATE:
             return None
