@@ -14,7 +14,7 @@ from cabinllm.runtime.speech import asr
 from cabinllm.runtime.speech.audio import SAMPLE_RATE, AudioLimits, Clip, read_clips, read_pcm, read_wav, to_s16le
 from cabinllm.runtime.speech.listen import ListenConfig, utterances
 from cli_words import raises_in_cli_words
-from speech_helpers import command_stream, needs_espeak, speak_wav, spoken, wav_bytes
+from speech_helpers import command_stream, needs_espeak, spoken, wav_bytes
 
 COMMAND = "turn the temperature up to twenty two degrees"
 MAX_WER = 0.15  # at most one word in 7 wrong on a clean espeak-ng sentence (Whisper tiny.en gets this one exact)

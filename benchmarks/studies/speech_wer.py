@@ -159,7 +159,8 @@ def markdown(result: dict) -> str:
     """The figures as a markdown table."""
     typed = result["typed"]
     lines = [f"# Speech front end on {result['commands']} in-car commands ({result['asr']}, {result['asr_threads']} "
-             f"thread(s), {'with' if result['asr_prompt'] else 'no'} initial prompt; calls: {result['engine']}, greedy, {result['threads']} thread(s); load "
+             f"thread(s), {'with' if result['asr_prompt'] else 'no'} initial prompt; calls: {result['engine']}, "
+             f"greedy, {result['threads']} thread(s); load "
              f"{result['machine']['load_average_1m']:.2f})", "",
              f"Typed: the model's call is the one meant for {typed['meant_call']}/{result['commands']} commands. "
              f"ASR model load {result['asr_load_s']:.2f} s (not in the RTF); a clip's ASR seconds: the least of "
@@ -213,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         for noise in dict.fromkeys(r["noise"] for r in rows):
             chosen = [r for r in rows if r["voice"] == voice and r["noise"] == noise]
             conditions.append({"voice": voice, "noise": noise, **summarize(chosen)})
-    result = {"commands": len(commands), "asr": "Whisper tiny.en int8 (faster-whisper)", "asr_threads": args.asr_threads,
-              "asr_prompt": args.asr_prompt, "asr_repeats": args.repeats, "asr_load_s": load_s, "engine": args.engine.name, "threads": args.threads,
+    result = {"commands": len(commands), "asr": "Whisper tiny.en int8 (faster-whisper)",
+              "asr_threads": args.asr_threads, "asr_prompt": args.asr_prompt, "asr_repeats": args.repeats,
+              "asr_load_s": load_s, "engine": args.engine.name, "threads": args.threads,
               "normalization": normalize.__doc__, "snr_db": SNR_DB, "voices": {k: list(v) for k, v in VOICES.items()},
               "machine": machine_info(),
               "typed": {"meant_call": sum(same_call(calls[c["text"]], c["call"]) for c in commands),

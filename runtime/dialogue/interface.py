@@ -76,8 +76,8 @@ class Session(Protocol):
         (the best beam), the others come as ``alternatives``. ``images``: (name, bytes) of the pictures the message
         shows (ImageError, nothing changed, where one cannot be taken). ``audio``: clips the user spoke; on a text
         engine the message is their transcript, then its text (AudioError, nothing changed, where one cannot be
-        taken or no speech front end is installed), and ``TurnStats.heard`` says what was heard. A turn that cannot fit ends with
-        finish_reason 'capacity' and the session stays usable."""
+        taken or no speech front end is installed), and ``TurnStats.heard`` says what was heard. A turn that cannot
+        fit ends with finish_reason 'capacity' and the session stays usable."""
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""

@@ -9,7 +9,8 @@ what to keep. Sessions are saved to and restored from session files (cabinllm.ru
 Pictures sent with a message (a vision-language engine) are decoded, checked against the engine's caps and expanded
 into their tokens before anything runs; their rows come from the engine's encoder (or its feature cache) only for
 the tokens not reused from the cache. Clips the user speaks are heard by the speech front end on a text engine: the
-message is their transcript (cabinllm.runtime.speech.asr.spoken_message). A session given ``tools`` shows them to the model and constrains each reply by ``tool_choice``
+message is their transcript (cabinllm.runtime.speech.asr.spoken_message). A session given ``tools`` shows them to
+the model and constrains each reply by ``tool_choice``
 (cabinllm.runtime.generation.grammar) to one call or none; a reply that calls comes back as
 ``TurnStats.tool_calls`` and the next message answers it (role ``tool``).
 """

@@ -19,7 +19,8 @@ from cabinllm.runtime.speech.audio import AudioLimits, Clip, check_length
 # Whisper's initial prompt: the words of the car's functions, which a small model otherwise mishears (measured with
 # and without it in docs/voice.md)
 CAR_WORDS = ("Car commands: temperature, fan speed, air conditioning, defroster, seat heating, seat ventilation, "
-             "windows, sunroof, headlights, fog lights, ambient light, volume, navigate, charging station, charge limit.")
+             "windows, sunroof, headlights, fog lights, ambient light, volume, navigate, charging station, "
+             "charge limit.")
 
 
 @dataclass(frozen=True)
