@@ -27,6 +27,7 @@ from cabinllm.runtime.model.threads import AUTO, CPU_THREADS, parse_threads
 from cabinllm.runtime.model.vision import ImageLimits
 from cabinllm.runtime.speech.asr import AsrConfig
 from cabinllm.runtime.speech.audio import AudioLimits
+from cabinllm.runtime.speech.listen import ListenConfig
 
 
 def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -79,6 +80,35 @@ def add_image_flags(parser: argparse.ArgumentParser) -> None:
     for cap in dataclasses.fields(ImageLimits):
         parser.add_argument("--" + cap.name.replace("_", "-"), type=positive_int, default=cap.default,
                             help=f"{help_of(ImageLimits, cap.name)} (default {cap.default:,})")
+
+
+def add_speech_flags(parser: argparse.ArgumentParser) -> None:
+    """The speech front end's flags (AsrConfig's fields with a help, as --asr-*), the caps on a message's clips
+    (AudioLimits', as --audio-*) and where --listen cuts a stream (ListenConfig's, as --listen-*)."""
+    kinds = {int: positive_int, float: positive_float, str: str}
+    for config, prefix in ((AsrConfig, "asr"), (AudioLimits, "audio"), (ListenConfig, "listen")):
+        for option in (option for option in dataclasses.fields(config) if "help" in option.metadata):
+            kind = float_range(0, 1) if option.name == "threshold" else kinds[type(option.default)]
+            words = option.metadata["help"]
+            if "default" not in words:  # else the help says what the default means
+                words += f" (default {option.default:g})" if isinstance(option.default, float) else \
+                    f" (default {option.default})"
+            parser.add_argument(f"--{prefix}-{option.name.replace('_', '-')}", type=kind, default=option.default,
+                                help=words)
+
+
+def speech_settings(args: argparse.Namespace) -> tuple[AsrConfig, AudioLimits, ListenConfig]:
+    """The AsrConfig, AudioLimits and ListenConfig of add_speech_flags' flags; ConfigError where an utterance the
+    listener may cut is longer than a clip may be."""
+    def of(config: type, prefix: str):
+        return config(**{option.name: getattr(args, f"{prefix}_{option.name}") for option in dataclasses.fields(config)
+                         if "help" in option.metadata})
+
+    asr, limits, listen = of(AsrConfig, "asr"), of(AudioLimits, "audio"), of(ListenConfig, "listen")
+    if listen.max_utterance_s > limits.max_seconds:
+        raise ConfigError(f"--listen-max-utterance-s {listen.max_utterance_s:g} is longer than the "
+                          f"{limits.max_seconds:g} s a clip may take (--audio-max-seconds); lower it")
+    return asr, limits, listen
 
 
 def image_limits(args: argparse.Namespace) -> ImageLimits:
@@ -253,6 +283,8 @@ CLI_WORDS: dict[Fix, str] = {
     Fix.LOWER_KV_BUDGET: "give a smaller --kv-budget-mb",
     Fix.OTHER_OVERFLOW: "choose --overflow compact-media,sink-window or compact-media,drop-turns",
     Fix.SMALLER_PICTURES: 'send fewer or smaller pictures (detail "low"), or lower --max-image-tokens',
+    Fix.SHORTER_AUDIO: "send clips of {} at most (or raise --audio-max-seconds)",
+    Fix.INSTALL_VOICE: "install the speech front end: pip install 'cabinllm[voice]'",
     Fix.PER_TOKEN_KV_MODE: "choose another --kv-cache",
     Fix.BACKEND: "chat with --backend {}",
     Fix.BACKEND_NAME: "--backend {}",

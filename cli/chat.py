@@ -2,28 +2,33 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
 from pathlib import Path
+from typing import BinaryIO
 
 from cabinllm.cli.args import (CLI_WORDS, add_cache_flags, add_device_flag, add_image_flags, add_sampling_flags,
-                               add_thread_flag, cli_message, entry_point, float_range, help_of, image_limits,
-                               kv_cache_config, os_error_message, output_name, positive_int, sampling_params,
-                               use_threads)
+                               add_speech_flags, add_thread_flag, cli_message, entry_point, float_range, help_of,
+                               image_limits, kv_cache_config, os_error_message, output_name, positive_int,
+                               sampling_params, speech_settings, use_threads)
 from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.backends.select import BACKENDS, SessionRequest, open_session
 from cabinllm.runtime.dialogue.interface import Session, TurnStats
-from cabinllm.runtime.errors import CabinError, ConfigError, ImageError, SessionFileError
+from cabinllm.runtime.errors import AudioError, CabinError, ConfigError, ImageError, SessionFileError
 from cabinllm.runtime.formats.chat_script import read_script, text_problem
 from cabinllm.runtime.formats.engine_folder import EngineFolder
 from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.model.tools import Tool, read_tools
 from cabinllm.runtime.model.vision import read_pictures
+from cabinllm.runtime.speech.audio import AudioLimits, Clip, read_clips
+from cabinllm.runtime.speech.listen import ListenConfig, listen
 
 HELP_COMMANDS = ("commands: /reset (new conversation), /stats (KV memory), /save FILE, /image PATH (show a picture "
-                 "with the next message), /quit; Ctrl-C stops a reply")
+                 "with the next message), /audio PATH (say a message: a WAV clip, any rate, resampled to 16 kHz), "
+                 "/quit; Ctrl-C stops a reply")
 TOOLS_HELP = "; /tool RESULT answers the reply's call"
 BUILTIN_TOOLS = Path(__file__).parent / "data" / "vehicle_functions.json"
 DECLINED = '{"error": "not carried out: the user declined this call"}'  # the result of a call not confirmed
@@ -34,12 +39,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="cabin-chat", description="Chat with a CabinLLM engine on a paged KV cache.")
     parser.add_argument("--engine", required=True, type=Path,
                         help="engine folder written by cabin-build, or graph folder written by cabin-export")
-    parser.add_argument("--script", type=Path, help="JSONL dialogue: optional first system line, then user lines")
+    parser.add_argument("--script", type=Path, help="JSONL dialogue: optional first system line, then user lines (a "
+                        "user line may be spoken: {\"role\": \"user\", \"audio\": \"cmd.wav\"}, the path from the "
+                        "script's folder; a WAV of any rate and channels, resampled to 16 kHz mono)")
+    parser.add_argument("--listen", metavar="SOURCE",
+                        help="take spoken commands from raw 16-bit little-endian 16 kHz mono PCM: - for stdin (e.g. "
+                             "arecord -f S16_LE -r 16000 -c 1 | cabin-chat --engine E --listen -) or a file; each "
+                             "utterance (cut by the VAD at a silence) is a turn, what was heard printed with the reply")
     parser.add_argument("--json", action="store_true", help="print one JSON object per turn")
     parser.add_argument("--system", help="system prompt (default: the engine's, recorded by cabin-build; \"\" for "
                         "none; a script's system line wins)")
     add_cache_flags(parser)
     add_image_flags(parser)
+    add_speech_flags(parser)
     parser.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
                         help="tensorrt-llm runs the engine's trt_engine/ through ModelRunnerCpp (needs tensorrt_llm); "
                              "onnxruntime runs the graphs of a cabin-export folder on our paged cache; reference runs "
@@ -112,10 +124,11 @@ def chat_tools(args: argparse.Namespace) -> tuple[Tool, ...]:
 
 def session_request(args: argparse.Namespace, system: str | None) -> SessionRequest:
     """The session cabin-chat's flags ask for."""
+    asr, audio_limits, _ = speech_settings(args)
     return SessionRequest(args.engine, kv_cache_config(args), sampling_params(args), system,
                           args.overflow, args.backend, args.ort_provider, args.htp_arch, args.restore,
                           chat_tools(args), args.tool_choice, max(args.choices, args.beam_width), image_limits(args),
-                          args.device)
+                          args.device, asr, audio_limits)
 
 
 def open_chat_session(args: argparse.Namespace, system: str | None) -> Session:
@@ -142,6 +155,12 @@ def format_compacted(stats: TurnStats) -> str:
     words = {"marker": "a marker", "transcript": "its transcript"}
     return "\n  compacted " + ", ".join(f"{c.name} ({c.tokens} tokens) to {words[c.replacement]}"
                                        for c in stats.compacted)
+
+
+def format_heard(stats: TurnStats) -> str:
+    """What the turn's clips were heard as, a line each (none: empty)."""
+    return "".join(f"\n  heard {h['clip']}: {h['text']!r} ({h['audio_s']:.1f} s of audio, ASR {h['asr_s']:.2f} s, "
+                   f"RTF {h['rtf']:.2f})" for h in stats.heard)
 
 
 def format_calls(stats: TurnStats) -> str:
@@ -189,18 +208,19 @@ class CallsToAnswer:
 
 
 def run_script(session: Session, turns: list[dict], as_json: bool, options: dict | None = None,
-               confirm_below: float = 0.0) -> None:
-    """Play user turns (and tool results) from a script and print each reply (``options``: turn_options). A call
-    below ``confirm_below`` is confirmed by a confirm line right after its message; without one it is declined, and
-    a declined call is answered with ``DECLINED``."""
+               confirm_below: float = 0.0, audio_limits: AudioLimits | None = None) -> None:
+    """Play user turns (and tool results) from a script and print each reply (``options``: turn_options; a spoken
+    line's clips read under ``audio_limits``). A call below ``confirm_below`` is confirmed by a confirm line right
+    after its message; without one it is declined, and a declined call is answered with ``DECLINED``."""
     calls = CallsToAnswer()
 
     def play(number: int, message: dict) -> TurnStats | None:
         message = dict(message)
         try:
             stats = session.chat(message, tool_choice=reply_choice(message),
-                                 images=read_pictures(message.pop("images", [])), **(options or {}))
-        except ImageError as err:
+                                 images=read_pictures(message.pop("images", [])),
+                                 audio=read_clips(message.pop("audio", []), audio_limits), **(options or {}))
+        except (ImageError, AudioError) as err:
             script_error(number, cli_message(err))
             return None
         calls.after(stats)
@@ -215,8 +235,8 @@ def run_script(session: Session, turns: list[dict], as_json: bool, options: dict
                              ensure_ascii=False), flush=True)
             return
         reply = format_calls(stats) if stats.tool_calls else stats.reply
-        print(f"{message['role']}> {message['content']}\nassistant> {reply}{format_alternatives(stats)}\n  "
-              f"{format_stats(stats)}", flush=True)
+        print(f"{message['role']}> {message['content'] or '(spoken)'}{format_heard(stats)}\nassistant> {reply}"
+              f"{format_alternatives(stats)}\n  {format_stats(stats)}", flush=True)
         if stats.error:
             print(f"  error: {stats.error_words(CLI_WORDS)}", flush=True)
         for call, probability, confirmed in asked:
@@ -290,9 +310,10 @@ def format_alternatives(stats: TurnStats) -> str:
 
 
 def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer, options: dict | None = None,
-              images: list[tuple[str, bytes]] | None = None) -> TurnStats | None:
-    """Stream the reply to one message (with ``images``; several replies, ``options``, come whole); Ctrl-C stops it
-    and keeps the session. None: the message could not be sent."""
+              images: list[tuple[str, bytes]] | None = None, audio: list[Clip] | None = None) -> TurnStats | None:
+    """Stream the reply to one message (with ``images``, and ``audio``: what was heard is printed after the reply;
+    several replies, ``options``, come whole); Ctrl-C stops it and keeps the session. None: the message could not be
+    sent."""
     problem = text_problem(text if isinstance(text, str) else text["content"])
     if problem:
         print(f"  error: the message {problem}")
@@ -308,7 +329,7 @@ def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer, options:
     try:
         stats = session.chat(text, on_text=lambda piece: print(piece, end="", flush=True),
                              should_stop=lambda: interrupted, tool_choice=reply_choice(text), images=images,
-                             **(options or {}))
+                             audio=audio, **(options or {}))
     finally:
         signal.signal(signal.SIGINT, previous)
     calls.after(stats)
@@ -316,7 +337,7 @@ def chat_turn(session: Session, text: str | dict, calls: CallsToAnswer, options:
         print(f"{stats.reply}{format_alternatives(stats)}", end="")
     if stats.tool_calls:
         print(f"\n{format_calls(stats)}", end="")
-    print(f"\n  {format_stats(stats)}")
+    print(f"{format_heard(stats)}\n  {format_stats(stats)}")
     if stats.error:
         print(f"  error: {stats.error_words(CLI_WORDS)}")
     return stats
@@ -336,8 +357,10 @@ def confirm_calls(session: Session, stats: TurnStats, calls: CallsToAnswer, opti
             chat_turn(session, calls.declined(call), calls, options)
 
 
-def run_interactive(session: Session, options: dict | None = None, confirm_below: float = 0.0) -> None:
-    """A terminal chat with streaming replies; a command or turn that fails is one line and the session is kept."""
+def run_interactive(session: Session, options: dict | None = None, confirm_below: float = 0.0,
+                    audio_limits: AudioLimits | None = None) -> None:
+    """A terminal chat with streaming replies (/audio clips read under ``audio_limits``); a command or turn that
+    fails is one line and the session is kept."""
     system = session.messages[0]["content"] if session.messages and session.messages[0]["role"] == "system" else None
     calls = CallsToAnswer()
     tools = session.tools
@@ -369,6 +392,15 @@ def run_interactive(session: Session, options: dict | None = None, confirm_below
                 attached += read_pictures([argument.strip()] if argument.strip() else [])
                 print(f"({len(attached)} picture(s) attached, shown with your next message)" if argument.strip()
                       else "usage: /image PATH (a PNG, JPEG or WebP the next message shows)")
+            elif command == "/audio" and not argument.strip():
+                print("usage: /audio PATH (a WAV clip, any rate and channels: resampled to 16 kHz mono; said as your "
+                      "next message)")
+            elif command == "/audio":
+                clips = read_clips([argument.strip()], audio_limits)
+                pictures, attached = attached, []
+                stats = chat_turn(session, "", calls, options, pictures, clips)
+                if stats:
+                    confirm_calls(session, stats, calls, options, confirm_below)
             elif command.startswith("/"):
                 print(run_command(session, command, argument.strip()))
             else:
@@ -381,6 +413,40 @@ def run_interactive(session: Session, options: dict | None = None, confirm_below
             print(f"\n  error: {cli_message(err) or type(err).__name__} (the conversation is kept{again})", flush=True)
 
 
+def run_listen(session: Session, source: BinaryIO, config: ListenConfig, as_json: bool,
+               options: dict | None = None) -> None:
+    """Each utterance of a raw PCM stream as a turn, what was heard printed with the reply (``as_json``: one JSON
+    object per turn); an utterance that cannot be taken is one line and the listener goes on."""
+    calls = CallsToAnswer()
+    print(f"cabin-chat: listening (an utterance ends after {config.silence_s:g} s of silence); "
+          f"{session.describe_kv()}", file=sys.stderr, flush=True)
+    for clip in listen(source, config):
+        try:
+            if as_json:
+                stats = session.chat("", audio=[clip], **(options or {}))
+                print(json.dumps(stats.to_dict(CLI_WORDS), ensure_ascii=False), flush=True)
+            else:
+                print(f"({clip.name}, {clip.seconds:.1f} s)", flush=True)
+                chat_turn(session, "", calls, options, audio=[clip])
+        except AudioError as err:
+            print(f"\ncabin-chat: error: {cli_message(err)}; listening on", file=sys.stderr, flush=True)
+    if not as_json:
+        print(f"after {session.turns} turns: {session.describe_kv()}")
+
+
+def check_modes(args: argparse.Namespace) -> None:
+    """ConfigError where cabin-chat's ways of taking messages are mixed or cannot run here."""
+    if args.listen is None:
+        return
+    if args.script:
+        raise ConfigError("--listen and --script are two sources of messages; give one of them")
+    if args.confirm_below:
+        raise ConfigError("--confirm-below asks on the terminal, which --listen leaves to the audio; leave one out")
+    if args.listen == "-" and sys.stdin.isatty():
+        raise ConfigError("--listen - reads raw PCM from standard input, which is a terminal here; pipe a recorder "
+                          "into it (arecord -f S16_LE -r 16000 -c 1 | cabin-chat ... --listen -)")
+
+
 @entry_point("cabin-chat")
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
@@ -389,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         system, turns = read_script(args.script) if args.script else (None, [])
         if args.system and (problem := text_problem(args.system)):
             raise ConfigError(f"--system {problem}")
+        check_modes(args)
+        _, audio_limits, listen_config = speech_settings(args)
         if args.htp_arch is not None and args.ort_provider != "qnn":
             raise ConfigError(f"--htp-arch names the HTP of --ort-provider qnn, not {args.ort_provider}; add "
                               "--ort-provider qnn or leave --htp-arch out")
@@ -402,10 +470,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.script:
-            run_script(session, turns, args.json, options, args.confirm_below)
+            run_script(session, turns, args.json, options, args.confirm_below, audio_limits)
+        elif args.listen is not None:
+            with open(args.listen, "rb") if args.listen != "-" else contextlib.nullcontext(sys.stdin.buffer) as source:
+                run_listen(session, source, listen_config, args.json, options)
         else:
-            run_interactive(session, options, args.confirm_below)
-    except ConfigError as err:  # the backend cannot run the turns as asked (several replies)
+            run_interactive(session, options, args.confirm_below, audio_limits)
+    except (ConfigError, AudioError) as err:  # the backend cannot run the turns as asked; the stream failed
         print(f"cabin-chat: error: {cli_message(err)}", file=sys.stderr)
         return 2
     except OSError as err:  # the output: a full disk under --json > FILE

@@ -4,6 +4,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from cabinllm.runtime.backends.select import SessionRequest
 from cabinllm.runtime.backends.select import open_session as select_open_session
 from cabinllm.runtime.backends.trtllm import TrtllmSession, beam_kv_blocks, beam_kv_blocks_up_to, kv_settings
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
-from cabinllm.runtime.errors import ConfigError, ImageError
+from cabinllm.runtime.errors import AudioError, ConfigError, ImageError
 from cabinllm.runtime.formats.engine_folder import TRT_ENGINE_DIR
 from cabinllm.runtime.generation.beam import NEVER, BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
@@ -19,7 +20,9 @@ from cabinllm.runtime.kv.blocks import cdiv
 from cabinllm.runtime.kv.cache import DEFAULT_KV_BYTES, KvCacheConfig
 from cabinllm.runtime.kv.storage import KVLayout
 from cabinllm.runtime.model.tools import Tool
+from cabinllm.runtime.speech.audio import Clip
 from cli_words import raises_in_cli_words
+from speech_helpers import needs_espeak, spoken
 
 SYSTEM = "You are the in-car assistant."
 REPLY = "set cabin temperature"  # the fake engine's reply, in words both the tiny and the default tokenizer spell back
@@ -643,3 +646,17 @@ def test_a_text_engine_refuses_pictures_and_the_session_goes_on(fake_trtllm, eng
     with pytest.raises(ImageError, match="takes text only; pictures need an engine built from a vision-language"):
         session.chat("what does the camera show?", images=[("cam.png", b"\x89PNG")])
     assert session.chat("hello").reply == REPLY and not fake_trtllm.calls[0]["prompt_table"]
+
+
+@needs_espeak
+def test_a_spoken_message_is_sent_as_its_transcript_and_a_silent_one_changes_nothing(fake_trtllm, engine, tmp_path):
+    session = open_session(engine, tmp_path, "fp16", "error")
+    with pytest.raises(AudioError, match="quiet.wav: no words heard"):
+        session.chat("", audio=[Clip.from_pcm(np.zeros(16_000), "quiet.wav")])
+    assert session.turns == 0 and not fake_trtllm.calls
+    stats = session.chat("", audio=[spoken("turn the temperature up to twenty two degrees", tmp_path)])
+    heard = stats.heard[0]["text"]
+    assert "22 degrees" in heard and session.messages[-2] == {"role": "user", "content": heard}
+    assert stats.reply == REPLY
+    open_session(engine, tmp_path, "fp16", "error").chat(heard)  # typed: the same prompt
+    assert fake_trtllm.calls[1]["input_ids"] == fake_trtllm.calls[0]["input_ids"]

@@ -25,6 +25,8 @@ from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import Tool
 from cabinllm.runtime.model.audio import AUDIO_FOLDER, AudioEncoder
 from cabinllm.runtime.model.vision import VISION_FOLDER, ImageLimits, Vision
+from cabinllm.runtime.speech.asr import AsrConfig
+from cabinllm.runtime.speech.audio import AudioLimits
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class SessionRequest:
     max_sequences: int = 1  # sequences a turn runs at once (choices, beams): the windows a sliding-window model keeps
     image_limits: ImageLimits = field(default_factory=ImageLimits)  # a vision-language engine's caps on pictures
     device: str = "cpu"  # where the reference backend's model runs (cuda: the CUDA runner)
+    asr: AsrConfig = AsrConfig()  # the speech front end that hears the user's clips on a text engine
+    audio_limits: AudioLimits = field(default_factory=AudioLimits)  # caps on the clips one message may send
 
     def __post_init__(self) -> None:
         """Folders given as text become paths."""
@@ -98,10 +102,10 @@ def _open_dialogue(request: SessionRequest, engine: Engine) -> DialogueSession:
     """A session on our paged cache (restored when asked) for an engine whose model runs anywhere."""
     cache = engine.new_cache(request.kv_cache, request.max_sequences)
     if request.restore:
-        return DialogueSession.restore(request.restore, engine, cache)
+        return DialogueSession.restore(request.restore, engine, cache, request.asr, request.audio_limits)
     params = dataclasses.replace(request.params, stop_token_ids=engine.stop_token_ids())
     return DialogueSession(engine, cache, params, request.system, request.overflow, list(request.tools),
-                           request.tool_choice)
+                           request.tool_choice, request.asr, request.audio_limits)
 
 
 def _open_trtllm(request: SessionRequest) -> TrtllmSession:
@@ -116,7 +120,8 @@ def _open_trtllm(request: SessionRequest) -> TrtllmSession:
     vision, audio, model_config = folder.path / VISION_FOLDER, folder.path / AUDIO_FOLDER, folder.config()
     return TrtllmSession(folder.path, tokenizer, KVLayout.of(model_config), config, params, request.system,
                          request.overflow, Vision(vision, request.image_limits) if vision.is_dir() else None,
-                         model_config.vocab_size, AudioEncoder(audio) if audio.is_dir() else None)
+                         model_config.vocab_size, AudioEncoder(audio) if audio.is_dir() else None, request.asr,
+                         request.audio_limits)
 
 
 BACKENDS: dict[str, Callable[[SessionRequest], Session]] = {

@@ -37,7 +37,8 @@ from cabinllm.runtime.model.tools import Tool
 from cabinllm.runtime.model.interface import MediaRows
 from cabinllm.runtime.model.audio import AudioEncoder, PreparedClip
 from cabinllm.runtime.model.vision import PreparedImage, Vision
-from cabinllm.runtime.speech.audio import Clip
+from cabinllm.runtime.speech.asr import AsrConfig, spoken_message
+from cabinllm.runtime.speech.audio import AudioLimits, Clip
 
 # Constrained decoding: docs/trtllm-backend.md, "Constrained decoding".
 # A ConfigError's message and hints: raise ConfigError(*TRTLLM_NO_GRAMMAR)
@@ -217,12 +218,16 @@ class TrtllmSession:
     def __init__(self, engine_folder: str | Path, tokenizer: ChatTokenizer, layout: KVLayout, config: KvCacheConfig,
                  params: SamplingParams, system_prompt: str | None = None,
                  overflow: OverflowPolicy | None = None, vision: Vision | None = None,
-                 vocab_size: int = 0, audio: AudioEncoder | None = None) -> None:
+                 vocab_size: int = 0, audio: AudioEncoder | None = None, asr: AsrConfig | None = None,
+                 audio_limits: AudioLimits | None = None) -> None:
         """``vision``: a vision-language engine's pictures (its ``vision/``), ``audio``: an audio-language engine's
-        clips (its ``audio/``), whose rows the engine's ``vocab_size`` fake ids point at."""
+        clips (its ``audio/``), whose rows the engine's ``vocab_size`` fake ids point at; ``asr``: the speech front
+        end that hears the user's clips (a text engine's message, an audio engine's transcripts), ``audio_limits``
+        their caps."""
         from tensorrt_llm.runtime import ModelRunnerCpp
 
         self.tokenizer, self.params, self.config = tokenizer, params, config
+        self.asr, self.audio_limits = asr or AsrConfig(), audio_limits or AudioLimits()
         self.vision, self.audio, self.vocab_size = vision, audio, vocab_size
         self.images: dict[str, PreparedImage] = {}  # the conversation's pictures by digest (hex)
         self.clips: dict[str, PreparedClip] = {}  # its audio clips by digest (hex)
@@ -256,10 +261,22 @@ class TrtllmSession:
         ``tool_choice`` changes nothing. ``n`` > 1 samples that many replies (num_return_sequences), ``beam`` runs
         TensorRT-LLM's beam search: the conversation goes on with the first reply (the best beam), the others are
         ``alternatives`` (neither streams its text). ``images``: (name, bytes) of pictures the message shows, sent as
-        a prompt table (docs/trtllm-backend.md); ``audio``: clips of speech the message holds, sent the same way on an
+        a prompt table (docs/trtllm-backend.md); ``audio``: clips the user spoke, heard by the speech front end on a
+        text engine (``_with_audio``, what was heard in ``TurnStats.heard``), sent as pictures are on an
         audio-language engine; ImageError or AudioError before anything changes where they cannot be taken."""
         self._check_forks(n, beam)
         message = message if isinstance(message, dict) else {"role": "user", "content": message}
+        heard: list[dict] = []
+        if audio and self.audio is None:
+            message, heard, audio = *self._with_audio(message, audio), None
+        stats = self._answer(message, on_text, should_stop, n, beam, images, audio)
+        stats.heard = heard
+        return stats
+
+    def _answer(self, message: dict, on_text: Callable[[str], None] | None, should_stop: Callable[[], bool] | None,
+                n: int, beam: BeamParams | None, images: list[tuple[str, bytes]] | None,
+                audio: list[Clip] | None) -> TurnStats:
+        """The turn of ``chat`` once its message is text (with pictures, or an audio-language engine's clips)."""
         held, clips = dict(self.images), dict(self.clips)
         if images:
             message = self._with_images(message, images, held)
@@ -349,6 +366,11 @@ class TrtllmSession:
             raise ConfigError(f"TensorRT-LLM takes length_penalty >= 0 (its SamplingConfig refuses "
                               f"{beam.length_penalty}); ask for one >= 0", (Hint(Fix.BACKEND, "reference"),))
 
+    def _with_audio(self, message: dict, audio: list[Clip]) -> tuple[dict, list[dict]]:
+        """The message as its clips' transcripts, then its text, and what was heard (the speech front end runs on the
+        CPU beside the engine); AudioError where a clip cannot be taken."""
+        return spoken_message(message, audio, self.asr, self.audio_limits)
+
     def _with_images(self, message: dict, images: list[tuple[str, bytes]], held: dict[str, PreparedImage]) -> dict:
         """The message with its pictures as image parts, prepared into ``held``; ImageError where this engine and
         runner cannot take them."""
@@ -366,14 +388,11 @@ class TrtllmSession:
     def _with_clips(self, message: dict, clips: list[Clip], held: dict[str, PreparedClip]) -> dict:
         """The message with its clips as audio parts, prepared into ``held``; AudioError where this engine cannot
         take them."""
-        if self.audio is None:
-            raise AudioError(f"{self.engine_dir.parent} has no audio encoder; speech needs an engine built from an "
-                             "audio-language model (Qwen2-Audio) or the speech front end's transcript",
-                             (Hint(Fix.INSTALL_VOICE),))
         if not self.table_rows:
             raise AudioError(f"{self.engine_dir} was built without a prompt table for audio "
                              "(build_config.max_prompt_embedding_table_size 0)", (Hint(Fix.BUILD_VISION),))
-        return with_transcripts(self.audio.audio_message(message, clips, held), clips, self.audio.transcripts)
+        return with_transcripts(self.audio.audio_message(message, clips, held), clips, self.audio.transcripts,
+                                self.asr)
 
     def _prompt_table(self, plan: TurnPlan, held: dict[str, PreparedImage],
                       clips: dict[str, PreparedClip]) -> PromptTable:

@@ -16,6 +16,7 @@ from cabinllm.runtime.errors import CabinError, Fix, Hint
 from cabinllm.runtime.generation.beam import BeamParams
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.model.tools import Tool
+from cabinllm.runtime.speech.audio import Clip
 
 
 @dataclass
@@ -42,6 +43,7 @@ class TurnStats:
     hints: tuple[Hint, ...] = ()  # what the user can change about ``error``; front ends word them
     call_confidence: list[float] = field(default_factory=list)  # per call: the probability of its function's name
     compacted: list[Compacted] = field(default_factory=list)  # media of answered turns replaced by text this turn
+    heard: list[dict] = field(default_factory=list)  # the message's clips: name and Transcript.to_dict() (rtf)
 
     def error_words(self, phrases: Mapping[Fix, str | None] | None = None) -> str | None:
         """The error with its hints in a front end's ``phrases`` (the library's words by default)."""
@@ -68,13 +70,16 @@ class Session(Protocol):
 
     def chat(self, message: str | dict, on_text: Callable[[str], None] | None = None,
              should_stop: Callable[[], bool] | None = None, tool_choice: str | None = None, n: int = 1,
-             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None) -> TurnStats:
+             beam: BeamParams | None = None, images: list[tuple[str, bytes]] | None = None,
+             audio: list[Clip] | None = None) -> TurnStats:
         """Answer one message (text: the user's; a dict: a message such as a tool's result), streaming the reply's
         text; ``tool_choice`` for this reply (None: the session's). ``n`` > 1 samples that many replies from one
         prefill, ``beam`` runs a beam search instead of sampling: the conversation goes on with the first reply
         (the best beam), the others come as ``alternatives``. ``images``: (name, bytes) of the pictures the message
-        shows (ImageError, nothing changed, where one cannot be taken). A turn that cannot fit ends with
-        finish_reason 'capacity' and the session stays usable."""
+        shows (ImageError, nothing changed, where one cannot be taken). ``audio``: clips the user spoke; on a text
+        engine the message is their transcript, then its text (AudioError, nothing changed, where one cannot be
+        taken or no speech front end is installed), and ``TurnStats.heard`` says what was heard. A turn that cannot
+        fit ends with finish_reason 'capacity' and the session stays usable."""
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""

@@ -10,10 +10,11 @@ first of them still cached), then the policy; a picture no message shows any mor
 to and restored from session files (cabinllm.runtime.dialogue.session_file).
 Pictures sent with a message (a vision-language engine) are decoded, checked against the engine's caps and expanded
 into their tokens before anything runs; their rows come from the engine's encoder (or its feature cache) only for
-the tokens not reused from the cache. Speech sent to an audio-language engine (Qwen2-Audio) goes the same way: each
-clip is a medium of the message (an audio part keyed by ``Clip.digest``, with the speech front end's transcript where
-it is installed: what compaction replaces the clip by), its tokens the processor's expansion. A
-session given ``tools`` shows them to the model and constrains each reply by ``tool_choice``
+the tokens not reused from the cache. Clips the user speaks are heard by the speech front end on a text engine: the
+message is their transcript (cabinllm.runtime.speech.asr.spoken_message). An audio-language engine (Qwen2-Audio)
+takes them as pictures are taken: each clip is a medium of the message (an audio part keyed by ``Clip.digest``, with
+the speech front end's transcript where it is installed: what compaction replaces the clip by), its tokens the
+processor's expansion. A session given ``tools`` shows them to the model and constrains each reply by ``tool_choice``
 (cabinllm.runtime.generation.grammar) to one call or none; a reply that calls comes back as
 ``TurnStats.tool_calls`` and the next message answers it (role ``tool``).
 """
@@ -46,18 +47,18 @@ from cabinllm.runtime.model.media import EncodedRows
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
 from cabinllm.runtime.model.tools import ContentStream, Tool, ToolCall, ToolFormat
 from cabinllm.runtime.model.vision import PreparedImage
-from cabinllm.runtime.speech.asr import front_end
-from cabinllm.runtime.speech.audio import Clip
+from cabinllm.runtime.speech.asr import AsrConfig, front_end, spoken_message
+from cabinllm.runtime.speech.audio import AudioLimits, Clip
 
 
-def with_transcripts(message: dict, clips: list[Clip], heard: OrderedDict[bytes, str]) -> dict:
+def with_transcripts(message: dict, clips: list[Clip], heard: OrderedDict[bytes, str], config: AsrConfig) -> dict:
     """The message with each audio part's transcript (``"transcript"``: the speech front end's words for its clip)
     where the front end is installed and hears words; as it is without one (compaction then names the clip).
     ``heard``: transcripts by clip digest (an engine's), taken from there and kept there, the oldest let go."""
     new = {clip.digest: clip for clip in clips if clip.digest not in heard}
     if new:
         try:
-            asr = front_end()
+            asr = front_end(config)
         except AudioError:
             return message
         heard.update({digest: asr.transcribe(clip).text for digest, clip in new.items()})
@@ -76,9 +77,12 @@ class DialogueSession:
 
     def __init__(self, engine: Engine, cache: PagedKVCache, params: SamplingParams | None = None,
                  system_prompt: str | None = None, overflow: OverflowPolicy | None = None,
-                 tools: list[Tool] | None = None, tool_choice: str = "auto") -> None:
-        """``tools`` the replies may call as ``tool_choice`` allows ("auto", "required", "none" or a tool's name)."""
+                 tools: list[Tool] | None = None, tool_choice: str = "auto", asr: AsrConfig | None = None,
+                 audio_limits: AudioLimits | None = None) -> None:
+        """``tools`` the replies may call as ``tool_choice`` allows ("auto", "required", "none" or a tool's name);
+        ``asr``: the speech front end that hears the user's clips, ``audio_limits`` their caps."""
         self.engine, self.cache = engine, cache
+        self.asr, self.audio_limits = asr or AsrConfig(), audio_limits or AudioLimits()
         self.tools, self.tool_choice = list(tools or []), tool_choice
         self.params = params or SamplingParams(stop_token_ids=engine.stop_token_ids())
         self.overflow = overflow or OverflowPolicy("error")
@@ -113,11 +117,23 @@ class DialogueSession:
         reply only (None: the session's). ``n`` > 1: that many sampled replies from one prefill (seeds ``seed``,
         ``seed + 1``, ...); ``beam``: a beam search; the conversation goes on with the first reply (the best beam),
         the others are ``alternatives`` (neither streams). ``images``: (name, bytes) of pictures the user's message
-        shows, before its text; ``audio``: clips of speech the message holds, before its text (an audio-language engine
-        keeps each as a medium of the message). A turn that cannot fit ends with finish_reason 'capacity'; a picture
-        or clip that cannot be taken raises ImageError or AudioError before anything changes."""
+        shows, before its text. ``audio``: clips the user spoke: heard by the speech front end on a text engine
+        (``_with_audio``, what was heard in ``TurnStats.heard``), media of the message on an audio-language engine.
+        A turn that cannot fit ends with finish_reason 'capacity'; a picture or clip that cannot be taken raises
+        ImageError or AudioError before anything changes."""
         self._check_forks(n, beam)
         message = message if isinstance(message, dict) else {"role": "user", "content": message}
+        heard: list[dict] = []
+        if audio and self.engine.audio is None:
+            message, heard, audio = *self._with_audio(message, audio), None
+        stats = self._answer(message, on_text, should_stop, tool_choice, n, beam, images, audio)
+        stats.heard = heard
+        return stats
+
+    def _answer(self, message: dict, on_text: Callable[[str], None] | None, should_stop: Callable[[], bool] | None,
+                tool_choice: str | None, n: int, beam: BeamParams | None, images: list[tuple[str, bytes]] | None,
+                audio: list[Clip] | None) -> TurnStats:
+        """The turn of ``chat`` once its message is text (with pictures, or an audio-language engine's clips)."""
         if images:
             message = self._with_images(message, images)
         if audio:
@@ -215,14 +231,17 @@ class DialogueSession:
         return vision.image_message(message, images, self.images)
 
     def _with_clips(self, message: dict, clips: list[Clip]) -> dict:
-        """The message with its clips as audio parts (prepared and kept by digest) on an audio-language engine;
-        AudioError naming the clip and the cap where one cannot be taken."""
+        """The message with its clips as audio parts (prepared and kept by digest) on an audio-language engine, each
+        with its transcript where the speech front end hears one; AudioError naming the clip and the cap where one
+        cannot be taken."""
         encoder = self.engine.audio
-        if encoder is None:
-            raise AudioError(f"{self.engine.folder} has no audio encoder; speech needs an engine built from an "
-                             "audio-language model (Qwen2-Audio) or the speech front end's transcript",
-                             (Hint(Fix.INSTALL_VOICE),))
-        return with_transcripts(encoder.audio_message(message, clips, self.clips), clips, encoder.transcripts)
+        return with_transcripts(encoder.audio_message(message, clips, self.clips), clips, encoder.transcripts,
+                                self.asr)
+
+    def _with_audio(self, message: dict, audio: list[Clip]) -> tuple[dict, list[dict]]:
+        """The message as its clips' transcripts, then its text, and what was heard (a text engine hears through the
+        speech front end); AudioError where a clip cannot be taken."""
+        return spoken_message(message, audio, self.asr, self.audio_limits)
 
     def _pictures_of(self, message: dict) -> list[tuple[str, int]]:
         """(name, tokens) of the pictures a message shows."""
@@ -283,9 +302,10 @@ class DialogueSession:
         return len(self.seq)
 
     @classmethod
-    def restore(cls, path: str | Path, engine: Engine, cache: PagedKVCache | None = None) -> "DialogueSession":
+    def restore(cls, path: str | Path, engine: Engine, cache: PagedKVCache | None = None, asr: AsrConfig | None = None,
+                audio_limits: AudioLimits | None = None) -> "DialogueSession":
         """Continue a saved session on an engine of the same model and scales, without re-prefill
-        (in a new cache like the saved one if none is given)."""
+        (in a new cache like the saved one if none is given; ``asr``, ``audio_limits``: as the constructor's)."""
         header, tensors = read_session_file(path)
         if header["model_fingerprint"] != engine.fingerprint:
             raise SessionFileError(f"{path}: saved with model {header['model_fingerprint']}, this engine runs "
@@ -303,7 +323,7 @@ class DialogueSession:
                    engine.config.max_position_embeddings)
         tools = [Tool.from_openai(tool) for tool in header.get("tools", [])]
         session = cls(engine, cache, SamplingParams(**header["params"]), header["system_prompt"],
-                      OverflowPolicy(**header["overflow"]), tools, header.get("tool_choice", "auto"))
+                      OverflowPolicy(**header["overflow"]), tools, header.get("tool_choice", "auto"), asr, audio_limits)
         fed = header["fed"]
         names = header["image_names"]  # as the pictures were sent, for the markers that may replace them
         images = {d: PreparedImage.from_json(d, image) for d, image in header["images"].items()}

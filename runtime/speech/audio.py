@@ -12,6 +12,7 @@ import io
 import wave
 from dataclasses import dataclass, field
 from math import gcd
+from pathlib import Path
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from cabinllm.runtime.errors import AudioError, Fix, Hint
 SAMPLE_RATE = 16_000
 MIN_SECONDS = 0.1
 RATES = (1_000, 192_000)  # sample rates read: resampling an odd rate far beyond these would take gigabytes
+RAW_SUFFIXES = (".raw", ".pcm")  # files read as raw 16-bit little-endian 16 kHz mono PCM
 
 
 @dataclass
@@ -111,6 +113,20 @@ def read_wav(data: bytes, name: str, limits: AudioLimits | None = None) -> Clip:
     if len(pcm) > rate * limits.max_seconds:  # refuse before resampling a long clip
         raise too_long(name, len(pcm) / rate, limits)
     return check_length(Clip.from_pcm(resample(pcm, rate), name), limits)
+
+
+def read_clips(paths: list[str | Path], limits: AudioLimits | None = None) -> list[Clip]:
+    """Clips of audio files (WAV; ``.raw`` / ``.pcm``: raw 16-bit 16 kHz mono PCM), named by their file names;
+    AudioError naming one that cannot be read or taken."""
+    clips = []
+    for path in map(Path, paths):
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise AudioError(f"{path}: cannot read the audio ({err.strerror}); check the path") from err
+        read = read_pcm if path.suffix.lower() in RAW_SUFFIXES else read_wav
+        clips.append(read(data, path.name, limits))
+    return clips
 
 
 def resample(pcm: np.ndarray, rate: int) -> np.ndarray:
