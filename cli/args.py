@@ -82,11 +82,12 @@ def add_image_flags(parser: argparse.ArgumentParser) -> None:
                             help=f"{help_of(ImageLimits, cap.name)} (default {cap.default:,})")
 
 
-def add_speech_flags(parser: argparse.ArgumentParser) -> None:
+def add_speech_flags(parser: argparse.ArgumentParser, listen: bool = False) -> None:
     """The speech front end's flags (AsrConfig's fields with a help, as --asr-*), the caps on a message's clips
-    (AudioLimits', as --audio-*) and where --listen cuts a stream (ListenConfig's, as --listen-*)."""
+    (AudioLimits', as --audio-*) and, with ``listen``, where --listen cuts a stream (ListenConfig's, as --listen-*)."""
     kinds = {int: positive_int, float: positive_float, str: str}
-    for config, prefix in ((AsrConfig, "asr"), (AudioLimits, "audio"), (ListenConfig, "listen")):
+    configs = ((AsrConfig, "asr"), (AudioLimits, "audio")) + (((ListenConfig, "listen"),) if listen else ())
+    for config, prefix in configs:
         for option in (option for option in dataclasses.fields(config) if "help" in option.metadata):
             kind = float_range(0, 1) if option.name == "threshold" else kinds[type(option.default)]
             words = option.metadata["help"]
@@ -97,14 +98,21 @@ def add_speech_flags(parser: argparse.ArgumentParser) -> None:
                                 help=words)
 
 
-def speech_settings(args: argparse.Namespace) -> tuple[AsrConfig, AudioLimits, ListenConfig]:
-    """The AsrConfig, AudioLimits and ListenConfig of add_speech_flags' flags; ConfigError where an utterance the
-    listener may cut is longer than a clip may be."""
+def speech_settings(args: argparse.Namespace) -> tuple[AsrConfig, AudioLimits, ListenConfig | None]:
+    """The AsrConfig, AudioLimits and ListenConfig (None without the --listen-* flags) of add_speech_flags' flags;
+    ConfigError for an --asr-model folder that holds no model, or where an utterance the listener may cut is longer
+    than a clip may be."""
     def of(config: type, prefix: str):
         return config(**{option.name: getattr(args, f"{prefix}_{option.name}") for option in dataclasses.fields(config)
                          if "help" in option.metadata})
 
-    asr, limits, listen = of(AsrConfig, "asr"), of(AudioLimits, "audio"), of(ListenConfig, "listen")
+    asr, limits = of(AsrConfig, "asr"), of(AudioLimits, "audio")
+    if asr.model and not (Path(asr.model) / "model.bin").is_file():
+        raise ConfigError(f"--asr-model {asr.model}: no CTranslate2 Whisper model there (model.bin); give the folder "
+                          "of a converted Whisper model, or leave it out for Whisper tiny.en")
+    if not hasattr(args, "listen_silence_s"):
+        return asr, limits, None
+    listen = of(ListenConfig, "listen")
     if listen.max_utterance_s > limits.max_seconds:
         raise ConfigError(f"--listen-max-utterance-s {listen.max_utterance_s:g} is longer than the "
                           f"{limits.max_seconds:g} s a clip may take (--audio-max-seconds); lower it")
@@ -114,35 +122,6 @@ def speech_settings(args: argparse.Namespace) -> tuple[AsrConfig, AudioLimits, L
 def image_limits(args: argparse.Namespace) -> ImageLimits:
     """The picture caps of the flags."""
     return ImageLimits(**{cap.name: getattr(args, cap.name) for cap in dataclasses.fields(ImageLimits)})
-
-
-def add_speech_flags(parser: argparse.ArgumentParser) -> None:
-    """The speech front end (``--asr-*``: AsrConfig's fields with a help) and the caps on the clips a message may send
-    (``--audio-*``: AudioLimits' fields)."""
-    for option in dataclasses.fields(AsrConfig):
-        if "help" in option.metadata:
-            number = option.type == "int"
-            parser.add_argument("--asr-" + option.name, dest="asr_" + option.name, type=positive_int if number else str,
-                                default=option.default, help=help_of(AsrConfig, option.name)
-                                + (f" (default {option.default:,})" if number else ""))
-    for cap in dataclasses.fields(AudioLimits):
-        parser.add_argument("--audio-" + cap.name.replace("_", "-"), dest="audio_" + cap.name,
-                            type=positive_float if cap.type == "float" else positive_int, default=cap.default,
-                            help=f"{help_of(AudioLimits, cap.name)} (default {cap.default:g})")
-
-
-def asr_config(args: argparse.Namespace) -> AsrConfig:
-    """The speech front end of the flags; ConfigError for a model folder that is not one."""
-    options = {f.name: getattr(args, "asr_" + f.name) for f in dataclasses.fields(AsrConfig) if "help" in f.metadata}
-    if options["model"] and not (Path(options["model"]) / "model.bin").is_file():
-        raise ConfigError(f"--asr-model {options['model']}: no CTranslate2 Whisper model there (model.bin); give the "
-                          "folder of a converted Whisper model, or leave it out for Whisper tiny.en")
-    return AsrConfig(**options)
-
-
-def audio_limits(args: argparse.Namespace) -> AudioLimits:
-    """The clip caps of the flags."""
-    return AudioLimits(**{cap.name: getattr(args, "audio_" + cap.name) for cap in dataclasses.fields(AudioLimits)})
 
 
 def kv_mode_choice(modes: Sequence[str]) -> Callable[[str], str]:
@@ -313,8 +292,6 @@ CLI_WORDS: dict[Fix, str] = {
     Fix.RAISE_MAX_QUEUE: "raise cabin-serve's --max-queue (now {})",
     Fix.DEVICE: "run with --device {}",
     Fix.KV_MODE: "choose --kv-cache {}",
-    Fix.SHORTER_AUDIO: "send clips of {} at most (--audio-max-seconds)",
-    Fix.INSTALL_VOICE: "install the speech front end: pip install 'cabinllm[voice]'",
 }
 
 

@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "none; a script's system line wins)")
     add_cache_flags(parser)
     add_image_flags(parser)
-    add_speech_flags(parser)
+    add_speech_flags(parser, listen=True)
     parser.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
                         help="tensorrt-llm runs the engine's trt_engine/ through ModelRunnerCpp (needs tensorrt_llm); "
                              "onnxruntime runs the graphs of a cabin-export folder on our paged cache; reference runs "

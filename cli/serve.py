@@ -12,8 +12,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from cabinllm.cli.args import (add_cache_flags, add_device_flag, add_image_flags, add_speech_flags, add_thread_flag,
-                               asr_config, audio_limits, cli_message, entry_point, help_of, image_limits, int_range,
-                               kv_cache_config, positive_float, positive_int, use_threads)
+                               cli_message, entry_point, help_of, image_limits, int_range, kv_cache_config,
+                               positive_float, positive_int, speech_settings, use_threads)
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.generation.grammar import MAX_TOOL_CALLS
@@ -100,7 +100,7 @@ def build(args: argparse.Namespace) -> FastAPI:
     """The engine, its core and the app for these options; CabinError and OSError on bad ones."""
     key = api_key(args)
     kv_cache = kv_cache_config(args)
-    asr = asr_config(args)
+    asr, audio_limits, _ = speech_settings(args)
     use_threads(args)
     engine = Engine.load(args.engine, args.device)
     if engine.vision is not None:
@@ -109,7 +109,7 @@ def build(args: argparse.Namespace) -> FastAPI:
     core = engine.new_core(cache, SchedulerConfig(args.max_sessions, args.max_queue, args.prefill_chunk,
                                                   args.queue_timeout))
     config = ServeConfig(args.model_name or Path(args.engine).resolve().name, args.overflow,
-                         args.max_tokens, args.max_n, args.max_tool_calls, asr, audio_limits(args))
+                         args.max_tokens, args.max_n, args.max_tool_calls, asr, audio_limits)
     return create_app(engine, core, config, limits(args), key)
 
 

@@ -188,7 +188,7 @@ def test_a_clip_carries_its_transcript_into_the_session_file_and_compacts_to_it_
     assert text == {"type": "text", "text": f"[audio: {part['transcript']}]"}
     assert (record.name, record.kind, record.replacement) == ("heat.wav", "audio", "transcript")
 
-    def missing() -> None:
+    def missing(_config) -> None:
         raise AudioError("the speech front end is not installed")
 
     monkeypatch.setattr(session_module, "front_end", missing)

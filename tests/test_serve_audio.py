@@ -26,7 +26,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cabinllm.cli.args import asr_config, audio_limits
+from cabinllm.cli.args import speech_settings
 from cabinllm.cli.chat import BUILTIN_TOOLS
 from cabinllm.cli.serve import parse_args
 from cabinllm.runtime.dialogue.overflow import OverflowPolicy
@@ -296,10 +296,10 @@ def test_no_fuzzed_clip_gets_a_5xx(server, body, fmt):
 def test_the_speech_flags_make_the_front_end_and_the_clip_caps(tmp_path, tiny_engine_dir):
     args = parse_args(["--engine", str(tiny_engine_dir), "--asr-threads", "2", "--audio-max-seconds", "30",
                        "--audio-max-clips", "1", "--max-request-audio", "90"])
-    assert asr_config(args) == AsrConfig(threads=2) and audio_limits(args) == AudioLimits(30.0, 1)
+    assert speech_settings(args) == (AsrConfig(threads=2), AudioLimits(30.0, 1), None)
     assert args.max_request_audio_s == 90.0
     with pytest.raises(ConfigError, match="--asr-model .*: no CTranslate2 Whisper model there"):
-        asr_config(parse_args(["--engine", str(tiny_engine_dir), "--asr-model", str(tmp_path)]))
+        speech_settings(parse_args(["--engine", str(tiny_engine_dir), "--asr-model", str(tmp_path)]))
 
 
 def test_the_default_model_calls_the_tool_a_spoken_command_asks_for(default_engine_dir, spoken):
