@@ -2,8 +2,8 @@
 # The main job on the embedded default model (SmolLM2-135M-Instruct), end to end:
 # set up if needed, calibrate KV scales on the built-in cockpit dialogues, plan memory for a
 # Jetson Orin Nano, build an INT8-KV engine with equalization, play a scripted dialogue with
-# FP16 and with INT8 KV (memory used), call the car's functions under a grammar, and measure INT8
-# quality against full precision.
+# FP16 and with INT8 KV (memory used), call the car's functions under a grammar, speak a command that
+# becomes a call, and measure INT8 quality against full precision.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -34,7 +34,14 @@ echo; echo "=== 5. the assistant acts on the car: replies constrained to calls o
 "$BIN/cabin-chat" --engine "$ENGINE" --script scripts/demo_tools.jsonl --tools builtin --tool-choice required \
     --kv-budget-mb 32 --max-new-tokens 128
 
-echo; echo "=== 6. quality of INT8 KV against full precision (held-out built-in dialogues) ==="
+echo; echo "=== 6. a spoken command becomes a tool call (espeak-ng speaks it, Whisper tiny.en hears it) ==="
+if command -v espeak-ng >/dev/null && command -v sox >/dev/null; then
+    CABIN_ENGINE="$ENGINE" bash scripts/demo_voice.sh
+else
+    echo "skipped: needs espeak-ng and sox to make the speech (apt-get install espeak-ng sox)"
+fi
+
+echo; echo "=== 7. quality of INT8 KV against full precision (held-out built-in dialogues) ==="
 # Evaluated on the original weights: int8-eq applies the same equalization the engine carries.
 "$BIN/cabin-eval" --model default --data builtin --kv-cache fp16,int8,int8-eq,int8-dynamic \
     --scales "$SCALES" --num-dialogues 6 --max-tokens 1024 --output "$OUT/eval"

@@ -37,7 +37,8 @@ from cabinllm.runtime.generation.sampling import TokenLogprob
 from cabinllm.runtime.engine.core import EngineCore
 from cabinllm.runtime.engine.request import Request
 from cabinllm.runtime.model.interface import MediaFeed
-from cabinllm.runtime.model.vision import EncodedRows, PreparedImage
+from cabinllm.runtime.model.media import EncodedRows
+from cabinllm.runtime.model.vision import PreparedImage
 from cabinllm.runtime.model.tools import ContentStream, Tool, ToolCall, ToolFormat
 from cabinllm.runtime.speech.asr import AsrConfig
 from cabinllm.runtime.speech.audio import AudioLimits

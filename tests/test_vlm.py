@@ -27,7 +27,7 @@ from cabinllm.runtime.errors import ImageError
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.blocks import BlockManager, MediaSpan, Sequence
 from cabinllm.runtime.kv.cache import KvCacheConfig
-from cabinllm.runtime.model.vision import EncodedRows
+from cabinllm.runtime.model.media import EncodedRows
 
 QUESTION = "what does the camera at the back show, and is the lane beside us free to change into?"
 FOLLOW_UP = "and what about the cyclist on the right side of the road, is he moving away from us?"

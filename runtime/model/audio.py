@@ -124,17 +124,9 @@ class AudioEncoder:
     @torch.inference_mode()
     def encode(self, clip: PreparedClip) -> MediaRows:
         """The decoder's input rows of a prepared clip (from the feature cache when it was encoded before)."""
-        rows = self.features.get(clip.digest)
-        if rows is None and not clip.inputs:
-            raise AudioError(f"audio clip {clip.digest.hex()[:12]} is needed again and its samples are not held (a "
-                             "restored session keeps none); send the clip again")
-        if rows is None:
-            rows = MediaRows(self._features(clip.inputs).float(), clip.offsets)
-            if len(rows.rows) != len(clip.offsets):
-                raise CheckpointError(f"the audio encoder gave {len(rows.rows)} rows for {len(clip.offsets)} audio "
-                                      "tokens; the audio folder and processor do not match: rebuild the engine")
-            self.features.put(clip.digest, rows)
-        return rows
+        gone = AudioError(f"audio clip {clip.digest.hex()[:12]} is needed again and its samples are not held (a "
+                          "restored session keeps none); send the clip again")
+        return self.features.rows(clip.digest, clip.offsets, clip.inputs, self._features, "audio", gone)
 
     def _features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The encoder's output rows for one clip's processor tensors, as ``Qwen2AudioModel.forward`` computes them

@@ -10,7 +10,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from cabinllm.runtime.errors import CheckpointError
+from cabinllm.runtime.errors import CabinError, CheckpointError
 from cabinllm.runtime.model.interface import MediaRows
 
 
@@ -42,6 +42,22 @@ class FeatureCache:
         self._rows[digest] = rows
         while self._rows and self.bytes_used > self.max_bytes:
             self._rows.popitem(last=False)
+
+    def rows(self, digest: bytes, offsets: torch.Tensor, inputs: dict[str, torch.Tensor],
+             encode: Callable[[dict[str, torch.Tensor]], torch.Tensor], kind: str, gone: CabinError) -> MediaRows:
+        """A prepared picture's or clip's rows: the kept ones, else ``encode(inputs)`` (then kept); ``gone`` where they
+        are needed again and its inputs are not held (a restored session's), CheckpointError where the ``kind``
+        ("vision", "audio") encoder's rows do not match the placeholder tokens at ``offsets``."""
+        rows = self.get(digest)
+        if rows is None and not inputs:
+            raise gone
+        if rows is None:
+            rows = MediaRows(encode(inputs).float(), offsets)
+            if len(rows.rows) != len(offsets):
+                raise CheckpointError(f"the {kind} encoder gave {len(rows.rows)} rows for {len(offsets)} placeholder "
+                                      f"tokens; the {kind} folder and processor do not match: rebuild the engine")
+            self.put(digest, rows)
+        return rows
 
 
 class Encoder(Protocol):

@@ -23,7 +23,6 @@ import torch
 from cabinllm.runtime.errors import CheckpointError, ImageError
 from cabinllm.runtime.model.families import VISION_FAMILIES
 from cabinllm.runtime.model.interface import MediaRows
-from cabinllm.runtime.model.media import EncodedRows as EncodedRows  # also imported from here (cabinllm.server)
 from cabinllm.runtime.model.media import FeatureCache, encoder_model
 
 VISION_FOLDER = "vision"
@@ -185,17 +184,9 @@ class Vision:
     @torch.inference_mode()
     def encode(self, image: PreparedImage) -> MediaRows:
         """The decoder's input rows of a prepared picture (from the feature cache when it was encoded before)."""
-        rows = self.features.get(image.digest)
-        if rows is None and not image.inputs:
-            raise ImageError(f"picture {image.digest.hex()[:12]} is needed again and its pixels are not held (a "
-                             "restored session keeps none); send the picture again")
-        if rows is None:
-            rows = MediaRows(self._features(image.inputs).float(), image.offsets)
-            if len(rows.rows) != len(image.offsets):
-                raise CheckpointError(f"the vision encoder gave {len(rows.rows)} rows for {len(image.offsets)} image "
-                                      "tokens; the vision folder and processor do not match: rebuild the engine")
-            self.features.put(image.digest, rows)
-        return rows
+        gone = ImageError(f"picture {image.digest.hex()[:12]} is needed again and its pixels are not held (a restored "
+                          "session keeps none); send the picture again")
+        return self.features.rows(image.digest, image.offsets, image.inputs, self._features, "vision", gone)
 
     def _features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The encoder's output rows for one picture's processor tensors."""
