@@ -12,8 +12,8 @@ agreement with transformers, never quality; the int8 KV's static scale is a fixe
   agrees.
 - Bandwidth: decode reads every weight and the context's K/V once per token; (weight bytes + KV bytes per token x
   context) x tok/s over the read bandwidth a large ``sum`` on the device reaches.
-- Turn 10 (``--turn``): the planner's typical turn (``builders.dialogue_turns.TYPICAL_TURN``); with reuse, turn 10 prefills only
-  its own message over the cached history; without, the whole history.
+- Turn 10 (``--turn``): the planner's typical turn (``builders.dialogue_turns.TYPICAL_TURN``); with reuse, turn 10
+  prefills only its own message over the cached history; without, the whole history.
 - Peer: transformers' ``generate`` with a static cache, eager and compiled (``torch.compile``, its default with a
   static cache), decode tok/s at 4,096 tokens: (time for n + 1 new tokens - time for 1) / n.
 - Memory: fp16 weights (``builders.memory_model.weights_bytes``) + the KV pool the cache reserved + the CUDA runner's
