@@ -245,8 +245,10 @@ def table(result: dict) -> str:
         line("turns whose words are held, at the end", lambda s: f"{s['turns_held_at_end']}"),
         line("turns held, mean over the dialogue", lambda s: f"{s['mean_turns_held']:.1f}"),
         line("peak KV MiB", lambda s: f"{s['peak_kv_bytes'] / 2**20:.2f}"),
-        line(f"{'clips' if audio else 'pictures'} compacted, to transcripts (tokens freed)",
-             lambda s: f"{s['media_compacted']}, {s['to_transcripts']} ({s['tokens_freed_by_compaction']:,})"),
+        line("clips compacted, of them to transcripts (tokens freed)",
+             lambda s: f"{s['media_compacted']}, {s['to_transcripts']} ({s['tokens_freed_by_compaction']:,})")
+        if audio else line("pictures compacted (tokens freed)",
+                           lambda s: f"{s['media_compacted']} ({s['tokens_freed_by_compaction']:,})"),
         line("tokens evicted by drop-turns", lambda s: f"{s['tokens_evicted']:,}"),
         line("tokens prefilled / of them again", lambda s: f"{s['tokens_prefilled']:,} / {s['tokens_re_prefilled']:,}"),
         line("dialogue seconds", lambda s: f"{s['seconds']:.1f}"), "",
