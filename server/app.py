@@ -3,9 +3,10 @@ Prometheus metrics.
 
 Each request renders and plans its prompt (cabinllm.server.conversation), queues on the engine core and waits for
 its output; the core steps in one engine thread started with the app. Spoken parts (``input_audio``) are heard
-first, in the speech thread (cabinllm.server.speech), and read by a text engine as their transcripts. A client that
-disconnects cancels its request, which frees its KV blocks at the next step. ``/openapi.json`` and ``/docs``
-describe the API, from the models of cabinllm.server.openai_api.
+first, in the speech thread (cabinllm.server.speech), and read by a text engine as their transcripts; an
+audio-language engine hears them as media (with their transcripts, for compaction), as a vision-language engine
+sees pictures. A client that disconnects cancels its request, which frees its KV blocks at the next step.
+``/openapi.json`` and ``/docs`` describe the API, from the models of cabinllm.server.openai_api.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from cabinllm.runtime.generation.grammar import (MAX_TOOL_CALLS, GrammarState, c
 from cabinllm.runtime.generation.sampling import TokenLogprob
 from cabinllm.runtime.engine.core import EngineCore
 from cabinllm.runtime.engine.request import Request
+from cabinllm.runtime.model.audio import AudioEncoder, PreparedClip
 from cabinllm.runtime.model.interface import MediaFeed
 from cabinllm.runtime.model.media import EncodedRows
 from cabinllm.runtime.model.vision import PreparedImage
@@ -234,7 +236,7 @@ def create_app(engine: Engine, core: EngineCore, config: ServeConfig, limits: Se
         if chat.model is not None and chat.model != config.model_name:
             raise ApiError(404, f"model {chat.model!r} is not served here; GET /v1/models lists "
                                 f"{config.model_name!r}", param="model", code="model_not_found")
-        heard = await _transcripts(speech, chat)
+        heard = await _hear(speech, chat, engine.audio)
         choices, outputs = _submit(engine, core, config, chat, asyncio.get_running_loop(), heard)
         request = choices[0]  # the group's leader: admitted, expired or stopped with every choice
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -319,16 +321,35 @@ class Output:
     finished: bool
 
 
-async def _transcripts(speech: SpeechIn, chat: ChatCompletionRequest) -> dict[AudioPart, str]:
-    """What the request's spoken parts say, heard in the speech thread; ApiError 400 naming the clip where one cannot
-    be taken, or the message where nothing was heard."""
+@dataclass(frozen=True)
+class Heard:
+    """A request's clips as the engine takes them: the transcripts a text engine reads in their place (``said``), or
+    an audio-language engine's clips prepared, each with its transcript ("" where none was heard)."""
+
+    said: dict[AudioPart, str] = field(default_factory=dict)
+    clips: dict[AudioPart, tuple[PreparedClip, str]] = field(default_factory=dict)
+
+    def audio_part(self, sent: AudioPart) -> dict:
+        """A kept clip as the template takes it: its digest, and its transcript where one was heard (what media
+        compaction replaces the answered clip by)."""
+        clip, words = self.clips[sent]
+        return {"type": "audio", "digest": clip.digest.hex(), **({"transcript": words} if words else {})}
+
+
+async def _hear(speech: SpeechIn, chat: ChatCompletionRequest, encoder: AudioEncoder | None) -> Heard:
+    """The request's spoken parts, worked on in the speech thread: their transcripts, or with an audio-language
+    engine's ``encoder`` the clips prepared; ApiError 400 naming the clip where one cannot be taken, or (text engine)
+    the message where nothing was heard."""
     sent = [(index, part) for index, message in enumerate(chat.messages) for part in message.clips]
     if not sent:
-        return {}
+        return Heard()
+    named = [replace(part, name=f"messages[{index}] {part.name}") for index, part in sent]
     try:
         for index, message in enumerate(chat.messages):
             speech.check_count(len(message.clips), f"messages[{index}]")
-        heard = await speech.hear([replace(part, name=f"messages[{index}] {part.name}") for index, part in sent])
+        if encoder is not None:
+            return Heard(clips={part: kept for (_, part), kept in zip(sent, await speech.keep(named, encoder))})
+        heard = await speech.hear(named)
     except AudioError as err:
         raise ApiError(400, err.words(SERVER_WORDS), param="messages") from err
     except QueueFull as err:
@@ -338,16 +359,18 @@ async def _transcripts(speech: SpeechIn, chat: ChatCompletionRequest) -> dict[Au
         if message.clips and not message.images and not message.to_message(heard=said.__getitem__)["content"].strip():
             raise ApiError(400, f"messages[{index}].content: no speech was heard in its audio; send a clip with "
                                 "speech, or text", param=f"messages[{index}].content")
-    return said
+    return Heard(said)
 
 
 def _messages_with_media(engine: Engine, chat: ChatCompletionRequest, images: dict[str, PreparedImage],
-                         heard: dict[AudioPart, str]) -> list[dict]:
+                         heard: Heard) -> list[dict]:
     """The request's messages as the template takes them: each picture decoded, checked and prepared into ``images``
-    (by digest), each clip as what was ``heard`` in it; ApiError 400 naming the picture where one cannot be taken."""
+    (by digest), each clip as what was ``heard`` in it or as its audio part where the engine keeps it; ApiError 400
+    naming the picture where one cannot be taken."""
     sent = [message.images for message in chat.messages]
+    said, kept = heard.said.__getitem__, heard.audio_part if heard.clips else None
     if not any(sent):
-        return [message.to_message(heard=heard.__getitem__) for message in chat.messages]
+        return [message.to_message(heard=said, clips=kept) for message in chat.messages]
     vision = engine.vision
     if vision is None:
         raise ApiError(400, "this engine is text-only: image_url parts need an engine built from a vision-language "
@@ -362,13 +385,13 @@ def _messages_with_media(engine: Engine, chat: ChatCompletionRequest, images: di
     try:
         for index, parts in enumerate(sent):
             vision.check_count(len(parts), f"messages[{index}]")
-        return [message.to_message(digest(i), heard.__getitem__) for i, message in enumerate(chat.messages)]
+        return [message.to_message(digest(i), said, kept) for i, message in enumerate(chat.messages)]
     except ImageError as err:
         raise ApiError(400, err.words(SERVER_WORDS), param="messages") from err
 
 
 def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCompletionRequest,
-            loop: asyncio.AbstractEventLoop, heard: dict[AudioPart, str]) -> tuple[list[Request], asyncio.Queue]:
+            loop: asyncio.AbstractEventLoop, heard: Heard) -> tuple[list[Request], asyncio.Queue]:
     """Plan the prompt (its spoken parts as ``heard``) and queue its ``n`` choices (one prefill); their outputs
     arrive on the returned queue."""
     capacity = core.capacity_tokens()
@@ -382,11 +405,13 @@ def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCom
                             f"{core.config.max_sessions}), got {chat.n}; ask for fewer choices", param="n")
     images: dict[str, PreparedImage] = {}
     messages = _messages_with_media(engine, chat, images, heard)
+    clips = {clip.digest.hex(): clip for clip, _ in heard.clips.values()}
     tools = [tool.to_tool() for tool in chat.tools or []]
     grammars = [_grammar(engine, chat, tools, config.max_tool_calls)  # each choice follows its grammar alone
                 for _ in range(chat.n)]
     tokenizer = engine.tokenizer.with_tools(tools)
     tokenizer = tokenizer.with_images(images, engine.vision.placeholder) if images else tokenizer
+    tokenizer = tokenizer.with_audio(clips, engine.audio.placeholder) if clips else tokenizer
     try:
         plan = plan_prompt(tokenizer, messages, max_tokens, capacity,
                            core.cache.tokens_per_block, config.overflow, core.cache.config.sink_token_length)
@@ -408,11 +433,12 @@ def _submit(engine: Engine, core: EngineCore, config: ServeConfig, chat: ChatCom
 
     choices = []
     stops = engine.stop_token_ids()
+    rows = EncodedRows(engine.audio, clips) if clips else EncodedRows(engine.vision, images) if images else None
     for index, grammar in enumerate(grammars):
         choices.append(Request(plan.feed, chat.to_sampling_params(max_tokens, stops, index), on_output(index),
                                grammar=grammar, logprobs=chat.top_logprobs if chat.logprobs else None,
                                beam=chat.to_beam_params(max_tokens, stops),
-                               media=MediaFeed(plan.media, EncodedRows(engine.vision, images)) if plan.media else None))
+                               media=MediaFeed(plan.media, rows) if plan.media else None))
     choices[0].followers = choices[1:]
     problem = core.never_fits(choices[0])
     if problem:

