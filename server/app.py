@@ -373,8 +373,8 @@ def _messages_with_media(engine: Engine, chat: ChatCompletionRequest, images: di
         return [message.to_message(heard=said, clips=kept) for message in chat.messages]
     vision = engine.vision
     if vision is None:
-        raise ApiError(400, "this engine is text-only: image_url parts need an engine built from a vision-language "
-                            "model (LLaVA, Idefics3 / SmolVLM, Qwen2-VL)", param="messages")
+        raise ApiError(400, "this engine takes no pictures: image_url parts need an engine built from a "
+                            "vision-language model (LLaVA, Idefics3 / SmolVLM, Qwen2-VL)", param="messages")
     def digest(index: int) -> Callable[[ImagePart], str]:
         def prepared(part: ImagePart) -> str:
             image = vision.prepare(part.data, f"messages[{index}] {part.name}", part.detail)
