@@ -39,7 +39,7 @@ SENTENCES = ("Turn on the seat heating.",
 QUESTION = "Do what I asked."
 FOLLOW_UP = "And how long will it take?"
 SPEECH_SECONDS = 8
-TRANSCRIPT_TOKENS_PER_SECOND = 3  # about what a transcript of speech takes (/work/shared/DESIGN.md, "Voice")
+TRANSCRIPT_TOKENS_PER_SECOND = 3  # about what a transcript of speech takes (an estimate, not measured here)
 # Qwen2-Audio-7B's text model (its config.json's text_config): a Qwen-7B shape without GQA
 QWEN2_AUDIO_7B_TEXT = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 156032, "hidden_size": 4096,
                        "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
