@@ -157,7 +157,8 @@ def gemma(tmp_path_factory) -> Engine:
     return Engine.load(cabin_build(root / "hf", root / "engine"))
 
 
-@pytest.mark.parametrize("kv_mode", ["int8", pytest.param("fp16", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_mode", ["int8", "fp16"])
 def test_runner_equals_the_reference_on_gemma3_windows(gemma, kv_mode):
     dialogue(gemma, runner_of(gemma), kv_mode)
 
