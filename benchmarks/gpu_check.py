@@ -72,7 +72,7 @@ def random_weights(config: ModelConfig, device: torch.device, seed: int = 0) -> 
     gen = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, shape in expected_shapes(config).items():
-        if name.endswith("layernorm.weight") or name.endswith("ln_f.weight") or name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "ln_f.weight")):
             weights[name] = torch.ones(shape, dtype=torch.float16)
         elif not name.endswith("scaling_factor"):
             weights[name] = (torch.randn(shape, generator=gen, device=device) * WEIGHT_STD).half().cpu()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cabinllm.builders.dialogue_turns import TurnTokens
+from cabinllm.builders.dialogue_turns import MediaCost
 from cabinllm.runtime.model.audio import AUDIO_FOLDER, FEATURE_CACHE_BYTES, AudioEncoder
 from cabinllm.runtime.sources.hf_vision import is_audio_folder, encoder_parameters
 from cabinllm.runtime.speech.audio import SAMPLE_RATE, Clip
@@ -19,7 +19,7 @@ AUDIO_BYTES_PER_PARAMETER = 2  # the encoder runs in fp16 on the board
 
 
 @dataclass(frozen=True)
-class AudioCost:
+class AudioCost(MediaCost):
     """The tokens of a turn's speech and what the audio part holds in memory."""
 
     seconds: float  # of speech per turn
@@ -32,14 +32,6 @@ class AudioCost:
     def memory_bytes(self) -> int:
         """Memory the audio part takes beside the text model: its weights and the encoder's output cache."""
         return self.encoder_weight_bytes + self.feature_cache_bytes
-
-    def kv_bytes(self, bytes_per_token: int) -> int:
-        """KV bytes of one turn's speech at ``bytes_per_token``."""
-        return bytes_per_token * self.tokens
-
-    def turns(self, max_seq_len: int, turn: TurnTokens) -> int:
-        """Turns of the dialogue, each with ``seconds`` of speech, that one conversation of ``max_seq_len`` holds."""
-        return max((max_seq_len - turn.system) // (turn.per_turn + self.tokens), 0)
 
     def to_dict(self) -> dict:
         """JSON-ready form."""

@@ -36,6 +36,21 @@ class TurnTokens:
         return {**asdict(self), "per_turn": self.per_turn}
 
 
+class MediaCost:
+    """What one medium in a turn (a picture, a turn's speech) adds: its ``tokens``, their KV and the turns with one
+    that a conversation holds. Its subclasses (``ImageCost``, ``AudioCost``) are frozen dataclasses."""
+
+    tokens: int
+
+    def kv_bytes(self, bytes_per_token: int) -> int:
+        """KV bytes of the medium at ``bytes_per_token``."""
+        return bytes_per_token * self.tokens
+
+    def turns(self, max_seq_len: int, turn: TurnTokens) -> int:
+        """Turns of the dialogue, each with the medium, that one conversation of ``max_seq_len`` holds."""
+        return max((max_seq_len - turn.system) // (turn.per_turn + self.tokens), 0)
+
+
 TYPICAL_TURN = TurnTokens(system=70, user=17, assistant=43, measured_on=TURNS_SOURCE,
                           tokenizer="SmolLM2-135M-Instruct")
 

@@ -7,7 +7,7 @@ import io
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cabinllm.builders.dialogue_turns import TurnTokens
+from cabinllm.builders.dialogue_turns import MediaCost
 from cabinllm.runtime.model.vision import FEATURE_CACHE_BYTES, VISION_FOLDER, Vision
 from cabinllm.runtime.sources.hf_vision import is_vision_folder, encoder_parameters
 
@@ -16,7 +16,7 @@ VISION_BYTES_PER_PARAMETER = 2  # the tower runs in fp16 on the board
 
 
 @dataclass(frozen=True)
-class ImageCost:
+class ImageCost(MediaCost):
     """A picture's tokens (OpenAI detail "auto" and "low") and what the vision part holds in memory."""
 
     picture: tuple[int, int]
@@ -30,14 +30,6 @@ class ImageCost:
     def memory_bytes(self) -> int:
         """Memory the vision part takes beside the text model: its weights and the encoder's output cache."""
         return self.vision_weight_bytes + self.feature_cache_bytes
-
-    def kv_bytes(self, bytes_per_token: int) -> int:
-        """KV bytes of one picture at ``bytes_per_token``."""
-        return bytes_per_token * self.tokens
-
-    def turns(self, max_seq_len: int, turn: TurnTokens) -> int:
-        """Turns of the dialogue, each showing one picture, that one conversation of ``max_seq_len`` holds."""
-        return max((max_seq_len - turn.system) // (turn.per_turn + self.tokens), 0)
 
     def to_dict(self) -> dict:
         """JSON-ready form."""

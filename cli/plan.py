@@ -6,10 +6,9 @@ import json
 import sys
 from typing import Callable
 
-from cabinllm.builders.audio_plan import SPEECH_SECONDS, AudioCost
-from cabinllm.builders.dialogue_turns import TurnTokens
+from cabinllm.builders.audio_plan import SPEECH_SECONDS
+from cabinllm.builders.dialogue_turns import MediaCost, TurnTokens
 from cabinllm.builders.graph_plan import ENGINE_PLACEHOLDER, GRAPHS_PLACEHOLDER, GraphPlan
-from cabinllm.builders.image_plan import ImageCost
 from cabinllm.builders.planner import MIB, KVPlan, Plan, PlanRequest, weight_choices, working_plan
 from cabinllm.builders.targets import GIB, Backend, get_target
 from cabinllm.cli.args import (add_kv_cache, cli_message, entry_point, float_range, int_range, os_error_message,
@@ -95,9 +94,9 @@ def format_table(plan: Plan) -> str:
     ]
     rows = GRAPH_ROWS if t.backend is Backend.ONNX else ENGINE_ROWS
     if plan.images:
-        rows = rows + _picture_rows(plan.images, turn)
+        rows = rows + _media_rows(plan.images, "picture", "a picture", turn)
     if plan.audio:
-        rows = rows + _speech_rows(plan.audio, turn)
+        rows = rows + _media_rows(plan.audio, "turn of speech", "speech", turn)
     if not any(kv.window_bytes for kv in plan.kv.values()):
         rows = [row for row in rows if row[0] != WINDOW_ROW]
     width = max(len(name) for name, _ in rows) + 2
@@ -134,12 +133,6 @@ def _picture_lines(plan: Plan) -> list[str]:
             f"MiB (fp16), encoder output cache {_mib(i.feature_cache_bytes)} MiB"]
 
 
-def _picture_rows(images: ImageCost, turn: TurnTokens) -> list[tuple[str, Callable[[KVPlan], str]]]:
-    """Table rows of a picture's KV and of the turns with a picture that one conversation holds."""
-    return [("KV MiB per picture", lambda kv: f"{images.kv_bytes(kv.bytes_per_token) / MIB:,.2f}"),
-            ("turns with a picture", lambda kv: f"{images.turns(kv.max_seq_len, turn):,}")]
-
-
 def _speech_lines(plan: Plan) -> list[str]:
     """What an audio-language model's speech costs, in words (none for another model)."""
     a = plan.audio
@@ -150,10 +143,11 @@ def _speech_lines(plan: Plan) -> list[str]:
             f"{_mib(a.feature_cache_bytes)} MiB"]
 
 
-def _speech_rows(audio: AudioCost, turn: TurnTokens) -> list[tuple[str, Callable[[KVPlan], str]]]:
-    """Table rows of a turn's speech KV and of the turns with speech that one conversation holds."""
-    return [("KV MiB per turn of speech", lambda kv: f"{audio.kv_bytes(kv.bytes_per_token) / MIB:,.2f}"),
-            ("turns with speech", lambda kv: f"{audio.turns(kv.max_seq_len, turn):,}")]
+def _media_rows(cost: MediaCost, per: str, turns: str, turn: TurnTokens) -> list[tuple[str, Callable[[KVPlan], str]]]:
+    """Table rows of a medium's KV (``per``: "picture", ...) and of the turns with one (``turns``: "a picture", ...)
+    that one conversation holds."""
+    return [(f"KV MiB per {per}", lambda kv: f"{cost.kv_bytes(kv.bytes_per_token) / MIB:,.2f}"),
+            (f"turns with {turns}", lambda kv: f"{cost.turns(kv.max_seq_len, turn):,}")]
 
 
 def _mib(value: int) -> str:

@@ -71,16 +71,19 @@ def free_port() -> int:
 
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    """cabin-serve on 127.0.0.1:port, returned once /health answers."""
+    """cabin-serve on 127.0.0.1:port for this study's streams, returned once /health answers."""
+    flags = ["--engine", str(args.engine), "--threads", str(args.threads), "--max-sessions", str(args.streams),
+             "--kv-budget-mb", str(args.kv_budget_mb), "--model-name", "bench"]
+    return launch_server(flags + (["--tokens-per-block", str(args.tokens_per_block)] if args.tokens_per_block else []),
+                         args.threads, port)
+
+
+def launch_server(flags: list[str], threads: int, port: int) -> subprocess.Popen:
+    """cabin-serve with ``flags`` on 127.0.0.1:port (``threads`` for OpenMP), returned once /health answers."""
     import httpx
 
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    process = subprocess.Popen([sys.executable, "-m", "cabinllm.cli.serve", "--engine", str(args.engine),
-                                "--port", str(port),
-                                "--threads", str(args.threads), "--max-sessions", str(args.streams),
-                                "--kv-budget-mb", str(args.kv_budget_mb), "--model-name", "bench"]
-                               + (["--tokens-per-block", str(args.tokens_per_block)] if args.tokens_per_block else []),
-                               env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    process = subprocess.Popen([sys.executable, "-m", "cabinllm.cli.serve", *flags, "--port", str(port)], env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:

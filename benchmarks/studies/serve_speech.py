@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from cabinllm.benchmarks.machine import machine_info
 from cabinllm.benchmarks.studies import RESULTS, write_results
-from cabinllm.benchmarks.studies.serve_bench import STORY_PROMPTS, free_port, stream_once
+from cabinllm.benchmarks.studies.serve_bench import STORY_PROMPTS, free_port, launch_server, stream_once
 from cabinllm.benchmarks.studies.tool_calls import COMMANDS, SYSTEM, read_commands
 from cabinllm.cli.args import positive_int
 
@@ -57,24 +57,9 @@ def speak(text: str, path: Path, speed: int = 140) -> bytes:
 
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    """cabin-serve on 127.0.0.1:port, returned once /health answers."""
-    import httpx
-
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    process = subprocess.Popen([sys.executable, "-m", "cabinllm.cli.serve", "--engine", str(args.engine), "--port",
-                                str(port), "--threads", str(args.threads), "--asr-threads", str(args.asr_threads),
-                                "--model-name", "bench"], env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"cabin-serve exited with code {process.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.5)
-    process.terminate()
-    raise RuntimeError("cabin-serve did not answer /health within 300 s")
+    """cabin-serve on 127.0.0.1:port with this study's threads, returned once /health answers."""
+    return launch_server(["--engine", str(args.engine), "--threads", str(args.threads), "--asr-threads",
+                          str(args.asr_threads), "--model-name", "bench"], args.threads, port)
 
 
 def counters(base: str) -> dict[str, float]:

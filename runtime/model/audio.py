@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from cabinllm.runtime.errors import AudioError, CheckpointError, Fix, Hint
+from cabinllm.runtime.errors import AudioError, Fix, Hint
 from cabinllm.runtime.model.families import AUDIO_FAMILIES
 from cabinllm.runtime.model.interface import MediaRows
-from cabinllm.runtime.model.media import FeatureCache, encoder_model
+from cabinllm.runtime.model.media import FeatureCache, encoder_model, media_message, open_encoder_folder
 from cabinllm.runtime.speech.audio import SAMPLE_RATE, AudioLimits, Clip
 
 AUDIO_FOLDER = "audio"
@@ -66,16 +66,8 @@ class AudioEncoder:
         import transformers
 
         self.folder, self.limits = folder, limits or AudioLimits()
-        try:
-            config = transformers.AutoConfig.from_pretrained(folder)
-            self.processor = transformers.AutoProcessor.from_pretrained(folder)
-        except (OSError, ValueError) as err:
-            raise CheckpointError(f"{folder}: unreadable audio config or processor ({err}); rebuild the "
-                                  "engine") from err
-        if config.model_type not in AUDIO_FAMILIES:
-            raise CheckpointError(f"{folder}: audio family {config.model_type!r} is not supported; supported: "
-                                  f"{', '.join(AUDIO_FAMILIES)}")
-        self.family, self.config = AUDIO_FAMILIES[config.model_type], config
+        self.config, self.processor, self.family = open_encoder_folder(folder, AUDIO_FAMILIES, "audio",
+                                                                       transformers.AutoProcessor.from_pretrained)
         self.placeholder = getattr(self.processor, self.family.placeholder_key)
         self.audio_token_id = self.processor.tokenizer.convert_tokens_to_ids(self.placeholder)
         extractor = self.processor.feature_extractor
@@ -104,8 +96,7 @@ class AudioEncoder:
         self.check_count(len(clips), "the message")
         prepared = [self.prepare(clip) for clip in clips]
         held.update({clip.digest.hex(): clip for clip in prepared})
-        return {**message, "content": [{"type": "audio", "digest": clip.digest.hex()} for clip in prepared]
-                + [{"type": "text", "text": message.get("content") or ""}]}
+        return media_message(message, "audio", [clip.digest for clip in prepared])
 
     def prepare(self, clip: Clip) -> PreparedClip:
         """The processor's features and placeholder expansion of one clip; its token count is known before anything

@@ -60,6 +60,30 @@ class FeatureCache:
         return rows
 
 
+def open_encoder_folder(folder: Path, families: Mapping[str, object], kind: str,
+                        processor: Callable[[Path], object]) -> tuple[object, object, object]:
+    """An encoder folder's HF config, its ``processor(folder)`` and its family among ``families`` (by model_type);
+    CheckpointError naming the folder and the fix where one is unreadable or the ``kind`` ("vision", "audio") family
+    is not supported."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        loaded = processor(folder)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{folder}: unreadable {kind} config or processor ({err}); rebuild the engine") from err
+    if config.model_type not in families:
+        raise CheckpointError(f"{folder}: {kind} family {config.model_type!r} is not supported; supported: "
+                              f"{', '.join(families)}")
+    return config, loaded, families[config.model_type]
+
+
+def media_message(message: dict, kind: str, digests: list[bytes]) -> dict:
+    """The message with its media before its text, as ``{"type": kind, "digest": hex}`` parts."""
+    return {**message, "content": [{"type": kind, "digest": digest.hex()} for digest in digests]
+            + [{"type": "text", "text": message.get("content") or ""}]}
+
+
 class Encoder(Protocol):
     """What encodes a conversation's media into input rows (``Vision``, ``AudioEncoder``)."""
 

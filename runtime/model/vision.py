@@ -23,7 +23,7 @@ import torch
 from cabinllm.runtime.errors import CheckpointError, ImageError
 from cabinllm.runtime.model.families import VISION_FAMILIES
 from cabinllm.runtime.model.interface import MediaRows
-from cabinllm.runtime.model.media import FeatureCache, encoder_model
+from cabinllm.runtime.model.media import FeatureCache, encoder_model, media_message, open_encoder_folder
 
 VISION_FOLDER = "vision"
 VISION_WEIGHTS = "vision.safetensors"
@@ -118,19 +118,8 @@ class Vision:
 
     def __init__(self, folder: Path, limits: ImageLimits | None = None,
                  cache_bytes: int = FEATURE_CACHE_BYTES) -> None:
-        import transformers
-
         self.folder, self.limits = folder, limits or ImageLimits()
-        try:
-            config = transformers.AutoConfig.from_pretrained(folder)
-            self.processor = _processor(folder)
-        except (OSError, ValueError) as err:
-            raise CheckpointError(f"{folder}: unreadable vision config or processor ({err}); rebuild the "
-                                  "engine") from err
-        if config.model_type not in VISION_FAMILIES:
-            raise CheckpointError(f"{folder}: vision family {config.model_type!r} is not supported; supported: "
-                                  f"{', '.join(VISION_FAMILIES)}")
-        self.family, self.config = VISION_FAMILIES[config.model_type], config
+        self.config, self.processor, self.family = open_encoder_folder(folder, VISION_FAMILIES, "vision", _processor)
         self.placeholder = getattr(self.processor, self.family.placeholder_key)
         self.image_token_id = self.processor.tokenizer.convert_tokens_to_ids(self.placeholder)
         self.features = FeatureCache(cache_bytes)
@@ -158,8 +147,7 @@ class Vision:
         self.check_count(len(pictures), "the message")
         prepared = [self.prepare(data, name) for name, data in pictures]
         held.update({image.digest.hex(): image for image in prepared})
-        return {**message, "content": [{"type": "image", "digest": image.digest.hex()} for image in prepared]
-                + [{"type": "text", "text": message.get("content") or ""}]}
+        return media_message(message, "image", [image.digest for image in prepared])
 
     def prepare(self, data: bytes, name: str, detail: str = "auto") -> PreparedImage:
         """Decode, check and preprocess one picture; its token count is known before anything is encoded.
