@@ -43,7 +43,7 @@ from cabinllm.runtime.formats.atomic import atomic_write_text, staging_folder
 from cabinllm.runtime.formats.engine_folder import (CHECKPOINT_DIR, MANIFEST_FILE, SCALES_FILE, EngineFolder,
                                                     read_manifest)
 from cabinllm.runtime.formats.onnx_folder import (HOST_DIR, INPUTS_EMBEDS, LOCAL_MASK, LOCAL_ROPE_INPUTS, MASKED,
-                                                  ONNX_FORMAT, PROMPT_GRAPH, QUANTIZED_MASKED, ROPE_INPUTS,
+                                                  ONNX_FORMAT, PREFIX_TABLES, PROMPT_GRAPH, QUANTIZED_MASKED, ROPE_INPUTS,
                                                   TOKEN_GRAPH, TOKENIZER_DIR, WEIGHTS_FILE, KvGraphType, OnnxFolder,
                                                   graph_metadata, new_key, new_value, past_key, past_value)
 from cabinllm.runtime.formats.scales_file import KVScales
@@ -52,6 +52,7 @@ from cabinllm.runtime.kv.modes import ONNX_KV_MODES, kv_mode
 from cabinllm.runtime.kv.quant import INT8_MAX
 from cabinllm.runtime.model.linear import (Int4AwqLinear, Int4G32Linear, Int8G32Table, Int8Linear, Linear, Stacked,
                                            unpack_g32, unpack_int4)
+from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.model.transformer import Transformer
 from cabinllm.runtime.model.audio import AUDIO_FOLDER
 from cabinllm.runtime.model.vision import VISION_FOLDER
@@ -174,6 +175,8 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
             if engine.audio is not None:  # the host encodes clips and feeds their rows as inputs_embeds
                 shutil.copytree(engine.folder / AUDIO_FOLDER, tmp / AUDIO_FOLDER)
                 manifest["audio"] = engine.manifest["audio"]
+        if chosen.quantized:  # the graphs never run the conversation's first token (StoredPrefix)
+            manifest["prefix"] = write_prefix(tmp / HOST_DIR, engine)
         # a quantized precision starts from float graphs with float K/V, quantized with the engine's scales
         float_kv = KvGraphType("float32") if chosen.quantized else kv
         weights, models = WeightsFile(tmp / WEIGHTS_FILE), {}
@@ -220,6 +223,19 @@ def write_graphs(folder: Path, models: dict) -> None:
                 model.graph.initializer[index].CopyFrom(weights.tensor(tensor.name, onnx.numpy_helper.to_array(tensor)))
         onnx.save_model(model, str(folder / name))
     weights.close()
+
+
+def write_prefix(host: Path, engine: Engine) -> list[int]:
+    """Run the token every conversation starts with (the chat template's first) through the reference engine in
+    float32 and write its K/V and logits as the host's prefix tables; its token ids."""
+    tokenizer = engine.tokenizer
+    tokens = tokenizer.encode_prompt(tokenizer.render([{"role": "user", "content": "."}]))[:1]
+    run = run_tokens(engine.model, tokens, "fp32", all_logits=True)
+    kv = [run.cache.read(layer, run.seq) for layer in range(engine.config.num_hidden_layers)]
+    keys, values = (torch.stack([pair[i] for pair in kv]) for i in (0, 1))
+    for name, table in zip(PREFIX_TABLES, (keys, values, run.logits)):
+        np.save(host / f"{name}.npy", table.float().numpy())
+    return tokens
 
 
 def layer_output(layer: int) -> str:

@@ -28,8 +28,8 @@ import numpy as np
 
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
-from cabinllm.runtime.formats.onnx_folder import (KvGraphType, OnnxFolder, new_key, new_value, past_key,
-                                                  past_value)
+from cabinllm.runtime.formats.onnx_folder import (KvGraphType, OnnxFolder, StoredPrefix, new_key, new_value,
+                                                  past_key, past_value)
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.cache import PagedKVCache, sized_config
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
@@ -94,7 +94,7 @@ class _Feeds:
         return feeds
 
 
-class _Recording:
+class Recording:
     """A session that shows each call's inputs to a callback before running them."""
 
     def __init__(self, session, callback: Callable[[dict], None]) -> None:
@@ -112,18 +112,20 @@ def _split(ids: list[int], token_steps: int) -> tuple[list[int], list[int]]:
     return ids[:cut], ids[cut:]
 
 
-def _calls(dialogues: list[list[int]], token_steps: int, chunk: int, tokens: int) -> int:
-    """How many calls of the graph of ``tokens`` tokens a walk makes."""
+def _calls(dialogues: list[list[int]], token_steps: int, chunk: int, tokens: int, prefix: StoredPrefix | None) -> int:
+    """How many calls of the graph of ``tokens`` tokens a walk makes (the stored prefix runs in none)."""
+    heads = [_split(ids, token_steps)[0] for ids in dialogues]
+    run = [len(head) - (prefix.covers(head, 0) if prefix else 0) for head in heads]  # what the graphs run of each
     if tokens == 1:
-        return sum(len(_split(ids, token_steps)[1]) for ids in dialogues)
-    return sum(-(-len(_split(ids, token_steps)[0]) // chunk) for ids in dialogues)
+        return sum(len(_split(ids, token_steps)[1]) for ids in dialogues) + run.count(1)
+    return sum(-(-n // chunk) for n in run if n > 1)
 
 
 def _walk(folder: OnnxFolder, dialogues: list[list[int]], token_steps: int, tokens: int):
     """A walk over the dialogues through the float graphs that shows the calls of the graph of ``tokens`` tokens."""
     def walk(show: Callable[[dict], None]) -> None:
         model = load_onnx_engine(folder.path, "cpu").model
-        model.graphs[tokens].session = _Recording(model.graphs[tokens].session, show)
+        model.graphs[tokens].session = Recording(model.graphs[tokens].session, show)
         layout = model.kv_layout
         for ids in dialogues:
             cache, seq = PagedKVCache(layout, sized_config(layout, "fp32", len(ids))), Sequence()
@@ -221,7 +223,7 @@ def quantize_graphs(folder: OnnxFolder, kv: KvGraphType, calibration: Calibratio
         graph = onnx.load(str(source), load_external_data=False)
         overrides = {**matmul_weight_overrides(graph), **kv_overrides(kv, layers)}
         feeds = _Feeds(_walk(folder, dialogues, calibration.token_steps, tokens),
-                       _calls(dialogues, calibration.token_steps, chunk, tokens))
+                       _calls(dialogues, calibration.token_steps, chunk, tokens, folder.prefix(manifest)))
         # stride 1: each call's min/max merged as it comes, one call's tensors held at a time
         config = get_qnn_qdq_config(str(source), feeds, activation_type=QuantType.QUInt16,
                                     weight_type=QuantType.QInt8, init_overrides=overrides, stride=1)

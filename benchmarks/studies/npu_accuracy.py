@@ -1,11 +1,12 @@
 """What the NPU's graphs cost in accuracy: teacher-forced perplexity, KL and top-1 agreement on held-out
 dialogues of the reference engine with fp32 KV (the base), the reference with INT8 KV (what INT8 KV alone costs),
-the A16W8 graphs on ONNX Runtime's CPU provider, and the same graphs on the QNN HTP backend (the emulator on
-x86_64: slow, so over the first tokens only; every run is also scored on those tokens). With the float graphs of
+the A16W8 graphs on ONNX Runtime's CPU provider (which computes what the QDQ graphs state), and the same graphs on
+the QNN HTP backend (the emulator on x86_64: slow, so over the first ``--htp-tokens`` tokens only; every run is also
+scored on those tokens), for each graph folder given (one per HTP architecture). With the float graphs of
 the same export (``--float``: cabin-export --precision fp16 --kv-cache fp32), the relative error of each layer's
 output (the residual stream after it) in the A16W8 graph names the layers that cost most. JSON and a table.
 
-    python -m cabinllm.benchmarks.studies.npu_accuracy --engine ENGINE --graphs A16W8_GRAPHS [--float FLOAT_GRAPHS]
+    python -m cabinllm.benchmarks.studies.npu_accuracy --engine ENGINE --graphs V68_GRAPHS V73_GRAPHS
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import json
 import math
 import os
 import sys
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +32,6 @@ from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.formats.onnx_folder import OnnxFolder
 from cabinllm.runtime.model.run_tokens import run_tokens
 
-RUNS = ("reference_int8_kv", "a16w8_cpu", "a16w8_htp")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,17 +39,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--engine", required=True, type=Path, help="engine folder the graphs were exported from")
-    parser.add_argument("--graphs", required=True, type=Path, help="A16W8 graph folder (cabin-export --htp-arch)")
+    parser.add_argument("--graphs", required=True, type=Path, nargs="+",
+                        help="A16W8 graph folders (cabin-export --htp-arch), each run on the CPU provider and the HTP")
     parser.add_argument("--float", type=Path, help="float graphs of the same window and chunk, fp32 KV, for the "
-                                                   "per-layer errors")
+                                                   "per-layer errors of the first --graphs folder")
     parser.add_argument("--data", default="sharegpt", help="held-out dialogues: builtin, sharegpt or a file")
     parser.add_argument("--num-dialogues", type=positive_int, default=8, help="dialogues")
     parser.add_argument("--max-tokens", type=positive_int, default=512, help="tokens per dialogue at most")
-    parser.add_argument("--htp-tokens", type=positive_int, default=128,
-                        help="tokens of the first dialogue run on the HTP emulator")
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/npu_accuracy"),
+    parser.add_argument("--htp-tokens", type=positive_int, default=1024,
+                        help="tokens run on the HTP emulator: the first dialogues' up to this many")
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/npu/npu_accuracy"),
                         help="writes OUTPUT.json and OUTPUT.md")
     return parser.parse_args(argv)
+
+
+def label(folder: Path) -> str:
+    """A run's name for a graph folder: its precision and the HTP it was compiled for."""
+    manifest = OnnxFolder(folder).manifest()
+    arch = manifest.get("qnn", {}).get("htp_arch")
+    return f"{manifest['precision']}" + (f"_v{arch}" if arch else "")
 
 
 def scores(base: torch.Tensor, logits: torch.Tensor, ids: list[int]) -> dict:
@@ -115,6 +125,8 @@ def table(result: dict) -> str:
             rows.append(f"| {name}{' (HTP tokens)' if scope == 'htp_tokens' else ''} | {s['tokens']:,} | "
                         f"{s['perplexity']:.4f} | {100 * (s['perplexity'] / base - 1):+.2f}% | {s['kl']:.4f} | "
                         f"{100 * s['top1']:.2f}% |")
+    rows += ["", "HTP emulator time: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in
+                                               result["htp_seconds"].items())]
     if "layer_errors" in result:
         errors = result["layer_errors"]
         added = [errors[0]] + [errors[i] - errors[i - 1] for i in range(1, len(errors))]
@@ -125,35 +137,61 @@ def table(result: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+def htp_heads(ids_list: list[list[int]], tokens: int) -> list[list[int]]:
+    """The first dialogues' heads that hold ``tokens`` tokens in all (at least 2 per dialogue)."""
+    heads = []
+    for ids in ids_list:
+        left = tokens - sum(map(len, heads))
+        if left < 2:
+            break
+        heads.append(ids[:left])
+    return heads
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     torch.set_num_threads(1)
     reference = Engine.load(args.engine)
-    cpu, htp = load_onnx_engine(args.graphs, "cpu", 1), load_onnx_engine(args.graphs, "qnn", 1)
-    context = cpu.config.max_position_embeddings
+    names = [label(folder) for folder in args.graphs]
+    cpus = [load_onnx_engine(folder, "cpu", 1) for folder in args.graphs]
+    context = min(cpu.config.max_position_embeddings for cpu in cpus)
     dialogues, _ = prepare_dialogues(args.data, "heldout", args.num_dialogues, 0, reference.tokenizer,
                                      min(args.max_tokens, context))
     ids_list = [d.token_ids for d in dialogues]
-    parts: dict[str, list[dict]] = {name: [] for name in ("reference_fp32_kv", *RUNS)}
-    htp_parts: dict[str, dict] = {}
-    for index, ids in enumerate(tqdm(ids_list, desc="dialogues", file=sys.stderr)):
+    heads = htp_heads(ids_list, args.htp_tokens)
+    parts: dict[str, list[dict]] = defaultdict(list)
+    htp_parts: dict[str, list[dict]] = defaultdict(list)
+    for index, ids in enumerate(tqdm(ids_list, desc="dialogues (reference, CPU provider)", file=sys.stderr)):
         base = run_tokens(reference.model, ids, "fp32", all_logits=True).logits
         runs = {"reference_fp32_kv": base,
-                "reference_int8_kv": run_tokens(reference.model, ids, "int8", reference.scales, all_logits=True).logits,
-                "a16w8_cpu": run_tokens(cpu.model, ids, "int8", cpu.scales, all_logits=True).logits}
+                "reference_int8_kv": run_tokens(reference.model, ids, "int8", reference.scales, all_logits=True).logits}
+        runs.update({f"{name}_cpu": run_tokens(cpu.model, ids, "int8", cpu.scales, all_logits=True).logits
+                     for name, cpu in zip(names, cpus)})
         for name, logits in runs.items():
             parts[name].append(scores(base, logits, ids))
-        if index == 0:
-            head = ids[:args.htp_tokens]
-            runs["a16w8_htp"] = run_tokens(htp.model, head, "int8", htp.scales, all_logits=True).logits
-            htp_parts = {name: summary([scores(base[:len(head)], logits[:len(head)], head)])
-                         for name, logits in runs.items()}
-    result = {"engine": str(args.engine), "graphs": str(args.graphs), "data": args.data, "dialogues": len(ids_list),
-              "threads": 1, "load_average": os.getloadavg(),
-              "all": {name: summary(p) for name, p in parts.items() if p}, "htp_tokens": htp_parts}
+            if index < len(heads):
+                n = len(heads[index])
+                htp_parts[name].append(scores(base[:n], logits[:n], heads[index]))
+        if index < len(heads):
+            htp_parts["base"].append({"logits": base[:len(heads[index])]})
+    htp_seconds = {}
+    for name, folder in zip(names, args.graphs):
+        start = time.perf_counter()
+        htp = load_onnx_engine(folder, "qnn", 1)
+        for head, base in zip(heads, tqdm([p["logits"] for p in htp_parts["base"]], desc=f"{name} on the HTP",
+                                          file=sys.stderr)):
+            logits = run_tokens(htp.model, head, "int8", htp.scales, all_logits=True).logits
+            htp_parts[f"{name}_htp"].append(scores(base, logits, head))
+        htp_seconds[name] = round(time.perf_counter() - start, 1)
+        del htp
+    del htp_parts["base"]
+    result = {"engine": str(args.engine), "graphs": [str(g) for g in args.graphs], "data": args.data,
+              "dialogues": len(ids_list), "threads": 1, "load_average": os.getloadavg(), "htp_seconds": htp_seconds,
+              "all": {name: summary(p) for name, p in parts.items()},
+              "htp_tokens": {name: summary(p) for name, p in htp_parts.items()}}
     if args.float:
-        result["layer_errors"] = layer_errors(OnnxFolder(args.graphs), OnnxFolder(args.float), reference, ids_list)
+        result["layer_errors"] = layer_errors(OnnxFolder(args.graphs[0]), OnnxFolder(args.float), reference, ids_list)
     result["load_average_after"] = os.getloadavg()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.output.with_suffix(".json"), json.dumps(result, indent=2) + "\n")

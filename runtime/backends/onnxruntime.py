@@ -99,6 +99,7 @@ class OrtModel:
                        for shape in ((1, heads, d, self.context), (1, heads, self.context, d))]
         self.window_tokens: list[int] = []  # the tokens whose K/V the window holds, from position 0
         self.window_cache: PagedKVCache | None = None
+        self.prefix = folder.prefix(manifest)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -122,11 +123,24 @@ class OrtModel:
             raise ConfigError(f"position {end} exceeds the graphs' KV window of {self.context} tokens")
         pictures = [span for span in seq.media if span.start < end and span.end > start_pos]
         self._fill_window(cache, seq, start_pos)
-        graph = self.graphs[1 if len(token_ids) == 1 else self.chunk]
-        logits = [self._run(graph, token_ids[i:i + graph.tokens], start_pos + i, cache, seq,
-                            _picture_rows(pictures, media or {}, start_pos + i, graph.tokens))
-                  for i in range(0, len(token_ids), graph.tokens)]
+        stored = self.prefix.covers(token_ids, start_pos) if self.prefix else 0
+        logits = [self._put_prefix(cache, seq, stored)] if stored else []
+        graph = self.graphs[1 if len(token_ids) - stored == 1 else self.chunk]
+        logits += [self._run(graph, token_ids[i:i + graph.tokens], start_pos + i, cache, seq,
+                             _picture_rows(pictures, media or {}, start_pos + i, graph.tokens))
+                   for i in range(stored, len(token_ids), graph.tokens)]
         return torch.cat(logits) if all_logits else logits[-1][-1]
+
+    def _put_prefix(self, cache: PagedKVCache, seq: Sequence, n: int) -> torch.Tensor:
+        """The stored prefix's first ``n`` tokens into the cache (in its own form) and the window; their logits."""
+        cache.storage.prepare(seq, 0, n)
+        slots = cache.slots(seq, 0, n)
+        for layer in range(self.config.num_hidden_layers):
+            cache.storage.write(layer, slots, torch.from_numpy(self.prefix.keys[layer, :n]),
+                                torch.from_numpy(self.prefix.values[layer, :n]))
+        self.window_cache = None
+        self._fill_window(cache, seq, n)
+        return torch.from_numpy(self.prefix.logits[:n])
 
     def _fill_window(self, cache: PagedKVCache, seq: Sequence, start: int) -> None:
         """Make the window hold the K/V of the sequence's first ``start`` tokens, from the cache's blocks unless it
@@ -150,8 +164,10 @@ class OrtModel:
         if len(seq) > self.context:
             raise ConfigError(f"{len(seq)} tokens exceed the graphs' KV window of {self.context} tokens")
         self._fill_window(cache, seq, len(seq))
-        graph = self.graphs[1]
-        return torch.cat([self._call(graph, [token], position)[0] for position, token in enumerate(seq.token_ids)])
+        graph, stored = self.graphs[1], self.prefix.covers(seq.token_ids, 0) if self.prefix else 0
+        head = [torch.from_numpy(self.prefix.logits[:stored])] if stored else []
+        return torch.cat(head + [self._call(graph, [token], position)[0]
+                                 for position, token in enumerate(seq.token_ids) if position >= stored])
 
     def _call(self, graph: _Graph, piece: list[int], start: int,
               rows: dict[int, np.ndarray] | None = None) -> tuple[torch.Tensor, list[np.ndarray]]:
@@ -159,11 +175,15 @@ class OrtModel:
         (``rows``: input rows by position, a picture's, in place of the embedding's); their logits (n, vocab) and
         the new K/V outputs (each for ``graph.tokens`` rows)."""
         n, tokens = len(piece), graph.tokens
-        ids, positions = np.zeros((1, tokens), np.int64), np.zeros((1, tokens), np.int64)
+        # rows past the piece repeat its last token, position and mask row: discarded, and like the rows before them
+        # (a token 0 at position 0 that sees nothing before it is a conversation's first token, whose massive
+        # activation would stretch every calibrated range)
+        ids, positions = np.full((1, tokens), piece[-1], np.int64), np.full((1, tokens), start + n - 1, np.int64)
         ids[0, :n], positions[0, :n] = piece, np.arange(start, start + n)
         mask = np.full((1, 1, tokens, self.context + tokens), self.masked, np.float32)
-        mask[0, 0, :n, :start] = 0.0
+        mask[0, 0, :, :start] = 0.0
         mask[0, 0, :, self.context:] = graph.causal
+        mask[0, 0, n:] = mask[0, 0, n - 1]
         if self.host is None:
             feeds = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
         else:
@@ -259,6 +279,10 @@ def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threa
     # packed copy of every MatMul weight (a chat on the default model, measured: 1.34 GB of process memory with it,
     # 0.32 GB without; decode steps as fast, 64-token prefill chunks about 20% slower)
     options.add_session_config_entry("session.disable_prepacking", "1")
+    if manifest["precision"] != "fp16":  # quantized graphs compute what they state: the extended optimizations
+        # fuse each int8 weight's DequantizeLinear and MatMul into MatMulNBits, measured 0.36% off a QDQ MatMul's
+        # exact result (the HTP: 0.003%)
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     try:
         session = ort.InferenceSession(str(path), options, providers=[ORT_PROVIDERS[provider]])
     except Exception as err:  # onnxruntime raises its own exception types on a bad graph

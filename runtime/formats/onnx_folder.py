@@ -72,6 +72,8 @@ INPUTS_EMBEDS = "inputs_embeds"
 ROPE_INPUTS = ("rope_cos", "rope_sin")
 LOCAL_ROPE_INPUTS = ("rope_local_cos", "rope_local_sin")
 LOCAL_MASK = "local_attention_mask"
+# the host tables of the stored prefix: its K/V (layers, tokens, kv_heads, head_size) and logits (tokens, vocab)
+PREFIX_TABLES = ("prefix_keys", "prefix_values", "prefix_logits")
 EXPORT_AGAIN = "export it again with cabin-export"
 # metadata every graph carries -> the manifest value it must equal
 GRAPH_METADATA = ("model_fingerprint", "context", "chunk", "kv_cache")
@@ -119,6 +121,24 @@ def graph_metadata(manifest: dict) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class StoredPrefix:
+    """The tokens every conversation starts with, run once at export by the reference engine in float32: their K/V
+    (layers, tokens, kv_heads, head_size) and logits (tokens, vocab). The graphs never run them, so no calibrated
+    range holds the first token's massive activation (24,867 in the default model's residual stream, 200 times any
+    later token's), as in PrefixQuant (Chen et al., 2024), which prefixes such tokens' K/V offline."""
+
+    tokens: list[int]
+    keys: np.ndarray
+    values: np.ndarray
+    logits: np.ndarray
+
+    def covers(self, token_ids: list[int], start: int) -> int:
+        """How many of tokens at ``start`` are the prefix's own (0 unless they begin a conversation with it)."""
+        n = len(self.tokens)
+        return min(n, len(token_ids)) if start == 0 and token_ids[:n] == self.tokens[:len(token_ids)] else 0
+
+
+@dataclass(frozen=True)
 class OnnxFolder:
     """An exported graph folder on disk."""
 
@@ -135,6 +155,13 @@ class OnnxFolder:
         if not path.is_file():
             raise CheckpointError(f"{path}: missing; {EXPORT_AGAIN}")
         return np.load(path, mmap_mode="r")
+
+    def prefix(self, manifest: dict) -> StoredPrefix | None:
+        """The stored prefix the export wrote (quantized graphs), or None."""
+        tokens = manifest.get("prefix")
+        if tokens is None:
+            return None
+        return StoredPrefix(list(tokens), *(np.array(self.host_table(name)) for name in PREFIX_TABLES))
 
     def manifest(self) -> dict:
         """The manifest, checked for the keys the runtime reads; CheckpointError naming what is wrong."""
