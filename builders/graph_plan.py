@@ -6,9 +6,10 @@ bytes per token (1 per element for int8, 2 for fp16): the two graphs' KV inputs 
 outputs (the new rows), the runtime's host copy of the window, its paged cache holding the dialogue (the
 window's tokens, in whole blocks), and the prompt and token graphs' activations. The chunk is the target's
 ``default_chunk`` (halved until something fits); the context is the largest multiple of the cache's block size,
-up to the model's context, that fits the memory left after the weights, and, where the target bounds one
-graph (``graph_memory_gib``), whose prompt graph with the NPU's copy of the weights (fp16 floats; W8A16 linear
-layers in int8 with their scales) stays under that bound.
+up to the model's context, that fits the memory left after the weights, and, where the target bounds what the NPU
+holds (``graph_memory_gib``), whose QNN context of both graphs stays under that bound: one copy of the weights for
+both (cabin-export compiles them into one context, QNN storing the weights they share once; fp16 floats, W8A16
+linear layers in int8 with their scales), both graphs' KV inputs and outputs and their activations.
 """
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ class GraphPlan:
     window_bytes: int  # the runtime's host copy of the window
     cache_bytes: int  # the runtime's paged cache holding the dialogue in host memory (cabin-chat --kv-budget-mb)
     activation_bytes: int  # the prompt and token graphs' activations
-    npu_graph_bytes: int | None  # the prompt graph on an NPU that computes float graphs: its weights, window,
-    # activations (None: the NPU computes no float graphs)
+    npu_graph_bytes: int | None  # both graphs' one QNN context on an NPU that computes float graphs: one copy of
+    # the weights, both graphs' KV inputs and outputs and activations (None: the NPU computes no float graphs)
 
     @property
     def total_bytes(self) -> int:
@@ -80,16 +81,15 @@ def graph_plan(config: ModelConfig, target: Target, kv_dtype: str, context: int,
     tpb = target.tokens_per_block
     # the graphs pass K/V in the cache's element type, every layer's over the whole window
     per_token = kv_bytes_per_token(config, kv_dtype, tpb, windowed=False)
-    prompt = activation_bytes(config, chunk, context, 1, Backend.ONNX)
+    kv_io = ((_WINDOW_COPIES - 2) * context + chunk + 1) * per_token
+    activations = activation_bytes(config, chunk, context, 1, Backend.ONNX) + activation_bytes(config, 1, context, 1,
+                                                                                                Backend.ONNX)
     return GraphPlan(
         context=context, chunk=chunk, kv_cache=kv_dtype, profile=target.npu.onnx_profile,
         precision=target.npu.precision_for(kv_dtype), htp_arch=target.npu.htp_arch, provider=target.npu.ort_provider,
-        kv_io_bytes=((_WINDOW_COPIES - 2) * context + chunk + 1) * per_token, window_bytes=context * per_token,
-        cache_bytes=cdiv(context, tpb) * tpb * per_token,
-        activation_bytes=prompt + activation_bytes(config, 1, context, 1, Backend.ONNX),
-        npu_graph_bytes=npu_weight_bytes(config, weights) + (context + chunk) * per_token + prompt
-        if target.npu.float16
-        else None)
+        kv_io_bytes=kv_io, window_bytes=context * per_token, cache_bytes=cdiv(context, tpb) * tpb * per_token,
+        activation_bytes=activations,
+        npu_graph_bytes=npu_weight_bytes(config, weights) + kv_io + activations if target.npu.float16 else None)
 
 
 def tokens_held(plan: GraphPlan, budget: int, per_token: int) -> int:
@@ -98,14 +98,16 @@ def tokens_held(plan: GraphPlan, budget: int, per_token: int) -> int:
 
 
 def graph_limit(target: Target) -> int | None:
-    """The bytes one graph may hold on the target's NPU, where it computes float graphs and the profile bounds them."""
+    """The bytes the graphs' QNN context may hold on the target's NPU, where it computes float graphs and the profile
+    bounds them."""
     npu = target.npu
     return int(npu.graph_memory_gib * GIB) if npu.float16 and npu.graph_memory_gib else None
 
 
 def npu_weight_bytes(config: ModelConfig, weights: str = "fp16") -> int:
-    """The weights as an NPU that computes float graphs holds them: float tensors in fp16, W8A16 linear layers
-    as their int8 tensors and scales."""
+    """The weights as an NPU that computes float graphs holds them, one copy for both graphs (their one QNN context
+    stores the weights they share once): float tensors in fp16, W8A16 linear layers as their int8 tensors and
+    scales."""
     return weights_bytes(config, weights)
 
 

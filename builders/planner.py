@@ -452,11 +452,13 @@ def onnx_warnings(plan: Plan) -> list[str]:
     weights = plan.request.weights
     carried = "fp32 weights" if weights == "fp16" else f"{weights} linear layers and fp32 other weights"
     out.append(f"the graphs carry {carried} (weights.bin, {plan.weights_bytes / GIB:.2f} GiB, counted)"
-               + (f"; {t.name}'s NPU holds its own copy ({npu_weight_bytes(config, weights) / GIB:.2f} GiB, not "
-                  "counted: measure it)" if t.npu.float16 else ""))
+               + (f"; {t.name}'s NPU holds its own copy, one for both graphs "
+                  f"({npu_weight_bytes(config, weights) / GIB:.2f} GiB, not counted: measure it)" if t.npu.float16
+                  else ""))
     out.append(f"{t.name}'s NPU is Hexagon HTP v{t.npu.htp_arch}: it runs {' or '.join(t.npu.precisions)} graphs"
                + ("" if t.npu.float16 else " only (no floating point)") + "; cabin-export quantizes A16W8 graphs "
-               "with ONNX Runtime's QNN tooling and compiles both graphs into QNN context binaries for it")
+               "with ONNX Runtime's QNN tooling and compiles both graphs into one QNN context binary for it (the "
+               "weights stored once)")
     fitting = [kv for kv in plan.kv.values() if kv.graphs]
     for kv in plan.kv.values():
         if not kv.fits:

@@ -49,7 +49,8 @@ class NpuProfile:
     ort_provider: str  # cabin-chat --ort-provider
     htp_arch: int  # the Hexagon HTP's architecture (cabin-export --htp-arch): which precisions it runs
     default_chunk: int  # prompt-graph tokens the plan takes when memory allows
-    graph_memory_gib: float | None = None  # most one graph may hold on the NPU (fp16 weights, window, activations)
+    graph_memory_gib: float | None = None  # most the graphs' QNN context may hold on the NPU (one copy of the fp16
+    # weights, both graphs' windows and activations)
 
     @property
     def precisions(self) -> tuple[str, ...]:

@@ -187,7 +187,7 @@ GRAPH_ROWS: list[tuple[str, Callable[[KVPlan], str]]] = [
     ("host window MiB", _graphs(lambda g: _mib(g.window_bytes))),
     ("host paged cache MiB", _graphs(lambda g: _mib(g.cache_bytes))),
     ("activations MiB", lambda kv: _mib(kv.activation_bytes)),
-    ("NPU prompt graph MiB", _graphs(lambda g: _mib(g.npu_graph_bytes) if g.npu_graph_bytes else "-")),
+    ("NPU context MiB (both graphs)", _graphs(lambda g: _mib(g.npu_graph_bytes) if g.npu_graph_bytes else "-")),
     ("memory left GiB", lambda kv: f"{kv.memory_left_bytes / GIB:,.2f}"),
     ("est. turns", lambda kv: f"{kv.est_turns:,}"),
     ("prefill tokens/turn", lambda kv: f"{kv.prefill_tokens_per_turn['mean']:,}"),

@@ -1,11 +1,16 @@
 """Qualcomm's QNN execution provider (the onnxruntime-qnn plugin) for ONNX Runtime: sessions on the HTP backend with
-CPU fallback disabled, context binaries (EPContext models) compiled at export and loaded at start, and the versions
-that compiled them. On x86_64 the plugin's HTP backend is an emulator: the same graphs finalize and run there as on
-the NPU. onnxruntime and onnxruntime_qnn are imported only here, only when used.
+CPU fallback disabled, one context binary of both graphs (EPContext models naming it, the weights stored once)
+compiled at export and loaded at start, and the versions that compiled them. On x86_64 the plugin's HTP backend is an
+emulator: the same graphs finalize and run there as on the NPU, but a weight-shared context of several graphs
+crashes it on load (QNN 2.51: a null call in contextCreateFromBinary; ONNX Runtime's own tests load such contexts on
+a device only), so there the graphs are compiled at start instead. onnxruntime and onnxruntime_qnn are imported only
+here, only when used.
 """
 from __future__ import annotations
 
+import platform
 import time
+import warnings
 from pathlib import Path
 
 from cabinllm.runtime.errors import CheckpointError, ConfigError, Fix, Hint, MissingDependency
@@ -16,7 +21,9 @@ INSTALL = "pip install onnxruntime-qnn (wheels for Linux x86_64 / aarch64 and Wi
 # HTP architecture -> the precisions (cabinllm.builders.onnx_profiles.PRECISIONS) it runs: v68 has no floating point
 # (ONNX Runtime's QNN tests skip fp16 on v68 and below), v73 computes float graphs in fp16
 HTP_PRECISIONS = {68: ("a16w8",), 73: ("a16w8", "fp16")}
-CONTEXT_SUFFIX = "_ctx.onnx"  # prompt.onnx -> prompt_ctx.onnx, its binary prompt_ctx_qnn.bin beside it
+CONTEXT_SUFFIX = "_ctx.onnx"  # prompt.onnx -> prompt_ctx.onnx; the first graph's binary (prompt_ctx_qnn.bin) holds both
+SHARED = ("both graphs in one QNN context (ep.share_ep_contexts at compile and load): QNN's HTP weight sharing "
+          "stores the weights they both hold once")
 _COMPATIBILITY_KEY = "ep_compatibility_info." + QNN_EP  # "v2:6:QNN:...:ARCH:..." in an EPContext model's metadata
 
 
@@ -89,18 +96,34 @@ def htp_session(path: Path, htp_arch: int, threads: int | None = None, **config:
 
 
 def compile_context_binaries(folder: OnnxFolder, manifest: dict, htp_arch: int) -> dict:
-    """Compile both graphs of a folder for an HTP architecture into EPContext models with their context binaries
-    beside them (embed mode off); what the manifest records of them."""
-    record = {"htp_arch": htp_arch, **qnn_versions(), "context_graphs": {}, "compile_s": {}, "binary_bytes": {}}
+    """Compile both graphs of a folder for an HTP architecture into one QNN context, the weights they both hold
+    stored once: one session per graph with ``ep.share_ep_contexts``, the last with ``ep.stop_share_ep_contexts``,
+    which writes the one context binary (embed mode off) that the EPContext model of each graph names; what the
+    manifest records of them."""
+    record = {"htp_arch": htp_arch, **qnn_versions(), "shared": SHARED, "context_graphs": {}, "compile_s": {}}
+    last = list(manifest["graphs"])[-1]
     for key, name in manifest["graphs"].items():
         context = Path(name).stem + CONTEXT_SUFFIX
         start = time.perf_counter()
         htp_session(folder.path / name, htp_arch, **{"ep.context_enable": "1", "ep.context_embed_mode": "0",
-                                                     "ep.context_file_path": str(folder.path / context)})
+                                                     "ep.context_file_path": str(folder.path / context),
+                                                     "ep.share_ep_contexts": "1",
+                                                     "ep.stop_share_ep_contexts": "1" if key == last else "0"})
         record["compile_s"][key] = round(time.perf_counter() - start, 2)
         record["context_graphs"][key] = context
-        record["binary_bytes"][key] = sum(path.stat().st_size for path in folder.path.glob(Path(context).stem + "*.bin"))
+    binaries = {name for context in record["context_graphs"].values() for name in _binaries(folder.path / context)}
+    if len(binaries) != 1:
+        raise CheckpointError(f"{folder.path}: the context models name the binaries {sorted(binaries)}, not one "
+                              "shared binary", (Hint(Fix.EXPORT_HTP_ARCH, str(htp_arch)),))
+    record["context_binary"] = binary = binaries.pop()
+    record["binary_bytes"] = (folder.path / binary).stat().st_size
+    record["weights_bytes"] = (folder.path / manifest["weights"]).stat().st_size  # one copy, as the graphs read it
     return record
+
+
+def htp_emulated() -> bool:
+    """Whether the plugin's HTP backend is the x86_64 emulator (not an NPU)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 def compiled_arch(path: Path) -> int | None:
@@ -113,25 +136,43 @@ def compiled_arch(path: Path) -> int | None:
 
 
 def context_session(folder: OnnxFolder, manifest: dict, key: str, htp_arch: int | None, threads: int | None):
-    """The session of a folder's graph on the HTP: its compiled context binary where the export wrote one (no
-    compile at start), else the graph compiled now; errors name a binary for another architecture or a missing one."""
+    """The session of a folder's graph on the HTP: from the compiled context binary where the export wrote one (no
+    compile at start; the shared binary of both graphs loaded once, with ``ep.share_ep_contexts``; an older export's
+    binary per graph alone), else the graph compiled now; on the x86_64 emulator, which cannot load a shared binary,
+    the graph compiled now for the binary's architecture. Errors name a binary for another architecture or a missing
+    context model or binary, of either graph."""
     compiled = manifest.get("qnn")
     if compiled is None:
         return htp_session(folder.path / manifest["graphs"][key], htp_arch or max(HTP_PRECISIONS), threads)
     arch = htp_arch or int(compiled["htp_arch"])
+    for name in compiled["context_graphs"].values():  # both graphs' files before any session shares a context
+        _check_context(folder, folder.path / name, int(compiled["htp_arch"]), arch)
     path = folder.path / compiled["context_graphs"][key]
+    if "context_binary" not in compiled:  # exported before the shared context: a binary per graph
+        return htp_session(path, arch, threads)
+    if htp_emulated():
+        session = htp_session(folder.path / manifest["graphs"][key], arch, threads)
+        warnings.warn(f"{folder.path}: the HTP emulator (x86_64) cannot load the graphs' shared context binary "
+                      f"{compiled['context_binary']} (a device loads it); compiled the graphs for HTP v{arch} at "
+                      "start instead", RuntimeWarning, stacklevel=2)
+        return session
+    return htp_session(path, arch, threads, **{"ep.share_ep_contexts": "1"})
+
+
+def _check_context(folder: OnnxFolder, path: Path, exported: int, arch: int) -> None:
+    """CheckpointError when a context model or its binary is missing, ConfigError when it was compiled for another
+    architecture than ``arch`` (the manifest's ``exported`` or the model's own compatibility info)."""
     if not path.is_file():
         raise CheckpointError(f"{path}: the compiled context model is missing",
-                              (Hint(Fix.EXPORT_HTP_ARCH, str(compiled["htp_arch"])),))
+                              (Hint(Fix.EXPORT_HTP_ARCH, str(exported)),))
     built_for = compiled_arch(path)
-    if arch != int(compiled["htp_arch"]) or (built_for is not None and built_for != arch):
-        raise ConfigError(f"{folder.path}: compiled for HTP v{built_for or compiled['htp_arch']}, and this device is "
-                          f"v{arch}", (Hint(Fix.EXPORT_HTP_ARCH, str(arch)),))
+    if arch != exported or (built_for is not None and built_for != arch):
+        raise ConfigError(f"{folder.path}: compiled for HTP v{built_for or exported}, and this device is v{arch}",
+                          (Hint(Fix.EXPORT_HTP_ARCH, str(arch)),))
     missing = [name for name in _binaries(path) if not (folder.path / name).is_file()]
     if missing:
         raise CheckpointError(f"{folder.path / missing[0]}: the context binary is missing",
                               (Hint(Fix.EXPORT_HTP_ARCH, str(arch)),))
-    return htp_session(path, arch, threads)
 
 
 def _binaries(path: Path) -> list[str]:

@@ -12,8 +12,8 @@ Layout::
       weights.bin          the weights both graphs read (ONNX external data)
       tokenizer/           tokenizer.json and tokenizer_config.json
       host/                npu profile: the tables the host looks up (embedding.npy, rope_cos.npy, ...)
-      *_ctx.onnx, *.bin    npu profile with an htp_arch: the graphs compiled by QNN for the HTP (EPContext
-                           models and their context binaries)
+      *_ctx.onnx, *.bin    npu profile with an htp_arch: the graphs compiled by QNN for the HTP (an EPContext
+                           model of each and the one context binary both name, the weights stored once)
 
 Both graphs have static shapes (batch 1). Their inputs in the ort profile::
 
