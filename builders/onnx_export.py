@@ -35,6 +35,7 @@ import torch
 from cabinllm.builders.onnx_profiles import (HEAD_FORMS, PRECISIONS, WEIGHT_FORMS, OnnxProfile, Precision,
                                              onnx_profile, precision)
 from cabinllm.builders.progress import Steps
+from cabinllm.builders.qnn_precision import PrecisionPlan
 from cabinllm.builders.qnn_quantize import CalibrationData, quantize_graphs
 from cabinllm.runtime.backends.qnn import check_htp_arch, compile_context_binaries, qnn_versions
 from cabinllm.runtime.engine.loader import Engine
@@ -71,7 +72,7 @@ INT8_ZERO_POINT = 128  # its 8-bit default: the int8 head's code q travels as q 
 class OnnxExportRequest:
     """What to export: the engine folder, the output folder, the fixed window and chunk, the KV mode, the profile,
     the precision (None: the profile's default), the HTP architecture to compile for (None: no context binaries),
-    the calibration dialogues of a quantized precision."""
+    the calibration dialogues of a quantized precision and the weights it stores in 16 bits."""
 
     engine: Path
     output: Path
@@ -82,6 +83,7 @@ class OnnxExportRequest:
     precision: str | None = None
     htp_arch: int | None = None
     calibration: CalibrationData = CalibrationData()
+    precision_plan: PrecisionPlan = PrecisionPlan()
 
 
 def check_request(request: OnnxExportRequest) -> tuple[OnnxProfile, Precision]:
@@ -102,6 +104,9 @@ def check_request(request: OnnxExportRequest) -> tuple[OnnxProfile, Precision]:
             raise ConfigError(f"--htp-arch compiles npu graphs for Qualcomm's HTP; the {profile.name} profile's are "
                               "not; export --profile npu or leave --htp-arch out")
         check_htp_arch(request.htp_arch, chosen.name)
+    if request.precision_plan.w16 and not chosen.quantized:
+        raise ConfigError(f"--precision-plan stores weights of quantized graphs in 16 bits; {chosen.name} graphs are "
+                          "float: export --precision a16w8 or leave --precision-plan out")
     if request.chunk < 1 or request.context < 1:
         raise ConfigError(f"need --context and --chunk >= 1, got {request.context} and {request.chunk}")
     if request.context < request.chunk:
@@ -176,7 +181,8 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
                 shutil.copytree(engine.folder / AUDIO_FOLDER, tmp / AUDIO_FOLDER)
                 manifest["audio"] = engine.manifest["audio"]
         if chosen.quantized:  # the graphs never run the conversation's first token (StoredPrefix)
-            manifest["prefix"] = write_prefix(tmp / HOST_DIR, engine)
+            manifest["prefix"] = write_prefix(tmp / HOST_DIR, engine, request.kv_cache,
+                                              KVScales(kv.scales, kv.scales) if kv.scales else None)
         # a quantized precision starts from float graphs with float K/V, quantized with the engine's scales
         float_kv = KvGraphType("float32") if chosen.quantized else kv
         weights, models = WeightsFile(tmp / WEIGHTS_FILE), {}
@@ -192,7 +198,8 @@ def export_onnx(request: OnnxExportRequest, log: Log = print) -> dict:
                             f"{request.calibration.describe()}"):
                 float_manifest = {**manifest, "kv_graph": float_kv.to_dict(), "precision": "fp16"}  # what calibrates
                 atomic_write_text(tmp / MANIFEST_FILE, json.dumps(float_manifest, indent=2) + "\n")
-                models, manifest["quantization"] = quantize_graphs(OnnxFolder(tmp), kv, request.calibration)
+                models, manifest["quantization"] = quantize_graphs(OnnxFolder(tmp), kv, request.calibration,
+                                                                   request.precision_plan, request.htp_arch)
                 write_graphs(tmp, models)
         with steps.step("graphs checked, manifest.json"):
             for name in models:
@@ -225,12 +232,13 @@ def write_graphs(folder: Path, models: dict) -> None:
     weights.close()
 
 
-def write_prefix(host: Path, engine: Engine) -> list[int]:
+def write_prefix(host: Path, engine: Engine, kv_cache: str, scales: KVScales | None) -> list[int]:
     """Run the token every conversation starts with (the chat template's first) through the reference engine in
-    float32 and write its K/V and logits as the host's prefix tables; its token ids."""
+    float32 over the graphs' KV mode and scales, and write its K/V and logits as the host's prefix tables; its token
+    ids."""
     tokenizer = engine.tokenizer
     tokens = tokenizer.encode_prompt(tokenizer.render([{"role": "user", "content": "."}]))[:1]
-    run = run_tokens(engine.model, tokens, "fp32", all_logits=True)
+    run = run_tokens(engine.model, tokens, kv_cache, scales, all_logits=True)
     kv = [run.cache.read(layer, run.seq) for layer in range(engine.config.num_hidden_layers)]
     keys, values = (torch.stack([pair[i] for pair in kv]) for i in (0, 1))
     for name, table in zip(PREFIX_TABLES, (keys, values, run.logits)):

@@ -26,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+from cabinllm.builders.qnn_precision import PrecisionPlan, apply_plan, check_plan
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.formats.onnx_folder import (KvGraphType, OnnxFolder, StoredPrefix, new_key, new_value,
@@ -201,11 +202,14 @@ def kv_io_as_codes(model, layers: int) -> None:
             value.type.tensor_type.elem_type = onnx.TensorProto.UINT8
 
 
-def quantize_graphs(folder: OnnxFolder, kv: KvGraphType, calibration: CalibrationData) -> tuple[dict, dict]:
-    """Quantize the float graphs of a (staging) folder to A16W8 with its KV in ``kv``'s codes; the loaded graphs
-    (their tensors in memory) and what the manifest records of the quantization."""
+def quantize_graphs(folder: OnnxFolder, kv: KvGraphType, calibration: CalibrationData, plan: PrecisionPlan,
+                    htp_arch: int | None) -> tuple[dict, dict]:
+    """Quantize the float graphs of a (staging) folder to A16W8 with its KV in ``kv``'s codes and the plan's weights
+    in 16 bits (checked against the HTP architecture); the loaded graphs (their tensors in memory) and what the
+    manifest records of the quantization."""
     import onnx
     import onnxruntime
+    from onnx import numpy_helper
     from onnxruntime.quantization import QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
@@ -234,11 +238,15 @@ def quantize_graphs(folder: OnnxFolder, kv: KvGraphType, calibration: Calibratio
         calls[key] = feeds.count
         models[name] = onnx.load(str(out))
         kv_io_as_codes(models[name], layers)
+        check_plan(plan, models[name], htp_arch)
+        apply_plan(models[name], {t.name: numpy_helper.to_array(t, str(folder.path)) for t in graph.graph.initializer
+                                  if t.name in plan.w16}, plan)
     shutil.rmtree(work)
     record = {"tool": f"onnxruntime {onnxruntime.__version__} quantization, execution_providers.qnn "
                       "(get_qnn_qdq_config, quantize)",
               "activations": "uint16, asymmetric, MinMax over the calibration calls",
               "weights": "int8 symmetric: per output channel for MatMul, per tensor elsewhere",
+              "weights_16_bit": plan.to_dict(),
               "kv": "uint8 with zero point 128 and the engine's scale of each layer, forced (TensorQuantOverrides)",
               "calibration": {"data": calibration.data, "dialogues": len(dialogues),
                               "tokens": sum(len(d) for d in dialogues),

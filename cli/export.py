@@ -9,6 +9,7 @@ from cabinllm.builders.graph_plan import GraphPlan
 from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
 from cabinllm.builders.onnx_profiles import ONNX_PROFILES, PRECISIONS
 from cabinllm.builders.planner import PlanRequest, working_plan
+from cabinllm.builders.qnn_precision import PrecisionPlan, read_plan
 from cabinllm.builders.qnn_quantize import CalibrationData
 from cabinllm.builders.targets import Backend, get_target, load_targets
 from cabinllm.cli.args import add_kv_cache, cli_message, entry_point, os_error_message, positive_int
@@ -59,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"a16w8: how many (default {CalibrationData.num_dialogues})")
     parser.add_argument("--calibration-tokens", type=positive_int, default=CalibrationData.max_tokens,
                         help=f"a16w8: tokens per dialogue at most (default {CalibrationData.max_tokens})")
+    parser.add_argument("--precision-plan", type=Path,
+                        help="a16w8: the weights to store in 16 bits, a plan written by python -m "
+                             "cabinllm.benchmarks.studies.npu_sensitivity for this model and HTP (default: none, "
+                             "every weight in 8 bits)")
     return parser.parse_args(argv)
 
 
@@ -72,8 +77,9 @@ def export_request(args: argparse.Namespace) -> OnnxExportRequest:
     precision = args.precision or (planned.precision if planned else None)
     htp_arch = args.htp_arch or (planned.htp_arch if planned else None)
     calibration = CalibrationData(args.calibration_data, args.calibration_dialogues, args.calibration_tokens)
+    plan = read_plan(args.precision_plan) if args.precision_plan else PrecisionPlan()
     return OnnxExportRequest(args.engine, args.output, context, chunk, kv_cache, profile, precision, htp_arch,
-                             calibration)
+                             calibration, plan)
 
 
 def target_graphs(engine: Path, target_name: str, kv_cache: str | None) -> GraphPlan:

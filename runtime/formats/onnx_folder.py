@@ -122,8 +122,9 @@ def graph_metadata(manifest: dict) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class StoredPrefix:
-    """The tokens every conversation starts with, run once at export by the reference engine in float32: their K/V
-    (layers, tokens, kv_heads, head_size) and logits (tokens, vocab). The graphs never run them, so no calibrated
+    """The tokens every conversation starts with, run once at export by the reference engine in float32 over the
+    graphs' KV mode: their K/V (layers, tokens, kv_heads, head_size) as the cache gives them back, and logits (tokens,
+    vocab). The graphs never run them, so no calibrated
     range holds the first token's massive activation (24,867 in the default model's residual stream, 200 times any
     later token's), as in PrefixQuant (Chen et al., 2024), which prefixes such tokens' K/V offline."""
 
