@@ -459,6 +459,8 @@ def onnx_warnings(plan: Plan) -> list[str]:
                + ("" if t.npu.float16 else " only (no floating point)") + "; cabin-export quantizes A16W8 graphs "
                "with ONNX Runtime's QNN tooling and compiles both graphs into one QNN context binary for it (the "
                "weights stored once)")
+    out.append("what each precision costs, measured on the HTP emulator: "
+               + "; ".join(t.npu.cost(p) for p in t.npu.precisions))
     fitting = [kv for kv in plan.kv.values() if kv.graphs]
     for kv in plan.kv.values():
         if not kv.fits:

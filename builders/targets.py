@@ -51,6 +51,16 @@ class NpuProfile:
     default_chunk: int  # prompt-graph tokens the plan takes when memory allows
     graph_memory_gib: float | None = None  # most the graphs' QNN context may hold on the NPU (one copy of the fp16
     # weights, both graphs' windows and activations)
+    # precision -> what it measured on this HTP (perplexity_pct, top1_pct, tokens, model, source)
+    measured: dict[str, dict] = field(default_factory=dict)
+
+    def cost(self, precision: str) -> str:
+        """One line of what a precision measured on this HTP, or that it was not measured."""
+        m = self.measured.get(precision)
+        if m is None:
+            return f"{precision}: not measured on HTP v{self.htp_arch}"
+        return (f"{precision}: {m['perplexity_pct']:+.2f}% perplexity, top-1 {m['top1_pct']:.1f}% against fp32 over "
+                f"{m['tokens']:,} held-out tokens of {m['model']} ({m['source']})")
 
     @property
     def precisions(self) -> tuple[str, ...]:

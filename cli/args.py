@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable, TextIO
@@ -307,10 +308,11 @@ BUG_EXIT = 70  # EX_SOFTWARE: the command failed by a fault of its own
 def entry_point(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
     """Wrap a command's ``main``: it handles the CabinError kinds (user errors, exit code 2) itself; any other
     exception is a bug, shown as one line that asks for a report (the traceback with CABIN_DEBUG=1, exit code 70),
-    and Ctrl-C ends the command with code 130 and no traceback."""
+    Ctrl-C ends the command with code 130 and no traceback, and a warning is one line that names the command."""
     def wrap(main: Callable[..., int]) -> Callable[..., int]:
         @functools.wraps(main)
         def run(*args, **kwargs) -> int:
+            warnings.formatwarning = lambda message, *_args, **_kwargs: f"{prog}: warning: {message}\n"
             try:
                 return main(*args, **kwargs)
             except KeyboardInterrupt:

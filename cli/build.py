@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from cabinllm.builders.engine_build import DEFAULT_SYSTEM_PROMPT, BuildRequest, build_engine
+from cabinllm.builders.targets import Backend, get_target
 from cabinllm.cli.args import add_kv_cache, cli_message, entry_point, int_range, os_error_message, reserve_gib
 from cabinllm.runtime.errors import CabinError, ConfigError
 from cabinllm.runtime.formats.chat_script import text_problem
@@ -36,10 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "abs-max measurement on built-in sample exchanges)")
     parser.add_argument("--calibrate", metavar="DATA", help="calibrate KV scales now on dialogues: builtin "
                         "(cockpit set), sharegpt, or a .jsonl / ShareGPT .json file (instead of --scales)")
-    parser.add_argument("--equalize", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--equalize", action=argparse.BooleanOptionalAction,
                         help="fold KV equalization into the weights: factors from the calibrated per-channel "
                              "ranges, and the turn that stores the calibration data's first token's K/V exactly "
-                             "(default off)")
+                             "(default: on for an NPU target with int8 KV and no --scales, calibrated on builtin "
+                             "unless --calibrate names other data: measured, INT8 KV alone costs +0.47%% perplexity "
+                             "equalized, +2.40%% not; off elsewhere)")
     parser.add_argument("--reserve-gb", type=reserve_gib,
                         help="GiB held for co-resident models; default: the profile's")
     parser.add_argument("--dtype", default="float16", choices=("float16", "float32"),
@@ -67,14 +70,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def npu_target(name: str | None) -> bool:
+    """Whether a --target names an NPU (ONNX) target."""
+    return name is not None and get_target(name).backend is Backend.ONNX
+
+
 @entry_point("cabin-build")
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
-    request = BuildRequest(args.model, args.output, args.kv_cache, args.dtype, args.force, args.target, args.scales,
-                           args.equalize, args.reserve_gb, args.calibrate, args.system_prompt, args.weights,
-                           args.max_beam_width, args.head)
     try:
+        npu_default = (args.equalize is None and args.scales is None and args.kv_cache == "int8"
+                       and npu_target(args.target))
+        equalize = bool(args.equalize) or npu_default
+        calibrate = args.calibrate or ("builtin" if npu_default else None)
+        request = BuildRequest(args.model, args.output, args.kv_cache, args.dtype, args.force, args.target,
+                               args.scales, equalize, args.reserve_gb, calibrate, args.system_prompt, args.weights,
+                               args.max_beam_width, args.head)
         if problem := text_problem(args.system_prompt):
             raise ConfigError(f"--system-prompt {problem}")
         build_engine(request, log=lambda msg: print(msg, file=sys.stderr))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cabinllm.builders.engine_build import BuildRequest, build_engine
+from cabinllm.builders.qnn_quantize import CalibrationData
 from cabinllm.calibration.hf_model import transformers_model
 from cabinllm.runtime.formats.checkpoint import load_checkpoint
 from cabinllm.runtime.formats.engine_folder import CHECKPOINT_DIR
@@ -15,6 +16,10 @@ from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.sources.import_cache import CACHE_ENV
 
 from fakes.tiny_model import write_tiny_llama
+
+# A16W8 calibration for tiny test models: the 4 builtin dialogues (the export's default, 16 ShareGPT ones, is for real
+# models)
+QUICK_CALIBRATION = CalibrationData("builtin", 4)
 
 DEFAULT_MODEL_FIXTURES = {"default_engine", "default_engine_dir"}
 # head size 32: every KV mode works (int4 needs head sizes divisible by its value groups of 32)

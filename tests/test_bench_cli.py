@@ -9,6 +9,7 @@ from cabinllm.benchmarks.cli import main
 from cabinllm.builders.engine_build import BuildRequest, build_engine
 from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
 
+from conftest import QUICK_CALIBRATION
 from fakes.tiny_model import write_tiny_llama
 
 
@@ -114,7 +115,8 @@ def test_onnx_graphs_add_our_onnxruntime_backend_and_a_missing_genai_folder_is_r
     """--onnx adds 'cabin onnxruntime int8' (contexts beyond the graphs' window fail, reported); --genai without
     the builder's folder is an unavailable peer that says what to pass."""
     graphs = tmp_path / "graphs"
-    export_onnx(OnnxExportRequest(tiny_engine, graphs, 32, 8, "int8", "npu"), log=lambda _m: None)
+    export_onnx(OnnxExportRequest(tiny_engine, graphs, 32, 8, "int8", "npu", calibration=QUICK_CALIBRATION),
+                log=lambda _m: None)
     out = ["--out", str(tmp_path / "out"), "--json", str(tmp_path / "r.json")]
     assert main(["--engine", str(tiny_engine), "--onnx", str(graphs), "--genai", str(tmp_path / "none"),
                  "--contexts", "16", "48", "--repeats", "1", "--decode-steps", "3", "--turns", "0", "--modes", "int8",

@@ -22,7 +22,7 @@ from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
 from cabinllm.runtime.formats.onnx_folder import INPUTS_EMBEDS, ROPE_INPUTS
 from cabinllm.runtime.model.run_tokens import run_tokens
 
-from conftest import TINY_ENGINE_SHAPE
+from conftest import QUICK_CALIBRATION, TINY_ENGINE_SHAPE
 from fakes.tiny_model import write_tiny_llama
 
 pytest.importorskip("onnxruntime")
@@ -46,7 +46,7 @@ def exports(engine, tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs")
     for name, plan in (("plain", PrecisionPlan()), ("plan", PLAN)):
         export_onnx(OnnxExportRequest(engine, root / name, CONTEXT, CHUNK, "int8", "npu", "a16w8",
-                                      precision_plan=plan), **QUIET)
+                                      calibration=QUICK_CALIBRATION, precision_plan=plan), **QUIET)
     return root
 
 
@@ -97,12 +97,14 @@ def test_padded_prompt_rows_repeat_the_last_token(exports):
 def test_a_plan_stores_its_weights_in_16_bits(exports):
     manifest = json.loads((exports / "plan" / MANIFEST_FILE).read_text())
     assert manifest["quantization"]["weights_16_bit"] == PLAN.to_dict()
-    floats = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(
-        str(exports / "plan" / "prompt.onnx")).graph.initializer}
-    for name in PLAN.w16:
-        codes, scale = floats[f"{name}_quantized"], floats[f"{name}_scale"]
+    mixed, plain = ({t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(
+        str(exports / name / "prompt.onnx")).graph.initializer} for name in ("plan", "plain"))
+    for name in PLAN.w16:  # the same weight, to within half a step of each
+        codes, scale = mixed[f"{name}_quantized"], mixed[f"{name}_scale"]
         assert codes.dtype == np.int16 and np.abs(codes).max() == 32767
-    assert floats["layers.0.dense_quantized"].dtype == np.int8
+        eight = plain[f"{name}_quantized"] * plain[f"{name}_scale"]
+        assert np.abs(codes * scale - eight).max() <= 0.5 * (plain[f"{name}_scale"] + scale).max() * 1.001
+    assert mixed["layers.0.dense_quantized"].dtype == np.int8
     a16w8, mixed = (load_onnx_engine(exports / name, "cpu", 1) for name in ("plain", "plan"))
     ids = tokens(35)
     got = [run_tokens(m.model, ids, "int8", m.scales, all_logits=True).logits for m in (a16w8, mixed)]

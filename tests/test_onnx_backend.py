@@ -28,6 +28,8 @@ from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import sized_config
 from cabinllm.runtime.model.tools import Tool
 
+from conftest import QUICK_CALIBRATION
+
 CONTEXT, CHUNK = 256, 16
 SYSTEM = "You are the in-car assistant."
 SCRIPT = ["navigate to the nearest charging station", "Turn the music down.", "Is the trunk closed?"]
@@ -148,7 +150,8 @@ def test_a_long_dialogue_at_a_small_int8_budget_finishes_under_each_policy(expor
 def test_the_graphs_window_bounds_the_dialogue(exports, tiny_engine_dir, tmp_path):
     """With a budget far above the window, overflow plans against the graphs' context."""
     small = tmp_path / "small"
-    export_onnx(OnnxExportRequest(tiny_engine_dir, small, 64, CHUNK, "int8", "npu"), log=lambda _m: None)
+    export_onnx(OnnxExportRequest(tiny_engine_dir, small, 64, CHUNK, "int8", "npu", calibration=QUICK_CALIBRATION),
+                log=lambda _m: None)
     engine = load_onnx_engine(small, threads=1)
     chat = session(engine, "int8", "sink-window", tokens=4096, max_new_tokens=8)
     turns = [chat.chat(text) for text in SCRIPT * 3]
@@ -254,7 +257,8 @@ def test_the_default_model_answers_as_the_reference_with_fp32_kv(default_engine,
 @pytest.mark.slow
 def test_a_session_with_tools_on_the_graphs_calls_as_on_the_reference(bytes_engine_dir, bytes_engine, tmp_path):
     folder = tmp_path / "bytes-int8"
-    export_onnx(OnnxExportRequest(bytes_engine_dir, folder, 2048, 64, "int8", "npu"), log=lambda _m: None)
+    export_onnx(OnnxExportRequest(bytes_engine_dir, folder, 2048, 64, "int8", "npu", calibration=QUICK_CALIBRATION),
+                log=lambda _m: None)
     tools = [Tool("set_sunroof", "", {"type": "object", "properties": {"action": {"enum": ["open", "tilt"]}},
                                       "required": ["action"], "additionalProperties": False})]
     replies = []

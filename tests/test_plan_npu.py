@@ -248,3 +248,17 @@ def test_malformed_npu_profiles_are_refused_by_name(tmp_path, text, message):
     assert message in str(err.value)
     path.write_text(NPU_PROFILE + NPU_TABLE)
     assert load_targets(path)["n"].npu.default_chunk == 64
+
+
+@pytest.mark.parametrize("target", NPU_TARGETS)
+def test_the_plan_states_what_each_precision_measured(capsys, tiny_model, target):
+    _, plan = run_plan(capsys, "--model", str(tiny_model), "--target", target)
+    npu = get_target(target).npu
+    line = next(w for w in plan["warnings"] if w.startswith("what each precision costs"))
+    for precision in npu.precisions:
+        measured = npu.measured.get(precision)
+        if measured is None:
+            assert f"{precision}: not measured on HTP v{npu.htp_arch}" in line
+        else:
+            assert f"{precision}: {measured['perplexity_pct']:+.2f}% perplexity, top-1 {measured['top1_pct']:.1f}%" in line
+    assert "a16w8" in npu.measured  # the precision every HTP runs has its measured cost in targets.toml

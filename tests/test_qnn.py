@@ -31,7 +31,7 @@ from cabinllm.runtime.formats.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import sized_config
 
-from conftest import TINY_ENGINE_SHAPE
+from conftest import QUICK_CALIBRATION, TINY_ENGINE_SHAPE
 from fakes.tiny_model import write_tiny_llama
 from cli_words import raises_in_cli_words
 from truncated_model import write_truncated_default
@@ -60,7 +60,7 @@ def htp_exports(calm_engine, tmp_path_factory):
     for precision, arch in (("a16w8", 68), ("a16w8", 73), ("fp16", 73)):
         folders[precision, arch] = root / f"{precision}-v{arch}"
         export_onnx(OnnxExportRequest(calm_engine, folders[precision, arch], CONTEXT, CHUNK, "int8", "npu", precision,
-                                      arch), **QUIET)
+                                      arch, QUICK_CALIBRATION), **QUIET)
     return folders
 
 
@@ -228,7 +228,8 @@ def test_onnxruntime_without_the_qnn_plugin_is_one_error_naming_the_install(htp_
     with pytest.raises(MissingDependency, match="needs onnxruntime_qnn.*pip install onnxruntime-qnn"):
         load_onnx_engine(htp_exports["a16w8", 68], "qnn")
     with pytest.raises(CabinError, match="pip install onnxruntime-qnn"):
-        export_onnx(OnnxExportRequest(calm_engine, tmp_path / "x", CONTEXT, CHUNK, "int8", "npu", "a16w8"), **QUIET)
+        export_onnx(OnnxExportRequest(calm_engine, tmp_path / "x", CONTEXT, CHUNK, "int8", "npu", "a16w8",
+                                      calibration=QUICK_CALIBRATION), **QUIET)
     assert not (tmp_path / "x").exists()
 
 

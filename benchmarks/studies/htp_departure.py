@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+from cabinllm.benchmarks.studies import write_results
 from cabinllm.builders.onnx_export import layer_output
 from cabinllm.builders.qnn_quantize import Recording
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS, htp_session
-from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.model.run_tokens import run_tokens
 
 CUT = "cut."
@@ -104,8 +104,11 @@ def exposed(model, cut: bool, moved: bool = False):
     outputs = {o.name for o in copy.graph.output}
     copy.graph.output.extend([onnx.ValueInfoProto(name=n.output[0]) for n in activations(copy, moved)
                               if n.output[0] not in outputs])
-    if cut:
-        wanted = {n.output[0] for n in activations(copy, moved=True)}
+    if cut:  # not the K/V codes moved into attention (uint8): equal on both sides, and the HTP misreads a uint8 graph
+        # input that a DequantizeLinear hands straight to a MatMul
+        constants = {t.name: t for t in copy.graph.initializer}
+        wanted = {n.output[0] for n in activations(copy, moved=True)
+                  if constants[n.input[2]].data_type != onnx.TensorProto.UINT8}
         computing = {name for node in copy.graph.node if node.op_type in COMPUTE for name in node.input}
         for node in copy.graph.node:
             if node.op_type == "DequantizeLinear" and node.input[0] in wanted and node.output[0] in computing:
@@ -226,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
               "window_tokens": int(manifest["chunk"]), "load_average": os.getloadavg(),
               "by_op": by_op(local), "local": local, "layers": layer_rows, "through": through,
               "logits_relative": logits_rel}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.output.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
-    atomic_write_text(args.output.with_suffix(".md"), table(result))
-    print(table(result))
+    write_results(args.output, result, table(result))
     return 0
 
 

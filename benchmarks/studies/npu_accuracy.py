@@ -11,7 +11,6 @@ output (the residual stream after it) in the A16W8 graph names the layers that c
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -23,12 +22,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from cabinllm.benchmarks.studies import write_results
 from cabinllm.builders.onnx_export import layer_output
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.cli.args import positive_int
 from cabinllm.runtime.backends.onnxruntime import HostInputs, load_onnx_engine
 from cabinllm.runtime.engine.loader import Engine
-from cabinllm.runtime.formats.atomic import atomic_write_text
 from cabinllm.runtime.formats.onnx_folder import OnnxFolder
 from cabinllm.runtime.model.run_tokens import run_tokens
 
@@ -193,10 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.float:
         result["layer_errors"] = layer_errors(OnnxFolder(args.graphs[0]), OnnxFolder(args.float), reference, ids_list)
     result["load_average_after"] = os.getloadavg()
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.output.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
-    atomic_write_text(args.output.with_suffix(".md"), table(result))
-    print(table(result))
+    write_results(args.output, result, table(result))
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from cabinllm.benchmarks.studies import write_results
 from cabinllm.benchmarks.studies.npu_accuracy import scores, summary
 from cabinllm.builders.qnn_precision import W16_OPS, PrecisionPlan, apply_plan, weight_ops
 from cabinllm.calibration.selection import prepare_dialogues
@@ -206,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
               if chosen else meets(plain, base, args)}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.output.with_suffix(".plan.json"), json.dumps(plan.to_dict(), indent=1) + "\n")
-    atomic_write_text(args.output.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
-    atomic_write_text(args.output.with_suffix(".md"), table(result))
-    print(table(result))
+    write_results(args.output, result, table(result))
     return 0
 
 
