@@ -26,6 +26,7 @@ from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS, htp_session
 from cabinllm.runtime.model.run_tokens import run_tokens
+from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
 CUT = "cut."
 # the ops that compute (the rest of the graph moves data: Reshape, Transpose, Split, Concat, Slice, Unsqueeze, Identity)
@@ -205,8 +206,6 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     import onnx
-
-    from cabinllm.runtime.model.tokenizer import ChatTokenizer
 
     args = parse_args(argv)
     manifest = json.loads((args.graphs / "manifest.json").read_text())
