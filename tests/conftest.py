@@ -80,6 +80,15 @@ def tiny_engine(tiny_engine_dir) -> Engine:
 
 
 @pytest.fixture(scope="session")
+def calm_engine(tmp_path_factory):
+    """An int8-KV engine of a tiny random Llama with small layer weights."""
+    root = tmp_path_factory.mktemp("calm")
+    model = write_tiny_llama(root / "model", layer_std=0.1, **TINY_ENGINE_SHAPE)
+    build_engine(BuildRequest(str(model), root / "engine", kv_cache="int8", dtype="float32"), log=lambda _m: None)
+    return root / "engine"
+
+
+@pytest.fixture(scope="session")
 def bytes_engine_dir(tmp_path_factory):
     """The tiny engine with a tokenizer of every byte (it can write JSON, so constrained replies can be tested)."""
     root = tmp_path_factory.mktemp("bytes-engine")

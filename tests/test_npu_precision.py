@@ -10,7 +10,6 @@ import onnx
 import pytest
 import torch
 
-from cabinllm.builders.engine_build import BuildRequest, build_engine
 from cabinllm.builders.onnx_export import OnnxExportRequest, export_onnx
 from cabinllm.builders.qnn_precision import PLAN_FORMAT, PrecisionPlan, check_plan, read_plan
 from cabinllm.builders.qnn_quantize import Recording
@@ -22,8 +21,7 @@ from cabinllm.runtime.formats.engine_folder import MANIFEST_FILE
 from cabinllm.runtime.formats.onnx_folder import INPUTS_EMBEDS, ROPE_INPUTS
 from cabinllm.runtime.model.run_tokens import run_tokens
 
-from conftest import QUICK_CALIBRATION, TINY_ENGINE_SHAPE
-from fakes.tiny_model import write_tiny_llama
+from conftest import QUICK_CALIBRATION
 
 pytest.importorskip("onnxruntime")
 CONTEXT, CHUNK = 64, 16
@@ -32,20 +30,11 @@ PLAN = PrecisionPlan(("layers.0.qkv", "layers.1.input_norm"), "a test")
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    """An int8-KV engine of a tiny random Llama."""
-    root = tmp_path_factory.mktemp("precision")
-    model = write_tiny_llama(root / "model", layer_std=0.1, **TINY_ENGINE_SHAPE)
-    build_engine(BuildRequest(str(model), root / "engine", kv_cache="int8", dtype="float32"), **QUIET)
-    return root / "engine"
-
-
-@pytest.fixture(scope="module")
-def exports(engine, tmp_path_factory):
+def exports(calm_engine, tmp_path_factory):
     """A16W8 graphs without and with the plan (not compiled)."""
     root = tmp_path_factory.mktemp("graphs")
     for name, plan in (("plain", PrecisionPlan()), ("plan", PLAN)):
-        export_onnx(OnnxExportRequest(engine, root / name, CONTEXT, CHUNK, "int8", "npu", "a16w8",
+        export_onnx(OnnxExportRequest(calm_engine, root / name, CONTEXT, CHUNK, "int8", "npu", "a16w8",
                                       calibration=QUICK_CALIBRATION, precision_plan=plan), **QUIET)
     return root
 
@@ -64,8 +53,8 @@ def recorded(folder):
     return loaded, calls
 
 
-def test_no_graph_runs_the_conversations_first_token(exports, engine):
-    reference = Engine.load(engine)
+def test_no_graph_runs_the_conversations_first_token(exports, calm_engine):
+    reference = Engine.load(calm_engine)
     manifest = json.loads((exports / "plain" / MANIFEST_FILE).read_text())
     ids = reference.tokenizer.encode_prompt(reference.tokenizer.render([{"role": "user", "content": "Hi there!"}]))
     assert manifest["prefix"] == ids[:1]
@@ -121,17 +110,17 @@ def test_a_plan_the_htp_cannot_run_is_refused_naming_what_it_runs(exports):
         check_plan(PrecisionPlan(("layers.9.qkv",)), model, 73)
 
 
-def test_cabin_export_reads_plans_and_refuses_a_bad_one(engine, tmp_path, capsys):
+def test_cabin_export_reads_plans_and_refuses_a_bad_one(calm_engine, tmp_path, capsys):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(PLAN.to_dict()))
     assert read_plan(path) == PLAN and PLAN.to_dict()["format"] == PLAN_FORMAT
     path.write_text("{}")
     with pytest.raises(DataError, match="not a precision plan"):
         read_plan(path)
-    code = export_main(["--engine", str(engine), "--output", str(tmp_path / "out"), "--context", "64", "--chunk", "16",
+    code = export_main(["--engine", str(calm_engine), "--output", str(tmp_path / "out"), "--context", "64", "--chunk", "16",
                         "--precision-plan", str(path)])
     assert code == 2 and "not a precision plan" in capsys.readouterr().err
     path.write_text(json.dumps(PLAN.to_dict()))
-    code = export_main(["--engine", str(engine), "--output", str(tmp_path / "out"), "--context", "64", "--chunk", "16",
+    code = export_main(["--engine", str(calm_engine), "--output", str(tmp_path / "out"), "--context", "64", "--chunk", "16",
                         "--precision", "fp16", "--kv-cache", "fp32", "--precision-plan", str(path)])
     assert code == 2 and "export --precision a16w8" in capsys.readouterr().err

@@ -31,8 +31,7 @@ from cabinllm.runtime.formats.onnx_folder import PROMPT_GRAPH, TOKEN_GRAPH
 from cabinllm.runtime.generation.sampling import SamplingParams
 from cabinllm.runtime.kv.cache import sized_config
 
-from conftest import QUICK_CALIBRATION, TINY_ENGINE_SHAPE
-from fakes.tiny_model import write_tiny_llama
+from conftest import QUICK_CALIBRATION
 from cli_words import raises_in_cli_words
 from truncated_model import write_truncated_default
 
@@ -41,15 +40,6 @@ CONTEXT, CHUNK = 128, 16
 SCRIPT = ["navigate to the nearest charging station", "Turn the music down.", "Is the trunk closed?"]
 QUIET = {"log": lambda _m: None}
 Q_DQ = {"QuantizeLinear", "DequantizeLinear"}
-
-
-@pytest.fixture(scope="module")
-def calm_engine(tmp_path_factory):
-    """An int8-KV engine of a tiny random Llama with small layer weights."""
-    root = tmp_path_factory.mktemp("calm")
-    model = write_tiny_llama(root / "model", layer_std=0.1, **TINY_ENGINE_SHAPE)
-    build_engine(BuildRequest(str(model), root / "engine", kv_cache="int8", dtype="float32"), **QUIET)
-    return root / "engine"
 
 
 @pytest.fixture(scope="module")
