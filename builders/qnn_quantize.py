@@ -208,9 +208,10 @@ def attention_reads_codes(model, kv: KvGraphType, layers: int) -> None:
     attention MatMuls (Unsqueeze, Transpose, Reshape, and the tooling's conversions between them) takes the K/V's own
     uint8 scale and zero point instead of a uint16 range of its own, so nothing requantizes the codes and each
     attention MatMul multiplies uint16 activations by uint8 ones; and the tooling's 8-bit conversion of the new K/V
-    before their output rounds straight to the cache's codes, not to a calibrated 8-bit range first. (The HTP computes a MatMul of two uint16 activations
-    0.4% off its exact result, one of uint16 by uint8 codes 0.06%: measured on the emulator. The tooling cannot be
-    told so by TensorQuantOverrides: it then makes the whole MatMul 8-bit.)"""
+    before their output rounds straight to the cache's codes, not to a calibrated 8-bit range first. (The HTP
+    computes a MatMul of two uint16 activations 0.4% off its exact result, one of uint16 by uint8 codes 0.06%:
+    measured on the emulator. The tooling cannot be told so by TensorQuantOverrides: it then makes the whole MatMul
+    8-bit.)"""
     from onnx import numpy_helper
 
     tensors = {t.name: t for t in model.graph.initializer}

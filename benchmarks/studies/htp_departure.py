@@ -23,7 +23,7 @@ from cabinllm.benchmarks.studies import write_results
 from cabinllm.builders.onnx_export import layer_output
 from cabinllm.builders.qnn_quantize import Recording
 from cabinllm.calibration.selection import prepare_dialogues
-from cabinllm.runtime.backends.onnxruntime import load_onnx_engine
+from cabinllm.runtime.backends.onnxruntime import load_onnx_engine, session_options
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS, htp_session
 from cabinllm.runtime.model.run_tokens import run_tokens
 from cabinllm.runtime.model.tokenizer import ChatTokenizer
@@ -69,14 +69,14 @@ def activations(model, moved: bool = False) -> list:
             and (moved or n.input[0] in computed)]
 
 
-def labels(model) -> dict[str, tuple[int, str]]:
+def labels(model, layers: int) -> dict[str, tuple[int, str]]:
     """Each activation's codes (a QuantizeLinear output) -> (layer, what computed it): the op type, MatMuls split into
     those by a weight and those of two activations."""
     initializers = {t.name for t in model.graph.initializer}
     producer = {out: node for node in model.graph.node for out in node.output}
     weight_codes = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"
                     and n.input[0] in initializers}
-    ends = {layer_output(i): i for i in range(10_000)}
+    ends = {layer_output(i): i for i in range(layers)}
     result, layer = {}, 0
     for node in model.graph.node:
         if node.op_type != "QuantizeLinear" or node.input[0] in initializers:
@@ -122,10 +122,8 @@ def run_cpu(model, feeds: dict) -> dict[str, np.ndarray]:
     extended ones fuse each int8 weight's DequantizeLinear and MatMul into MatMulNBits, which rounds activations)."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model.SerializeToString(), session_options(1, quantized=True),
+                                   providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, feeds)))
 
@@ -158,12 +156,12 @@ def departure(ours: np.ndarray, theirs: np.ndarray, scale: float, zero: int) -> 
             "share_changed": float((steps > 0).mean()), "relative_rms": float(np.sqrt(((steps * scale) ** 2).mean()) / rms)}
 
 
-def compare(model, ours: dict, theirs: dict) -> list[dict]:
-    """The departure of each activation's codes, with its layer and op."""
+def compare(model, layers: int, ours: dict, theirs: dict) -> list[dict]:
+    """The departure of each activation's codes, with its layer (of ``layers``) and op."""
     from onnx import numpy_helper
 
     constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    names = labels(model)
+    names = labels(model, layers)
     rows = []
     for node in activations(model):
         name = node.output[0]
@@ -220,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     cut = run_htp(exposed(model, cut=True), feeds, args.htp_arch, codes)
     print(f"HTP v{args.htp_arch}: the uncut graph, compile and run", file=sys.stderr)
     whole = run_htp(exposed(model, cut=False), feeds, args.htp_arch)
-    local, through = compare(model, cut, cpu), compare(model, whole, cpu)
-    ends = {layer_output(i) for i in range(int(manifest["model"]["config"]["num_hidden_layers"]))}
+    layers = int(manifest["model"]["config"]["num_hidden_layers"])
+    local, through = compare(model, layers, cut, cpu), compare(model, layers, whole, cpu)
+    ends = {layer_output(i) for i in range(layers)}
     layer_rows = [r for r in through if r["tensor"] in ends]
     logits_rel = float(np.linalg.norm(whole["logits"] - cpu["logits"]) / np.linalg.norm(cpu["logits"]))
     result = {"graphs": str(args.graphs), "htp_arch": args.htp_arch, "chunk": int(manifest["chunk"]),

@@ -26,7 +26,7 @@ from cabinllm.benchmarks.studies import write_results
 from cabinllm.builders.onnx_export import layer_output
 from cabinllm.calibration.selection import prepare_dialogues
 from cabinllm.cli.args import positive_int
-from cabinllm.runtime.backends.onnxruntime import HostInputs, load_onnx_engine
+from cabinllm.runtime.backends.onnxruntime import HostInputs, load_onnx_engine, session_options
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.formats.onnx_folder import OnnxFolder
 from cabinllm.runtime.model.run_tokens import run_tokens
@@ -88,9 +88,8 @@ def layer_errors(quantized: OnnxFolder, floats: OnnxFolder, engine: Engine, dial
     for key, folder in (("a16w8", quantized), ("float", floats)):  # loaded whole: no file beside the user's
         model = onnx.load(str(folder.path / manifest["graphs"]["prompt"]))
         model.graph.output.extend([onnx.ValueInfoProto(name=name) for name in names])
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = torch.get_num_threads()
-        sessions[key] = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        sessions[key] = ort.InferenceSession(model.SerializeToString(), session_options(None, key == "a16w8"),
+                                             providers=["CPUExecutionProvider"])
     host = HostInputs(quantized, engine.config)
     squared = np.zeros((2, layers))
     for ids in dialogues:

@@ -247,6 +247,20 @@ def _picture_rows(pictures: list[MediaSpan], media: MediaTable, start: int,
     return out
 
 
+def session_options(threads: int | None, quantized: bool):
+    """ONNX Runtime session options of a graph on a CPU-side provider: ``threads`` (default: the reference engine's);
+    a quantized (QDQ) graph computes what it states, at the basic optimizations: the extended ones fuse each int8
+    weight's DequantizeLinear and MatMul into MatMulNBits, measured 0.36% off a QDQ MatMul's exact result (the HTP:
+    0.003%)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or torch.get_num_threads()
+    if quantized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return options
+
+
 def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threads: int | None,
              htp_arch: int | None):
     """An ONNX Runtime session of one graph, its metadata checked against the manifest; on ``qnn`` the HTP
@@ -273,16 +287,11 @@ def _session(folder: OnnxFolder, manifest: dict, name: str, provider: str, threa
     if ORT_PROVIDERS[provider] not in available:
         raise ConfigError(f"this ONNX Runtime has no {ORT_PROVIDERS[provider]} (it has {', '.join(available)}); "
                          "install the onnxruntime package built with it", (Hint(Fix.ORT_PROVIDER, "cpu"),))
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads or torch.get_num_threads()  # as many threads as the reference engine
+    options = session_options(threads, quantized=manifest["precision"] != "fp16")
     # ONNX Runtime maps weights.bin, which both graphs then read in place; prepacking would give each graph its own
     # packed copy of every MatMul weight (a chat on the default model, measured: 1.34 GB of process memory with it,
     # 0.32 GB without; decode steps as fast, 64-token prefill chunks about 20% slower)
     options.add_session_config_entry("session.disable_prepacking", "1")
-    if manifest["precision"] != "fp16":  # quantized graphs compute what they state: the extended optimizations
-        # fuse each int8 weight's DequantizeLinear and MatMul into MatMulNBits, measured 0.36% off a QDQ MatMul's
-        # exact result (the HTP: 0.003%)
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     try:
         session = ort.InferenceSession(str(path), options, providers=[ORT_PROVIDERS[provider]])
     except Exception as err:  # onnxruntime raises its own exception types on a bad graph
