@@ -1,11 +1,12 @@
 """The CUDA runner on a GPU: random weights at real model shapes, logits against transformers on the same weights,
-decode and prefill tok/s at several contexts (fp16 and int8 KV, eager and from CUDA graphs), the fraction of the
+decode and prefill tok/s at several contexts (fp16, int8 and fp8 KV, eager and from CUDA graphs), the fraction of the
 GPU's read bandwidth decode reaches, the TTFT of turn 10 of a dialogue with and without reuse, transformers'
 ``generate`` as the peer, and peak GPU memory against the planner's memory model.
 
 Shapes come from the configs in ``builders/data/model_configs`` (the default model's checkpoint config, Llama-3.2-3B's
 and Qwen3-4B's HF ``config.json``); the weights are drawn on the device. Random weights measure speed, memory and
-agreement with transformers, never quality; the int8 KV's static scale is a fixed guess for the same reason.
+agreement with transformers, never quality; the int8 and fp8 KV's static scale is a fixed guess for the same reason.
+fp8 KV runs on sm_89 and newer (Ada, Hopper, Blackwell) and is left out below with a line saying so.
 
 - Logits: a 64-token prompt through the runner (fp16 KV) and through the family's transformers model (fp16, same
   weights, ``calibration.hf_model.transformers_model``): the largest absolute difference and how often the top token
@@ -44,7 +45,7 @@ from cabinllm.runtime.formats.checkpoint import ModelConfig, expected_shapes
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
-from cabinllm.runtime.model.cuda import CudaRunner
+from cabinllm.runtime.model.cuda import FP8_CAPABILITY, CudaRunner
 from cabinllm.runtime.model.cuda_graphs import DecodeGraphs
 from cabinllm.runtime.model.interface import Span
 from cabinllm.runtime.model.transformer import Transformer
@@ -321,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and gpu_check.txt")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)} (default: all)")
     parser.add_argument("--contexts", default="512,4096,16384", help="decode contexts (default: 512,4096,16384)")
-    parser.add_argument("--kv", default="fp16,int8", help="KV modes (default: fp16,int8)")
+    parser.add_argument("--kv", default="fp16,int8,fp8",
+                        help="KV modes (default: fp16,int8,fp8; fp8 is left out below sm_89)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per row (default: 32)")
     parser.add_argument("--turn", type=int, default=10, help="the dialogue turn whose TTFT is timed (default: 10)")
     parser.add_argument("--peers", default="static,compile",
@@ -332,8 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     shapes = {name: shape_config(name) for name in args.shapes.split(",")}
+    kv_modes = args.kv.split(",")
+    if "fp8" in kv_modes and torch.cuda.get_device_capability() < FP8_CAPABILITY:
+        print(f"gpu_check: fp8 KV left out: this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability()))}, "
+              "fp8 needs sm_89 or newer", file=sys.stderr)
+        kv_modes.remove("fp8")
     results = run(shapes, torch.device("cuda"), torch.float16, [int(c) for c in args.contexts.split(",")],
-                  args.kv.split(","), args.steps, [p for p in args.peers.split(",") if p], args.out, args.turn)
+                  kv_modes, args.steps, [p for p in args.peers.split(",") if p], args.out, args.turn)
     print(table(results))
     return 0
 

@@ -2,7 +2,7 @@
 
 TensorRT-LLM keeps ONE float32 ``[1]`` scale per layer for K and V together:
 amax / 127 for INT8, amax / 448 for FP8 (e4m3). ``kv_scales.json`` holds amax / 127,
-so the FP8 factor is the shared INT8 scale times 127 / 448.
+so the FP8 factor is ``cabinllm.runtime.kv.quant.fp8_scale`` of the shared INT8 scale (times 127 / 448).
 """
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import torch
 from cabinllm.runtime.formats.checkpoint import ModelConfig, layer_prefix
 from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kv.modes import kv_mode
-from cabinllm.runtime.kv.quant import INT8_MAX
-
-FP8_E4M3_MAX = 448.0
+from cabinllm.runtime.kv.quant import fp8_scale
 
 
 def quant_algo(kv_dtype: str) -> str | None:
@@ -26,8 +24,7 @@ def attach_kv_quant(config: ModelConfig, weights: dict[str, torch.Tensor], scale
     algo = quant_algo(kv_dtype)
     if algo is None:
         return
-    ratio = 1.0 if algo == "INT8" else INT8_MAX / FP8_E4M3_MAX
     config.quantization = {**config.quantization, "kv_cache_quant_algo": algo}
     for layer, scale in enumerate(scales.shared()):
         name = f"{layer_prefix(layer)}.attention.kv_cache_scaling_factor"
-        weights[name] = torch.tensor([scale * ratio], dtype=torch.float32)
+        weights[name] = torch.tensor([scale if algo == "INT8" else fp8_scale(scale)], dtype=torch.float32)

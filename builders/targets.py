@@ -38,7 +38,8 @@ class Backend(str, Enum):
 
 # The KV dtypes the CUDA runner's kernels store that a plan offers (runtime/model/cuda.py); it holds every weight format
 # as stored (4-bit ones multiplied by its Triton int4 kernels).
-CUDA_KV_DTYPES = ("fp16", "int8", "int8-dynamic")
+CUDA_KV_DTYPES = ("fp16", "int8", "int8-dynamic", "fp8")
+FP8_SM = 89  # the first SM whose e4m3 conversions Triton compiles (Ada)
 
 
 @dataclass(frozen=True)
@@ -103,11 +104,12 @@ class Target:
         if self.sm is None or self.cuda_overhead_gib is None:
             raise TargetError(f"{self.name} has no CUDA GPU profile (sm and cuda_overhead_gib in its table); the "
                               "CUDA runner plans for the Jetson Orin and Thor targets")
-        fp8 = (f"{self.name} is SM{self.sm}: fp8 KV needs SM89 or newer" if self.sm < 89
-               else "the CUDA runner does not store fp8 KV yet: use int8")
-        return replace(self, backend=Backend.CUDA, kv_dtypes=CUDA_KV_DTYPES, weight_formats=tuple(WEIGHT_FORMATS),
+        fp8 = self.sm >= FP8_SM
+        return replace(self, backend=Backend.CUDA, weight_formats=tuple(WEIGHT_FORMATS),
+                       kv_dtypes=CUDA_KV_DTYPES if fp8 else tuple(d for d in CUDA_KV_DTYPES if d != "fp8"),
                        runtime_overhead_gib=self.cuda_overhead_gib, trtllm_line=None, weights_in_memory=None,
-                       tokens_per_block=DEFAULT_TOKENS_PER_BLOCK, unsupported_kv={"fp8": fp8})
+                       tokens_per_block=DEFAULT_TOKENS_PER_BLOCK,
+                       unsupported_kv={} if fp8 else {"fp8": f"{self.name} is SM{self.sm}: fp8 KV needs SM89 or newer"})
 
     def weights_refusal(self, weights: str) -> str | None:
         """Why this target's runtime does not take a weight format, or None."""

@@ -3,10 +3,11 @@
 # downloaded. Under 8 minutes on an H100 (each part has its own time limit):
 #   1. the Triton kernel tests compiled for the GPU (tests/test_triton_kernels.py, fp16 tolerance 2e-2);
 #   2. the runner tests on the GPU (tests/test_cuda_runner.py: against the reference engine, 4-bit weights, CUDA
-#      graphs, fp8's refusal, a 60-turn dialogue at a fixed budget whose memory never grows); they build tiny engines, so they need the project's dependencies (tokenizers, jinja2, gguf,
-#      llguidance, ...): where one is missing the part fails and the log says which;
+#      graphs, fp8 KV or its refusal below sm_89, a 60-turn dialogue at a fixed budget whose memory never grows);
+#      they build tiny engines, so they need the project's dependencies (tokenizers, jinja2, gguf, llguidance, ...):
+#      where one is missing the part fails and the log says which;
 #   3. benchmarks/gpu_check.py: random weights at the default model's, Llama-3.2-3B's and Qwen3-4B's shapes:
-#      logits against transformers on the same weights (fp16), decode tok/s with fp16 and int8 KV at 512, 4,096
+#      logits against transformers on the same weights (fp16), decode tok/s with fp16, int8 and fp8 KV at 512, 4,096
 #      and 16,384 tokens, eager and from CUDA graphs, the fraction of the GPU's read bandwidth, prefill tok/s, TTFT
 #      of turn 10 with and without reuse, transformers' generate (static cache, eager and compiled) as the peer,
 #      peak GPU memory against the planner's memory model. Results are written after each measurement, so a part

@@ -88,7 +88,10 @@ def dialogue(engine: Engine, runner: CudaRunner, kv_mode: str, decode=None) -> N
 
 
 @pytest.mark.parametrize("kv_mode", ["int8", pytest.param("fp16", marks=pytest.mark.slow),
-                                     pytest.param("int8-dynamic", marks=pytest.mark.slow)])
+                                     pytest.param("int8-dynamic", marks=pytest.mark.slow),
+                                     pytest.param("fp8", marks=[pytest.mark.slow, pytest.mark.skipif(
+                                         ON_GPU and torch.cuda.get_device_capability() < (8, 9),
+                                         reason="fp8 KV needs sm_89")])])
 def test_runner_equals_the_reference(tiny_engine, kv_mode):
     dialogue(tiny_engine, runner_of(tiny_engine), kv_mode)
 
@@ -193,9 +196,8 @@ def test_cuda_refused_without_cuda(tiny_engine_dir):
 def test_kv_modes_the_runner_refuses():
     with pytest.raises(ConfigError, match="reference engine only"):
         check_kv_mode("int4", torch.device("cpu"))
-    with pytest.raises(ConfigError, match="fp8"):
-        check_kv_mode("fp8", torch.device("cpu"))
-    check_kv_mode("int8", torch.device("cpu"))
+    for stored in ("int8", "fp8", "fp16", "int8-dynamic"):
+        check_kv_mode(stored, torch.device("cpu"))
     with pytest.raises(ConfigError, match="not one the CUDA runner takes"):
         check_device("mps")
 
@@ -212,8 +214,7 @@ def test_graph_decode_equals_the_reference(tiny_engine):
 def test_fp8_refused_below_sm89():
     device = torch.device("cuda")
     if torch.cuda.get_device_capability(device) >= (8, 9):
-        with pytest.raises(ConfigError, match="not stored by the CUDA runner yet"):
-            check_kv_mode("fp8", device)
+        check_kv_mode("fp8", device)
     else:
         with pytest.raises(ConfigError, match="compute capability 8.9"):
             check_kv_mode("fp8", device)

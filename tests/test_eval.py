@@ -99,7 +99,8 @@ def test_cabin_calibrate_explains_bad_requests(engine, tmp_path, capsys):
 
 def test_evaluate_compares_every_mode_with_full_precision(engine, evaluated):
     model, dialogues, results = evaluated(engine.folder)
-    assert list(EVAL_MODES) == ["fp16", "int8", "int8-eq", "int8-separate", "int8-dynamic", "int4"]  # one name a mode
+    assert list(EVAL_MODES) == ["fp16", "int8", "int8-eq", "int8-separate", "int8-dynamic", "int4", "fp8",
+                               "fp8-eq"]  # one name a mode
     assert list(results) == ["fp32", *EVAL_MODES]
     assert 1 < results["fp32"].ppl < math.inf and results["fp32"].kl == 0
     for mode in EVAL_MODES:

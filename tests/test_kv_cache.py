@@ -47,7 +47,7 @@ def test_dynamic_int8_error_is_bounded_per_token_and_head():
     assert bool((err.amax(-1) <= step * 0.5 * 1.01 + 1e-7).all())  # 1% for the fp16 rounding of the scale
 
 
-@pytest.mark.parametrize("mode", ["fp32", "fp16", "int8", "int8-separate", "int8-dynamic"])
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "int8", "int8-separate", "int8-dynamic", "fp8"])
 def test_write_read_round_trip(mode):
     torch.manual_seed(0)
     k, v = torch.randn(37, 2, 8), torch.randn(37, 2, 8) * 0.1
@@ -58,7 +58,7 @@ def test_write_read_round_trip(mode):
     cache.storage.write(1, cache.slots(seq, 0, 37), k, v)
     got_k, got_v = cache.storage.read(1, cache.block_table(seq), 37)
     tolerance = {"fp32": 0, "fp16": 2e-3, "int8": scales.shared()[0], "int8-separate": scales.k[0],
-                 "int8-dynamic": 0.03}[mode]
+                 "int8-dynamic": 0.03, "fp8": float(k.abs().max()) / 16}[mode]  # fp8: half a step of 3 bits
     assert (got_k - k).abs().max() <= tolerance
     v_tol = {"int8": scales.shared()[0], "int8-separate": scales.v[0] / 2 + 1e-6}.get(mode, tolerance * 0.1 + 1e-6)
     assert (got_v - v).abs().max() <= v_tol
@@ -84,7 +84,7 @@ def test_new_sequence_reuses_cached_prefix_blocks():
     assert cache.stats().reuse_hits == 2
 
 
-@pytest.mark.parametrize("mode", ["int8", "int8-separate", "fp16"])
+@pytest.mark.parametrize("mode", ["int8", "int8-separate", "fp16", "fp8"])
 def test_unscaled_read_times_its_scales_is_the_dequantized_read(mode):
     torch.manual_seed(1)
     k, v = torch.randn(20, 2, 8), torch.randn(20, 2, 8) * 0.1

@@ -12,6 +12,7 @@ from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
 from cabinllm.runtime.kv.int4 import (VALUE_GROUP, Int4KV, buffers_per_sequence, dequantize_keys, dequantize_values,
                                       pack_nibbles, quantize_keys, quantize_values, unpack_nibbles)
 from cabinllm.runtime.kv.modes import REFERENCE_KV_MODES, bytes_per_token
+from cabinllm.runtime.kv.quant import fp8_scale
 from cabinllm.runtime.kv.storage import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=64)
@@ -85,6 +86,9 @@ def test_every_mode_reads_back_within_its_error_bound(mode):
         k_bound = v_bound = torch.tensor(scales.shared()[1] / 2 * 1.0001)
     elif mode == "int8-separate":
         k_bound, v_bound = torch.tensor(scales.k[1] / 2 * 1.0001), torch.tensor(scales.v[1] / 2 * 1.0001)
+    elif mode == "fp8":  # half an e4m3 step: 2^-4 of the value, 2^-10 of the scale below the smallest normal
+        step = fp8_scale(scales.shared()[1])
+        k_bound, v_bound = want_k.abs() * 2 ** -4 + step * 2 ** -10, v.abs() * 2 ** -4 + step * 2 ** -10
     elif mode == "int8-dynamic":
         k_bound = want_k.abs().amax(-1, keepdim=True) / 127 * 0.5 * 1.01
         v_bound = v.abs().amax(-1, keepdim=True) / 127 * 0.5 * 1.01

@@ -28,7 +28,7 @@ def two_turn_session(engine, mode):
     return session
 
 
-@pytest.mark.parametrize("mode", ["int8", "int8-dynamic"])
+@pytest.mark.parametrize("mode", ["int8", "int8-dynamic", "fp8"])
 def test_restored_session_gives_the_same_next_reply_without_reprefill(engine, tmp_path, mode):
     session = two_turn_session(engine, mode)
     assert session.save(tmp_path / "s.cabin") == len(session.fed) > 0

@@ -1,8 +1,8 @@
 """The Triton kernels (runtime/kernels/triton) against the reference engine's storage and attention on the same paged
 cache contents: the KV write against ``KVStorage.write``, decode and prefill attention against ``grouped_attention``
 over ``KVStorage.read_unscaled``, in every KV mode the CUDA runner stores (fp16, int8 with one static scale per
-layer, int8 with separate K and V scales, int8-dynamic, fp32), with GQA, sliding windows, split-KV and a prefix
-reused across turns.
+layer, int8 with separate K and V scales, int8-dynamic, fp8 e4m3 with one static scale per layer, fp32), with GQA,
+sliding windows, split-KV and a prefix reused across turns.
 
 Where no GPU is at hand the kernels run under Triton's interpreter on CPU tensors (``triton_helpers``). Tolerances:
 fp32 pools 1e-4 (the same math in another order); fp16 and int8 pools 1e-4 on the interpreter (fp32 operands both
@@ -23,7 +23,9 @@ from cabinllm.runtime.model.transformer import grouped_attention
 from triton_helpers import DEVICE, ON_GPU, triton_kernels
 
 KERNELS = triton_kernels()
-MODES = ["fp16", "int8", "int8-separate", "int8-dynamic", "fp32"]
+MODES = ["fp16", "int8", "int8-separate", "int8-dynamic", "fp32",
+         pytest.param("fp8", marks=pytest.mark.skipif(ON_GPU and torch.cuda.get_device_capability() < (8, 9),
+                                                       reason="Triton converts e4m3 on sm_89 and newer"))]
 HEADS, KV_HEADS, HEAD = 4, 2, 16  # GQA: two query heads per KV head
 TPB = 4
 NUM_BLOCKS = 12
@@ -81,6 +83,10 @@ def test_write_kv_stores_what_the_reference_stores(mode_name):
     k = (torch.randn(7, KV_HEADS, HEAD, generator=gen) * 2).to(DEVICE)
     v = torch.randn(7, KV_HEADS, HEAD, generator=gen).to(DEVICE)
     k[0, 0, :4] = torch.tensor([0.025, -0.075, 0.125, 0.0])  # halves of the int8 scale: ties round to even
+    # fp8's scale times e4m3 ties (1.0625 -> 1, 1.1875 -> 1.25, 1.5 * 2^-9 -> 2^-8 below the smallest normal,
+    # -5.5 -> -6), past 448 (saturates) and a subnormal
+    fp8 = torch.tensor([1.0625, 1.1875, 1.5 * 2 ** -9, -5.5, 500.0, -3 * 2 ** -9])
+    k[1, 0, :6] = fp8 * ours.stored_kv(LAYER, torch.zeros(1), 0).k_scale if mode_name == "fp8" else k[1, 0, :6]
     slots = torch.tensor([5, 9, 10, 11, 30, 2, 47], device=DEVICE)
     theirs.write(LAYER, slots[:6], k[:6], v[:6])
     padded = slots.clone()
@@ -172,10 +178,12 @@ def test_decode_splits_bounds():
     assert KERNELS.decode_splits(10 ** 6) == KERNELS.MAX_SPLITS
 
 
-def test_a_wrong_scale_or_block_is_caught():
+@pytest.mark.parametrize("mode_name", ["int8", MODES[-1]])
+def test_a_wrong_scale_or_block_is_caught(mode_name):
     """The comparison these tests make fails where the kernel would read without the scales or from another
-    sequence's block: the reference differs from such a read by over ten times the tolerance (57.8 and 1.25 here)."""
-    storage = make_storage("int8")
+    sequence's block: the reference differs from such a read by over ten times the tolerance (int8: 57.8 and
+    1.25)."""
+    storage = make_storage(mode_name)
     table = [7, 2, 9]
     fill(storage, table, 11, seed=4)
     q = torch.randn(1, HEADS, HEAD, generator=torch.Generator().manual_seed(2)).to(DEVICE)

@@ -30,7 +30,7 @@ class KvCacheConfig:
     (``Engine.kv_cache_config`` fills them in); a cache needs them set."""
 
     kv_mode: str | None = field(default=None, metadata={  # a former name is read as the registry's (kv.modes)
-        "help": "KV storage; static int8 modes use the engine's kv_scales.json"})
+        "help": "KV storage; the static-scale modes (int8, int8-separate, fp8) use the engine's kv_scales.json"})
     max_bytes: int = field(default=DEFAULT_KV_BYTES, metadata={  # TensorRT-LLM sizes its pool in max_tokens instead
         "help": "KV cache budget"})
     tokens_per_block: int | None = field(default=None, metadata={

@@ -22,7 +22,8 @@ from cabinllm.runtime.formats.scales_file import KVScales
 from cabinllm.runtime.kernels.bindings import StaticPools, StoredKV
 from cabinllm.runtime.kv.blocks import Sequence
 from cabinllm.runtime.kv.memory import committed_zeros
-from cabinllm.runtime.kv.quant import dequantize_per_token, quantize_per_token, quantize_static
+from cabinllm.runtime.kv.quant import (dequantize_per_token, fp8_scale, quantize_fp8, quantize_per_token,
+                                      quantize_static)
 
 _SCALE_BYTES = 2  # one fp16 scale per token and KV head, for K and for V, in int8-dynamic
 
@@ -329,20 +330,21 @@ class Int8DynamicKV(_PooledKV):
         return stored
 
 
-class Fp8KV(KVStorage):
-    """FP8 (e4m3) with one static scale per layer: TensorRT-LLM only."""
+class Fp8KV(Int8KV):
+    """FP8 (e4m3) with one static scale per layer shared by K and V (TensorRT-LLM's FP8 KV): amax / 448."""
 
-    name, label, reference = "fp8", "fp8 e4m3, one static scale per layer (TensorRT-LLM only)", False
-    static_scales, shared_scale, trtllm_quant_algo = True, True, "FP8"
+    name, label, element = "fp8", "fp8 e4m3, one static scale per layer shared by K and V", torch.float8_e4m3fn
+    onnx_graph, trtllm_quant_algo, trtllm_paged_context_fmha = False, "FP8", True
 
-    def __init__(self, layout: KVLayout, num_blocks: int, tokens_per_block: int,
-                 scales: KVScales | None = None) -> None:
-        raise ConfigError("fp8 KV runs on TensorRT-LLM only; the reference engine has no FP8 storage: use int8")
+    @staticmethod
+    def _scales(scales: KVScales) -> tuple[list[float], list[float]]:
+        shared = [fp8_scale(s) for s in scales.shared()]
+        return shared, shared
 
-    @classmethod
-    def bytes_per_token(cls, layout: KVLayout, tokens_per_block: int) -> int:
-        """One byte per element."""
-        return 2 * layout.channels * layout.num_layers
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V as e4m3 values of x / scale."""
+        self._flat(self.k_data, layer)[slots] = quantize_fp8(k, self.k_scale[layer])
+        self._flat(self.v_data, layer)[slots] = quantize_fp8(v, self.v_scale[layer])
 
 
 def sequence_slots(seq: Sequence, start: int, end: int, tokens_per_block: int) -> torch.Tensor:

@@ -37,8 +37,8 @@ from cabinllm.runtime.model.transformer import ACTIVATIONS, Transformer, begin_s
 
 DEVICES = ("cpu", "cuda")  # where Engine.load runs a model: the reference engine, the CUDA runner
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-CUDA_KV_MODES = ("fp16", "int8", "int8-separate", "int8-dynamic", "fp32")  # what the Triton kernels store
-FP8_CAPABILITY = (8, 9)  # fp8 e4m3 arithmetic: Ada (sm_89) and newer
+CUDA_KV_MODES = ("fp16", "int8", "int8-separate", "int8-dynamic", "fp8", "fp32")  # what the Triton kernels store
+FP8_CAPABILITY = (8, 9)  # Triton converts e4m3 on Ada (sm_89) and newer
 
 
 def int4_linear() -> ModuleType:
@@ -60,12 +60,10 @@ def check_device(device: str) -> torch.device:
 
 def check_kv_mode(mode_name: str, device: torch.device) -> None:
     """ConfigError unless the CUDA runner stores ``mode_name`` on ``device`` (fp8 refused below sm_89)."""
-    if mode_name == "fp8":
-        if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
-            major, minor = torch.cuda.get_device_capability(device)
-            raise ConfigError(f"fp8 KV needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
-                              f"{major}.{minor}; use int8", (Hint(Fix.KV_MODE, "int8"),))
-        raise ConfigError("fp8 KV is not stored by the CUDA runner yet; use int8", (Hint(Fix.KV_MODE, "int8"),))
+    if mode_name == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(f"fp8 KV needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); this one "
+                          f"is {major}.{minor}; use int8 (the same bytes)", (Hint(Fix.KV_MODE, "int8"),))
     if mode_name not in CUDA_KV_MODES:
         raise ConfigError(f"KV mode {mode_name} runs on the reference engine only; the CUDA runner stores "
                           f"{', '.join(CUDA_KV_MODES)}", (Hint(Fix.KV_MODE, "int8"),))

@@ -2,12 +2,12 @@
 
 ``int4_linear`` multiplies by 4-bit weights (int4-g32, W4A16-AWQ) without dequantizing them into a copy.
 ``paged_attention`` holds the attention kernels (``pools`` how they read a layer's ``StoredKV``): the KV write that
-stores a step's new K/V rows into their slots (int8 codes with a layer's static scale, int8 with a fp16 scale per
-token and KV head, or fp16/bf16/fp32 as they are), decode attention of one token per sequence over its blocks (split-KV, flash-decoding
-style, with a second kernel reducing the splits) and prefill attention of new tokens over a cached prefix (paged
-context: the prefix's blocks plus causal among the new tokens). Each reads the blocks in place, as
-``KVStorage.stored_kv`` hands them over (``StoredKV``): int8 codes are multiplied by their scale inside the dot
-products, never dequantized into a copy of the history.
+stores a step's new K/V rows into their slots (int8 codes or e4m3 values with a layer's static scale, int8 with a
+fp16 scale per token and KV head, or fp16/bf16/fp32 as they are), decode attention of one token per sequence over its
+blocks (split-KV, flash-decoding style, with a second kernel reducing the splits) and prefill attention of new tokens
+over a cached prefix (paged context: the prefix's blocks plus causal among the new tokens). Each reads the blocks in
+place, as ``KVStorage.stored_kv`` hands them over (``StoredKV``): int8 codes and e4m3 values are multiplied by their
+scale inside the dot products, never dequantized into a copy of the history.
 
 Triton is an optional dependency (the ``gpu`` extra): ``load`` imports the kernels on first use. With
 ``TRITON_INTERPRET=1`` set before that, they run under Triton's interpreter on CPU tensors (how the tests check them

@@ -1,11 +1,12 @@
 """Triton kernels over the paged KV cache: the KV write, split-KV decode attention and prefill over a cached prefix.
 
 Layout (``cabinllm.runtime.kv.storage``): one layer's K and V pools are (blocks, tokens_per_block, kv_heads,
-head_size) of int8 codes, fp16, bf16 or fp32; position ``p`` of a sequence lives in block ``table[p // tpb]`` at row
-``p % tpb``; a flat slot is ``block * tpb + row``. int8 with static scales (TensorRT-LLM's one scale per layer, or
-K's and V's) stores ``round(x / scale)``; int8-dynamic stores a fp16 scale per token and KV head beside the codes in
-(blocks, tokens_per_block, kv_heads) pools. Attention folds the scales into the dot products: ``q . codes`` times the
-K scale (and each key's token scale), the probabilities times each value's token scale, the output times the V scale.
+head_size) of int8 codes, e4m3, fp16, bf16 or fp32; position ``p`` of a sequence lives in block ``table[p // tpb]``
+at row ``p % tpb``; a flat slot is ``block * tpb + row``. int8 with static scales (TensorRT-LLM's one scale per
+layer, or K's and V's) stores ``round(x / scale)``, fp8 (one scale per layer) ``x / scale`` rounded to e4m3;
+int8-dynamic stores a fp16 scale per token and KV head beside the codes in (blocks, tokens_per_block, kv_heads)
+pools. Attention folds the scales into the dot products: ``q . codes`` times the K scale (and each key's token
+scale), the probabilities times each value's token scale, the output times the V scale.
 
 Positions here are the block table's own: a table that starts at a later block (a sliding-window layer's) counts from
 its first row. A query at table position ``p`` attends to keys ``(p - window, p]`` (no window: all of ``[0, p]``; the
@@ -60,6 +61,16 @@ def _round_half_even(y):
 
 
 @triton.jit
+def _round_to_e4m3(y):
+    """y (within +-448) rounded to the nearest e4m3 value, halves to even, in fp32: the spacing of y's binade
+    (2^(exponent - 3); 2^-9 below e4m3's smallest normal, 2^-6), so the cast to e4m3 after it is exact on every
+    backend (the interpreter's own cast does not round to nearest)."""
+    exponent = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
+    step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
+    return _round_half_even(y / step) * step
+
+
+@triton.jit
 def _store_row(x, Pool, Scales, dst, scale_dst, scale, dmask, QUANT: tl.constexpr):
     """Store one token's row of one KV head (fp32 ``x``) the way the pool holds it."""
     if QUANT == 0:
@@ -67,6 +78,9 @@ def _store_row(x, Pool, Scales, dst, scale_dst, scale, dmask, QUANT: tl.constexp
     elif QUANT == 1:
         codes = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(x, scale)), -127.0), 127.0)
         tl.store(Pool + dst, codes.to(tl.int8), mask=dmask)
+    elif QUANT == 3:
+        values = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0))
+        tl.store(Pool + dst, values.to(Pool.dtype.element_ty), mask=dmask)
     else:
         amax = tl.max(tl.where(dmask, tl.abs(x), 0.0), 0)
         token_scale = tl.maximum(tl.div_rn(amax, 127.0), 1e-8).to(tl.float16)  # IEEE, as torch divides

@@ -6,14 +6,15 @@ import torch
 
 from cabinllm.runtime.kernels.bindings import StoredKV
 
-QUANT_NONE, QUANT_STATIC, QUANT_TOKEN = 0, 1, 2  # how pools store values: as they are, int8 codes, int8 + token scales
+# how pools store values: as they are, int8 codes, int8 + token scales, e4m3 values (both with a layer's static scale)
+QUANT_NONE, QUANT_STATIC, QUANT_TOKEN, QUANT_FP8 = 0, 1, 2, 3
 
 
 def quant(pools: StoredKV) -> int:
-    """How the pools store values: QUANT_TOKEN, QUANT_STATIC (int8 codes) or QUANT_NONE."""
+    """How the pools store values: QUANT_TOKEN, QUANT_STATIC (int8 codes), QUANT_FP8 or QUANT_NONE."""
     if pools.k_token_scales is not None:
         return QUANT_TOKEN
-    return QUANT_STATIC if pools.k.dtype == torch.int8 else QUANT_NONE
+    return {torch.int8: QUANT_STATIC, torch.float8_e4m3fn: QUANT_FP8}.get(pools.k.dtype, QUANT_NONE)
 
 
 def strides(pools: StoredKV) -> tuple[int, int, int]:
