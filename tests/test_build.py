@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -78,6 +79,11 @@ def test_fp8_for_thor_stores_amax_over_448_and_leaves_the_device_step(tiny, tmp_
     config, weights = load_checkpoint(out / "checkpoint")
     assert config.quantization["kv_cache_quant_algo"] == "FP8"
     assert weights[f"{layer_prefix(1)}.{SCALE}"].item() == pytest.approx(0.047 * 127 / 448, rel=1e-6)
+    storage = Engine.load(out).new_cache().storage  # the reference engine stores what TensorRT-LLM will read
+    assert storage.name == "fp8" and storage.k_data.dtype == torch.float8_e4m3fn
+    for layer in range(config.num_hidden_layers):
+        factor = weights[f"{layer_prefix(layer)}.{SCALE}"].item()
+        assert storage.k_scale[layer] == storage.v_scale[layer] == pytest.approx(factor, rel=1e-6)
     step = json.loads((out / "manifest.json").read_text())["device_step"]
     assert (step["status"], step["flags"]) == ("pending", "1.x")
     assert step["command"] == [
@@ -136,6 +142,18 @@ def test_built_engine_checkpoint_scales_equal_its_scales_file(engine_dir):
         assert factor.dtype == torch.float32 and factor.shape == (1,)
         assert factor.item() == pytest.approx(max(entry["k"], entry["v"]), rel=1e-7)
         assert math.isclose(entry["kv_cache_scaling_factor"], max(entry["k"], entry["v"]))
+
+
+def test_equalized_fp8_is_warned(tiny, tmp_path, monkeypatch):
+    from cabinllm.cli import build
+
+    monkeypatch.setattr(build, "build_engine", lambda request, log: None)
+    args = ["--model", str(tiny["model"]), "--target", "thor-128gb", "--kv-cache", "fp8", "--output", str(tmp_path)]
+    with pytest.warns(UserWarning, match=r"equalization is made for int8's grid.*fp8 KV's KL from 0.0097 to 0.0117"):
+        assert build.main(args + ["--equalize"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert build.main(args) == 0
 
 
 def test_cli_reports_errors_with_exit_code_2(tiny, tmp_path, capsys):
