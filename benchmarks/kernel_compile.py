@@ -3,7 +3,7 @@ its wheel ships, for each architecture, model shape and KV mode, with the regist
 each kernel against the architecture's limits.
 
 Each kernel is launched through its real wrapper (``write_kv``, ``decode_attention``, ``prefill_attention``, the
-4-bit linears) on host tensors of the shape's head size and GQA group; the launch is caught before it runs and
+quantized linears) on host tensors of the shape's head size and GQA group; the launch is caught before it runs and
 compiled the way Triton's ``JITFunction.run`` does (its binder specializes the arguments, ``triton.compile`` builds
 the cubin for the chosen architecture), and ``cuobjdump -res-usage`` reads the cubin's resources. Nothing runs on a
 GPU: this says every kernel compiles for Orin (sm_87), Ada (sm_89), Hopper (sm_90) and Thor (sm_101: the bundled
@@ -45,7 +45,7 @@ PREFILL_CHUNK = 128
 TOKENS_PER_BLOCK = 16
 DTYPE = torch.float16  # the runner's compute dtype
 ATTENTION_KERNELS = ("_write_kv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel")
-INT4_KERNELS = ("_g32_kernel", "_awq_kernel")
+LINEAR_KERNELS = ("_w8_kernel", "_g32_kernel", "_awq_kernel")
 
 
 @dataclass
@@ -102,19 +102,20 @@ def attention_launches(config: ModelConfig, mode_name: str) -> list[Launch]:
     return caught(kernels, ATTENTION_KERNELS, run)
 
 
-def int4_launches(config: ModelConfig) -> list[Launch]:
-    """The 4-bit linears' launches at the shape's MLP projection (int4-g32 and W4A16-AWQ, group 128)."""
-    kernels = triton_kernels.load(triton_kernels.INT4_MODULE)
+def linear_launches(config: ModelConfig) -> list[Launch]:
+    """The quantized linears' launches at the shape's MLP projection (W8A16, int4-g32, W4A16-AWQ group 128)."""
+    kernels = triton_kernels.load(triton_kernels.LINEAR_MODULE)
     n, k = config.intermediate_size, config.hidden_size
     x = torch.zeros(1, k, dtype=DTYPE)
 
     def run() -> None:
+        kernels.int8_linear(x, torch.zeros(n, k, dtype=torch.int8), torch.zeros(n, dtype=torch.float32))
         kernels.int4_g32_linear(x, torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 32, dtype=DTYPE),
                                 torch.zeros(n, k // 32, dtype=DTYPE))
         kernels.int4_awq_linear(x, torch.zeros(n // 2, k, dtype=torch.int8),
                                 torch.zeros(n, k // 128, dtype=torch.float32), 128)
 
-    return caught(kernels, INT4_KERNELS, run)
+    return caught(kernels, LINEAR_KERNELS, run)
 
 
 def compile_launch(launch: Launch, arch: int) -> dict:
@@ -159,11 +160,11 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 def run(archs: list[int], shapes: dict[str, ModelConfig], modes: list[str]) -> dict:
-    """Every kernel of every shape and mode compiled for every arch (the 4-bit linears once per shape)."""
+    """Every kernel of every shape and mode compiled for every arch (the quantized linears once per shape)."""
     rows = []
     for shape, config in shapes.items():
         cases = [(mode, launch) for mode in modes for launch in attention_launches(config, mode)]
-        cases += [("-", launch) for launch in int4_launches(config)]
+        cases += [("-", launch) for launch in linear_launches(config)]
         for mode, launch in cases:
             constexprs = {k: v for k, v in launch.kwargs.items() if k in ("SPLITS", "GROUP", "HEAD")}
             for arch in archs:

@@ -20,6 +20,7 @@ from test_families import write_family_folder
 from test_hf_folders import cabin_build
 from triton_helpers import DEVICE, ON_GPU, triton_kernels
 
+from cabinllm.cli.args import cli_message
 from cabinllm.runtime.engine.loader import Engine
 from cabinllm.runtime.errors import ConfigError
 from cabinllm.runtime.kv.blocks import Sequence
@@ -27,7 +28,8 @@ from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
 from cabinllm.runtime.model.cuda import CudaRunner, check_device, check_kv_mode
 from cabinllm.runtime.model.cuda_graphs import StepInputs, bucket, graph_sizes, table_widths
 from cabinllm.runtime.model.interface import Span
-from cabinllm.runtime.model.linear import Int4AwqLinear, Int4G32Linear, Stacked, halves, pack_g32, pack_int4
+from cabinllm.runtime.model.linear import (Int4AwqLinear, Int4G32Linear, Int8Linear, Stacked, halves, pack_g32,
+                                          pack_int4)
 
 KERNELS = triton_kernels()
 DTYPE = torch.float16 if ON_GPU else torch.float32
@@ -97,9 +99,9 @@ def test_runner_equals_the_reference(tiny_engine, kv_mode):
 
 
 def quantized_copy(engine: Engine) -> Engine:
-    """The tiny engine with its linears rounded to 4 bits, every layout the runner multiplies in its int4 kernels:
-    int4-g32 for qkv, W4A16-AWQ (group 64, a prequant scale) for dense and proj, a stack of int4-g32 and int4-g32 on
-    int8 activations for fc/gate."""
+    """The tiny engine with its linears quantized in every layout the runner multiplies in its Triton linears:
+    int4-g32 for qkv, W4A16-AWQ (group 64, a prequant scale) for dense, W8A16 for proj, a stack of int4-g32 and
+    int4-g32 on int8 activations for fc/gate."""
     def g32(w: torch.Tensor, int8_x: bool = False) -> Int4G32Linear:
         blocks = w.unflatten(-1, (-1, 32))
         low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
@@ -114,26 +116,31 @@ def quantized_copy(engine: Engine) -> Engine:
         q = torch.round(groups / scale).clamp(-8, 7).flatten(-2)
         return Int4AwqLinear(pack_int4(q), scale.squeeze(-1), 1 / prequant, 64)
 
+    def w8(w: torch.Tensor) -> Int8Linear:
+        scale = w.abs().amax(-1) / 127
+        return Int8Linear(torch.round(w / scale[:, None]).to(torch.int8), scale)
+
     model = copy.copy(engine.model)
     model.__dict__.pop("_step_weights", None)  # the fused decode step's view of the layers, taken again
     model.layers = [dict(layer) for layer in model.layers]
     for layer in model.layers:
         fc, gate = halves(layer["fc_gate"])
-        layer.update(qkv=g32(layer["qkv"]), dense=awq(layer["dense"]), proj=awq(layer["proj"]),
+        layer.update(qkv=g32(layer["qkv"]), dense=awq(layer["dense"]), proj=w8(layer["proj"]),
                      fc_gate=Stacked((g32(fc), g32(gate, int8_x=True))))
     return dataclasses.replace(engine, model=model)
 
 
 @pytest.mark.slow
-def test_runner_multiplies_4bit_weights_as_stored(tiny_engine):
-    """int4-g32 (also on int8 activations) and W4A16-AWQ linears stay packed on the device, multiplied by the int4
-    kernels, and give the reference's logits with the same weights."""
+def test_runner_multiplies_quantized_weights_as_stored(tiny_engine):
+    """int4-g32 (also on int8 activations), W4A16-AWQ and W8A16 linears stay as stored on the device, multiplied by
+    the Triton linears, and give the reference's logits with the same weights."""
     engine = quantized_copy(tiny_engine)
     runner = runner_of(engine)
-    qkv = runner.layers[0]["qkv"]
+    qkv, proj = runner.layers[0]["qkv"], runner.layers[0]["proj"]
     assert qkv.weight is None and qkv.int4.codes.dtype == torch.uint8
+    assert proj.weight.dtype == torch.int8 and proj.scale.dtype == torch.float32
     assert runner.weight_bytes() < runner_of(tiny_engine).weight_bytes() / 2
-    dialogue(engine, runner, "int8")
+    dialogue(engine, runner, "fp32")  # fp32 KV: no int8 code flips over one ulp, only the linears compared
 
 
 def test_padded_decode_step_equals_the_reference(tiny_engine):
@@ -208,6 +215,20 @@ def test_graph_decode_equals_the_reference(tiny_engine):
     runner = CudaRunner(tiny_engine.model, "cuda", torch.float16, graphs=True, kernels=KERNELS)
     dialogue(tiny_engine, runner, "int8")
     assert runner.graphs._graphs, "no graph was captured"
+
+
+def test_fp8_is_one_line_naming_the_capability_below_sm89(monkeypatch):
+    """What a GPU below sm_89 (Orin's 8.7) is told, checked with its capability faked; 8.9 and 9.0 store fp8."""
+    for capability in ((8, 7), (8, 9), (9, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        if capability < (8, 9):
+            with pytest.raises(ConfigError) as refused:
+                check_kv_mode("fp8", torch.device("cuda"))
+            assert cli_message(refused.value) == ("fp8 KV needs a GPU of compute capability 8.9 or newer (Ada, "
+                                                  "Hopper, Blackwell); this one is 8.7, and int8 KV takes the same "
+                                                  "bytes; choose --kv-cache int8")
+        else:
+            check_kv_mode("fp8", torch.device("cuda"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 KV's refusal depends on the GPU")

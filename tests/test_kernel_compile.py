@@ -23,7 +23,7 @@ def test_every_kernel_compiles_for_orin_and_hopper_and_fp8_is_refused_on_orin_by
     rows = json.loads((tmp_path / "kernel_compile.json").read_text())["rows"]
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"write_kv_kernel", "decode_split_kernel", "decode_reduce_kernel", "prefill_kernel",
-                       "g32_kernel", "awq_kernel"}
+                       "w8_kernel", "g32_kernel", "awq_kernel"}
     reads_fp8 = {"write_kv_kernel", "decode_split_kernel", "prefill_kernel"}
     for r in rows:
         if r["arch"] == 87 and r["kv_mode"] == "fp8" and r["kernel"] in reads_fp8:

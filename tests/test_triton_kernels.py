@@ -202,15 +202,15 @@ def test_a_wrong_scale_or_block_is_caught(mode_name):
 
 
 @pytest.mark.parametrize("tokens", [1, 20])
-def test_int4_kernels_equal_the_dequantized_product(tokens):
-    """The int4 linears (a decode step's one token, a prefill's 20) equal x @ W.T with W dequantized as the reference
-    does, on output counts that are not a multiple of the tile."""
+def test_quantized_linears_equal_the_dequantized_product(tokens):
+    """The W8A16 and int4 linears (a decode step's one token, a prefill's 20) equal x @ W.T with W dequantized as the
+    reference does, on output counts that are not a multiple of the tile (W8A16: nor the inputs)."""
     from cabinllm.runtime.formats.weight_formats import GGUF_GROUP
-    from cabinllm.runtime.kernels.triton import INT4_MODULE, load
-    from cabinllm.runtime.model.linear import Int4AwqLinear, Int4G32Linear, pack_g32, pack_int4
+    from cabinllm.runtime.kernels.triton import LINEAR_MODULE, load
+    from cabinllm.runtime.model.linear import Int4AwqLinear, Int4G32Linear, Int8Linear, pack_g32, pack_int4
 
-    int4 = load(INT4_MODULE)
-    assert int4.G32_GROUP == GGUF_GROUP
+    linears = load(LINEAR_MODULE)
+    assert linears.G32_GROUP == GGUF_GROUP
     gen = torch.Generator().manual_seed(tokens)
     out, inputs = 70, 128
     g32 = Int4G32Linear(pack_g32(torch.randint(0, 16, (out, inputs), generator=gen)),
@@ -220,10 +220,16 @@ def test_int4_kernels_equal_the_dequantized_product(tokens):
                         torch.rand(out, inputs // 64, generator=gen) / 10, torch.ones(inputs), 64)
     x = torch.randn(tokens, inputs, generator=gen).to(DEVICE, torch.float16 if ON_GPU else torch.float32)
     on = {name: value.to(DEVICE) for name, value in vars(g32).items() if isinstance(value, torch.Tensor)}
-    ours = int4.int4_g32_linear(x, on["codes"], on["scale"], on["minimum"])
+    ours = linears.int4_g32_linear(x, on["codes"], on["scale"], on["minimum"])
     tolerance = 2e-2 if ON_GPU else 1e-4
     torch.testing.assert_close(ours.float().cpu(), x.float().cpu() @ g32.dequantize().T, atol=tolerance,
                                rtol=tolerance)
-    ours = int4.int4_awq_linear(x, awq.packed.to(DEVICE), awq.scale.to(DEVICE), 64)
+    ours = linears.int4_awq_linear(x, awq.packed.to(DEVICE), awq.scale.to(DEVICE), 64)
     torch.testing.assert_close(ours.float().cpu(), x.float().cpu() @ awq.dequantize().T, atol=tolerance,
+                               rtol=tolerance)
+    w8 = Int8Linear(torch.randint(-127, 128, (out, inputs + 8), generator=gen, dtype=torch.int8),
+                    torch.rand(out, generator=gen) / 100)
+    x = torch.randn(tokens, inputs + 8, generator=gen).to(DEVICE, x.dtype)
+    ours = linears.int8_linear(x, w8.weight.to(DEVICE), w8.scale.to(DEVICE))
+    torch.testing.assert_close(ours.float().cpu(), x.float().cpu() @ w8.dequantize().T, atol=tolerance,
                                rtol=tolerance)

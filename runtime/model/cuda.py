@@ -5,10 +5,10 @@ device (``PagedKVCache(device=...)``).
 It is built from a loaded reference ``Transformer`` (``CudaRunner.of``), so every family the reference reads runs
 here the same way (q/k norms, partial rotary and LongRoPE, Gemma 3's extra norms, scales and local layers' windows,
 layers without RoPE, softcapped logits): weights go to the device in fp16 or bf16, int8 ones (W8A16) as their codes
-and per-channel scales (the codes cast to the compute dtype inside each product), 4-bit ones (int4-g32, W4A16-AWQ)
-as their packed codes, multiplied by Triton kernels that dequantize inside the product (a 3B model in 4 bits is what
-fits an 8 GB Orin). The residual stream and norms compute in fp32, linears and attention's operands in
-the compute dtype. Pictures (a vision-language model's media) run on the reference engine only.
+and per-channel scales, 4-bit ones (int4-g32, W4A16-AWQ) as their packed codes, both multiplied by Triton kernels
+that dequantize inside the product (a 3B model in 4 bits is what fits an 8 GB Orin). The residual stream and norms
+compute in fp32, linears and attention's operands in the compute dtype. Pictures (a vision-language model's media)
+run on the reference engine only.
 
 Decode steps (one token per sequence) can run as CUDA graphs, one per batch size bucket (``cabinllm.runtime.model.
 cuda_graphs``): on a GPU only, and with the step's inputs padded to the bucket. The same code runs on CPU tensors
@@ -41,9 +41,9 @@ CUDA_KV_MODES = ("fp16", "int8", "int8-separate", "int8-dynamic", "fp8", "fp32")
 FP8_CAPABILITY = (8, 9)  # Triton converts e4m3 on Ada (sm_89) and newer
 
 
-def int4_linear() -> ModuleType:
-    """The Triton kernels of 4-bit linears (``kernels/triton/int4_linear``)."""
-    return triton_kernels.load(triton_kernels.INT4_MODULE)
+def quant_linear() -> ModuleType:
+    """The Triton kernels of linears on quantized weights (``kernels/triton/quant_linear``)."""
+    return triton_kernels.load(triton_kernels.LINEAR_MODULE)
 
 
 def check_device(device: str) -> torch.device:
@@ -63,7 +63,7 @@ def check_kv_mode(mode_name: str, device: torch.device) -> None:
     if mode_name == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
         major, minor = torch.cuda.get_device_capability(device)
         raise ConfigError(f"fp8 KV needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); this one "
-                          f"is {major}.{minor}; use int8 (the same bytes)", (Hint(Fix.KV_MODE, "int8"),))
+                          f"is {major}.{minor}, and int8 KV takes the same bytes", (Hint(Fix.KV_MODE, "int8"),))
     if mode_name not in CUDA_KV_MODES:
         raise ConfigError(f"KV mode {mode_name} runs on the reference engine only; the CUDA runner stores "
                           f"{', '.join(CUDA_KV_MODES)}", (Hint(Fix.KV_MODE, "int8"),))
@@ -72,9 +72,9 @@ def check_kv_mode(mode_name: str, device: torch.device) -> None:
 @dataclass
 class DeviceLinear:
     """A linear op on the device, as stored: a dense (out, in) weight in the compute dtype; W8A16's int8 codes with
-    one scale per output channel (x @ (q * s).T == (x @ q.T) * s); or 4-bit codes (int4-g32, W4A16-AWQ) multiplied
-    by the Triton kernels of ``kernels/triton/int4_linear``, which dequantize inside the product. A stacked op
-    (``parts``) concatenates its parts' outputs."""
+    one fp32 scale per output channel, or 4-bit codes (int4-g32, W4A16-AWQ), both multiplied by the Triton kernels
+    of ``kernels/triton/quant_linear``, which dequantize inside the product. A stacked op (``parts``) concatenates
+    its parts' outputs."""
 
     weight: torch.Tensor | None = None
     scale: torch.Tensor | None = None
@@ -88,7 +88,7 @@ class DeviceLinear:
         """The reference's op (``cabinllm.runtime.model.linear``) on ``device``."""
         bias = None if bias is None else bias.to(device, dtype)
         if isinstance(op, Int8Linear):
-            return cls(op.weight.to(device), op.scale.to(device, dtype), bias)
+            return cls(op.weight.to(device), op.scale.to(device, torch.float32), bias)
         if isinstance(op, (Int4G32Linear, Int4AwqLinear)):
             moved = {f.name: getattr(op, f.name) for f in fields(op)}
             moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
@@ -104,15 +104,15 @@ class DeviceLinear:
             y = torch.cat([part(x) for part in self.parts], dim=-1)
         elif isinstance(self.int4, Int4G32Linear):
             q = self.int4
-            y = int4_linear().int4_g32_linear(int8_blocks(x).to(x.dtype) if q.int8_x else x, q.codes, q.scale,
+            y = quant_linear().int4_g32_linear(int8_blocks(x).to(x.dtype) if q.int8_x else x, q.codes, q.scale,
                                               q.minimum)
         elif isinstance(self.int4, Int4AwqLinear):
             q = self.int4
-            y = int4_linear().int4_awq_linear(x * q.prequant, q.packed, q.scale, q.group_size)
+            y = quant_linear().int4_awq_linear(x * q.prequant, q.packed, q.scale, q.group_size)
         elif self.scale is None:
             return F.linear(x, self.weight, self.bias)
         else:
-            y = F.linear(x, self.weight.to(x.dtype)) * self.scale
+            y = quant_linear().int8_linear(x, self.weight, self.scale)
         return y if self.bias is None else y + self.bias
 
     def nbytes(self) -> int:

@@ -1,6 +1,6 @@
 """Triton kernels over the paged KV cache, for the CUDA runner (``cabinllm.runtime.model.cuda``).
 
-``int4_linear`` multiplies by 4-bit weights (int4-g32, W4A16-AWQ) without dequantizing them into a copy.
+``quant_linear`` multiplies by quantized weights (W8A16, int4-g32, W4A16-AWQ) without dequantizing them into a copy.
 ``paged_attention`` holds the attention kernels (``pools`` how they read a layer's ``StoredKV``): the KV write that
 stores a step's new K/V rows into their slots (int8 codes or e4m3 values with a layer's static scale, int8 with a
 fp16 scale per token and KV head, or fp16/bf16/fp32 as they are), decode attention of one token per sequence over its
@@ -21,11 +21,11 @@ from types import ModuleType
 from cabinllm.runtime.errors import MissingDependency
 
 KERNELS_MODULE = f"{__name__}.paged_attention"
-INT4_MODULE = f"{__name__}.int4_linear"
+LINEAR_MODULE = f"{__name__}.quant_linear"
 
 
 def load(module: str = KERNELS_MODULE) -> ModuleType:
-    """A kernels module (``paged_attention`` by default, or ``int4_linear``); MissingDependency naming the extra where
+    """A kernels module (``paged_attention`` by default, or ``quant_linear``); MissingDependency naming the extra where
     Triton is missing."""
     try:
         importlib.import_module("triton")

@@ -1,11 +1,13 @@
-"""Triton kernels for linears on 4-bit weights, dequantized inside the product (never into a copy of the weight).
+"""Triton kernels for linears on quantized weights, dequantized inside the product (never into a copy of the weight).
 
+``int8_linear``: W8A16: int8 codes (out, in) with one scale per output row; x @ (q * s).T is (x @ q.T) * s, so the
+codes are converted to x's dtype tile by tile and the scale multiplies the finished tile.
 ``int4_g32_linear``: int4-g32 (llama.cpp's Q4_1 block): uint8 codes (out, in / 2), in each block of 32 inputs byte
 ``j`` holds input ``j`` in its low nibble and input ``j + 16`` in its high one; w = q * scale + minimum with a fp16
 scale and minimum per output row and block. ``int4_awq_linear``: W4A16-AWQ: int8 (out / 2, in), row ``2r`` in the low
 nibble of packed row ``r`` and row ``2r + 1`` in its high one (signed, [-8, 7]); w = q * scale with a scale per output
-row and group of inputs (the input multiplied by AWQ's prequant scale before). Both read each weight byte once per
-tile of outputs and accumulate in fp32 with ``tl.dot``; tiles are at least 16 rows (a decode step's one token is a
+row and group of inputs (the input multiplied by AWQ's prequant scale before). Each reads each weight byte once per
+tile of outputs and accumulates in fp32 with ``tl.dot``; tiles are at least 16 rows (a decode step's one token is a
 masked tile of 16), so one kernel serves prefill and decode.
 """
 from __future__ import annotations
@@ -18,6 +20,27 @@ G32_GROUP = 32  # int4-g32's inputs per block (formats.weight_formats.GGUF_GROUP
 BLOCK_M = 16  # token rows of a tile (the least a tl.dot takes)
 BLOCK_N = 64  # output rows of a tile
 AWQ_BLOCK_K = 32  # inputs of a W4A16-AWQ tile: a divisor of every AWQ group size (64, 128)
+INT8_BLOCK_K = 64  # inputs of a W8A16 tile (the last one masked)
+
+
+@triton.jit
+def _w8_kernel(x_ptr, codes_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_cn, stride_om,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k_ok = start + k < K
+        codes = tl.load(codes_ptr + cols[:, None] * stride_cn + start + k[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + start + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc += tl.dot(x, tl.trans(codes.to(x.dtype)), input_precision=PRECISION)
+    scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, (acc * scale[None, :]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -73,6 +96,17 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (..., in) times the W8A16 weight (out, in) transposed, codes times each output row's scale: (..., out)."""
+    flat, n = _flat(x), codes.shape[0]
+    out = torch.empty(flat.shape[0], n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(flat.shape[0], BLOCK_M), triton.cdiv(n, BLOCK_N))
+    _w8_kernel[grid](flat, codes, scale, out, flat.shape[0], n, flat.shape[1], flat.stride(0), codes.stride(0),
+                     out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=INT8_BLOCK_K,
+                     PRECISION=_precision(x.dtype))
+    return out.reshape(*x.shape[:-1], n)
 
 
 def int4_g32_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
