@@ -119,12 +119,14 @@ def test_evaluate_compares_every_mode_with_full_precision(engine, evaluated):
 
 def test_real_weights_keep_fp16_close_and_rank_the_int8_modes(default_engine, evaluated):
     """What the default model's weights show and the tiny random ones need not: a sane perplexity, fp16 within
-    0.1 % of it, and per-token scales and equalization both beating one plain shared INT8 scale per layer."""
+    0.1 % of it, per-token scales and equalization both beating one plain shared INT8 scale per layer, and fp8's
+    3-bit mantissa behind equalized int8 at the same bytes."""
     _, _, results = evaluated(default_engine.folder)
     assert results["fp32"].ppl < 1000
     assert abs(results["fp16"].ppl_delta_pct) < 0.1
     assert results["int8-dynamic"].kl < results["int8"].kl
     assert results["int8-eq"].kl < results["int8"].kl
+    assert results["fp16"].kl < results["int8-eq"].kl < results["fp8"].kl
 
 
 def test_cabin_eval_prints_json_keyed_by_mode(engine, calibrated_scales, tmp_path, capsys):

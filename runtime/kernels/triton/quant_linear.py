@@ -24,12 +24,25 @@ INT8_BLOCK_K = 64  # inputs of a W8A16 tile (the last one masked)
 
 
 @triton.jit
-def _w8_kernel(x_ptr, codes_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_cn, stride_om,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's token rows and output columns, and which of them exist."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols, rows < M, cols < N
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, rows, cols, row_ok, col_ok, stride_om):
+    """The finished fp32 tile into the output, in its dtype."""
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _w8_kernel(x_ptr, codes_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_cn, stride_om,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    rows, cols, row_ok, col_ok = _tile(M, N, BLOCK_M, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         k_ok = start + k < K
@@ -39,18 +52,15 @@ def _w8_kernel(x_ptr, codes_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_
                     other=0.0)
         acc += tl.dot(x, tl.trans(codes.to(x.dtype)), input_precision=PRECISION)
     scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, (acc * scale[None, :]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(out_ptr, acc * scale[None, :], rows, cols, row_ok, col_ok, stride_om)
 
 
 @triton.jit
 def _g32_kernel(x_ptr, codes_ptr, scale_ptr, min_ptr, out_ptr, M, N, K,
                 stride_xm, stride_cn, stride_sn, stride_om,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PRECISION: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, cols, row_ok, col_ok = _tile(M, N, BLOCK_M, BLOCK_N)
     j = tl.arange(0, HALF)
-    row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(0, K // (2 * HALF)):
         codes = tl.load(codes_ptr + cols[:, None] * stride_cn + g * HALF + j[None, :], mask=col_ok[:, None], other=0)
@@ -64,18 +74,15 @@ def _g32_kernel(x_ptr, codes_ptr, scale_ptr, min_ptr, out_ptr, M, N, K,
         x_high = tl.load(base + HALF, mask=row_ok[:, None], other=0.0)
         acc += tl.dot(x_low, tl.trans(w_low.to(x_low.dtype)), input_precision=PRECISION)
         acc += tl.dot(x_high, tl.trans(w_high.to(x_high.dtype)), input_precision=PRECISION)
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(out_ptr, acc, rows, cols, row_ok, col_ok, stride_om)
 
 
 @triton.jit
 def _awq_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, GROUP,
                 stride_xm, stride_pr, stride_sn, stride_om,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, cols, row_ok, col_ok = _tile(M, N, BLOCK_M, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    row_ok, col_ok = rows < M, cols < N
     odd = (cols % 2 == 1)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
@@ -86,8 +93,7 @@ def _awq_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, GROUP,
         w = q.to(tl.float32) * scale[:, None]
         x = tl.load(x_ptr + rows[:, None] * stride_xm + start + k[None, :], mask=row_ok[:, None], other=0.0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(out_ptr, acc, rows, cols, row_ok, col_ok, stride_om)
 
 
 def _precision(dtype: torch.dtype) -> str:
