@@ -36,8 +36,8 @@ class Backend(str, Enum):
     CUDA = "cuda"  # the CUDA runner on the board's GPU: torch, our Triton kernels, CUDA graphs (--device cuda)
 
 
-# The KV dtypes the CUDA runner's kernels store that a plan offers (runtime/model/cuda.py); it holds every weight format
-# as stored (4-bit ones multiplied by its Triton int4 kernels).
+# The KV dtypes the CUDA runner's kernels store that a plan offers (runtime/model/cuda.py; fp8 on FP8_SM and newer); it
+# holds every weight format as stored (quantized ones multiplied by its Triton linears).
 CUDA_KV_DTYPES = ("fp16", "int8", "int8-dynamic", "fp8")
 FP8_SM = 89  # the first SM whose e4m3 conversions Triton compiles (Ada)
 

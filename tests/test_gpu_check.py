@@ -19,12 +19,11 @@ def test_every_shape_loads():
 
 @pytest.mark.slow
 def test_every_measurement_runs_at_a_tiny_shape(tiny_engine, tmp_path):
-    results = run({"tiny": tiny_engine.config}, torch.device("cpu"), torch.float32, [40], ["int8", "fp8"], 2,
-                  ["static"], tmp_path, turn=2)
+    results = run({"tiny": tiny_engine.config}, torch.device("cpu"), torch.float32, [40], ["int8"], 2, ["static"],
+                  tmp_path, turn=2)
     shape = results["shapes"]["tiny"]
     assert shape["logits"]["top1_agreement"] == 1.0 and shape["logits"]["max_abs_diff"] < 1e-3
-    assert [(row["kv_mode"], row["context"]) for row in shape["rows"]] == [("int8", 40), ("fp8", 40)]
-    assert all(row["decode_tok_s"] > 0 for row in shape["rows"])
+    assert [row["context"] for row in shape["rows"]] == [40] and shape["rows"][0]["decode_tok_s"] > 0
     assert shape["turn_ttft"][0]["history_tokens"] == 70 + 60 and shape["turn_ttft"][0]["with_reuse_s"] > 0
     assert shape["peers"][0]["decode_tok_s"] > 0 and shape["decode_vs_peer"] > 0
     text = table(results)
