@@ -2,16 +2,16 @@
 # The CUDA runner's check on a machine with an NVIDIA GPU, torch with CUDA, triton and pytest installed; nothing is
 # downloaded. Under 8 minutes on an H100 (each part has its own time limit):
 #   1. the Triton kernel tests compiled for the GPU (tests/test_triton_kernels.py, fp16 tolerance 2e-2);
-#   2. the runner tests on the GPU (tests/test_cuda_runner.py: against the reference engine, 4-bit weights, CUDA
+#   2. the runner tests on the GPU (tests/test_cuda_runner.py: against the reference engine, quantized weights, CUDA
 #      graphs, fp8 KV or its refusal below sm_89, a 60-turn dialogue at a fixed budget whose memory never grows);
 #      they build tiny engines, so they need the project's dependencies (tokenizers, jinja2, gguf, llguidance, ...):
 #      where one is missing the part fails and the log says which;
-#   3. benchmarks/gpu_check.py: random weights at the default model's, Llama-3.2-3B's and Qwen3-4B's shapes:
-#      logits against transformers on the same weights (fp16), decode tok/s with fp16, int8 and fp8 KV at 512, 4,096
-#      and 16,384 tokens, eager and from CUDA graphs, the fraction of the GPU's read bandwidth, prefill tok/s, TTFT
-#      of turn 10 with and without reuse, transformers' generate (static cache, eager and compiled) as the peer,
-#      peak GPU memory against the planner's memory model. Results are written after each measurement, so a part
-#      cut by its time limit keeps what it measured.
+#   3. benchmarks/gpu_check.py: random weights at Llama-3.2-3B's, the default model's and Qwen3-4B's shapes (in that
+#      order): logits against transformers on the same weights (fp16), decode tok/s with fp16, int8 and fp8 KV at 512,
+#      4,096 and 16,384 tokens from CUDA graphs (and eagerly at 4,096), the fraction of the GPU's read bandwidth,
+#      prefill tok/s, TTFT of turn 10 with and without reuse, transformers' generate (static cache, eager and compiled)
+#      as the peer, peak GPU memory against the planner's memory model. Results are written after each measurement, so
+#      a part cut by its time limit keeps what it measured.
 # Writes into $OUT (default: a new temporary folder): env.txt, kernel_tests.txt, runner_tests.txt, gpu_check.json,
 # gpu_check.txt, summary.json. Usage: OUT=/some/folder scripts/gpu_check.sh   (PYTHON=... to pick the interpreter)
 # Parts 2 and 3 import the project's dependencies; a machine without network that lacks some (env.txt lists the

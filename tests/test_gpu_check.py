@@ -4,7 +4,7 @@ import pytest
 import torch
 from triton_helpers import triton_kernels
 
-from cabinllm.benchmarks.gpu_check import SHAPES, run, shape_config, table
+from cabinllm.benchmarks.gpu_check import PEER_CONTEXT, SHAPES, row_kinds, run, shape_config, table
 
 triton_kernels()  # the interpreter, set before the runner loads the kernels
 
@@ -15,6 +15,13 @@ def test_every_shape_loads():
     assert configs["llama-3.2-3b"].num_key_value_heads == 8
     assert configs["qwen3-4b"].qk_layernorm and configs["qwen3-4b"].hidden_size == 2560
     assert all(isinstance(c.max_position_embeddings, int) for c in configs.values())
+
+
+def test_graph_rows_everywhere_and_an_eager_row_at_the_peers_context():
+    cuda = torch.device("cuda")  # no GPU needed to name one
+    assert [row_kinds(cuda, c) for c in (512, PEER_CONTEXT, 16384)] == [(True,), (True, False), (True,)]
+    assert row_kinds(torch.device("cpu"), PEER_CONTEXT) == (False,)
+    assert next(iter(SHAPES)) == "llama-3.2-3b"  # a run cut short keeps the shape the figures are taken at
 
 
 @pytest.mark.slow
