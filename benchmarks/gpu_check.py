@@ -43,9 +43,10 @@ from cabinllm.builders.targets import Backend
 from cabinllm.calibration.hf_model import transformers_model
 from cabinllm.runtime.formats.checkpoint import ModelConfig, expected_shapes
 from cabinllm.runtime.formats.scales_file import KVScales
+from cabinllm.runtime.kernels.triton import FP8_CAPABILITY
 from cabinllm.runtime.kv.blocks import Sequence, cdiv
 from cabinllm.runtime.kv.cache import KvCacheConfig, PagedKVCache
-from cabinllm.runtime.model.cuda import FP8_CAPABILITY, CudaRunner
+from cabinllm.runtime.model.cuda import CudaRunner
 from cabinllm.runtime.model.cuda_graphs import DecodeGraphs
 from cabinllm.runtime.model.interface import Span
 from cabinllm.runtime.model.transformer import Transformer

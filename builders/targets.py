@@ -14,6 +14,7 @@ from cabinllm.runtime.backends.onnxruntime import ORT_PROVIDERS
 from cabinllm.runtime.backends.qnn import HTP_PRECISIONS
 from cabinllm.runtime.errors import TargetError
 from cabinllm.runtime.formats.weight_formats import WEIGHT_FORMATS, weight_format
+from cabinllm.runtime.kernels.triton import FP8_CAPABILITY
 from cabinllm.runtime.kv.cache import DEFAULT_TOKENS_PER_BLOCK
 from cabinllm.runtime.kv.modes import ONNX_KV_MODES
 
@@ -36,10 +37,9 @@ class Backend(str, Enum):
     CUDA = "cuda"  # the CUDA runner on the board's GPU: torch, our Triton kernels, CUDA graphs (--device cuda)
 
 
-# The KV dtypes the CUDA runner's kernels store that a plan offers (runtime/model/cuda.py; fp8 on FP8_SM and newer); it
+# The KV dtypes the CUDA runner's kernels store that a plan offers (runtime/model/cuda.py; fp8 from FP8_CAPABILITY); it
 # holds every weight format as stored (quantized ones multiplied by its Triton linears).
 CUDA_KV_DTYPES = ("fp16", "int8", "int8-dynamic", "fp8")
-FP8_SM = 89  # the first SM whose e4m3 conversions Triton compiles (Ada)
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class Target:
         if self.sm is None or self.cuda_overhead_gib is None:
             raise TargetError(f"{self.name} has no CUDA GPU profile (sm and cuda_overhead_gib in its table); the "
                               "CUDA runner plans for the Jetson Orin and Thor targets")
-        fp8 = self.sm >= FP8_SM
+        fp8 = divmod(self.sm, 10) >= FP8_CAPABILITY
         return replace(self, backend=Backend.CUDA, weight_formats=tuple(WEIGHT_FORMATS),
                        kv_dtypes=CUDA_KV_DTYPES if fp8 else tuple(d for d in CUDA_KV_DTYPES if d != "fp8"),
                        runtime_overhead_gib=self.cuda_overhead_gib, trtllm_line=None, weights_in_memory=None,

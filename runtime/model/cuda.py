@@ -38,7 +38,6 @@ from cabinllm.runtime.model.transformer import ACTIVATIONS, Transformer, begin_s
 DEVICES = ("cpu", "cuda")  # where Engine.load runs a model: the reference engine, the CUDA runner
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CUDA_KV_MODES = ("fp16", "int8", "int8-separate", "int8-dynamic", "fp8", "fp32")  # what the Triton kernels store
-FP8_CAPABILITY = (8, 9)  # Triton converts e4m3 on Ada (sm_89) and newer
 
 
 def quant_linear() -> ModuleType:
@@ -60,7 +59,8 @@ def check_device(device: str) -> torch.device:
 
 def check_kv_mode(mode_name: str, device: torch.device) -> None:
     """ConfigError unless the CUDA runner stores ``mode_name`` on ``device`` (fp8 refused below sm_89)."""
-    if mode_name == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+    if (mode_name == "fp8" and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) < triton_kernels.FP8_CAPABILITY):
         major, minor = torch.cuda.get_device_capability(device)
         raise ConfigError(f"fp8 KV needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); this one "
                           f"is {major}.{minor}, and int8 KV takes the same bytes", (Hint(Fix.KV_MODE, "int8"),))

@@ -20,6 +20,7 @@ from types import ModuleType
 
 from cabinllm.runtime.errors import MissingDependency
 
+FP8_CAPABILITY = (8, 9)  # Triton converts e4m3 (float8e4nv) on Ada (sm_89) and newer: fp8 KV's floor
 KERNELS_MODULE = f"{__name__}.paged_attention"
 LINEAR_MODULE = f"{__name__}.quant_linear"
 
